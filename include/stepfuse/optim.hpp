@@ -1,0 +1,50 @@
+// Optimizer hyperparameters, with PyTorch's names and defaults.
+#pragma once
+
+#include <string_view>
+#include <variant>
+
+namespace stepfuse {
+namespace optim {
+
+// torch.optim.SGD
+struct SGD {
+  double lr = 1e-3, momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false, maximize = false;
+};
+// torch.optim.Adam: weight_decay is an L2 penalty added to the gradient.
+struct Adam {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  bool amsgrad = false, maximize = false;
+};
+// torch.optim.AdamW: weight_decay is decoupled (p *= 1 - lr * weight_decay).
+struct AdamW {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
+  bool amsgrad = false, maximize = false;
+};
+// torch.optim.Adagrad
+struct Adagrad {
+  double lr = 1e-2, lr_decay = 0, weight_decay = 0, initial_accumulator_value = 0, eps = 1e-10;
+  bool maximize = false;
+};
+// torch.optim.RMSprop
+struct RMSprop {
+  double lr = 1e-2, alpha = 0.99, eps = 1e-8, weight_decay = 0, momentum = 0;
+  bool centered = false, maximize = false;
+};
+// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"),
+// with decoupled weight decay as in the paper's reference code.
+struct Lion {
+  double lr = 1e-4, beta1 = 0.9, beta2 = 0.99, weight_decay = 0;
+  bool maximize = false;
+};
+
+}  // namespace optim
+
+using OptimizerConfig =
+    std::variant<optim::SGD, optim::Adam, optim::AdamW, optim::Adagrad, optim::RMSprop, optim::Lion>;
+
+// "SGD", "Adam", "AdamW", "Adagrad", "RMSprop" or "Lion".
+std::string_view optimizer_name(const OptimizerConfig& config);
+
+}  // namespace stepfuse

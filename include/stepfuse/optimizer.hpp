@@ -1,0 +1,112 @@
+// The fused optimizer step: Optimizer and its options.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "stepfuse/optim.hpp"
+#include "stepfuse/types.hpp"
+
+namespace stepfuse {
+
+enum class Fusion {
+  fused,    // one reduce pass + one update pass per step (one pass for a plain step)
+  unfused,  // the eager baseline: unscale, finite check, norm and clip as separate passes
+            // (gradients unscaled and clipped in place, as GradScaler.unscale_ and
+            // clip_grad_norm_ do), then one pass per program op, with temporaries
+  interpreted,  // the fused pipeline with the update program run by the blocked
+                // interpreter (the path of programs known only at run time)
+};
+
+struct OptimizerOptions {
+  Device device = Device::cpu();
+  std::optional<double> max_grad_norm;  // clip_grad_norm_ on the unscaled grads, inside the step
+  double norm_type = 2.0;               // 2.0 or INFINITY
+  bool master_weights = true;           // fp32 masters for f16/bf16 weights
+  Fusion fusion = Fusion::fused;
+  // Threads for the CPU backend; 0 = STEPFUSE_NUM_THREADS, else the machine's cores.
+  // Results are bitwise identical for every thread count.
+  int num_threads = 0;
+  // Compute the gradient norm even on a plain step (no loss scale, no clipping),
+  // which otherwise needs no reduce pass. Costs one read of the gradients.
+  bool track_grad_norm = false;
+};
+
+// What one step did.
+struct StepResult {
+  bool applied = false;    // false: non-finite gradients, nothing was written
+  bool found_inf = false;  // some gradient element was inf or NaN
+  double grad_norm = NAN;  // norm of the unscaled gradients (NaN when not computed)
+  double clip_coef = 1.0;  // multiplier applied to the unscaled gradients by clipping
+};
+
+namespace detail {
+class StepEngine;
+}
+
+// A fused optimizer over a fixed list of caller-owned parameters.
+//
+// Construction validates everything, allocates the optimizer state (and fp32
+// masters for f16/bf16 weights), and plans the work (chunk schedule, per-thread
+// ranges). A step allocates nothing.
+class Optimizer {
+ public:
+  // Throws Error(invalid_argument) for a bad hyperparameter, a null pointer with
+  // numel > 0, a weight/grad size mismatch, or an unsupported dtype combination;
+  // Error(unsupported) for a device this build or machine cannot use.
+  Optimizer(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options = {});
+  ~Optimizer();
+  Optimizer(Optimizer&&) noexcept;
+  Optimizer& operator=(Optimizer&&) noexcept;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // One step on gradients that are already unscaled (plain, non-AMP use).
+  // With max_grad_norm set, clips them first (without writing them) and skips
+  // the step if they are not finite. Reads grads, writes weights and state.
+  void step();
+
+  // One step on gradients scaled by `loss_scale` (> 0, finite): unscale, check
+  // for inf/NaN, clip, update, in one reduce pass and one update pass. On
+  // non-finite gradients nothing is written and step_count() does not advance.
+  // This is the entry GradScaler and LossScaleOptimizer use.
+  StepResult step_scaled(double loss_scale);
+
+  const OptimizerConfig& config() const;
+  // Same optimizer kind (Error otherwise); takes effect at the next step, no recompilation.
+  // Changing a flag that changes the program (amsgrad, nesterov, centered, momentum
+  // on/off) is an Error: build a new Optimizer for that.
+  void set_config(const OptimizerConfig& config);
+  void set_lr(double lr);
+  double lr() const;
+
+  std::int64_t step_count() const;  // steps applied (skipped steps do not count)
+  double last_grad_norm() const;    // norm of the unscaled grads seen by the last step; NaN if none computed
+  const StepResult& last_result() const;
+  const OptimizerOptions& options() const;
+  int num_threads() const;
+
+  // Introspection (tests, checkpoints, debugging).
+  std::size_t num_params() const;
+  const std::vector<Param>& params() const;
+  std::vector<std::string_view> state_names() const;  // e.g. {"exp_avg", "exp_avg_sq"}
+  std::span<const float> state(std::size_t param, std::string_view name) const;
+  std::span<float> mutable_state(std::size_t param, std::string_view name);
+  // fp32 master copy of a parameter; empty when the weights are f32 or masters are off.
+  std::span<const float> master(std::size_t param) const;
+  // The update program this optimizer runs, as text.
+  std::string program_text() const;
+  // Per-tensor gradient norms (unscaled) from the last reduce pass.
+  const std::vector<double>& last_tensor_grad_norms() const;
+
+ private:
+  std::unique_ptr<detail::StepEngine> engine_;
+};
+
+}  // namespace stepfuse

@@ -1,0 +1,9 @@
+// stepfuse: the whole mixed-precision optimizer step, fused. Umbrella header.
+#pragma once
+
+#include "stepfuse/error.hpp"
+#include "stepfuse/optim.hpp"
+#include "stepfuse/optimizer.hpp"
+#include "stepfuse/program.hpp"
+#include "stepfuse/types.hpp"
+#include "stepfuse/version.hpp"

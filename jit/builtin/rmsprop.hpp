@@ -1,0 +1,59 @@
+// RMSprop (torch.optim.RMSprop): centered and momentum variants, one definition.
+#pragma once
+
+#include <cstdint>
+
+#include "jit/builtin/common.hpp"
+
+namespace stepfuse::jit {
+
+// PyTorch: g = ±grad + wd*p; sq = alpha*sq + (1-alpha)*g²;
+// centered: ga = alpha*ga + (1-alpha)*g, avg = sqrt(sq - ga²) + eps; else avg = sqrt(sq) + eps;
+// momentum: buf = momentum*buf + g/avg, p -= lr*buf; else p -= lr * g/avg.
+constexpr Program make_rmsprop(bool centered, bool momentum) {
+  ProgramBuilder b(centered ? (momentum ? "rmsprop_centered_momentum" : "rmsprop_centered")
+                            : (momentum ? "rmsprop_momentum" : "rmsprop"));
+  const Stream grad = b.stream("grad", StreamRole::grad);
+  const Stream param = b.stream("param", StreamRole::param);
+  const Stream square_avg = b.stream("square_avg", StreamRole::state);
+  const Value p = b.load(param);
+  Value g = b.mul(b.load(grad), b.scalar("gscale"));
+  g = b.add(g, b.mul(b.scalar("weight_decay"), p));
+  const Value alpha = b.scalar("alpha"), one_minus_alpha = b.scalar("one_minus_alpha");
+  const Value sq = b.add(b.mul(alpha, b.load(square_avg)), b.mul(one_minus_alpha, b.mul(g, g)));
+  b.store(square_avg, sq);
+  Value avg = sq;
+  if (centered) {
+    const Stream grad_avg = b.stream("grad_avg", StreamRole::state);
+    const Value ga = b.add(b.mul(alpha, b.load(grad_avg)), b.mul(one_minus_alpha, g));
+    b.store(grad_avg, ga);
+    avg = b.sub(sq, b.mul(ga, ga));
+  }
+  avg = b.add(b.sqrt(avg), b.scalar("eps"));
+  Value step = b.div(g, avg);
+  if (momentum) {
+    const Stream buf_stream = b.stream("momentum_buffer", StreamRole::state);
+    step = b.add(b.mul(b.scalar("momentum"), b.load(buf_stream)), step);
+    b.store(buf_stream, step);
+  }
+  b.store(param, b.sub(p, b.mul(b.scalar("lr"), step)));
+  return b.build();
+}
+
+inline constexpr Program kRmsprop = make_rmsprop(false, false);
+inline constexpr Program kRmspropCentered = make_rmsprop(true, false);
+inline constexpr Program kRmspropMomentum = make_rmsprop(false, true);
+inline constexpr Program kRmspropCenteredMomentum = make_rmsprop(true, true);
+
+inline void rmsprop_scalars(const optim::RMSprop& c, const Program& p, double gscale, float* out) {
+  ScalarWriter w{p, out};
+  w.set("gscale", c.maximize ? -gscale : gscale);
+  w.set("weight_decay", c.weight_decay);
+  w.set("alpha", c.alpha);
+  w.set("one_minus_alpha", 1.0 - c.alpha);
+  w.set("eps", c.eps);
+  w.set("momentum", c.momentum);
+  w.set("lr", c.lr);
+}
+
+}  // namespace stepfuse::jit

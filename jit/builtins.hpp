@@ -1,0 +1,42 @@
+// The built-in optimizers: which program a config runs, its scalars, its checks.
+#pragma once
+
+#include <cstdint>
+
+#include "stepfuse/optim.hpp"
+#include "stepfuse/program.hpp"
+
+namespace stepfuse::jit {
+
+// Every built-in program. The order is the index into the CPU backend's kernel
+// tables (runtime/cpu/update_*.cpp); append only.
+enum class Builtin : std::uint8_t {
+  sgd, sgd_momentum, sgd_nesterov,
+  adam, adam_amsgrad,
+  adagrad,
+  rmsprop, rmsprop_centered, rmsprop_momentum, rmsprop_centered_momentum,
+  lion,
+  count
+};
+inline constexpr int kNumBuiltins = static_cast<int>(Builtin::count);
+
+const Program& builtin_program(Builtin b);
+
+// The program a config runs (flags such as amsgrad or nesterov pick the variant).
+Builtin select_builtin(const OptimizerConfig& config);
+
+// Throws Error(invalid_argument) naming the hyperparameter and its value for
+// everything PyTorch's constructors reject (negative lr, beta outside [0, 1), ...)
+// and for non-finite values.
+void validate_config(const OptimizerConfig& config);
+
+// The program's per-step scalars for applying step `step` (1-based) with the
+// gradient multiplier `gscale` (1/loss_scale times the clip coefficient).
+// Writes program.num_scalars floats to `out`. No allocation.
+void fill_scalars(const OptimizerConfig& config, const Program& program, std::int64_t step, double gscale,
+                  float* out);
+
+// The initial value of a state stream (Adagrad's sum starts at initial_accumulator_value).
+float initial_state_value(const OptimizerConfig& config, const Program& program, int stream);
+
+}  // namespace stepfuse::jit

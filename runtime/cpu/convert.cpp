@@ -1,0 +1,92 @@
+// Whole-array conversions between fp32 and the storage dtypes.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "runtime/cpu/convert.cpp"
+#include <cstring>
+
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "runtime/cpu/convert-inl.h"
+#include "runtime/cpu/kernels.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace stepfuse::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+template <DType T>
+void WidenT(const void* src, float* dst, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(LoadAs<T>(d, src, i), d, dst + i);
+  if (i == n) return;
+  alignas(64) std::uint8_t in[hn::MaxLanes(d) * 4] = {};
+  alignas(64) float out[hn::MaxLanes(d)];
+  std::memcpy(in, static_cast<const char*>(src) + i * dtype_size(T), (n - i) * dtype_size(T));
+  hn::Store(LoadAs<T>(d, in, 0), d, out);
+  std::memcpy(dst + i, out, (n - i) * sizeof(float));
+}
+
+template <DType T>
+void NarrowT(const float* src, void* dst, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) StoreAs<T>(d, hn::LoadU(d, src + i), dst, i);
+  if (i == n) return;
+  alignas(64) float in[hn::MaxLanes(d)] = {};
+  alignas(64) std::uint8_t out[hn::MaxLanes(d) * 4];
+  std::memcpy(in, src + i, (n - i) * sizeof(float));
+  StoreAs<T>(d, hn::Load(d, in), out, 0);
+  std::memcpy(static_cast<char*>(dst) + i * dtype_size(T), out, (n - i) * dtype_size(T));
+}
+
+template <DType T>
+void ScaleT(void* data, std::size_t n, float s) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  const auto vs = hn::Set(d, s);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) StoreAs<T>(d, hn::Mul(LoadAs<T>(d, data, i), vs), data, i);
+  if (i == n) return;
+  alignas(64) std::uint8_t buf[hn::MaxLanes(d) * 4] = {};
+  std::memcpy(buf, static_cast<const char*>(data) + i * dtype_size(T), (n - i) * dtype_size(T));
+  StoreAs<T>(d, hn::Mul(LoadAs<T>(d, buf, 0), vs), buf, 0);
+  std::memcpy(static_cast<char*>(data) + i * dtype_size(T), buf, (n - i) * dtype_size(T));
+}
+
+void Scale(int type, void* data, std::size_t n, float s) {
+  if (type == 0) ScaleT<DType::f32>(data, n, s);
+  else if (type == 1) ScaleT<DType::f16>(data, n, s);
+  else ScaleT<DType::bf16>(data, n, s);
+}
+
+void Widen(int type, const void* src, float* dst, std::size_t n) {
+  if (type == 0) WidenT<DType::f32>(src, dst, n);
+  else if (type == 1) WidenT<DType::f16>(src, dst, n);
+  else WidenT<DType::bf16>(src, dst, n);
+}
+void Narrow(const float* src, int type, void* dst, std::size_t n) {
+  if (type == 0) NarrowT<DType::f32>(src, dst, n);
+  else if (type == 1) NarrowT<DType::f16>(src, dst, n);
+  else NarrowT<DType::bf16>(src, dst, n);
+}
+
+}  // namespace stepfuse::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace stepfuse::cpu {
+HWY_EXPORT(Widen);
+HWY_EXPORT(Narrow);
+HWY_EXPORT(Scale);
+void scale_inplace(DType type, void* data, std::size_t n, float s) {
+  HWY_DYNAMIC_DISPATCH(Scale)(static_cast<int>(type), data, n, s);
+}
+void widen(DType type, const void* src, float* dst, std::size_t n) {
+  HWY_DYNAMIC_DISPATCH(Widen)(static_cast<int>(type), src, dst, n);
+}
+void narrow(const float* src, DType type, void* dst, std::size_t n) {
+  HWY_DYNAMIC_DISPATCH(Narrow)(src, static_cast<int>(type), dst, n);
+}
+}  // namespace stepfuse::cpu
+#endif

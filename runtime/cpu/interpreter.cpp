@@ -1,0 +1,257 @@
+// The blocked interpreter's op loops (Highway, every target) and its driver.
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "runtime/cpu/interpreter.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "runtime/cpu/convert-inl.h"
+#include "runtime/cpu/interpreter.hpp"
+#include "runtime/cpu/vector_ops-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace stepfuse::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using jit::LKind;
+
+template <bool kScalar, class D>
+HWY_INLINE hn::Vec<D> Ld(D d, const ExecSrc& s, std::size_t i) {
+  if constexpr (kScalar) return hn::Set(d, s.s);
+  else return hn::LoadU(d, s.p + i);
+}
+
+// Runs body(src, dst, i) over full vectors, then once over a zero-padded copy
+// of the tail, so every element gets the same vector arithmetic.
+template <class Body>
+HWY_INLINE void Loop(const ExecSrc* src, int nsrc, float* dst, std::size_t n, const Body& body) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) body(src, dst, i);
+  if (i == n) return;
+  constexpr std::size_t kMax = hn::MaxLanes(d);
+  alignas(64) float buf[5][kMax] = {};
+  ExecSrc staged[4];
+  for (int k = 0; k < nsrc; ++k) {
+    staged[k] = src[k];
+    if (src[k].p != nullptr) {
+      std::memcpy(buf[k], src[k].p + i, (n - i) * sizeof(float));
+      staged[k].p = buf[k];
+    }
+  }
+  body(staged, buf[4], 0);
+  std::memcpy(dst + i, buf[4], (n - i) * sizeof(float));
+}
+
+// Calls f.template operator()<S0, ..., S(K-1)>() with Sk = "operand k is a scalar".
+template <int K, bool... Bs, class F>
+HWY_INLINE void WithScalarFlags(const ExecSrc* s, const F& f) {
+  if constexpr (K == 0) {
+    f.template operator()<Bs...>();
+  } else {
+    if (s[K - 1].p == nullptr) WithScalarFlags<K - 1, true, Bs...>(s, f);
+    else WithScalarFlags<K - 1, false, Bs...>(s, f);
+  }
+}
+
+template <Op kOp, std::uint8_t kAttr>
+void RunUnary(const ExecCall& c, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  WithScalarFlags<1>(c.src, [&]<bool S0>() {
+    Loop(c.src, 1, c.dst, n, [&](const ExecSrc* s, float* dst, std::size_t i) {
+      hn::StoreU(Unary<kOp, kAttr>(d, Ld<S0>(d, s[0], i)), d, dst + i);
+    });
+  });
+}
+
+template <Op kOp>
+void RunBinary(const ExecCall& c, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  WithScalarFlags<2>(c.src, [&]<bool S0, bool S1>() {
+    Loop(c.src, 2, c.dst, n, [&](const ExecSrc* s, float* dst, std::size_t i) {
+      hn::StoreU(Binary<kOp>(d, Ld<S0>(d, s[0], i), Ld<S1>(d, s[1], i)), d, dst + i);
+    });
+  });
+}
+
+template <Op kOp>
+void RunTernary(const ExecCall& c, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  WithScalarFlags<3>(c.src, [&]<bool S0, bool S1, bool S2>() {
+    Loop(c.src, 3, c.dst, n, [&](const ExecSrc* s, float* dst, std::size_t i) {
+      hn::StoreU(Ternary<kOp>(d, Ld<S0>(d, s[0], i), Ld<S1>(d, s[1], i), Ld<S2>(d, s[2], i)), d, dst + i);
+    });
+  });
+}
+
+// Superinstructions: the same roundings as the separate ops they replace.
+template <LKind kKind>
+void RunFused(const ExecCall& c, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  if constexpr (kKind == LKind::axpby) {
+    WithScalarFlags<4>(c.src, [&]<bool S0, bool S1, bool S2, bool S3>() {
+      Loop(c.src, 4, c.dst, n, [&](const ExecSrc* s, float* dst, std::size_t i) {
+        const auto ab = hn::Mul(Ld<S0>(d, s[0], i), Ld<S1>(d, s[1], i));
+        const auto cd = hn::Mul(Ld<S2>(d, s[2], i), Ld<S3>(d, s[3], i));
+        hn::StoreU(hn::Add(ab, cd), d, dst + i);
+      });
+    });
+  } else {
+    WithScalarFlags<3>(c.src, [&]<bool S0, bool S1, bool S2>() {
+      Loop(c.src, 3, c.dst, n, [&](const ExecSrc* s, float* dst, std::size_t i) {
+        const auto ab = hn::Mul(Ld<S0>(d, s[0], i), Ld<S1>(d, s[1], i));
+        const auto r = kKind == LKind::madd ? hn::Add(ab, Ld<S2>(d, s[2], i)) : hn::Sub(Ld<S2>(d, s[2], i), ab);
+        hn::StoreU(r, d, dst + i);
+      });
+    });
+  }
+}
+
+template <DType T>
+void RunWiden(const ExecCall& c, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(LoadAs<T>(d, c.lp_src, i), d, c.dst + i);
+  if (i == n) return;
+  alignas(64) std::uint16_t in[hn::MaxLanes(d)] = {};
+  alignas(64) float out[hn::MaxLanes(d)];
+  std::memcpy(in, static_cast<const std::uint16_t*>(c.lp_src) + i, (n - i) * sizeof(std::uint16_t));
+  hn::Store(LoadAs<T>(d, in, 0), d, out);
+  std::memcpy(c.dst + i, out, (n - i) * sizeof(float));
+}
+
+template <DType T>
+void RunNarrow(const ExecCall& c, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  const ExecSrc& s = c.src[0];
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) StoreAs<T>(d, hn::LoadU(d, s.p + i), c.lp_dst, i);
+  if (i == n) return;
+  alignas(64) float in[hn::MaxLanes(d)] = {};
+  alignas(64) std::uint16_t out[hn::MaxLanes(d)];
+  std::memcpy(in, s.p + i, (n - i) * sizeof(float));
+  StoreAs<T>(d, hn::Load(d, in), out, 0);
+  std::memcpy(static_cast<std::uint16_t*>(c.lp_dst) + i, out, (n - i) * sizeof(std::uint16_t));
+}
+
+void RunCopy(const ExecCall& c, std::size_t n) {
+  if (c.src[0].p == nullptr) std::fill_n(c.dst, n, c.src[0].s);
+  else if (c.src[0].p != c.dst) std::memmove(c.dst, c.src[0].p, n * sizeof(float));
+}
+
+void Exec(const ExecCall& c, std::size_t n) {
+  switch (c.kind) {
+    case LKind::unary:
+      switch (c.op) {
+        case Op::neg: return RunUnary<Op::neg, 0>(c, n);
+        case Op::abs: return RunUnary<Op::abs, 0>(c, n);
+        case Op::sqrt: return RunUnary<Op::sqrt, 0>(c, n);
+        case Op::sign: return RunUnary<Op::sign, 0>(c, n);
+        case Op::convert:
+          if (c.attr == static_cast<int>(DType::f16)) return RunUnary<Op::convert, 1>(c, n);
+          if (c.attr == static_cast<int>(DType::bf16)) return RunUnary<Op::convert, 2>(c, n);
+          return RunUnary<Op::convert, 0>(c, n);
+        default: return;
+      }
+    case LKind::binary:
+      switch (c.op) {
+        case Op::add: return RunBinary<Op::add>(c, n);
+        case Op::sub: return RunBinary<Op::sub>(c, n);
+        case Op::mul: return RunBinary<Op::mul>(c, n);
+        case Op::div: return RunBinary<Op::div>(c, n);
+        case Op::max: return RunBinary<Op::max>(c, n);
+        case Op::min: return RunBinary<Op::min>(c, n);
+        case Op::cmp_lt: return RunBinary<Op::cmp_lt>(c, n);
+        case Op::cmp_le: return RunBinary<Op::cmp_le>(c, n);
+        case Op::cmp_eq: return RunBinary<Op::cmp_eq>(c, n);
+        default: return;
+      }
+    case LKind::ternary:
+      if (c.op == Op::fma) return RunTernary<Op::fma>(c, n);
+      return RunTernary<Op::select>(c, n);
+    case LKind::madd: return RunFused<LKind::madd>(c, n);
+    case LKind::msub: return RunFused<LKind::msub>(c, n);
+    case LKind::axpby: return RunFused<LKind::axpby>(c, n);
+    case LKind::widen:
+      if (c.lp_type == DType::f16) return RunWiden<DType::f16>(c, n);
+      return RunWiden<DType::bf16>(c, n);
+    case LKind::narrow:
+      if (c.lp_type == DType::f16) return RunNarrow<DType::f16>(c, n);
+      if (c.lp_type == DType::bf16) return RunNarrow<DType::bf16>(c, n);
+      {
+        ExecCall copy = c;
+        copy.dst = static_cast<float*>(c.lp_dst);
+        return RunCopy(copy, n);
+      }
+    case LKind::copy: return RunCopy(c, n);
+  }
+}
+
+ExecFn GetExec() { return &Exec; }
+
+}  // namespace stepfuse::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace stepfuse::cpu {
+HWY_EXPORT(GetExec);
+
+Interpreter::Interpreter(const Program& program, DType weight, DType grad, bool masters)
+    : lowered_(jit::lower(program, weight, grad, masters)),
+      weight_(weight),
+      grad_(grad),
+      exec_(HWY_DYNAMIC_DISPATCH(GetExec)()) {}
+
+ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::size_t begin,
+                              float* const* slots) const {
+  using K = jit::LOperand::Kind;
+  const auto at = [&](const jit::LOperand& o) -> float* {
+    switch (o.kind) {
+      case K::slot: return slots[o.index];
+      case K::grad: return const_cast<float*>(static_cast<const float*>(a.grad)) + begin;
+      case K::param: return (a.master != nullptr ? a.master : static_cast<float*>(a.weight)) + begin;
+      case K::state: return a.state[o.index] + begin;
+      default: return nullptr;
+    }
+  };
+  ExecCall c;
+  c.kind = li.kind;
+  c.op = li.op;
+  c.attr = li.attr;
+  c.dst = at(li.dst);
+  for (int k = 0; k < li.num_src; ++k) {
+    const jit::LOperand& o = li.src[k];
+    if (o.kind == K::scalar) c.src[k] = {nullptr, a.scalars[o.index]};
+    else if (o.kind == K::constant) c.src[k] = {nullptr, o.imm};
+    else c.src[k] = {at(o), 0.0f};
+  }
+  if (li.kind == jit::LKind::widen) {
+    const bool is_grad = li.src[0].kind == K::grad;
+    c.lp_type = is_grad ? grad_ : weight_;
+    c.lp_src = static_cast<const char*>(is_grad ? a.grad : a.weight) + begin * dtype_size(c.lp_type);
+  } else if (li.kind == jit::LKind::narrow) {
+    c.lp_type = weight_;
+    c.lp_dst = static_cast<char*>(a.weight) + begin * dtype_size(weight_);
+  }
+  return c;
+}
+
+void Interpreter::run_blocked(const UpdateArgs& args, std::size_t begin, std::size_t n, float* scratch) const {
+  float* slots[kMaxInstrs];
+  for (int s = 0; s < lowered_.num_slots; ++s) slots[s] = scratch + static_cast<std::size_t>(s) * kBlock;
+  for (std::size_t b = begin; b < begin + n; b += kBlock) {
+    const std::size_t len = begin + n - b < kBlock ? begin + n - b : kBlock;
+    for (const jit::LInstr& li : lowered_.code) exec_(resolve(li, args, b, slots), len);
+  }
+}
+
+void Interpreter::run_op(int k, const UpdateArgs& args, std::size_t begin, std::size_t n, float* const* slots) const {
+  exec_(resolve(lowered_.code[k], args, begin, slots), n);
+}
+
+}  // namespace stepfuse::cpu
+#endif

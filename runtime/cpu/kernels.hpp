@@ -1,0 +1,65 @@
+// The CPU backend's kernels as plain function pointers, picked once per
+// optimizer by Highway's dynamic dispatch (the best target this CPU supports).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "jit/builtins.hpp"
+#include "stepfuse/program.hpp"
+#include "stepfuse/types.hpp"
+
+namespace stepfuse::cpu {
+
+// Elements per reduce/update chunk. Reduction order is fixed per chunk (DESIGN §5),
+// so this is part of the numerics: changing it changes norms in the last bits.
+// Must be a multiple of 32 (the interleaved accumulator lanes).
+inline constexpr std::size_t kChunkElems = 16384;
+
+// ---- conversions (whole arrays; any length) ----
+void widen(DType type, const void* src, float* dst, std::size_t n);    // exact
+void narrow(const float* src, DType type, void* dst, std::size_t n);   // round to nearest even
+
+// ---- reduce pass ----
+// Partial results of one chunk of gradients (as stored, still loss-scaled).
+struct ReducePartial {
+  double sumsq = 0;    // sum of squares in the canonical order: 32 interleaved fp32 lanes, fixed tree
+  float maxabs = 0;    // max |g| (inf-norm mode only)
+  bool nonfinite = false;
+};
+enum class NormKind : std::uint8_t { l2, inf };
+using ReduceFn = ReducePartial (*)(const void* grad, std::size_t n);
+ReduceFn reduce_kernel(DType grad_type, NormKind kind);
+
+// ---- update pass ----
+// Base pointers of one tensor's streams. `state` is indexed by the program's
+// stream index. `scalars` holds the program's per-step scalars.
+struct UpdateArgs {
+  const void* grad = nullptr;
+  void* weight = nullptr;    // the caller's weights (stored as the weight dtype)
+  float* master = nullptr;   // fp32 master copy, or null
+  float* state[kMaxStreams] = {};
+  const float* scalars = nullptr;
+};
+// Updates elements [begin, begin + n) of one tensor. Writes weight, master and state.
+using UpdateFn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t n);
+
+// The dtype combination of a fused kernel: index into the per-program kernel tables.
+constexpr int update_combo(DType weight, DType grad, bool masters) {
+  return static_cast<int>(weight) * 6 + static_cast<int>(grad) * 2 + (masters ? 1 : 0);
+}
+inline constexpr int kNumUpdateCombos = 18;  // some slots unused (f32 weights have no masters)
+
+// The fused loop generated at compile time for a built-in program, or null.
+UpdateFn fused_update_kernel(jit::Builtin program, DType weight, DType grad, bool masters);
+
+// Name of the Highway target the kernels dispatch to ("AVX2", "SSE4", ...).
+const char* dispatch_target_name();
+
+}  // namespace stepfuse::cpu
+
+namespace stepfuse::cpu {
+// data[i] *= s for n elements stored as `type` (rounded back to nearest even).
+// The unfused baseline's unscale and clip passes.
+void scale_inplace(DType type, void* data, std::size_t n, float s);
+}  // namespace stepfuse::cpu

@@ -1,0 +1,316 @@
+// The step pipeline on the CPU: reduce pass -> scalar stage -> update pass.
+#include "runtime/step_engine.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <unordered_set>
+
+#include "stepfuse/error.hpp"
+
+namespace stepfuse::detail {
+
+namespace {
+
+[[noreturn]] void bad_argument(const std::string& message) { throw Error(ErrorCode::invalid_argument, message); }
+
+std::string param_name(std::size_t i, const char* field) {
+  return "params[" + std::to_string(i) + "]." + field;
+}
+
+bool valid_dtype(DType t) { return static_cast<unsigned>(t) <= static_cast<unsigned>(DType::bf16); }
+
+void validate_params(const std::vector<Param>& params) {
+  if (params.empty()) bad_argument("Optimizer: the parameter list is empty (pass at least one Param)");
+  std::unordered_set<const void*> seen;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    for (const auto& [view, field] : {std::pair{&p.weight, "weight"}, std::pair{&p.grad, "grad"}}) {
+      if (!valid_dtype(view->dtype))
+        bad_argument(param_name(i, field) + ".dtype = " + std::to_string(static_cast<int>(view->dtype)) +
+                     " is not a DType (use DType::f32, f16 or bf16)");
+      if (view->numel < 0) bad_argument(param_name(i, field) + ".numel = " + std::to_string(view->numel) + " is negative");
+      if (view->numel > 0 && view->data == nullptr)
+        bad_argument(param_name(i, field) + ".data is null with numel = " + std::to_string(view->numel));
+    }
+    if (p.weight.numel != p.grad.numel)
+      bad_argument(param_name(i, "weight") + ".numel = " + std::to_string(p.weight.numel) + " but " +
+                   param_name(i, "grad") + ".numel = " + std::to_string(p.grad.numel) + " (they must match)");
+    if (p.weight.data != nullptr && p.weight.numel > 0 && !seen.insert(p.weight.data).second)
+      bad_argument(param_name(i, "weight") + ".data appears in more than one Param (each tensor may appear once)");
+    if (p.weight.numel > 0 && p.weight.data == p.grad.data)
+      bad_argument(param_name(i, "grad") + ".data is the same buffer as the weight");
+  }
+}
+
+void validate_options(const OptimizerOptions& o) {
+  if (o.device.kind != Device::Kind::cpu)
+    throw Error(ErrorCode::unsupported, "OptimizerOptions::device = cuda:" + std::to_string(o.device.index) +
+                                            ": this build has no CUDA backend; use Device::cpu()");
+  if (o.norm_type != 2.0 && o.norm_type != INFINITY)
+    bad_argument("OptimizerOptions::norm_type = " + std::to_string(o.norm_type) + " (use 2.0 or INFINITY)");
+  if (o.max_grad_norm && !(std::isfinite(*o.max_grad_norm) && *o.max_grad_norm > 0))
+    bad_argument("OptimizerOptions::max_grad_norm = " + std::to_string(*o.max_grad_norm) +
+                 " (must be finite and > 0; leave it empty for no clipping)");
+  if (o.num_threads < 0 || o.num_threads > 1024)
+    bad_argument("OptimizerOptions::num_threads = " + std::to_string(o.num_threads) + " (use 0 for the default, or 1 to 1024)");
+  if (static_cast<unsigned>(o.fusion) > static_cast<unsigned>(Fusion::interpreted))
+    bad_argument("OptimizerOptions::fusion = " + std::to_string(static_cast<int>(o.fusion)) + " is not a Fusion value");
+}
+
+// Per-tensor offsets in the state/master/slot buffers, each tensor starting on
+// a 64-byte boundary.
+std::vector<std::int64_t> tensor_offsets(const std::vector<Param>& params, std::int64_t* total) {
+  std::vector<std::int64_t> offsets;
+  std::int64_t at = 0;
+  for (const Param& p : params) {
+    offsets.push_back(at);
+    at += (p.weight.numel + 15) / 16 * 16;
+  }
+  *total = at;
+  return offsets;
+}
+
+}  // namespace
+
+StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options)
+    : config_(std::move(config)), params_(std::move(params)), options_(options) {
+  jit::validate_config(config_);
+  validate_params(params_);
+  validate_options(options_);
+  builtin_ = jit::select_builtin(config_);
+  program_ = &jit::builtin_program(builtin_);
+
+  const int threads = options_.num_threads > 0 ? options_.num_threads : ThreadPool::default_threads();
+  pool_ = &ThreadPool::shared(threads);
+  std::vector<std::int64_t> numels;
+  for (const Param& p : params_) numels.push_back(p.weight.numel);
+  plan_ = make_plan(numels, static_cast<std::int64_t>(cpu::kChunkElems), threads);
+  offsets_ = tensor_offsets(params_, &total_);
+
+  // The dtype combination is uniform over the list (one kernel per optimizer).
+  const DType wtype = params_[0].weight.dtype, gtype = params_[0].grad.dtype;
+  for (std::size_t i = 1; i < params_.size(); ++i)
+    if (params_[i].weight.dtype != wtype || params_[i].grad.dtype != gtype)
+      bad_argument(param_name(i, "weight") + " is " + std::string(dtype_name(params_[i].weight.dtype)) + "/" +
+                   std::string(dtype_name(params_[i].grad.dtype)) + " (weight/grad) but params[0] is " +
+                   std::string(dtype_name(wtype)) + "/" + std::string(dtype_name(gtype)) +
+                   ": one optimizer takes one dtype combination; build one optimizer per combination");
+  has_masters_ = options_.master_weights && wtype != DType::f32;
+
+  // State and masters, allocated once (first touch by the thread that will use them).
+  for (int s = 0; s < program_->num_streams; ++s)
+    if (program_->streams[s].role == StreamRole::state) state_[s] = AlignedBuffer(static_cast<std::size_t>(total_));
+  if (has_masters_) masters_ = AlignedBuffer(static_cast<std::size_t>(total_));
+  pool_->run([&](int t) {
+    for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
+      const Chunk& ch = plan_.chunks[c];
+      const std::int64_t at = offsets_[ch.tensor] + ch.begin;
+      for (int s = 0; s < program_->num_streams; ++s)
+        if (state_[s].size()) std::fill_n(state_[s].data() + at, ch.len, jit::initial_state_value(config_, *program_, s));
+      if (has_masters_) {
+        const Param& p = params_[ch.tensor];
+        cpu::widen(p.weight.dtype, static_cast<const char*>(p.weight.data) + ch.begin * dtype_size(p.weight.dtype),
+                   masters_.data() + at, static_cast<std::size_t>(ch.len));
+      }
+    }
+  });
+
+  args_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    cpu::UpdateArgs& a = args_[i];
+    a.grad = params_[i].grad.data;
+    a.weight = params_[i].weight.data;
+    a.master = has_masters_ ? masters_.data() + offsets_[i] : nullptr;
+    for (int s = 0; s < program_->num_streams; ++s)
+      a.state[s] = state_[s].size() ? state_[s].data() + offsets_[i] : nullptr;
+    a.scalars = scalars_;
+  }
+  partials_.resize(plan_.chunks.size());
+  tensor_norms_.assign(params_.size(), NAN);
+  reduce_l2_ = cpu::reduce_kernel(gtype, cpu::NormKind::l2);
+  reduce_inf_ = cpu::reduce_kernel(gtype, cpu::NormKind::inf);
+
+  switch (options_.fusion) {
+    case Fusion::fused:
+      update_ = cpu::fused_update_kernel(builtin_, wtype, gtype, has_masters_);
+      if (update_ == nullptr)
+        throw Error(ErrorCode::unsupported, "no fused CPU kernel for " + std::string(program_->name) + " with " +
+                                                std::string(dtype_name(wtype)) + " weights and " +
+                                                std::string(dtype_name(gtype)) + " grads");
+      break;
+    case Fusion::interpreted:
+      interpreter_ = std::make_unique<cpu::Interpreter>(*program_, wtype, gtype, has_masters_);
+      scratch_ = AlignedBuffer(static_cast<std::size_t>(interpreter_->num_slots()) * cpu::Interpreter::kBlock * threads);
+      break;
+    case Fusion::unfused:
+      interpreter_ = std::make_unique<cpu::Interpreter>(*program_, wtype, gtype, has_masters_);
+      scratch_ = AlignedBuffer(static_cast<std::size_t>(interpreter_->num_slots()) * static_cast<std::size_t>(total_));
+      break;
+  }
+}
+
+int StepEngine::state_stream(std::string_view name) const {
+  const int s = program_->find_stream(name);
+  return s >= 0 && program_->streams[s].role == StreamRole::state ? s : -1;
+}
+
+void StepEngine::set_config(const OptimizerConfig& config) {
+  if (config.index() != config_.index())
+    bad_argument("set_config: the optimizer is " + std::string(optimizer_name(config_)) + " but the new config is " +
+                 std::string(optimizer_name(config)) + " (build a new Optimizer to change the kind)");
+  jit::validate_config(config);
+  if (jit::select_builtin(config) != builtin_)
+    bad_argument("set_config: the new config needs update program '" +
+                 std::string(jit::builtin_program(jit::select_builtin(config)).name) + "' but this optimizer runs '" +
+                 std::string(program_->name) +
+                 "' (amsgrad, nesterov, centered and momentum on/off change the state; build a new Optimizer)");
+  config_ = config;
+}
+
+double StepEngine::clip_coef(double norm) const {
+  if (!options_.max_grad_norm) return 1.0;
+  // torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
+  return std::min(1.0, *options_.max_grad_norm / (norm + 1e-6));
+}
+
+StepEngine::Reduction StepEngine::reduce() {
+  const bool inf_norm = options_.norm_type == INFINITY;
+  const cpu::ReduceFn fn = inf_norm ? reduce_inf_ : reduce_l2_;
+  pool_->run([&](int t) {
+    for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
+      const Chunk& ch = plan_.chunks[c];
+      const Param& p = params_[ch.tensor];
+      partials_[c] = fn(static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype),
+                        static_cast<std::size_t>(ch.len));
+    }
+  });
+  // Combine in a fixed order: chunks in order within a tensor (fp64), then tensors in order.
+  Reduction r;
+  double total = 0;
+  for (std::size_t t = 0; t < params_.size(); ++t) {
+    double acc = 0;
+    for (std::size_t c = plan_.tensor_chunks[t]; c < plan_.tensor_chunks[t + 1]; ++c) {
+      r.found_inf |= partials_[c].nonfinite;
+      acc = inf_norm ? std::max(acc, static_cast<double>(partials_[c].maxabs)) : acc + partials_[c].sumsq;
+    }
+    tensor_norms_[t] = inf_norm ? acc : std::sqrt(acc);
+    total = inf_norm ? std::max(total, acc) : total + acc;
+  }
+  r.norm = inf_norm ? total : std::sqrt(total);
+  return r;
+}
+
+void StepEngine::update_fused(const float* scalars) {
+  (void)scalars;  // args_ point at scalars_
+  if (update_ != nullptr) {
+    pool_->run([&](int t) {
+      for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
+        const Chunk& ch = plan_.chunks[c];
+        update_(args_[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len));
+      }
+    });
+    return;
+  }
+  const std::size_t per_thread = static_cast<std::size_t>(interpreter_->num_slots()) * cpu::Interpreter::kBlock;
+  pool_->run([&](int t) {
+    float* scratch = scratch_.data() + per_thread * static_cast<std::size_t>(t);
+    for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
+      const Chunk& ch = plan_.chunks[c];
+      interpreter_->run_blocked(args_[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
+                                scratch);
+    }
+  });
+}
+
+const StepResult& StepEngine::step(double loss_scale, bool scaled) {
+  if (!(std::isfinite(loss_scale) && loss_scale > 0))
+    bad_argument("step: loss_scale = " + std::to_string(loss_scale) + " (must be finite and > 0)");
+  if (options_.fusion == Fusion::unfused) {
+    last_ = step_unfused(loss_scale, scaled);
+    return last_;
+  }
+  StepResult r;
+  const bool clip = options_.max_grad_norm.has_value();
+  if (scaled || clip || options_.track_grad_norm) {
+    const Reduction red = reduce();
+    for (double& n : tensor_norms_) n /= loss_scale;
+    r.found_inf = red.found_inf;
+    if (red.found_inf && (scaled || clip)) {  // a plain step without clipping does not check (PyTorch)
+      r.grad_norm = INFINITY;
+      last_ = r;
+      return last_;
+    }
+    r.grad_norm = red.norm / loss_scale;
+    r.clip_coef = clip_coef(r.grad_norm);
+  } else {
+    std::fill(tensor_norms_.begin(), tensor_norms_.end(), NAN);
+  }
+  // Scalar stage: one multiplier for unscale and clip (1/S exactly when S is a power of two).
+  const double gscale = r.clip_coef / loss_scale;
+  jit::fill_scalars(config_, *program_, step_count_ + 1, gscale, scalars_);
+  update_fused(scalars_);
+  ++step_count_;
+  r.applied = true;
+  last_ = r;
+  return last_;
+}
+
+StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
+  // The eager baseline, pass by pass, as GradScaler.unscale_ + clip_grad_norm_ +
+  // a for-each optimizer would run it. Every pass is vectorized and threaded.
+  const auto for_chunks = [&](auto&& body) {
+    pool_->run([&](int t) {
+      for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) body(c, plan_.chunks[c]);
+    });
+  };
+  const auto grad_at = [&](const Chunk& ch) {
+    const Param& p = params_[ch.tensor];
+    return static_cast<char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype);
+  };
+  const DType gtype = params_[0].grad.dtype;
+  StepResult r;
+  const bool clip = options_.max_grad_norm.has_value();
+  if (scaled) {  // unscale pass: g *= 1/S (fp32, as GradScaler computes it)
+    const float inv = static_cast<float>(1.0 / loss_scale);
+    for_chunks([&](std::size_t, const Chunk& ch) { cpu::scale_inplace(gtype, grad_at(ch), static_cast<std::size_t>(ch.len), inv); });
+  }
+  if (scaled || clip) {  // finite-check pass
+    for_chunks([&](std::size_t c, const Chunk& ch) { partials_[c] = reduce_l2_(grad_at(ch), static_cast<std::size_t>(ch.len)); });
+    for (const auto& p : partials_) r.found_inf |= p.nonfinite;
+    if (r.found_inf) {
+      r.grad_norm = INFINITY;
+      std::fill(tensor_norms_.begin(), tensor_norms_.end(), INFINITY);
+      return r;
+    }
+  }
+  if (clip || options_.track_grad_norm) {  // norm pass (over the unscaled grads)
+    r.grad_norm = reduce().norm;
+    r.clip_coef = clip_coef(r.grad_norm);
+  } else {
+    std::fill(tensor_norms_.begin(), tensor_norms_.end(), NAN);
+  }
+  if (clip) {  // clip pass: g *= coef (always, as clip_grad_norm_ does)
+    const float coef = static_cast<float>(r.clip_coef);
+    for_chunks([&](std::size_t, const Chunk& ch) { cpu::scale_inplace(gtype, grad_at(ch), static_cast<std::size_t>(ch.len), coef); });
+  }
+  // The update, one pass per program op over all tensors, temporaries in model-sized slots.
+  jit::fill_scalars(config_, *program_, step_count_ + 1, 1.0, scalars_);
+  const int slots = interpreter_->num_slots();
+  for (int k = 0; k < interpreter_->num_ops(); ++k) {
+    for_chunks([&](std::size_t, const Chunk& ch) {
+      float* slot_ptrs[kMaxInstrs];
+      for (int s = 0; s < slots; ++s)
+        slot_ptrs[s] = scratch_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(total_) +
+                       offsets_[ch.tensor] + ch.begin;
+      interpreter_->run_op(k, args_[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
+                           slot_ptrs);
+    });
+  }
+  ++step_count_;
+  r.applied = true;
+  return r;
+}
+
+}  // namespace stepfuse::detail
