@@ -266,7 +266,9 @@ std::string to_string(const LoweredProgram& lowered) {
   static constexpr const char* kNames[] = {"unary", "binary", "ternary", "madd", "msub", "axpby", "widen", "narrow", "copy"};
   std::string s;
   for (const LInstr& li : lowered.code) {
-    s += operand_text(li.dst) + " = " + kNames[static_cast<int>(li.kind)];
+    s += li.kind == LKind::narrow ? std::string("weight[]") : operand_text(li.dst);
+    s.append(" = ").append(kNames[static_cast<int>(li.kind)]);
+    if (li.kind == LKind::widen) s.append(" ").append(li.src[0].kind == LOperand::Kind::grad ? "grad" : "weight");
     if (li.kind == LKind::unary || li.kind == LKind::binary || li.kind == LKind::ternary)
       s.append(".").append(op_name(li.op));
     for (int k = 0; k < li.num_src; ++k) s += (k ? ", " : " ") + operand_text(li.src[k]);
