@@ -145,8 +145,12 @@ StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, Optimi
       scratch_ = AlignedBuffer(static_cast<std::size_t>(interpreter_->num_slots()) * cpu::Interpreter::kBlock * threads);
       break;
     case Fusion::unfused:
-      interpreter_ = std::make_unique<cpu::Interpreter>(*program_, wtype, gtype, has_masters_);
+      // The update reads fp32 gradients: the caller's (f32, plain step) or the temporary.
+      interpreter_ = std::make_unique<cpu::Interpreter>(*program_, wtype, DType::f32, has_masters_);
       scratch_ = AlignedBuffer(static_cast<std::size_t>(interpreter_->num_slots()) * static_cast<std::size_t>(total_));
+      grad_tmp_ = AlignedBuffer(static_cast<std::size_t>(total_));
+      tmp_args_ = args_;
+      for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + offsets_[i];
       break;
   }
 }
@@ -175,15 +179,17 @@ double StepEngine::clip_coef(double norm) const {
   return std::min(1.0, *options_.max_grad_norm / (norm + 1e-6));
 }
 
-StepEngine::Reduction StepEngine::reduce() {
+StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
   const bool inf_norm = options_.norm_type == INFINITY;
-  const cpu::ReduceFn fn = inf_norm ? reduce_inf_ : reduce_l2_;
+  const cpu::ReduceFn fn = from_grad_tmp ? cpu::reduce_kernel(DType::f32, inf_norm ? cpu::NormKind::inf : cpu::NormKind::l2)
+                                         : inf_norm ? reduce_inf_ : reduce_l2_;
   pool_->run([&](int t) {
     for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
       const Chunk& ch = plan_.chunks[c];
       const Param& p = params_[ch.tensor];
-      partials_[c] = fn(static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype),
-                        static_cast<std::size_t>(ch.len));
+      const void* g = from_grad_tmp ? static_cast<const void*>(grad_tmp_.data() + offsets_[ch.tensor] + ch.begin)
+                                    : static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype);
+      partials_[c] = fn(g, static_cast<std::size_t>(ch.len));
     }
   });
   // Combine in a fixed order: chunks in order within a tensor (fp64), then tensors in order.
@@ -259,25 +265,33 @@ const StepResult& StepEngine::step(double loss_scale, bool scaled) {
 
 StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
   // The eager baseline, pass by pass, as GradScaler.unscale_ + clip_grad_norm_ +
-  // a for-each optimizer would run it. Every pass is vectorized and threaded.
+  // a for-each optimizer run it, except that the unscaled gradients go to an
+  // fp32 temporary instead of back into the caller's buffers (same traffic, and
+  // no precision lost to f16/bf16 storage). Every pass is vectorized and threaded.
   const auto for_chunks = [&](auto&& body) {
     pool_->run([&](int t) {
-      for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) body(c, plan_.chunks[c]);
+      for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) body(plan_.chunks[c]);
     });
   };
-  const auto grad_at = [&](const Chunk& ch) {
-    const Param& p = params_[ch.tensor];
-    return static_cast<char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype);
-  };
+  const auto tmp_at = [&](const Chunk& ch) { return grad_tmp_.data() + offsets_[ch.tensor] + ch.begin; };
   const DType gtype = params_[0].grad.dtype;
-  StepResult r;
   const bool clip = options_.max_grad_norm.has_value();
-  if (scaled) {  // unscale pass: g *= 1/S (fp32, as GradScaler computes it)
+  const bool use_tmp = scaled || clip || gtype != DType::f32;
+  StepResult r;
+  if (use_tmp) {  // unscale pass: tmp = g * (1/S), the reciprocal rounded to fp32 as GradScaler does
     const float inv = static_cast<float>(1.0 / loss_scale);
-    for_chunks([&](std::size_t, const Chunk& ch) { cpu::scale_inplace(gtype, grad_at(ch), static_cast<std::size_t>(ch.len), inv); });
+    for_chunks([&](const Chunk& ch) {
+      const Param& p = params_[ch.tensor];
+      cpu::widen_scaled(gtype, static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(gtype), tmp_at(ch),
+                        static_cast<std::size_t>(ch.len), scaled ? inv : 1.0f);
+    });
   }
   if (scaled || clip) {  // finite-check pass
-    for_chunks([&](std::size_t c, const Chunk& ch) { partials_[c] = reduce_l2_(grad_at(ch), static_cast<std::size_t>(ch.len)); });
+    const cpu::ReduceFn check = cpu::reduce_kernel(DType::f32, cpu::NormKind::l2);
+    pool_->run([&](int t) {
+      for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c)
+        partials_[c] = check(tmp_at(plan_.chunks[c]), static_cast<std::size_t>(plan_.chunks[c].len));
+    });
     for (const auto& p : partials_) r.found_inf |= p.nonfinite;
     if (r.found_inf) {
       r.grad_norm = INFINITY;
@@ -285,26 +299,27 @@ StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
       return r;
     }
   }
-  if (clip || options_.track_grad_norm) {  // norm pass (over the unscaled grads)
-    r.grad_norm = reduce().norm;
+  if (clip || options_.track_grad_norm) {  // norm pass over the unscaled gradients
+    r.grad_norm = reduce(use_tmp).norm;
     r.clip_coef = clip_coef(r.grad_norm);
   } else {
     std::fill(tensor_norms_.begin(), tensor_norms_.end(), NAN);
   }
   if (clip) {  // clip pass: g *= coef (always, as clip_grad_norm_ does)
     const float coef = static_cast<float>(r.clip_coef);
-    for_chunks([&](std::size_t, const Chunk& ch) { cpu::scale_inplace(gtype, grad_at(ch), static_cast<std::size_t>(ch.len), coef); });
+    for_chunks([&](const Chunk& ch) { cpu::scale_inplace(DType::f32, tmp_at(ch), static_cast<std::size_t>(ch.len), coef); });
   }
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
   jit::fill_scalars(config_, *program_, step_count_ + 1, 1.0, scalars_);
+  const std::vector<cpu::UpdateArgs>& args = use_tmp ? tmp_args_ : args_;
   const int slots = interpreter_->num_slots();
   for (int k = 0; k < interpreter_->num_ops(); ++k) {
-    for_chunks([&](std::size_t, const Chunk& ch) {
+    for_chunks([&](const Chunk& ch) {
       float* slot_ptrs[kMaxInstrs];
       for (int s = 0; s < slots; ++s)
         slot_ptrs[s] = scratch_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(total_) +
                        offsets_[ch.tensor] + ch.begin;
-      interpreter_->run_op(k, args_[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
+      interpreter_->run_op(k, args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
                            slot_ptrs);
     });
   }

@@ -48,7 +48,8 @@ class StepEngine {
     bool found_inf = false;
     double norm = 0;  // of the gradients as stored (not yet divided by the loss scale)
   };
-  Reduction reduce();
+  // Reduce pass over the gradients as stored, or over the unfused fp32 temporary.
+  Reduction reduce(bool from_grad_tmp = false);
   void update_fused(const float* scalars);
   StepResult step_unfused(double loss_scale, bool scaled);
   double clip_coef(double norm) const;
@@ -71,6 +72,8 @@ class StepEngine {
   cpu::UpdateFn update_ = nullptr;                  // fused mode
   std::unique_ptr<cpu::Interpreter> interpreter_;   // interpreted and unfused modes
   AlignedBuffer scratch_;                           // interpreted: per-thread blocks; unfused: model-sized slots
+  AlignedBuffer grad_tmp_;                          // unfused: unscaled, clipped fp32 gradients
+  std::vector<cpu::UpdateArgs> tmp_args_;           // unfused: args_ reading grad_tmp_
   std::vector<cpu::ReducePartial> partials_;        // one per chunk
   std::vector<double> tensor_norms_;
   std::int64_t step_count_ = 0;

@@ -272,6 +272,23 @@ TEST(FusedKernels, InterpreterMatchesFusedLoopBitwise) {
   }
 }
 
+TEST(Pipeline, NoModeWritesTheGradients) {
+  for (Fusion mode : {Fusion::fused, Fusion::interpreted, Fusion::unfused}) {
+    for (const Combo& c : {kCombos[0], kCombos[4], kCombos[8]}) {
+      Buffers b({3, 1000, 20000}, c.w, c.g, 5);
+      const auto before = b.grads;
+      OptimizerOptions o;
+      o.fusion = mode;
+      o.max_grad_norm = 1.0;
+      Optimizer opt(optim::AdamW{}, b.params, o);
+      EXPECT_TRUE(opt.step_scaled(1024.0).applied);
+      opt.step();
+      EXPECT_EQ(b.grads, before) << "mode " << static_cast<int>(mode);
+      EXPECT_NE(b.weights, Buffers({3, 1000, 20000}, c.w, c.g, 5).weights);
+    }
+  }
+}
+
 TEST(FusedKernels, EveryBuiltinHasAKernelForEveryDtypeCombination) {
   for (int b = 0; b < jit::kNumBuiltins; ++b)
     for (DType w : {DType::f32, DType::f16, DType::bf16})

@@ -17,9 +17,9 @@ namespace stepfuse {
 
 enum class Fusion {
   fused,    // one reduce pass + one update pass per step (one pass for a plain step)
-  unfused,  // the eager baseline: unscale, finite check, norm and clip as separate passes
-            // (gradients unscaled and clipped in place, as GradScaler.unscale_ and
-            // clip_grad_norm_ do), then one pass per program op, with temporaries
+  unfused,  // the eager baseline: unscale, finite check, norm and clip as separate
+            // passes over an fp32 gradient temporary (the caller's gradients are never
+            // written), then one pass per program op over all tensors, with temporaries
   interpreted,  // the fused pipeline with the update program run by the blocked
                 // interpreter (the path of programs known only at run time)
 };

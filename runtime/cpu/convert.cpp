@@ -41,6 +41,27 @@ void NarrowT(const float* src, void* dst, std::size_t n) {
 }
 
 template <DType T>
+void WidenScaledT(const void* src, float* dst, std::size_t n, float s) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  const auto vs = hn::Set(d, s);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(LoadAs<T>(d, src, i), vs), d, dst + i);
+  if (i == n) return;
+  alignas(64) std::uint8_t in[hn::MaxLanes(d) * 4] = {};
+  alignas(64) float out[hn::MaxLanes(d)];
+  std::memcpy(in, static_cast<const char*>(src) + i * dtype_size(T), (n - i) * dtype_size(T));
+  hn::Store(hn::Mul(LoadAs<T>(d, in, 0), vs), d, out);
+  std::memcpy(dst + i, out, (n - i) * sizeof(float));
+}
+
+void WidenScaled(int type, const void* src, float* dst, std::size_t n, float s) {
+  if (type == 0) WidenScaledT<DType::f32>(src, dst, n, s);
+  else if (type == 1) WidenScaledT<DType::f16>(src, dst, n, s);
+  else WidenScaledT<DType::bf16>(src, dst, n, s);
+}
+
+template <DType T>
 void ScaleT(void* data, std::size_t n, float s) {
   const hn::ScalableTag<float> d;
   const std::size_t N = hn::Lanes(d);
@@ -79,6 +100,10 @@ namespace stepfuse::cpu {
 HWY_EXPORT(Widen);
 HWY_EXPORT(Narrow);
 HWY_EXPORT(Scale);
+HWY_EXPORT(WidenScaled);
+void widen_scaled(DType type, const void* src, float* dst, std::size_t n, float s) {
+  HWY_DYNAMIC_DISPATCH(WidenScaled)(static_cast<int>(type), src, dst, n, s);
+}
 void scale_inplace(DType type, void* data, std::size_t n, float s) {
   HWY_DYNAMIC_DISPATCH(Scale)(static_cast<int>(type), data, n, s);
 }

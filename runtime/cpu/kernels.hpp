@@ -62,4 +62,6 @@ namespace stepfuse::cpu {
 // data[i] *= s for n elements stored as `type` (rounded back to nearest even).
 // The unfused baseline's unscale and clip passes.
 void scale_inplace(DType type, void* data, std::size_t n, float s);
+// dst[i] = float(src[i]) * s: the unfused baseline's unscale pass into its fp32 temporary.
+void widen_scaled(DType type, const void* src, float* dst, std::size_t n, float s);
 }  // namespace stepfuse::cpu
