@@ -1,0 +1,59 @@
+// A fused step allocates nothing: every buffer is sized when the optimizer is built.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+#include "stepfuse/stepfuse.hpp"
+
+namespace {
+std::atomic<long> g_allocations{0};
+std::atomic<bool> g_counting{false};
+}  // namespace
+
+// Counting replacements of the global allocation functions (this test binary only).
+void* operator new(std::size_t n) {
+  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace stepfuse {
+namespace {
+
+TEST(Allocation, FusedStepsAllocateNothing) {
+  for (const OptimizerConfig& config :
+       {OptimizerConfig{optim::AdamW{}}, OptimizerConfig{optim::SGD{.momentum = 0.9}}, OptimizerConfig{optim::Lion{}}}) {
+    for (Fusion mode : {Fusion::fused, Fusion::interpreted}) {
+      std::vector<float> w1(100000, 1.0f), g1(100000, 0.5f), w2(37, 1.0f), g2(37, 0.25f);
+      OptimizerOptions o;
+      o.fusion = mode;
+      o.max_grad_norm = 1.0;
+      o.num_threads = 2;
+      Optimizer opt(config, {{{w1.data(), 100000, DType::f32}, {g1.data(), 100000, DType::f32}},
+                             {{w2.data(), 37, DType::f32}, {g2.data(), 37, DType::f32}}},
+                    o);
+      opt.step_scaled(1024.0);  // warm up the pool's threads
+      g_allocations = 0;
+      g_counting = true;
+      for (int i = 0; i < 5; ++i) {
+        opt.step_scaled(1024.0);
+        opt.step();
+      }
+      opt.set_lr(1e-4);
+      g_counting = false;
+      EXPECT_EQ(g_allocations.load(), 0) << optimizer_name(config) << " mode " << static_cast<int>(mode);
+      EXPECT_EQ(opt.step_count(), 11);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace stepfuse
