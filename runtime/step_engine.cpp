@@ -89,30 +89,26 @@ StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, Optimi
   plan_ = make_plan(numels, static_cast<std::int64_t>(cpu::kChunkElems), threads);
   offsets_ = tensor_offsets(params_, &total_);
 
-  // The dtype combination is uniform over the list (one kernel per optimizer).
-  const DType wtype = params_[0].weight.dtype, gtype = params_[0].grad.dtype;
-  for (std::size_t i = 1; i < params_.size(); ++i)
-    if (params_[i].weight.dtype != wtype || params_[i].grad.dtype != gtype)
-      bad_argument(param_name(i, "weight") + " is " + std::string(dtype_name(params_[i].weight.dtype)) + "/" +
-                   std::string(dtype_name(params_[i].grad.dtype)) + " (weight/grad) but params[0] is " +
-                   std::string(dtype_name(wtype)) + "/" + std::string(dtype_name(gtype)) +
-                   ": one optimizer takes one dtype combination; build one optimizer per combination");
-  has_masters_ = options_.master_weights && wtype != DType::f32;
-
-  // State and masters, allocated once (first touch by the thread that will use them).
+  // State and masters, allocated once; filled by the threads that will use them.
   for (int s = 0; s < program_->num_streams; ++s)
     if (program_->streams[s].role == StreamRole::state) state_[s] = AlignedBuffer(static_cast<std::size_t>(total_));
-  if (has_masters_) masters_ = AlignedBuffer(static_cast<std::size_t>(total_));
+  std::int64_t master_total = 0;
+  for (const Param& p : params_) {
+    const bool has = options_.master_weights && p.weight.dtype != DType::f32;
+    master_offsets_.push_back(has ? master_total : -1);
+    if (has) master_total += (p.weight.numel + 15) / 16 * 16;
+  }
+  if (master_total > 0) masters_ = AlignedBuffer(static_cast<std::size_t>(master_total));
   pool_->run([&](int t) {
     for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
       const Chunk& ch = plan_.chunks[c];
       const std::int64_t at = offsets_[ch.tensor] + ch.begin;
       for (int s = 0; s < program_->num_streams; ++s)
         if (state_[s].size()) std::fill_n(state_[s].data() + at, ch.len, jit::initial_state_value(config_, *program_, s));
-      if (has_masters_) {
+      if (master_offsets_[ch.tensor] >= 0) {
         const Param& p = params_[ch.tensor];
         cpu::widen(p.weight.dtype, static_cast<const char*>(p.weight.data) + ch.begin * dtype_size(p.weight.dtype),
-                   masters_.data() + at, static_cast<std::size_t>(ch.len));
+                   masters_.data() + master_offsets_[ch.tensor] + ch.begin, static_cast<std::size_t>(ch.len));
       }
     }
   });
@@ -122,36 +118,48 @@ StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, Optimi
     cpu::UpdateArgs& a = args_[i];
     a.grad = params_[i].grad.data;
     a.weight = params_[i].weight.data;
-    a.master = has_masters_ ? masters_.data() + offsets_[i] : nullptr;
+    a.master = master_data(i);
     for (int s = 0; s < program_->num_streams; ++s)
       a.state[s] = state_[s].size() ? state_[s].data() + offsets_[i] : nullptr;
     a.scalars = scalars_;
   }
   partials_.resize(plan_.chunks.size());
   tensor_norms_.assign(params_.size(), NAN);
-  reduce_l2_ = cpu::reduce_kernel(gtype, cpu::NormKind::l2);
-  reduce_inf_ = cpu::reduce_kernel(gtype, cpu::NormKind::inf);
-
-  switch (options_.fusion) {
-    case Fusion::fused:
-      update_ = cpu::fused_update_kernel(builtin_, wtype, gtype, has_masters_);
-      if (update_ == nullptr)
+  // One kernel (or interpreter) per dtype combination present in the list.
+  const cpu::NormKind norm_kind = options_.norm_type == INFINITY ? cpu::NormKind::inf : cpu::NormKind::l2;
+  std::vector<int> group_of_combo(cpu::kNumUpdateCombos, -1);
+  kernels_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const DType w = params_[i].weight.dtype, g = params_[i].grad.dtype;
+    const bool m = master_offsets_[i] >= 0;
+    TensorKernels& k = kernels_[i];
+    k.reduce = cpu::reduce_kernel(g, norm_kind);
+    if (options_.fusion == Fusion::fused) {
+      k.update = cpu::fused_update_kernel(builtin_, w, g, m);
+      if (k.update == nullptr)
         throw Error(ErrorCode::unsupported, "no fused CPU kernel for " + std::string(program_->name) + " with " +
-                                                std::string(dtype_name(wtype)) + " weights and " +
-                                                std::string(dtype_name(gtype)) + " grads");
-      break;
-    case Fusion::interpreted:
-      interpreter_ = std::make_unique<cpu::Interpreter>(*program_, wtype, gtype, has_masters_);
-      scratch_ = AlignedBuffer(static_cast<std::size_t>(interpreter_->num_slots()) * cpu::Interpreter::kBlock * threads);
-      break;
-    case Fusion::unfused:
-      // The update reads fp32 gradients: the caller's (f32, plain step) or the temporary.
-      interpreter_ = std::make_unique<cpu::Interpreter>(*program_, wtype, DType::f32, has_masters_);
-      scratch_ = AlignedBuffer(static_cast<std::size_t>(interpreter_->num_slots()) * static_cast<std::size_t>(total_));
-      grad_tmp_ = AlignedBuffer(static_cast<std::size_t>(total_));
-      tmp_args_ = args_;
-      for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + offsets_[i];
-      break;
+                                                std::string(dtype_name(w)) + " weights and " + std::string(dtype_name(g)) +
+                                                " grads");
+      continue;
+    }
+    // The unfused update reads fp32 gradients: the caller's (f32, plain step) or the temporary.
+    const DType lowered_grad = options_.fusion == Fusion::unfused ? DType::f32 : g;
+    int& group = group_of_combo[cpu::update_combo(w, lowered_grad, m)];
+    if (group < 0) {
+      group = static_cast<int>(interpreters_.size());
+      interpreters_.push_back(std::make_unique<cpu::Interpreter>(*program_, w, lowered_grad, m));
+      max_slots_ = std::max(max_slots_, interpreters_.back()->num_slots());
+    }
+    k.group = group;
+    k.interp = interpreters_[group].get();
+  }
+  if (options_.fusion == Fusion::interpreted) {
+    scratch_ = AlignedBuffer(static_cast<std::size_t>(max_slots_) * cpu::Interpreter::kBlock * threads);
+  } else if (options_.fusion == Fusion::unfused) {
+    scratch_ = AlignedBuffer(static_cast<std::size_t>(max_slots_) * static_cast<std::size_t>(total_));
+    grad_tmp_ = AlignedBuffer(static_cast<std::size_t>(total_));
+    tmp_args_ = args_;
+    for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + offsets_[i];
   }
 }
 
@@ -181,15 +189,16 @@ double StepEngine::clip_coef(double norm) const {
 
 StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
   const bool inf_norm = options_.norm_type == INFINITY;
-  const cpu::ReduceFn fn = from_grad_tmp ? cpu::reduce_kernel(DType::f32, inf_norm ? cpu::NormKind::inf : cpu::NormKind::l2)
-                                         : inf_norm ? reduce_inf_ : reduce_l2_;
+  const cpu::ReduceFn tmp_fn = cpu::reduce_kernel(DType::f32, inf_norm ? cpu::NormKind::inf : cpu::NormKind::l2);
   pool_->run([&](int t) {
     for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
       const Chunk& ch = plan_.chunks[c];
       const Param& p = params_[ch.tensor];
-      const void* g = from_grad_tmp ? static_cast<const void*>(grad_tmp_.data() + offsets_[ch.tensor] + ch.begin)
-                                    : static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype);
-      partials_[c] = fn(g, static_cast<std::size_t>(ch.len));
+      if (from_grad_tmp)
+        partials_[c] = tmp_fn(grad_tmp_.data() + offsets_[ch.tensor] + ch.begin, static_cast<std::size_t>(ch.len));
+      else
+        partials_[c] = kernels_[ch.tensor].reduce(
+            static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype), static_cast<std::size_t>(ch.len));
     }
   });
   // Combine in a fixed order: chunks in order within a tensor (fp64), then tensors in order.
@@ -208,24 +217,23 @@ StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
   return r;
 }
 
-void StepEngine::update_fused(const float* scalars) {
-  (void)scalars;  // args_ point at scalars_
-  if (update_ != nullptr) {
+void StepEngine::update_fused() {
+  if (options_.fusion == Fusion::fused) {
     pool_->run([&](int t) {
       for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
         const Chunk& ch = plan_.chunks[c];
-        update_(args_[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len));
+        kernels_[ch.tensor].update(args_[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len));
       }
     });
     return;
   }
-  const std::size_t per_thread = static_cast<std::size_t>(interpreter_->num_slots()) * cpu::Interpreter::kBlock;
+  const std::size_t per_thread = static_cast<std::size_t>(max_slots_) * cpu::Interpreter::kBlock;
   pool_->run([&](int t) {
     float* scratch = scratch_.data() + per_thread * static_cast<std::size_t>(t);
     for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
       const Chunk& ch = plan_.chunks[c];
-      interpreter_->run_blocked(args_[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
-                                scratch);
+      kernels_[ch.tensor].interp->run_blocked(args_[ch.tensor], static_cast<std::size_t>(ch.begin),
+                                              static_cast<std::size_t>(ch.len), scratch);
     }
   });
 }
@@ -256,7 +264,7 @@ const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   // Scalar stage: one multiplier for unscale and clip (1/S exactly when S is a power of two).
   const double gscale = r.clip_coef / loss_scale;
   jit::fill_scalars(config_, *program_, step_count_ + 1, gscale, scalars_);
-  update_fused(scalars_);
+  update_fused();
   ++step_count_;
   r.applied = true;
   last_ = r;
@@ -274,15 +282,15 @@ StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
     });
   };
   const auto tmp_at = [&](const Chunk& ch) { return grad_tmp_.data() + offsets_[ch.tensor] + ch.begin; };
-  const DType gtype = params_[0].grad.dtype;
   const bool clip = options_.max_grad_norm.has_value();
-  const bool use_tmp = scaled || clip || gtype != DType::f32;
+  bool use_tmp = scaled || clip;
+  for (const Param& p : params_) use_tmp |= p.grad.dtype != DType::f32;
   StepResult r;
   if (use_tmp) {  // unscale pass: tmp = g * (1/S), the reciprocal rounded to fp32 as GradScaler does
     const float inv = static_cast<float>(1.0 / loss_scale);
     for_chunks([&](const Chunk& ch) {
       const Param& p = params_[ch.tensor];
-      cpu::widen_scaled(gtype, static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(gtype), tmp_at(ch),
+      cpu::widen_scaled(p.grad.dtype, static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype), tmp_at(ch),
                         static_cast<std::size_t>(ch.len), scaled ? inv : 1.0f);
     });
   }
@@ -312,16 +320,19 @@ StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
   jit::fill_scalars(config_, *program_, step_count_ + 1, 1.0, scalars_);
   const std::vector<cpu::UpdateArgs>& args = use_tmp ? tmp_args_ : args_;
-  const int slots = interpreter_->num_slots();
-  for (int k = 0; k < interpreter_->num_ops(); ++k) {
-    for_chunks([&](const Chunk& ch) {
-      float* slot_ptrs[kMaxInstrs];
-      for (int s = 0; s < slots; ++s)
-        slot_ptrs[s] = scratch_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(total_) +
-                       offsets_[ch.tensor] + ch.begin;
-      interpreter_->run_op(k, args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
-                           slot_ptrs);
-    });
+  // Tensors with different dtypes run different lowered programs: one group after another.
+  for (std::size_t group = 0; group < interpreters_.size(); ++group) {
+    const cpu::Interpreter& interp = *interpreters_[group];
+    for (int k = 0; k < interp.num_ops(); ++k) {
+      for_chunks([&](const Chunk& ch) {
+        if (kernels_[ch.tensor].group != static_cast<int>(group)) return;
+        float* slot_ptrs[kMaxInstrs];
+        for (int s = 0; s < interp.num_slots(); ++s)
+          slot_ptrs[s] = scratch_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(total_) +
+                         offsets_[ch.tensor] + ch.begin;
+        interp.run_op(k, args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len), slot_ptrs);
+      });
+    }
   }
   ++step_count_;
   r.applied = true;

@@ -38,10 +38,10 @@ class StepEngine {
 
   int state_stream(std::string_view name) const;  // program stream index, or -1
   float* state_data(std::size_t param, int stream) const { return state_[stream].data() + offsets_[param]; }
+  // fp32 master copy of a parameter, or null (f32 weights, or masters off).
   float* master_data(std::size_t param) const {
-    return masters_.size() ? masters_.data() + offsets_[param] : nullptr;
+    return master_offsets_[param] >= 0 ? masters_.data() + master_offsets_[param] : nullptr;
   }
-  bool has_masters() const { return has_masters_; }
 
  private:
   struct Reduction {
@@ -50,7 +50,7 @@ class StepEngine {
   };
   // Reduce pass over the gradients as stored, or over the unfused fp32 temporary.
   Reduction reduce(bool from_grad_tmp = false);
-  void update_fused(const float* scalars);
+  void update_fused();
   StepResult step_unfused(double loss_scale, bool scaled);
   double clip_coef(double norm) const;
 
@@ -61,16 +61,23 @@ class StepEngine {
   OptimizerOptions options_;
   ThreadPool* pool_;
   Plan plan_;
-  bool has_masters_ = false;
-  std::vector<std::int64_t> offsets_;  // element offset of each tensor in state/master/slot buffers
+  std::vector<std::int64_t> offsets_;         // element offset of each tensor in state/slot buffers
+  std::vector<std::int64_t> master_offsets_;  // offset in masters_, or -1 when the tensor has no master
   std::int64_t total_ = 0;             // padded total
   AlignedBuffer state_[kMaxStreams];
   AlignedBuffer masters_;
   std::vector<cpu::UpdateArgs> args_;  // per tensor; args_[t].scalars -> scalars_
   float scalars_[kMaxScalars] = {};
-  cpu::ReduceFn reduce_l2_ = nullptr, reduce_inf_ = nullptr;
-  cpu::UpdateFn update_ = nullptr;                  // fused mode
-  std::unique_ptr<cpu::Interpreter> interpreter_;   // interpreted and unfused modes
+  // Kernels per tensor: each tensor may have its own weight/grad dtypes.
+  struct TensorKernels {
+    cpu::ReduceFn reduce = nullptr;            // for the options' norm type, on the stored grads
+    cpu::UpdateFn update = nullptr;            // fused mode
+    const cpu::Interpreter* interp = nullptr;  // interpreted and unfused modes
+    int group = 0;                             // index into interpreters_
+  };
+  std::vector<TensorKernels> kernels_;
+  std::vector<std::unique_ptr<cpu::Interpreter>> interpreters_;  // one per dtype combination present
+  int max_slots_ = 0;
   AlignedBuffer scratch_;                           // interpreted: per-thread blocks; unfused: model-sized slots
   AlignedBuffer grad_tmp_;                          // unfused: unscaled, clipped fp32 gradients
   std::vector<cpu::UpdateArgs> tmp_args_;           // unfused: args_ reading grad_tmp_

@@ -289,6 +289,36 @@ TEST(Pipeline, NoModeWritesTheGradients) {
   }
 }
 
+// A list may mix dtype combinations (bf16 matrices beside f32 norms): each tensor
+// gets its own kernel, and the result equals one optimizer per tensor, bitwise.
+TEST(Pipeline, MixedDtypeListsMatchPerTensorOptimizers) {
+  const Combo mix[] = {kCombos[0], kCombos[4], kCombos[6], kCombos[8], kCombos[1]};
+  const std::int64_t sizes[] = {1000, 17, 20000, 33, 5};
+  for (Fusion mode : {Fusion::fused, Fusion::interpreted, Fusion::unfused}) {
+    std::vector<Buffers> together, alone;
+    std::vector<Param> params;
+    for (int i = 0; i < 5; ++i) {
+      together.emplace_back(std::vector<std::int64_t>{sizes[i]}, mix[i].w, mix[i].g, 100 + i);
+      alone.emplace_back(std::vector<std::int64_t>{sizes[i]}, mix[i].w, mix[i].g, 100 + i);
+      params.push_back(together.back().params[0]);
+    }
+    OptimizerOptions o;
+    o.fusion = mode;
+    Optimizer opt(optim::Adam{.weight_decay = 0.1}, params, o);
+    opt.step_scaled(8.0);
+    opt.step_scaled(8.0);
+    for (int i = 0; i < 5; ++i) {
+      Optimizer single(optim::Adam{.weight_decay = 0.1}, alone[i].params, o);
+      single.step_scaled(8.0);
+      single.step_scaled(8.0);
+      EXPECT_EQ(together[i].weights, alone[i].weights) << "tensor " << i << " mode " << static_cast<int>(mode);
+      const auto a = opt.state(i, "exp_avg_sq"), b = single.state(0, "exp_avg_sq");
+      EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+      EXPECT_EQ(opt.master(i).size(), single.master(0).size());
+    }
+  }
+}
+
 TEST(FusedKernels, EveryBuiltinHasAKernelForEveryDtypeCombination) {
   for (int b = 0; b < jit::kNumBuiltins; ++b)
     for (DType w : {DType::f32, DType::f16, DType::bf16})

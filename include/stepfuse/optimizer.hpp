@@ -57,6 +57,8 @@ class StepEngine;
 // ranges). A step allocates nothing.
 class Optimizer {
  public:
+  // Each Param may have its own weight and grad dtypes (bf16 matrices beside f32
+  // norms, say); every tensor gets the kernel for its combination.
   // Throws Error(invalid_argument) for a bad hyperparameter, a null pointer with
   // numel > 0, a weight/grad size mismatch, or an unsupported dtype combination;
   // Error(unsupported) for a device this build or machine cannot use.
@@ -87,7 +89,10 @@ class Optimizer {
   double lr() const;
 
   std::int64_t step_count() const;  // steps applied (skipped steps do not count)
-  double last_grad_norm() const;    // norm of the unscaled grads seen by the last step; NaN if none computed
+  // Norm of the unscaled grads seen by the last step; +inf when they were not finite;
+  // NaN when the step computed none (a plain step without clipping or track_grad_norm,
+  // or an unfused step without clipping: the eager baseline runs no norm pass then).
+  double last_grad_norm() const;
   const StepResult& last_result() const;
   const OptimizerOptions& options() const;
   int num_threads() const;
