@@ -1,0 +1,270 @@
+// The float64 reference optimizer step, from PyTorch's documented algorithms (see reference.hpp).
+//
+// Each update below follows the "Algorithm" box of the torch.optim documentation page
+// and the single-tensor code path of torch/optim/*.py (foreach=False, fused=False,
+// capturable=False, differentiable=False), element by element, in double.
+#include "reference/reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <type_traits>
+
+namespace stepfuse::ref {
+namespace {
+
+template <class... F>
+struct Overloaded : F... {
+  using F::operator()...;
+};
+template <class... F>
+Overloaded(F...) -> Overloaded<F...>;
+
+std::vector<double>& state_of(RefTensor& t, const char* name) {
+  auto it = t.state.find(name);
+  if (it == t.state.end()) throw std::logic_error(std::string("reference: missing state ") + name);
+  if (it->second.size() != t.param.size())
+    throw std::logic_error(std::string("reference: state ") + name + " has the wrong size");
+  return it->second;
+}
+
+double sign(double x) { return x > 0 ? 1.0 : x < 0 ? -1.0 : x; }  // 0 stays 0, NaN stays NaN
+
+// torch.optim.SGD:
+//   g = -g if maximize;  g = g + wd * p
+//   if momentum != 0: buf = g on the first step, else buf = momentum * buf + (1 - dampening) * g
+//                     g = g + momentum * buf if nesterov, else buf
+//   p = p - lr * g
+void update_sgd(const optim::SGD& c, RefTensor& t, const std::vector<double>& grad, std::int64_t step) {
+  std::vector<double>* buf = c.momentum != 0 ? &state_of(t, "momentum_buffer") : nullptr;
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    const double p = t.param[i];
+    double d = c.maximize ? -grad[i] : grad[i];
+    if (c.weight_decay != 0) d += c.weight_decay * p;
+    if (buf != nullptr) {
+      double& b = (*buf)[i];
+      b = step == 1 ? d : c.momentum * b + (1 - c.dampening) * d;
+      d = c.nesterov ? d + c.momentum * b : b;
+    }
+    t.param[i] = p - c.lr * d;
+  }
+}
+
+// torch.optim.Adam (decoupled = false: weight decay is L2, g = g + wd * p) and
+// torch.optim.AdamW (decoupled = true: p = p * (1 - lr * wd) before the update):
+//   m = beta1 * m + (1 - beta1) * g
+//   v = beta2 * v + (1 - beta2) * g^2
+//   vmax = max(vmax, v) if amsgrad                          (raw, not bias-corrected)
+//   p = p - lr / (1 - beta1^t) * m / (sqrt(vmax or v) / sqrt(1 - beta2^t) + eps)
+template <class Config>
+void update_adam(const Config& c, bool decoupled, RefTensor& t, const std::vector<double>& grad,
+                 std::int64_t step) {
+  std::vector<double>& m = state_of(t, "exp_avg");
+  std::vector<double>& v = state_of(t, "exp_avg_sq");
+  std::vector<double>* vmax = c.amsgrad ? &state_of(t, "max_exp_avg_sq") : nullptr;
+  const double bias_correction1 = 1 - std::pow(c.beta1, static_cast<double>(step));
+  const double bias_correction2 = 1 - std::pow(c.beta2, static_cast<double>(step));
+  const double step_size = c.lr / bias_correction1;
+  const double bias_correction2_sqrt = std::sqrt(bias_correction2);
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    double p = t.param[i];
+    double g = c.maximize ? -grad[i] : grad[i];
+    if (decoupled) p *= 1 - c.lr * c.weight_decay;
+    else if (c.weight_decay != 0) g += c.weight_decay * p;
+    m[i] = c.beta1 * m[i] + (1 - c.beta1) * g;
+    v[i] = c.beta2 * v[i] + (1 - c.beta2) * g * g;
+    double second = v[i];
+    if (vmax != nullptr) second = (*vmax)[i] = std::max((*vmax)[i], v[i]);
+    const double denom = std::sqrt(second) / bias_correction2_sqrt + c.eps;
+    t.param[i] = p - step_size * m[i] / denom;
+  }
+}
+
+// torch.optim.Adagrad:
+//   g = -g if maximize;  g = g + wd * p
+//   clr = lr / (1 + (t - 1) * lr_decay)
+//   sum = sum + g^2;  p = p - clr * g / (sqrt(sum) + eps)
+void update_adagrad(const optim::Adagrad& c, RefTensor& t, const std::vector<double>& grad,
+                    std::int64_t step) {
+  std::vector<double>& sum = state_of(t, "sum");
+  const double clr = c.lr / (1 + static_cast<double>(step - 1) * c.lr_decay);
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    const double p = t.param[i];
+    double g = c.maximize ? -grad[i] : grad[i];
+    if (c.weight_decay != 0) g += c.weight_decay * p;
+    sum[i] += g * g;
+    t.param[i] = p - clr * g / (std::sqrt(sum[i]) + c.eps);
+  }
+}
+
+// torch.optim.RMSprop:
+//   g = -g if maximize;  g = g + wd * p
+//   square_avg = alpha * square_avg + (1 - alpha) * g^2
+//   centered:  grad_avg = alpha * grad_avg + (1 - alpha) * g;  avg = sqrt(square_avg - grad_avg^2)
+//   else:      avg = sqrt(square_avg)
+//   avg = avg + eps
+//   momentum > 0: buf = momentum * buf + g / avg;  p = p - lr * buf
+//   else:         p = p - lr * g / avg
+void update_rmsprop(const optim::RMSprop& c, RefTensor& t, const std::vector<double>& grad) {
+  std::vector<double>& square_avg = state_of(t, "square_avg");
+  std::vector<double>* grad_avg = c.centered ? &state_of(t, "grad_avg") : nullptr;
+  std::vector<double>* buf = c.momentum > 0 ? &state_of(t, "momentum_buffer") : nullptr;
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    const double p = t.param[i];
+    double g = c.maximize ? -grad[i] : grad[i];
+    if (c.weight_decay != 0) g += c.weight_decay * p;
+    square_avg[i] = c.alpha * square_avg[i] + (1 - c.alpha) * g * g;
+    double avg;
+    if (grad_avg != nullptr) {
+      double& ga = (*grad_avg)[i];
+      ga = c.alpha * ga + (1 - c.alpha) * g;
+      avg = std::sqrt(square_avg[i] - ga * ga);
+    } else {
+      avg = std::sqrt(square_avg[i]);
+    }
+    avg += c.eps;
+    if (buf != nullptr) {
+      double& b = (*buf)[i];
+      b = c.momentum * b + g / avg;
+      t.param[i] = p - c.lr * b;
+    } else {
+      t.param[i] = p - c.lr * g / avg;
+    }
+  }
+}
+
+// Lion (Chen et al. 2023, Program 1), weight decay decoupled as in the paper:
+//   g = -g if maximize
+//   p = p * (1 - lr * wd)
+//   c = beta1 * m + (1 - beta1) * g;  p = p - lr * sign(c)
+//   m = beta2 * m + (1 - beta2) * g
+void update_lion(const optim::Lion& c, RefTensor& t, const std::vector<double>& grad) {
+  std::vector<double>& m = state_of(t, "exp_avg");
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    double p = t.param[i];
+    const double g = c.maximize ? -grad[i] : grad[i];
+    p *= 1 - c.lr * c.weight_decay;
+    const double interp = c.beta1 * m[i] + (1 - c.beta1) * g;
+    t.param[i] = p - c.lr * sign(interp);
+    m[i] = c.beta2 * m[i] + (1 - c.beta2) * g;
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> state_names(const OptimizerConfig& config) {
+  std::vector<std::string> names = std::visit(
+      Overloaded{
+          [](const optim::SGD& c) -> std::vector<std::string> {
+            if (c.momentum != 0) return {"momentum_buffer"};
+            return {};
+          },
+          [](const optim::Adam& c) -> std::vector<std::string> {
+            if (c.amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+            return {"exp_avg", "exp_avg_sq"};
+          },
+          [](const optim::AdamW& c) -> std::vector<std::string> {
+            if (c.amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+            return {"exp_avg", "exp_avg_sq"};
+          },
+          [](const optim::Adagrad&) -> std::vector<std::string> { return {"sum"}; },
+          [](const optim::RMSprop& c) {
+            std::vector<std::string> n{"square_avg"};
+            if (c.momentum > 0) n.push_back("momentum_buffer");
+            if (c.centered) n.push_back("grad_avg");
+            return n;
+          },
+          [](const optim::Lion&) -> std::vector<std::string> { return {"exp_avg"}; },
+      },
+      config);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+double initial_state_value(const OptimizerConfig& config, std::string_view name) {
+  if (const auto* a = std::get_if<optim::Adagrad>(&config); a != nullptr && name == "sum")
+    return a->initial_accumulator_value;
+  return 0.0;
+}
+
+RefTensor make_tensor(const OptimizerConfig& config, std::vector<double> param) {
+  RefTensor t;
+  for (const std::string& name : state_names(config))
+    t.state[name] = std::vector<double>(param.size(), initial_state_value(config, name));
+  t.param = std::move(param);
+  return t;
+}
+
+double learning_rate(const OptimizerConfig& config) {
+  return std::visit([](const auto& c) { return c.lr; }, config);
+}
+
+bool any_non_finite(const std::vector<std::vector<double>>& grads) {
+  for (const auto& g : grads)
+    for (double x : g)
+      if (!std::isfinite(x)) return true;
+  return false;
+}
+
+double total_norm(const std::vector<std::vector<double>>& grads, double norm_type) {
+  if (std::isinf(norm_type)) {
+    double m = 0;
+    for (const auto& g : grads)
+      for (double x : g) m = std::max(m, std::fabs(x));
+    return m;
+  }
+  if (norm_type != 2) throw std::invalid_argument("reference: norm_type must be 2 or inf");
+  double total = 0;  // sum over tensors of (per-tensor norm)^2, as clip_grad_norm_ stacks them
+  for (const auto& g : grads) {
+    double s = 0;
+    for (double x : g) s += x * x;
+    total += s;
+  }
+  return std::sqrt(total);
+}
+
+double clip_coefficient(double norm, double max_norm) {
+  return std::min(1.0, max_norm / (norm + kClipEpsilon));
+}
+
+void update(const OptimizerConfig& config, RefTensor& tensor, const std::vector<double>& grad,
+            std::int64_t step) {
+  if (grad.size() != tensor.param.size()) throw std::logic_error("reference: grad/param size mismatch");
+  if (step < 1) throw std::logic_error("reference: step is 1-based");
+  std::visit(Overloaded{
+                 [&](const optim::SGD& c) { update_sgd(c, tensor, grad, step); },
+                 [&](const optim::Adam& c) { update_adam(c, /*decoupled=*/false, tensor, grad, step); },
+                 [&](const optim::AdamW& c) { update_adam(c, /*decoupled=*/true, tensor, grad, step); },
+                 [&](const optim::Adagrad& c) { update_adagrad(c, tensor, grad, step); },
+                 [&](const optim::RMSprop& c) { update_rmsprop(c, tensor, grad); },
+                 [&](const optim::Lion& c) { update_lion(c, tensor, grad); },
+             },
+             config);
+}
+
+RefStepResult step(const OptimizerConfig& config, std::vector<RefTensor>& tensors,
+                   const std::vector<std::vector<double>>& scaled_grads, const RefStepInput& input) {
+  if (scaled_grads.size() != tensors.size()) throw std::logic_error("reference: one gradient per tensor");
+  RefStepResult result;
+  // GradScaler: a non-finite scaled gradient skips the whole step.
+  if (any_non_finite(scaled_grads)) {
+    result.found_inf = true;
+    return result;
+  }
+  // unscale_: g / S.
+  std::vector<std::vector<double>> grads = scaled_grads;
+  for (auto& g : grads)
+    for (double& x : g) x /= input.loss_scale;
+  // clip_grad_norm_ on the unscaled gradients.
+  result.grad_norm = total_norm(grads, input.norm_type);
+  if (input.max_grad_norm) {
+    result.clip_coef = clip_coefficient(result.grad_norm, *input.max_grad_norm);
+    for (auto& g : grads)
+      for (double& x : g) x *= result.clip_coef;
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) update(config, tensors[i], grads[i], input.step);
+  result.effective_grads = std::move(grads);
+  return result;
+}
+
+}  // namespace stepfuse::ref
