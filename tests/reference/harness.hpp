@@ -480,7 +480,8 @@ struct Snapshot {
     auto bits_equal = [](const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
       if (a.size() != b.size()) return false;
       for (std::size_t i = 0; i < a.size(); ++i)
-        if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
+        if (a[i].size() != b[i].size() ||
+            (!a[i].empty() && std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0))
           return false;
       return true;
     };
