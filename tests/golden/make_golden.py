@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""Generate the golden optimizer-step traces in tests/golden/traces/ with PyTorch itself.
+
+How to run (from the repository root):
+
+    /usr/bin/python3 tests/golden/make_golden.py            # writes tests/golden/traces/*.json
+    /usr/bin/python3 tests/golden/make_golden.py --check    # regenerate in memory, diff against the files
+
+Needs PyTorch: Debian's `python3-torch` (apt-get install python3-torch; the traces in the
+repository were made with its 1.13) or `torch` from PyPI, plus numpy (a dependency of both).
+On Debian use /usr/bin/python3: a pyenv/venv `python3` earlier on PATH may lack torch.
+The output is deterministic (fixed seeds, single-threaded torch, foreach=False), so
+rerunning with the same torch version reproduces the files byte for byte.
+
+What one trace is: the mixed-precision step that tests/golden_test.cpp replays through
+stepfuse::Optimizer::step_scaled(S), done the PyTorch way, in fp32, for every step:
+
+    inv = torch.full((), 1.0 / S, dtype=torch.float32)   # reciprocal in double, rounded to float
+    unscaled = g * inv                                   # g: the scaled fp32 gradients in the trace
+    found_inf = not all finite(unscaled)
+    if found_inf: skip (params and state untouched; opt.step() is not called)
+    else:
+        if max_grad_norm: torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type)
+        opt.step()
+
+Trace format (JSON object):
+    format          1
+    name            file stem
+    torch_version   the torch that made it
+    optimizer       "SGD" | "Adam" | "AdamW" | "Adagrad" | "RMSprop"
+    hyperparameters torch.optim constructor arguments with torch's names ("betas" is a
+                    [beta1, beta2] pair; stepfuse::optim calls them beta1/beta2)
+    max_grad_norm   number or null (no clipping)
+    norm_type       2 or "inf"
+    loss_scale      S
+    shapes          flattened size of each parameter tensor
+    state_names     optimizer state tensors torch keeps (besides "step")
+    initial_params  one array per tensor
+    steps           list of:
+        grads       scaled fp32 gradients handed to the step (one array per tensor);
+                    non-finite values are the strings "inf", "-inf", "nan"
+        skipped     true if the unscaled gradients were not all finite
+        step_count  optimizer steps applied so far (torch's state "step"), after this step
+        grad_norm   (applied steps only) total norm (norm_type) of the unscaled gradients
+                    before clipping, as clip_grad_norm_ computes it in fp32
+        clip_coef   (applied steps with max_grad_norm only) the clamped coefficient
+                    clip_grad_norm_ multiplied the gradients by
+        params, state (applied steps only) params and every state tensor after the step;
+                    a skipped step leaves both exactly as they were after the previous step
+
+Every float is an fp32 value written as its shortest decimal that round-trips through a
+double: float32(float(text)) == value, bit for bit (checked before writing).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT_DIR = os.path.join(HERE, "traces")
+
+# Per-step multipliers of the gradient magnitude: with max_grad_norm chosen near the
+# typical norm, some steps are clipped and some are not (and AMSGrad's max matters when
+# the gradients shrink).
+DEFAULT_FACTORS = [1.0, 0.3, 2.0, 0.5, 1.5, 0.2, 1.0, 0.7]
+
+# name, optimizer, hyperparameters, max_grad_norm, norm_type, loss_scale, shapes,
+# number of steps, {step index (0-based): non-finite value to inject}
+TRACES = [
+    ("sgd_plain", "SGD", dict(lr=0.1), None, 2, 1024.0,
+     [1, 7, 33, 77], 6, {2: "inf"}),
+    ("sgd_momentum_dampening_clip2", "SGD", dict(lr=0.05, momentum=0.9, dampening=0.1),
+     5.0, 2, 65536.0, [1, 7, 33, 300], 7, {0: "inf", 4: "nan"}),
+    ("sgd_nesterov_wd_clipinf", "SGD",
+     dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+     1.0, "inf", 1000.0, [1, 7, 33, 77], 6, {}),
+    ("sgd_weight_decay_clip2", "SGD", dict(lr=0.1, weight_decay=0.05),
+     3.0, 2, 256.0, [3, 16, 65], 6, {3: "-inf"}),
+    ("sgd_maximize_momentum", "SGD", dict(lr=0.02, momentum=0.5, maximize=True),
+     None, 2, 3.0, [1, 7, 33, 77], 6, {1: "nan"}),
+    ("adam_plain_clip2", "Adam", dict(lr=1e-3), 8.0, 2, 65536.0,
+     [1, 7, 33, 150], 7, {2: "inf"}),
+    ("adam_amsgrad_clipinf", "Adam", dict(lr=2e-3, betas=(0.8, 0.95), amsgrad=True),
+     2.0, "inf", 512.0, [1, 7, 33, 77], 7, {4: "nan"}),
+    ("adam_weight_decay", "Adam", dict(lr=1e-2, eps=1e-6, weight_decay=0.1),
+     None, 2, 128.0, [1, 7, 33, 77], 6, {4: "inf"}),
+    ("adam_maximize_clip2", "Adam", dict(lr=3e-3, maximize=True), 4.0, 2, 2048.0,
+     [2, 9, 40], 6, {}),
+    ("adamw_plain_clip2", "AdamW", dict(lr=1e-3), 6.0, 2, 65536.0,
+     [1, 7, 33, 77], 7, {1: "inf"}),
+    ("adamw_amsgrad_clipinf", "AdamW",
+     dict(lr=5e-3, betas=(0.9, 0.99), weight_decay=0.05, amsgrad=True),
+     1.5, "inf", 1000.0, [1, 7, 33, 77], 7, {5: "-inf"}),
+    ("adagrad_clip2", "Adagrad",
+     dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, weight_decay=0.01),
+     4.0, 2, 1024.0, [1, 7, 33, 77], 7, {2: "nan"}),
+    ("adagrad_plain", "Adagrad", dict(lr=0.01), None, 2, 1.0,
+     [1, 7, 33, 77], 6, {}),
+    ("adagrad_maximize_clipinf", "Adagrad", dict(lr=0.02, lr_decay=0.1, maximize=True),
+     1.0, "inf", 4096.0, [5, 31, 64], 6, {0: "inf"}),
+    ("rmsprop_plain_clip2", "RMSprop", dict(lr=0.01), 5.0, 2, 4096.0,
+     [1, 7, 33, 77], 7, {3: "inf"}),
+    ("rmsprop_centered_clipinf", "RMSprop", dict(lr=0.005, centered=True),
+     1.0, "inf", 256.0, [1, 7, 33, 77], 6, {}),
+    ("rmsprop_momentum_wd", "RMSprop", dict(lr=0.01, momentum=0.9, weight_decay=0.01),
+     None, 2, 65536.0, [1, 7, 33, 77], 6, {1: "nan"}),
+    ("rmsprop_centered_momentum_clip2", "RMSprop",
+     dict(lr=0.002, alpha=0.9, eps=1e-6, momentum=0.5, centered=True, maximize=True),
+     3.0, 2, 1024.0, [1, 7, 33, 100], 7, {5: "inf"}),
+]
+
+OPTIMIZERS = {
+    "SGD": torch.optim.SGD,
+    "Adam": torch.optim.Adam,
+    "AdamW": torch.optim.AdamW,
+    "Adagrad": torch.optim.Adagrad,
+    "RMSprop": torch.optim.RMSprop,
+}
+
+
+def fmt(x):
+    """Shortest decimal text of an fp32 value that round-trips through a double."""
+    x = np.float32(x)
+    if np.isnan(x):
+        return '"nan"'
+    if np.isinf(x):
+        return '"inf"' if x > 0 else '"-inf"'
+    s = np.format_float_positional(x, unique=True, trim="0") if 1e-4 <= abs(x) < 1e7 or x == 0 \
+        else np.format_float_scientific(x, unique=True, trim="0")
+    # numpy writes "1." / "1.e-08"; JSON needs a digit after the point.
+    s = s.replace(".e", ".0e")
+    if s.endswith("."):
+        s += "0"
+    back = np.float32(float(s))
+    assert back.tobytes() == x.tobytes(), (s, repr(x))
+    return s
+
+
+def fmt_array(a):
+    return "[" + ",".join(fmt(v) for v in np.asarray(a, dtype=np.float32).ravel()) + "]"
+
+
+def fmt_scalar(v):
+    """A hyperparameter or other double-valued scalar: Python's repr round-trips doubles."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(fmt_scalar(x) for x in v) + "]"
+    return repr(float(v))
+
+
+def total_norm_like_clip(grads, norm_type):
+    """clip_grad_norm_'s total norm (torch 1.13), without touching the gradients."""
+    if norm_type == math.inf:
+        norms = [g.detach().abs().max() for g in grads]
+        return norms[0] if len(norms) == 1 else torch.max(torch.stack(norms))
+    return torch.norm(torch.stack([torch.norm(g.detach(), norm_type) for g in grads]), norm_type)
+
+
+def make_trace(name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, inject, seed):
+    rng = np.random.RandomState(seed)
+    norm_type_f = math.inf if norm_type == "inf" else float(norm_type)
+
+    init = [np.float32(np.round(rng.randn(n), 3)) for n in shapes]
+    params = [torch.nn.Parameter(torch.tensor(p.copy(), dtype=torch.float32)) for p in init]
+    opt = OPTIMIZERS[opt_name](params, foreach=False, **hp)
+
+    out = []
+    out.append("{")
+    out.append('  "format": 1,')
+    out.append('  "name": %s,' % json.dumps(name))
+    out.append('  "torch_version": %s,' % json.dumps(torch.__version__))
+    out.append('  "optimizer": %s,' % json.dumps(opt_name))
+    out.append('  "hyperparameters": {%s},' % ", ".join(
+        "%s: %s" % (json.dumps(k), fmt_scalar(v)) for k, v in hp.items()))
+    out.append('  "max_grad_norm": %s,' % ("null" if max_norm is None else fmt_scalar(max_norm)))
+    out.append('  "norm_type": %s,' % ('"inf"' if norm_type == "inf" else str(int(norm_type))))
+    out.append('  "loss_scale": %s,' % fmt_scalar(scale))
+    out.append('  "shapes": %s,' % json.dumps(shapes))
+    state_names_slot = len(out)
+    out.append(None)  # filled once the state names are known
+    out.append('  "initial_params": [')
+    out.append(",\n".join("    " + fmt_array(p) for p in init))
+    out.append("  ],")
+    out.append('  "steps": [')
+
+    applied = 0
+    state_names = None
+    step_texts = []
+    for k in range(nsteps):
+        factor = DEFAULT_FACTORS[k % len(DEFAULT_FACTORS)]
+        grads = []
+        for n in shapes:
+            true_grad = np.float32(np.round(rng.randn(n) * factor, 3))
+            grads.append(np.float32(true_grad * np.float32(scale)))
+        if k in inject:
+            t = rng.randint(len(shapes))
+            i = rng.randint(shapes[t])
+            grads[t][i] = np.float32(float(inject[k]))
+
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g.copy(), dtype=torch.float32)
+        inv = torch.full((), 1.0 / scale, dtype=torch.float32)
+        for p in params:
+            p.grad.mul_(inv)
+        found_inf = not all(bool(torch.isfinite(p.grad).all()) for p in params)
+
+        lines = ["    {"]
+        lines.append('      "grads": [')
+        lines.append(",\n".join("        " + fmt_array(g) for g in grads))
+        lines.append("      ],")
+        if found_inf:
+            assert k in inject
+            lines.append('      "skipped": true,')
+            lines.append('      "step_count": %d' % applied)
+        else:
+            assert k not in inject
+            if max_norm is not None:
+                total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type_f)
+                # the coefficient clip_grad_norm_ applied (recomputed exactly as it does)
+                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            else:
+                total = total_norm_like_clip([p.grad for p in params], norm_type_f)
+                coef = None
+            opt.step()
+            applied += 1
+
+            names = [key for key, v in opt.state[params[0]].items()
+                     if key != "step" and isinstance(v, torch.Tensor)]
+            if state_names is None:
+                state_names = names
+            assert names == state_names, (names, state_names)
+            for p in params:
+                st = opt.state[p]
+                if "step" in st:
+                    assert int(st["step"]) == applied, (st["step"], applied)
+
+            lines.append('      "skipped": false,')
+            lines.append('      "step_count": %d,' % applied)
+            lines.append('      "grad_norm": %s,' % fmt(total.item()))
+            if coef is not None:
+                lines.append('      "clip_coef": %s,' % fmt(coef.item()))
+            lines.append('      "params": [')
+            lines.append(",\n".join("        " + fmt_array(p.detach().numpy()) for p in params))
+            lines.append("      ],")
+            lines.append('      "state": {')
+            st_lines = []
+            for sn in state_names:
+                arrays = ",\n".join("          " + fmt_array(opt.state[p][sn].numpy())
+                                    for p in params)
+                st_lines.append('        %s: [\n%s\n        ]' % (json.dumps(sn), arrays))
+            lines.append(",\n".join(st_lines))
+            lines.append("      }")
+        lines.append("    }")
+        step_texts.append("\n".join(lines))
+
+    assert state_names is not None, name + ": no step was applied"
+    out[state_names_slot] = '  "state_names": %s,' % json.dumps(state_names)
+    out.append(",\n".join(step_texts))
+    out.append("  ]")
+    out.append("}")
+    text = "\n".join(out) + "\n"
+    json.loads(text)  # well-formed
+    return text
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="compare with the files in tests/golden/traces instead of writing")
+    ap.add_argument("--out", default=OUT_DIR, help="output directory (default: %(default)s)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    os.makedirs(args.out, exist_ok=True)
+    differ = 0
+    total = 0
+    for idx, (name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, inject) in \
+            enumerate(TRACES):
+        text = make_trace(name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, inject,
+                          seed=1000 + idx)
+        path = os.path.join(args.out, name + ".json")
+        total += len(text)
+        if args.check:
+            old = open(path).read() if os.path.exists(path) else None
+            if old != text:
+                print("differs:", path)
+                differ += 1
+        else:
+            with open(path, "w") as f:
+                f.write(text)
+            print("wrote %s (%d bytes)" % (path, len(text)))
+    print("%d traces, %d bytes in all (torch %s)" % (len(TRACES), total, torch.__version__))
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
