@@ -1,0 +1,178 @@
+// Checks a benchmark's results before anything is timed: fused against unfused, or "the step did something".
+#include "verify.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <span>
+#include <string_view>
+
+#include "parallel.hpp"
+
+namespace stepfuse::bench {
+namespace {
+
+// Distance from |x| to the next representable value of `t` above it.
+double storage_ulp(DType t, double x) {
+  const float ax = static_cast<float>(std::fabs(x));
+  const int mant_bits = t == DType::f32 ? 23 : t == DType::bf16 ? 7 : 10;
+  const int min_exp = t == DType::f16 ? -14 : -126;  // smallest normal exponent
+  int e = 0;
+  std::frexp(ax, &e);  // ax = f * 2^e, f in [0.5, 1)
+  return std::ldexp(1.0, std::max(e - 1, min_exp) - mant_bits);
+}
+
+double grad_rel_tol(DType g) {
+  switch (g) {
+    case DType::f32: return 1e-5;
+    // 8 units of roundoff of f16: clipped gradients of a large model sit near f16's smallest
+    // normal (6.1e-5), where the unfused baseline's in-place writes lose a few more bits.
+    case DType::f16: return std::ldexp(1.0, -8);
+    case DType::bf16: return std::ldexp(1.0, -7);  // 2 units of roundoff of bf16
+  }
+  return 1e-5;
+}
+
+// Per-thread tally, merged at the end.
+struct Tally {
+  std::int64_t checked = 0, bad = 0, identical = 0;
+  double worst_ratio = 0;
+  std::string worst;
+
+  void check(double a, double b, double tol, const ModelBuffers& buf, std::size_t t, std::int64_t i,
+             std::string_view what, double initial) {
+    ++checked;
+    identical += std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b);
+    const double diff = std::fabs(a - b);
+    const double ratio = diff <= tol ? diff / tol : (std::isnan(diff) ? INFINITY : diff / tol);
+    if (!(diff <= tol)) ++bad;
+    if (ratio > worst_ratio || (std::isnan(diff) && worst.empty())) {
+      worst_ratio = ratio;
+      char line[512];
+      std::snprintf(line, sizeof line, "%s[%lld] %.*s: fused %.9g, unfused %.9g (initial %.9g), |diff| %.3g, tol %.3g",
+                    buf.name(t).c_str(), static_cast<long long>(i), static_cast<int>(what.size()), what.data(), a,
+                    b, initial, diff, tol);
+      worst = line;
+    }
+  }
+};
+
+}  // namespace
+
+VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, const StepResult& rf,
+                              const Optimizer& unfused, const ModelBuffers& ub, const StepResult& ru,
+                              double loss_scale, int threads) {
+  VerifyReport rep;
+  rep.rel_tol = grad_rel_tol(fb.grad_dtype());
+  const double rel = rep.rel_tol;
+  auto problem = [&](const std::string& s) { rep.problems.push_back(s); };
+
+  if (!rf.applied || !ru.applied)
+    problem(std::string("a step was skipped (fused applied=") + (rf.applied ? "yes" : "no") +
+            ", unfused applied=" + (ru.applied ? "yes" : "no") + ") on finite gradients");
+  if (rf.found_inf != ru.found_inf) problem("found_inf differs between fused and unfused");
+  auto close = [&](double a, double b) { return std::fabs(a - b) <= rel * std::max(std::fabs(a), std::fabs(b)); };
+  if (!(std::isnan(rf.grad_norm) && std::isnan(ru.grad_norm)) && !close(rf.grad_norm, ru.grad_norm)) {
+    char s[160];
+    std::snprintf(s, sizeof s, "gradient norms differ: fused %.9g, unfused %.9g", rf.grad_norm, ru.grad_norm);
+    problem(s);
+  }
+  if (!close(rf.clip_coef, ru.clip_coef)) {
+    char s[160];
+    std::snprintf(s, sizeof s, "clip coefficients differ: fused %.9g, unfused %.9g", rf.clip_coef, ru.clip_coef);
+    problem(s);
+  }
+  if (fused.step_count() != unfused.step_count()) problem("step counts differ");
+  const auto names = fused.state_names();
+  if (names != unfused.state_names()) problem("the optimizers have different state streams");
+  if (fused.num_params() != fb.num_tensors() || unfused.num_params() != ub.num_tensors() ||
+      fb.num_tensors() != ub.num_tensors())
+    problem("the optimizers do not hold the benchmark's tensor list");
+  if (!rep.problems.empty()) return rep;
+
+  // Gather spans up front, so the parallel loop only reads plain memory.
+  const std::size_t nt = fb.num_tensors();
+  std::vector<std::span<const float>> fm(nt), um(nt);
+  std::vector<std::vector<std::span<const float>>> fs(names.size()), us(names.size());
+  for (std::size_t t = 0; t < nt; ++t) {
+    fm[t] = fused.master(t);
+    um[t] = unfused.master(t);
+    if (fm[t].size() != um[t].size()) return problem("master copies differ in size"), rep;
+    for (std::size_t s = 0; s < names.size(); ++s) {
+      fs[s].push_back(fused.state(t, names[s]));
+      us[s].push_back(unfused.state(t, names[s]));
+      if (fs[s][t].size() != us[s][t].size() || fs[s][t].size() != static_cast<std::size_t>(fb.numel(t)))
+        return problem("state '" + std::string(names[s]) + "' has the wrong size"), rep;
+    }
+  }
+
+  const DType wt = fb.weight_dtype();
+  const double weight_ulps = wt == DType::f32 ? 4.0 : 1.0;
+  std::vector<Tally> tallies(static_cast<std::size_t>(std::max(threads, 1)));
+  std::vector<std::int64_t> grads_written(tallies.size(), 0);
+  parallel_for(fb.total_numel(), threads, [&](int th, std::int64_t lo, std::int64_t hi) {
+    Tally& tl = tallies[th];
+    fb.for_each_piece(lo, hi, [&](std::size_t t, std::int64_t b, std::int64_t e) {
+      const TensorView fw = fb.weight(t), uw = ub.weight(t), fg = fb.grad(t);
+      const std::int64_t base = fb.offset(t);
+      for (std::int64_t i = b; i < e; ++i) {
+        const double p0 = fb.initial_weight(base + i);
+        const double a = load_as_f32(fw.data, wt, i), u = load_as_f32(uw.data, wt, i);
+        tl.check(a, u, rel * std::fabs(u - p0) + weight_ulps * storage_ulp(wt, std::max(std::fabs(a), std::fabs(u))),
+                 fb, t, i, "weight", p0);
+        if (!fm[t].empty()) {
+          const double ma = fm[t][i], mu = um[t][i];
+          tl.check(ma, mu, rel * std::fabs(mu - p0) + 4.0 * storage_ulp(DType::f32, std::max(std::fabs(ma), std::fabs(mu))),
+                   fb, t, i, "master", p0);
+        }
+        for (std::size_t s = 0; s < names.size(); ++s) {
+          const double sa = fs[s][t][i], su = us[s][t][i];
+          const double mx = std::max(std::fabs(sa), std::fabs(su));
+          tl.check(sa, su, 2.0 * rel * mx + 4.0 * storage_ulp(DType::f32, mx) + 1e-37, fb, t, i, names[s], 0.0);
+        }
+        const float g = load_as_f32(fg.data, fb.grad_dtype(), i), g0 = fb.initial_grad(loss_scale, base + i);
+        if (std::bit_cast<std::uint32_t>(g) != std::bit_cast<std::uint32_t>(g0)) ++grads_written[th];
+      }
+    });
+  });
+  std::int64_t written = 0;
+  for (std::size_t k = 0; k < tallies.size(); ++k) {
+    const Tally& tl = tallies[k];
+    rep.values_checked += tl.checked;
+    rep.mismatches += tl.bad;
+    rep.identical += tl.identical;
+    written += grads_written[k];
+    if (tl.worst_ratio > rep.worst_ratio || (rep.worst.empty() && !tl.worst.empty())) {
+      rep.worst_ratio = tl.worst_ratio;
+      rep.worst = tl.worst;
+    }
+  }
+  if (written > 0)
+    problem("the fused step wrote " + std::to_string(written) + " gradient elements (it must not write gradients)");
+  return rep;
+}
+
+std::string check_step_effect(const ModelBuffers& b, int threads) {
+  std::vector<std::int64_t> nonfinite(static_cast<std::size_t>(std::max(threads, 1)), 0),
+      unchanged(nonfinite.size(), 0);
+  parallel_for(b.total_numel(), threads, [&](int th, std::int64_t lo, std::int64_t hi) {
+    b.for_each_piece(lo, hi, [&](std::size_t t, std::int64_t s, std::int64_t e) {
+      const TensorView w = b.weight(t);
+      for (std::int64_t i = s; i < e; ++i) {
+        const float x = load_as_f32(w.data, w.dtype, i);
+        nonfinite[th] += !std::isfinite(x);
+        unchanged[th] += x == b.initial_weight(b.offset(t) + i);
+      }
+    });
+  });
+  std::int64_t bad = 0, same = 0;
+  for (std::size_t k = 0; k < nonfinite.size(); ++k) bad += nonfinite[k], same += unchanged[k];
+  if (bad > 0) return std::to_string(bad) + " weights are not finite after one step";
+  if (2 * same > b.total_numel())
+    return std::to_string(same) + " of " + std::to_string(b.total_numel()) + " weights did not change in one step";
+  return "";
+}
+
+}  // namespace stepfuse::bench

@@ -1,0 +1,41 @@
+// Checks a benchmark's results before anything is timed: fused against unfused, or "the step did something".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model_buffers.hpp"
+#include "stepfuse/optimizer.hpp"
+
+namespace stepfuse::bench {
+
+struct VerifyReport {
+  bool ok() const { return problems.empty() && mismatches == 0; }
+  double rel_tol = 0;                 // relative tolerance on the update (see compare_one_step)
+  std::int64_t values_checked = 0;    // weights, masters and state values compared
+  std::int64_t identical = 0;         // values bitwise equal
+  std::int64_t mismatches = 0;        // values outside the tolerance
+  double worst_ratio = 0;             // max |fused - unfused| / tolerance over all values
+  std::string worst;                  // the value with worst_ratio, described
+  std::vector<std::string> problems;  // step-level disagreements (skipped step, norm, grads written)
+};
+
+// Compares two optimizers that each took exactly one step_scaled(loss_scale) from
+// identical inputs (`fb`/`ub` filled the same way, fresh optimizers): the step results, the
+// gradient norms, every weight, master and state value, and that the fused step left its
+// gradients untouched. Values agree when
+//   |fused - unfused| <= rel * |unfused - initial| + k ulp(max(|fused|, |unfused|))
+// (k = 4 in fp32, 1 in a 16-bit weight format; states use 2 * rel * |value|), where rel is
+// 1e-5 for fp32 gradients (DESIGN §5) and the gradient format's rounding for 16-bit ones:
+// the unfused baseline writes the unscaled, clipped gradients back in their own dtype, as
+// eager PyTorch does. Reads everything with `threads` threads; allocates nothing large.
+VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, const StepResult& rf,
+                              const Optimizer& unfused, const ModelBuffers& ub, const StepResult& ru,
+                              double loss_scale, int threads);
+
+// For benchmarks that time one mode: after one step from fill_weights() values, every weight
+// is finite and most moved. Returns "" when so, else what is wrong.
+std::string check_step_effect(const ModelBuffers& b, int threads);
+
+}  // namespace stepfuse::bench

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Installs what building and testing stepfuse needs, from Debian's packages (Debian 12).
+# Idempotent: installs only what is missing, and runs `apt-get update` only then.
+# Works as root, or through sudo when it is available.
+set -euo pipefail
+
+packages=(
+  build-essential     # g++, make
+  cmake               # >= 3.23 for CMakePresets.json
+  ninja-build         # the presets' generator
+  pkg-config          # the consumer test checks stepfuse.pc
+  libhwy-dev          # Highway SIMD with dynamic dispatch (the CPU backend)
+  libgtest-dev libgmock-dev
+  libbenchmark-dev    # Google Benchmark (bench/)
+  libcli11-dev        # command lines (stepfuse-bench)
+  nlohmann-json3-dev  # JSON (benchmark reports, cache metadata)
+  libxxhash-dev       # cache keys and checksums
+)
+
+if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
+  echo "install_deps: no dpkg/apt-get here; install these (or their equivalents) yourself:" >&2
+  echo "  ${packages[*]}" >&2
+  exit 0
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+if [ "$(id -u)" -eq 0 ]; then
+  sudo=()
+elif command -v sudo >/dev/null 2>&1; then
+  sudo=(sudo)
+else
+  echo "install_deps: missing ${missing[*]}, and not root and no sudo to install them" >&2
+  exit 1
+fi
+
+echo "install_deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+if ! { "${sudo[@]}" apt-get update -qq &&
+       "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "install_deps: apt-get failed" >&2
+  exit 1
+fi
+echo "install_deps: done"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds the Release preset's stepfuse-bench and runs it:
+# a fused AdamW step (with clipping) on the GPT-2 124M tensor list, reporting time,
+# GB/s, the share of the bandwidth measured in the same process, and the
+# fused/unfused ratio. Arguments are passed to stepfuse-bench (try --help).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+jobs=${STEPFUSE_JOBS:-$(nproc 2>/dev/null || echo 2)}
+bash scripts/install_deps.sh
+cmake --preset release --log-level=WARNING
+cmake --build --preset release --parallel "$jobs" --target stepfuse-bench
+exec build/release/bench/stepfuse-bench "$@"
