@@ -29,10 +29,33 @@ phase() {
 
 phase "install deps" bash scripts/install_deps.sh || { echo "test.sh: cannot install the dependencies" >&2; exit 1; }
 
+# ctest_counted PRESET ARGS...: runs ctest and adds its pass/fail counts to the totals.
+passed=0
+failed_tests=0
+ctest_counted() {
+  local preset=$1; shift
+  local log
+  log=$(mktemp)
+  ctest --preset "$preset" --parallel "$jobs" "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  # "100% tests passed, 0 tests failed out of 756"
+  local line
+  line=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' "$log" | tail -n 1)
+  if [ -n "$line" ]; then
+    local nfail ntotal
+    nfail=$(echo "$line" | sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/')
+    ntotal=$(echo "$line" | sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\2/')
+    passed=$((passed + ntotal - nfail))
+    failed_tests=$((failed_tests + nfail))
+  fi
+  rm -f "$log"
+  return "$rc"
+}
+
 for preset in release asan; do
   phase "${preset}: configure" cmake --preset "$preset" --log-level=WARNING &&
   phase "${preset}: build" cmake --build --preset "$preset" --parallel "$jobs" &&
-  phase "${preset}: test" ctest --preset "$preset" --parallel "$jobs" "$@"
+  phase "${preset}: test" ctest_counted "$preset" "$@"
 done
 
 echo
@@ -40,6 +63,8 @@ echo "==> phases"
 printf '  %s\n' "${summary[@]}"
 if [ ${#failed[@]} -ne 0 ]; then
   echo "test.sh: FAILED: ${failed[*]}"
+  echo "${passed} passed, $((failed_tests > 0 ? failed_tests : 1)) failed"
   exit 1
 fi
-echo "test.sh: all passed"
+echo "test.sh: all passed (Release and ASan/UBSan)"
+echo "${passed} passed, ${failed_tests} failed"
