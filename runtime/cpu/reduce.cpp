@@ -2,6 +2,8 @@
 // of gradients, in the canonical order of DESIGN §5 on every target.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "runtime/cpu/reduce.cpp"
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -25,17 +27,24 @@ ReducePartial ReduceChunk(const void* grad, std::size_t n) {
   constexpr std::size_t kN = hn::MaxLanes(d);
   static_assert(kLanes % kN == 0, "vector width must divide 32");
   constexpr std::size_t kVecs = kLanes / kN;
+  // L2: a sum of squares is finite only if every element is, so no separate
+  // check is needed unless it is not (then an exact scan tells inf/NaN from
+  // overflow). Inf-norm: Max may drop NaN, so track 0 * g, which becomes NaN
+  // on any inf or NaN.
   V acc[kVecs];
-  V poison[kVecs];  // 0 * g: stays 0 while every g is finite, becomes NaN otherwise
+  V poison[kVecs];
   for (std::size_t k = 0; k < kVecs; ++k) acc[k] = poison[k] = hn::Zero(d);
   const V zero = hn::Zero(d);
 
   const auto accumulate = [&](const void* base, std::size_t i) {
     for (std::size_t k = 0; k < kVecs; ++k) {
       const V g = LoadAs<G>(d, base, i + k * kN);
-      if constexpr (K == NormKind::l2) acc[k] = hn::Add(acc[k], hn::Mul(g, g));
-      else acc[k] = hn::Max(acc[k], hn::Abs(g));
-      poison[k] = hn::Add(poison[k], hn::Mul(g, zero));
+      if constexpr (K == NormKind::l2) {
+        acc[k] = hn::Add(acc[k], hn::Mul(g, g));
+      } else {
+        acc[k] = hn::Max(acc[k], hn::Abs(g));
+        poison[k] = hn::Add(poison[k], hn::Mul(g, zero));
+      }
     }
   };
   std::size_t i = 0;
@@ -53,12 +62,20 @@ ReducePartial ReduceChunk(const void* grad, std::size_t n) {
     hn::Store(poison[k], d, bad + k * kN);
   }
   ReducePartial out;
-  for (std::size_t lane = 0; lane < kLanes; ++lane) out.nonfinite |= bad[lane] != 0.0f || bad[lane] != bad[lane];
   if constexpr (K == NormKind::l2) {
     for (std::size_t width = kLanes / 2; width >= 1; width /= 2)
       for (std::size_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
     out.sumsq = lanes[0];
+    if (!std::isfinite(lanes[0])) {  // rare: an inf/NaN element, or squares overflowing fp32
+      for (std::size_t j = 0; j < n && !out.nonfinite; j += kN) {
+        alignas(64) float buf[kN] = {};
+        std::memcpy(buf, static_cast<const char*>(grad) + j * dtype_size(G), std::min(kN, n - j) * dtype_size(G));
+        const V g = LoadAs<G>(d, buf, 0);
+        out.nonfinite = !hn::AllTrue(d, hn::IsFinite(g));
+      }
+    }
   } else {
+    for (std::size_t lane = 0; lane < kLanes; ++lane) out.nonfinite |= !(bad[lane] == 0.0f);
     float m = 0.0f;
     for (std::size_t lane = 0; lane < kLanes; ++lane) m = lanes[lane] > m ? lanes[lane] : m;
     out.maxabs = m;
