@@ -6,8 +6,9 @@
 //   2. verify: fresh fused and unfused optimizers over separate buffers with identical
 //      contents take one step each; every weight, master and state value must agree
 //      within fp32 rounding (exit code 2 otherwise) — nothing is timed before this;
-//   3. measure: warm-up, then timed iterations of [bandwidth probes, fused step, unfused
-//      step], interleaved so that drift in the machine affects all of them alike.
+//   3. measure: warm-up, then timed iterations of [bandwidth probes, fused step, fused
+//      update pass alone, unfused step], interleaved so that drift in the machine affects
+//      all of them alike.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -57,6 +58,7 @@ struct Args {
   std::string weights = "f32";
   std::string grads = "f32";
   bool no_masters = false;
+  bool breakdown = true;
   double clip = 1.0;
   std::string norm_type = "2";
   int threads = 0;
@@ -253,10 +255,21 @@ int run(const Args& a) {
   }
 
   // ---- Phase 3: interleaved timing -----------------------------------------------------------
+  // The update pass alone, to split the fused step's time between its two passes: a third
+  // fused optimizer over the same buffers, without clipping, taking plain steps (no reduce
+  // pass). It has its own state; the weights it moves are the fused optimizer's, which
+  // changes nothing that is timed.
+  std::optional<sf::Optimizer> update_only;
+  if (a.breakdown) {
+    sf::OptimizerOptions o = fused_opts;
+    o.max_grad_norm.reset();
+    o.track_grad_norm = false;
+    update_only.emplace(make_optimizer(config, fb, o));
+  }
   progress.say("allocating the bandwidth probe (" + with_commas(n) + " floats x 4)");
   sb::BandwidthProbe probe(n, threads);
   std::map<sb::Pattern, std::vector<double>> bw_s;
-  std::vector<double> fused_s, unfused_s;
+  std::vector<double> fused_s, unfused_s, update_s;
   const int iterations = a.warmup + a.steps;
   for (int it = 0; it < iterations; ++it) {
     const bool timed = it >= a.warmup;
@@ -273,6 +286,11 @@ int run(const Args& a) {
     const sf::StepResult rf = fused.step_scaled(S);
     const double tf = seconds_since(t0);
     check_applied(rf, "fused", it);
+    if (update_only) {
+      t0 = std::chrono::steady_clock::now();
+      update_only->step();
+      if (timed) update_s.push_back(seconds_since(t0));
+    }
     // The unfused baseline unscales and clips the gradients in place: restore them, untimed.
     ub.copy_grads_from(fb, threads);
     t0 = std::chrono::steady_clock::now();
@@ -306,6 +324,12 @@ int run(const Args& a) {
     paired_ratio.push_back(unfused_s[i] / fused_s[i]);
   }
   const sb::Summary pf = sb::summarize(paired_frac), pr = sb::summarize(paired_ratio);
+  // Update pass alone (plain step: no reduce pass), and the reduce pass by difference.
+  const sb::StepBytes plain_bytes = sb::step_bytes(wt, gt, !a.no_masters, state_streams, /*reduce_pass=*/false);
+  const sb::Summary uo = sb::summarize(update_s);
+  const double update_gbs = update_only ? plain_bytes.per_param() * static_cast<double>(n) / uo.median * 1e-9 : 0.0;
+  const double reduce_s = sf_.median - uo.median;
+  const double reduce_gbs = update_only && reduce_s > 0 ? bytes.reduce * static_cast<double>(n) / reduce_s * 1e-9 : 0.0;
 
   const std::string norm = a.norm_type == "inf" ? "inf" : "2";
   const bool masters = !a.no_masters && wt != sf::DType::f32;
@@ -339,6 +363,13 @@ int run(const Args& a) {
   };
   row("fused", sf_, fused_gbs);
   row("unfused", su, unfused_gbs);
+  if (update_only) {
+    row("update", uo, update_gbs);
+    std::printf("  (update: the fused update pass alone, a plain step() without reduce pass, %g B/param; the reduce\n"
+                "   pass then takes the rest of the fused step: %.2f ms, %.1f GB/s for %g B/param = %.1f%% of read)\n",
+                plain_bytes.per_param(), reduce_s * 1e3, reduce_gbs, bytes.reduce,
+                100.0 * reduce_gbs / bw_gbs[sb::Pattern::read]);
+  }
   std::printf("  fused/unfused speed ratio: %.2fx (median unfused time / median fused time)\n", ratio);
   std::printf("  per iteration (median, min-max): fused at %.1f%% of adam_like (%.1f-%.1f), fused/unfused %.2fx "
               "(%.2f-%.2f)\n",
@@ -396,6 +427,13 @@ int run(const Args& a) {
     j["fused"] = mode(sf_, fused_s, fused_gbs);
     j["unfused"] = mode(su, unfused_s, unfused_gbs);
     j["fused_over_unfused_speed"] = ratio;
+    if (update_only) {
+      j["fused_update_only"] = mode(uo, update_s, update_gbs);
+      j["fused_update_only"]["bytes_per_param"] = plain_bytes.per_param();
+      j["fused_reduce_by_difference"] = {{"ms", reduce_s * 1e3},
+                                         {"gbs", reduce_gbs},
+                                         {"fraction_of_read", reduce_gbs / bw_gbs[sb::Pattern::read]}};
+    }
     j["per_iteration"] = {{"fused_fraction_of_adam_like", summary_json(pf, 1.0)},
                           {"fused_over_unfused_speed", summary_json(pr, 1.0)}};
     j["verification"] = {{"ok", true},
@@ -448,6 +486,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--grads", a.grads, "gradient dtype")->check(CLI::IsMember({"f32", "f16", "bf16"}))->capture_default_str();
   app.add_flag("--no-masters", a.no_masters, "no fp32 master copies for f16/bf16 weights");
+  app.add_flag("!--no-breakdown", a.breakdown,
+               "skip timing the fused update pass alone (saves a third optimizer's state)");
   app.add_option("--clip", a.clip, "max gradient norm for clipping, on the unscaled gradients (0 = off)")
       ->capture_default_str();
   app.add_option("--norm-type", a.norm_type, "clipping norm: 2 or inf")->check(CLI::IsMember({"2", "inf"}))->capture_default_str();
