@@ -109,35 +109,6 @@ void RunFused(const ExecCall& c, std::size_t n) {
   }
 }
 
-template <DType T>
-void RunWiden(const ExecCall& c, std::size_t n) {
-  const hn::ScalableTag<float> d;
-  const std::size_t N = hn::Lanes(d);
-  std::size_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(LoadAs<T>(d, c.lp_src, i), d, c.dst + i);
-  if (i == n) return;
-  alignas(64) std::uint16_t in[hn::MaxLanes(d)] = {};
-  alignas(64) float out[hn::MaxLanes(d)];
-  std::memcpy(in, static_cast<const std::uint16_t*>(c.lp_src) + i, (n - i) * sizeof(std::uint16_t));
-  hn::Store(LoadAs<T>(d, in, 0), d, out);
-  std::memcpy(c.dst + i, out, (n - i) * sizeof(float));
-}
-
-template <DType T>
-void RunNarrow(const ExecCall& c, std::size_t n) {
-  const hn::ScalableTag<float> d;
-  const std::size_t N = hn::Lanes(d);
-  const ExecSrc& s = c.src[0];
-  std::size_t i = 0;
-  for (; i + N <= n; i += N) StoreAs<T>(d, hn::LoadU(d, s.p + i), c.lp_dst, i);
-  if (i == n) return;
-  alignas(64) float in[hn::MaxLanes(d)] = {};
-  alignas(64) std::uint16_t out[hn::MaxLanes(d)];
-  std::memcpy(in, s.p + i, (n - i) * sizeof(float));
-  StoreAs<T>(d, hn::Load(d, in), out, 0);
-  std::memcpy(static_cast<std::uint16_t*>(c.lp_dst) + i, out, (n - i) * sizeof(std::uint16_t));
-}
-
 void RunCopy(const ExecCall& c, std::size_t n) {
   if (c.src[0].p == nullptr) std::fill_n(c.dst, n, c.src[0].s);
   else if (c.src[0].p != c.dst) std::memmove(c.dst, c.src[0].p, n * sizeof(float));
@@ -176,17 +147,9 @@ void Exec(const ExecCall& c, std::size_t n) {
     case LKind::madd: return RunFused<LKind::madd>(c, n);
     case LKind::msub: return RunFused<LKind::msub>(c, n);
     case LKind::axpby: return RunFused<LKind::axpby>(c, n);
-    case LKind::widen:
-      if (c.lp_type == DType::f16) return RunWiden<DType::f16>(c, n);
-      return RunWiden<DType::bf16>(c, n);
-    case LKind::narrow:
-      if (c.lp_type == DType::f16) return RunNarrow<DType::f16>(c, n);
-      if (c.lp_type == DType::bf16) return RunNarrow<DType::bf16>(c, n);
-      {
-        ExecCall copy = c;
-        copy.dst = static_cast<float*>(c.lp_dst);
-        return RunCopy(copy, n);
-      }
+    // The storage conversions of runtime/cpu/convert.cpp (f32 included).
+    case LKind::widen: return widen(c.lp_type, c.lp_src, c.dst, n);
+    case LKind::narrow: return narrow(c.src[0].p, c.lp_type, c.lp_dst, n);
     case LKind::copy: return RunCopy(c, n);
   }
 }
