@@ -29,4 +29,12 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
+// Warnings: things the library works around but the user should know about (a
+// GradScaler asked for "cuda" where no GPU is usable, say). Each goes to the
+// handler, once per process per cause. The default handler writes
+// "stepfuse: warning: <message>" and a newline to stderr.
+using WarningHandler = void (*)(std::string_view message);
+// Installs `handler` (nullptr restores the default) and returns the previous one.
+WarningHandler set_warning_handler(WarningHandler handler);
+
 }  // namespace stepfuse

@@ -49,6 +49,7 @@ struct StepResult {
 namespace detail {
 class StepEngine;
 }
+class GradScaler;
 
 // A fused optimizer over a fixed list of caller-owned parameters.
 //
@@ -110,7 +111,26 @@ class Optimizer {
   // Per-tensor gradient norms (unscaled) from the last reduce pass.
   const std::vector<double>& last_tensor_grad_norms() const;
 
+  // Checkpoints. save() writes the hyperparameters, the step count, every state
+  // tensor and the fp32 masters (with a GradScaler: its state_dict() too) to `path`
+  // atomically: a temporary file in the same directory, flushed, then renamed over
+  // `path`, so a crash leaves the old file or the new one, never a mix. The file
+  // carries a format version and a checksum. The weights themselves are the
+  // caller's (save them with the model).
+  //
+  // load() reads a file written by save() for an optimizer of the same kind, update
+  // program, tensor sizes and dtypes, and restores all of it (hyperparameters
+  // included), so the next step is bit for bit the one the saved optimizer would
+  // have taken, given the same weights. A missing, truncated, corrupt or
+  // mismatched file is an Error (io_error for the file, invalid_argument for a
+  // mismatch, naming what differs) and leaves the optimizer (and scaler) as they were.
+  void save(const std::string& path) const;
+  void save(const std::string& path, const GradScaler& scaler) const;
+  void load(const std::string& path);
+  void load(const std::string& path, GradScaler& scaler);
+
  private:
+  friend struct detail_access;
   std::unique_ptr<detail::StepEngine> engine_;
 };
 

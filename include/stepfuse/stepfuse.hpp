@@ -2,6 +2,8 @@
 #pragma once
 
 #include "stepfuse/error.hpp"
+#include "stepfuse/grad_scaler.hpp"
+#include "stepfuse/loss_scale_optimizer.hpp"
 #include "stepfuse/optim.hpp"
 #include "stepfuse/optimizer.hpp"
 #include "stepfuse/program.hpp"

@@ -1,0 +1,131 @@
+// GradScaler: dynamic loss scaling with PyTorch's GradScaler semantics, over the
+// fused step (the tensorplay.GradScaler document, every sentence of it).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "stepfuse/optimizer.hpp"
+#include "stepfuse/types.hpp"
+
+namespace stepfuse {
+
+// Usage, once per iteration:
+//
+//   stepfuse::GradScaler scaler;                 // once, before training
+//   ... forward; backward of scaler.scale(loss) writes gradients scaled by S ...
+//   scaler.step(opt);     // unscale + inf/NaN check + clip + update, fused; skipped on inf/NaN
+//   scaler.update();      // back off after a skipped step, grow after growth_interval good ones
+//
+// step() runs the whole mixed-precision step in one reduce pass and one update
+// pass over the optimizer's tensors; the gradients are unscaled in fp32 inside the
+// kernels and never written. unscale_() is the optional in-place division for
+// code that inspects or changes the gradients between backward and step().
+//
+// The scale is an fp32 value and its updates round as PyTorch's do, so a run
+// follows torch.amp.GradScaler step for step (tests/golden holds traces of it).
+// Not thread-safe: one scaler per training loop.
+class GradScaler {
+ public:
+  // device: "cuda" or "cpu", where the scale lives. The scale follows the
+  // optimizers it steps; "cuda" on a machine or build without a usable GPU keeps
+  // it on the CPU and warns once per process (see set_warning_handler), so the
+  // default works everywhere. Any other string is an Error.
+  // Throws Error(invalid_argument) for init_scale not finite and > 0,
+  // growth_factor not finite and > 1, backoff_factor not in (0, 1),
+  // growth_interval < 1.
+  explicit GradScaler(std::string_view device = "cuda", double init_scale = 65536.0, double growth_factor = 2.0,
+                      double backoff_factor = 0.5, std::int64_t growth_interval = 2000, bool enabled = true);
+
+  // loss * S (the value whose gradients the backward pass should compute).
+  // Returns loss unmodified when disabled.
+  double scale(double loss) const;
+  // Multiplies a tensor (or each tensor of a list) in place by S, rounding to its
+  // storage dtype. No-op when disabled.
+  void scale_(TensorView outputs) const;
+  void scale_(std::span<const TensorView> outputs) const;
+
+  // Divides the optimizer's gradients in place by S (multiplies by the fp32
+  // reciprocal, as PyTorch does) and records whether any was inf/NaN. Optional:
+  // for code that inspects or clips gradients before step(). f16/bf16 gradients
+  // are rounded back to their storage format (values below its range flush to
+  // zero; the fused step() has no such loss). A second call for the same
+  // optimizer before update(), or a call after step(), is Error(invalid_state).
+  // No-op when disabled.
+  void unscale_(Optimizer& opt);
+
+  // The fused step: unless unscale_(opt) ran this iteration, unscales, checks for
+  // inf/NaN, clips (OptimizerOptions::max_grad_norm) and updates in one reduce and
+  // one update pass. On inf/NaN nothing is written (weights, state, masters, step
+  // count) and it returns false. After unscale_(opt) it does not unscale again and
+  // skips if unscale_ found inf/NaN. A second step() for the same optimizer before
+  // update() is Error(invalid_state). Disabled: a plain opt.step().
+  // Returns whether the step was applied.
+  bool step(Optimizer& opt);
+
+  // What the last step() did: applied (false = skipped; an LR scheduler should not
+  // advance), found_inf, the unscaled gradient norm and the clip coefficient.
+  const StepResult& last_step_result() const { return last_result_; }
+
+  // Ends the iteration. With no argument: multiplies the scale by backoff_factor if
+  // any optimizer's step this iteration found inf/NaN (resetting the growth
+  // tracker); otherwise counts one more unskipped iteration and, after
+  // growth_interval of them in a row, multiplies the scale by growth_factor (kept
+  // only if the result is finite). Error(invalid_state) if no optimizer was
+  // stepped or unscaled since the last update(). With new_scale (finite, > 0):
+  // sets the scale (the growth tracker is kept). Then every optimizer is ready for
+  // a new iteration. No-op when disabled.
+  void update(std::optional<double> new_scale = std::nullopt);
+
+  double get_scale() const;  // 1.0 when disabled
+  double get_growth_factor() const { return growth_factor_; }
+  double get_backoff_factor() const { return backoff_factor_; }
+  std::int64_t get_growth_interval() const { return growth_interval_; }
+  bool is_enabled() const { return enabled_; }
+  // Validated as in the constructor; nothing changes on an Error.
+  void set_growth_factor(double new_factor);
+  void set_backoff_factor(double new_factor);
+  void set_growth_interval(std::int64_t new_interval);
+
+  // Exactly five entries: "scale", "growth_factor", "backoff_factor",
+  // "growth_interval", "_growth_tracker". Empty when disabled. Call it after update().
+  std::map<std::string, double> state_dict() const;
+  // Restores a state_dict(). No-op when disabled. An empty map is an Error (it was
+  // saved from a disabled scaler), as is a missing entry or an invalid value;
+  // nothing changes on an Error. Extra entries are ignored.
+  void load_state_dict(const std::map<std::string, double>& state);
+
+  // "cuda" or "cpu", as given; where_scale_lives() is where it actually is.
+  const std::string& device() const { return device_; }
+  Device where_scale_lives() const { return Device::cpu(); }
+  std::int64_t growth_tracker() const { return growth_tracker_; }
+
+ private:
+  enum class Stage : std::uint8_t { ready, unscaled, stepped };
+  struct PerOptimizer {
+    const Optimizer* opt;
+    Stage stage;
+    bool found_inf;
+  };
+  PerOptimizer& state_of(const Optimizer& opt);
+  static void check_growth_factor(double v);
+  static void check_backoff_factor(double v);
+  static void check_growth_interval(std::int64_t v);
+
+  std::string device_;
+  float scale_;
+  double growth_factor_;
+  double backoff_factor_;
+  std::int64_t growth_interval_;
+  std::int32_t growth_tracker_ = 0;  // an int32 tensor in PyTorch
+  bool enabled_;
+  std::vector<PerOptimizer> per_optimizer_;  // this iteration's optimizers, in first-use order
+  StepResult last_result_;
+};
+
+}  // namespace stepfuse
