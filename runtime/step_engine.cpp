@@ -169,6 +169,11 @@ int StepEngine::state_stream(std::string_view name) const {
 }
 
 void StepEngine::set_config(const OptimizerConfig& config) {
+  check_config(config);
+  config_ = config;
+}
+
+void StepEngine::check_config(const OptimizerConfig& config) const {
   if (config.index() != config_.index())
     bad_argument("set_config: the optimizer is " + std::string(optimizer_name(config_)) + " but the new config is " +
                  std::string(optimizer_name(config)) + " (build a new Optimizer to change the kind)");
@@ -178,7 +183,6 @@ void StepEngine::set_config(const OptimizerConfig& config) {
                  std::string(jit::builtin_program(jit::select_builtin(config)).name) + "' but this optimizer runs '" +
                  std::string(program_->name) +
                  "' (amsgrad, nesterov, centered and momentum on/off change the state; build a new Optimizer)");
-  config_ = config;
 }
 
 double StepEngine::clip_coef(double norm) const {

@@ -28,10 +28,13 @@ class StepEngine {
 
   const OptimizerConfig& config() const { return config_; }
   void set_config(const OptimizerConfig& config);
+  // Throws what set_config would throw for `config`, changing nothing.
+  void check_config(const OptimizerConfig& config) const;
   const OptimizerOptions& options() const { return options_; }
   const std::vector<Param>& params() const { return params_; }
   const Program& program() const { return *program_; }
   std::int64_t step_count() const { return step_count_; }
+  void set_step_count(std::int64_t n) { step_count_ = n; }  // checkpoint restore
   const StepResult& last() const { return last_; }
   const std::vector<double>& tensor_norms() const { return tensor_norms_; }
   int threads() const { return pool_->size(); }

@@ -118,7 +118,7 @@ class GradScaler {
   static void check_growth_interval(std::int64_t v);
 
   std::string device_;
-  float scale_;
+  float current_scale_;
   double growth_factor_;
   double backoff_factor_;
   std::int64_t growth_interval_;

@@ -1,0 +1,253 @@
+// The checkpoint container: checksum, atomic write, checked read.
+#include "runtime/checkpoint_file.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+
+#include "stepfuse/error.hpp"
+
+namespace stepfuse::detail {
+
+static_assert(std::endian::native == std::endian::little,
+              "the checkpoint format is little-endian; a big-endian port needs byte swaps here");
+
+namespace {
+
+constexpr char kMagic[8] = {'S', 'T', 'E', 'P', 'F', 'U', 'S', 'E'};
+constexpr std::uint32_t kByteOrderMark = 0x01020304;
+constexpr std::size_t kHeaderBytes = 24, kTrailerBytes = 8;
+constexpr std::uint64_t kPrime = 0x100000001b3ull;
+
+[[noreturn]] void io_error(const std::string& message) { throw Error(ErrorCode::io_error, message); }
+
+std::string system_reason() { return std::strerror(errno); }
+
+}  // namespace
+
+// ---- checksum ----
+
+void Checksum::update(const void* data, std::size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  bytes_ += n;
+  while (n > 0 && npending_ > 0) {  // finish a partial word
+    pending_[npending_++] = *p++, --n;
+    if (npending_ == 8) {
+      std::uint64_t w;
+      std::memcpy(&w, pending_, 8);
+      h_ = (h_ ^ w) * kPrime;
+      npending_ = 0;
+    }
+  }
+  for (; n >= 8; p += 8, n -= 8) {
+    std::uint64_t w;
+    std::memcpy(&w, p, 8);
+    h_ = (h_ ^ w) * kPrime;
+  }
+  for (; n > 0; --n) pending_[npending_++] = *p++;
+}
+
+std::uint64_t Checksum::finish() const {
+  std::uint64_t h = h_;
+  if (npending_ > 0) {
+    unsigned char last[8] = {};
+    std::memcpy(last, pending_, npending_);
+    std::uint64_t w;
+    std::memcpy(&w, last, 8);
+    h = (h ^ w) * kPrime;
+  }
+  h = (h ^ bytes_) * kPrime;  // the length, so zero padding cannot alias
+  // Avalanche (the murmur3 finalizer), so every bit of the state reaches the result.
+  h ^= h >> 33, h *= 0xff51afd7ed558ccdull, h ^= h >> 33, h *= 0xc4ceb9fe1a85ec53ull, h ^= h >> 33;
+  return h;
+}
+
+// ---- writing ----
+
+void SectionWriter::raw(const void* p, std::size_t n) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  meta_.insert(meta_.end(), b, b + n);
+}
+
+void SectionWriter::str(std::string_view s) {
+  u32(static_cast<std::uint32_t>(s.size()));
+  raw(s.data(), s.size());
+}
+
+void SectionWriter::floats(const float* data, std::size_t n) { arrays_.push_back({meta_.size(), data, n}); }
+
+std::uint64_t SectionWriter::size() const {
+  std::uint64_t total = meta_.size();
+  for (const Piece& a : arrays_) total += a.n * sizeof(float);
+  return total;
+}
+
+namespace {
+
+// A temporary file that is removed unless committed.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& target) : target_(target) {
+    static std::atomic<unsigned> counter{0};
+    path_ = target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0) io_error("cannot write checkpoint '" + target + "': creating '" + path_ + "' failed: " + system_reason());
+  }
+  ~TempFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(path_.c_str());
+  }
+  void write(const void* data, std::size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    checksum_.update(p, n);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, std::min<std::size_t>(n, std::size_t{1} << 30));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) io_error("cannot write checkpoint '" + target_ + "': " + system_reason());
+      p += w, n -= static_cast<std::size_t>(w);
+    }
+  }
+  std::uint64_t checksum() const { return checksum_.finish(); }
+  void commit() {
+    if (::fsync(fd_) != 0) io_error("cannot write checkpoint '" + target_ + "': fsync failed: " + system_reason());
+    if (::close(fd_) != 0) {
+      fd_ = -1;
+      io_error("cannot write checkpoint '" + target_ + "': " + system_reason());
+    }
+    fd_ = -1;
+    if (::rename(path_.c_str(), target_.c_str()) != 0)
+      io_error("cannot write checkpoint '" + target_ + "': renaming the temporary file failed: " + system_reason());
+    committed_ = true;
+    // Make the rename itself durable.
+    std::string dir = std::filesystem::path(target_).parent_path().string();
+    const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) ::fsync(dfd), ::close(dfd);
+  }
+
+ private:
+  std::string target_, path_;
+  int fd_ = -1;
+  bool committed_ = false;
+  Checksum checksum_;
+};
+
+}  // namespace
+
+void write_checkpoint(const std::string& path,
+                      std::span<const std::pair<std::uint32_t, const SectionWriter*>> sections) {
+  if (path.empty()) throw Error(ErrorCode::invalid_argument, "checkpoint path is empty");
+  std::uint64_t payload = 0;
+  for (const auto& [tag, s] : sections) payload += 16 + s->size();
+  TempFile f(path);
+  const std::uint32_t version = kCheckpointFormat, bom = kByteOrderMark;
+  f.write(kMagic, 8);
+  f.write(&version, 4);
+  f.write(&bom, 4);
+  f.write(&payload, 8);
+  for (const auto& [tag, s] : sections) {
+    const std::uint32_t zero = 0;
+    const std::uint64_t size = s->size();
+    f.write(&tag, 4);
+    f.write(&zero, 4);
+    f.write(&size, 8);
+    std::size_t at = 0;
+    for (const SectionWriter::Piece& a : s->arrays_) {
+      f.write(s->meta_.data() + at, a.meta_end - at);
+      at = a.meta_end;
+      f.write(a.data, a.n * sizeof(float));
+    }
+    f.write(s->meta_.data() + at, s->meta_.size() - at);
+  }
+  const std::uint64_t sum = f.checksum();
+  f.write(&sum, 8);
+  f.commit();
+}
+
+// ---- reading ----
+
+std::span<const unsigned char> SectionReader::bytes(std::size_t n) {
+  if (n > body_.size() - pos_) io_error(what_ + " is corrupt: a field runs past the end of its section");
+  const auto out = body_.subspan(pos_, n);
+  pos_ += n;
+  return out;
+}
+
+namespace {
+template <class T>
+T read_as(SectionReader& r) {
+  T v;
+  std::memcpy(&v, r.bytes(sizeof v).data(), sizeof v);
+  return v;
+}
+}  // namespace
+
+std::uint8_t SectionReader::u8() { return read_as<std::uint8_t>(*this); }
+std::uint32_t SectionReader::u32() { return read_as<std::uint32_t>(*this); }
+std::int64_t SectionReader::i64() { return read_as<std::int64_t>(*this); }
+double SectionReader::f64() { return read_as<double>(*this); }
+std::string SectionReader::str() {
+  const std::uint32_t n = u32();
+  const auto b = bytes(n);
+  return std::string(b.begin(), b.end());
+}
+
+CheckpointFile::CheckpointFile(const std::string& path) : path_(path) {
+  const std::string what = "checkpoint '" + path + "'";
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!f) io_error("cannot read " + what + ": " + system_reason());
+  if (std::fseek(f.get(), 0, SEEK_END) != 0) io_error("cannot read " + what + ": " + system_reason());
+  const long size = std::ftell(f.get());
+  if (size < 0) io_error("cannot read " + what + ": " + system_reason());
+  std::rewind(f.get());
+  data_.resize(static_cast<std::size_t>(size));
+  if (size > 0 && std::fread(data_.data(), 1, data_.size(), f.get()) != data_.size())
+    io_error("cannot read " + what + ": " + system_reason());
+
+  if (data_.size() < 8 || std::memcmp(data_.data(), kMagic, 8) != 0)
+    io_error(what + " is not a stepfuse checkpoint (it does not start with \"STEPFUSE\")");
+  if (data_.size() < kHeaderBytes + kTrailerBytes)
+    io_error(what + " is truncated: " + std::to_string(data_.size()) + " bytes, less than a header and checksum");
+  std::uint32_t version, bom;
+  std::uint64_t payload;
+  std::memcpy(&version, data_.data() + 8, 4);
+  std::memcpy(&bom, data_.data() + 12, 4);
+  std::memcpy(&payload, data_.data() + 16, 8);
+  if (bom != kByteOrderMark) io_error(what + " has a byte order this build cannot read");
+  if (version != kCheckpointFormat)
+    io_error(what + " has format version " + std::to_string(version) + "; this build of stepfuse reads version " +
+             std::to_string(kCheckpointFormat) +
+             (version > kCheckpointFormat ? " (it was written by a newer stepfuse)" : ""));
+  const std::uint64_t expected = kHeaderBytes + payload + kTrailerBytes;
+  if (payload > data_.size() || expected != data_.size())
+    io_error(what + " is " + (data_.size() < expected ? "truncated" : "longer than its header says") + ": " +
+             std::to_string(data_.size()) + " bytes, expected " + std::to_string(expected) +
+             " (a torn or partial write?)");
+  Checksum sum;
+  sum.update(data_.data(), data_.size() - kTrailerBytes);
+  std::uint64_t stored;
+  std::memcpy(&stored, data_.data() + data_.size() - kTrailerBytes, 8);
+  if (sum.finish() != stored) io_error(what + " is corrupt: its checksum does not match its contents");
+
+  SectionReader r(std::span<const unsigned char>(data_).subspan(kHeaderBytes, payload), what);
+  while (!r.done()) {
+    const std::uint32_t tag = r.u32();
+    r.u32();
+    const std::int64_t size = r.i64();
+    if (size < 0) io_error(what + " is corrupt: a negative section size");
+    sections_.emplace_back(tag, r.bytes(static_cast<std::size_t>(size)));
+  }
+}
+
+std::optional<std::span<const unsigned char>> CheckpointFile::find(std::uint32_t tag) const {
+  for (const auto& [t, body] : sections_)
+    if (t == tag) return body;
+  return std::nullopt;
+}
+
+}  // namespace stepfuse::detail

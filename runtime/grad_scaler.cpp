@@ -1,0 +1,213 @@
+// GradScaler: PyTorch's dynamic loss scaling over the fused step.
+#include "stepfuse/grad_scaler.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "runtime/scale_tensors.hpp"
+#include "runtime/thread_pool.hpp"
+#include "runtime/warning.hpp"
+#include "stepfuse/error.hpp"
+
+namespace stepfuse {
+
+namespace {
+
+[[noreturn]] void bad(const std::string& message) { throw Error(ErrorCode::invalid_argument, "GradScaler: " + message); }
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+void check_scale(const char* what, double v) {
+  if (!(std::isfinite(v) && v > 0)) bad(std::string(what) + " = " + num(v) + " (the scale must be finite and > 0)");
+  if (!std::isfinite(static_cast<float>(v)) || static_cast<float>(v) == 0.0f)
+    bad(std::string(what) + " = " + num(v) + " is outside the range of the fp32 scale");
+}
+
+std::vector<TensorView> grads_of(const Optimizer& opt) {
+  std::vector<TensorView> grads;
+  for (const Param& p : opt.params()) grads.push_back(p.grad);
+  return grads;
+}
+
+}  // namespace
+
+void GradScaler::check_growth_factor(double v) {
+  if (!(std::isfinite(v) && v > 1)) bad("growth_factor = " + num(v) + " (must be finite and > 1)");
+}
+void GradScaler::check_backoff_factor(double v) {
+  if (!(v > 0 && v < 1)) bad("backoff_factor = " + num(v) + " (must be in (0, 1))");
+}
+void GradScaler::check_growth_interval(std::int64_t v) {
+  if (v < 1 || v > INT32_MAX) bad("growth_interval = " + std::to_string(v) + " (must be in [1, 2^31 - 1])");
+}
+
+GradScaler::GradScaler(std::string_view device, double init_scale, double growth_factor, double backoff_factor,
+                       std::int64_t growth_interval, bool enabled)
+    : device_(device),
+      growth_factor_(growth_factor),
+      backoff_factor_(backoff_factor),
+      growth_interval_(growth_interval),
+      enabled_(enabled) {
+  if (device != "cuda" && device != "cpu")
+    bad("device = \"" + std::string(device) + "\" (use \"cuda\" or \"cpu\")");
+  check_scale("init_scale", init_scale);
+  check_growth_factor(growth_factor);
+  check_backoff_factor(backoff_factor);
+  check_growth_interval(growth_interval);
+  current_scale_ = static_cast<float>(init_scale);
+  if (enabled && device == "cuda")
+    detail::warn_once("GradScaler.cuda",
+                      "GradScaler(device=\"cuda\"): this build of stepfuse has no CUDA backend, so the loss scale is "
+                      "kept on the CPU, where the optimizers run (pass \"cpu\" to silence this warning)");
+}
+
+double GradScaler::scale(double loss) const { return enabled_ ? loss * static_cast<double>(current_scale_) : loss; }
+
+void GradScaler::scale_(TensorView outputs) const { scale_(std::span<const TensorView>(&outputs, 1)); }
+
+void GradScaler::scale_(std::span<const TensorView> outputs) const {
+  if (!enabled_) return;
+  detail::validate_views(outputs, "GradScaler::scale_: outputs");
+  detail::scale_tensors(outputs, current_scale_, false, detail::ThreadPool::shared(detail::ThreadPool::default_threads()));
+}
+
+GradScaler::PerOptimizer& GradScaler::state_of(const Optimizer& opt) {
+  for (PerOptimizer& s : per_optimizer_)
+    if (s.opt == &opt) return s;
+  return per_optimizer_.emplace_back(PerOptimizer{&opt, Stage::ready, false});
+}
+
+void GradScaler::unscale_(Optimizer& opt) {
+  if (!enabled_) return;
+  PerOptimizer& s = state_of(opt);
+  if (s.stage == Stage::unscaled)
+    throw Error(ErrorCode::invalid_state,
+                "GradScaler::unscale_: unscale_() has already been called on this optimizer since the last update()");
+  if (s.stage == Stage::stepped)
+    throw Error(ErrorCode::invalid_state,
+                "GradScaler::unscale_: unscale_() is being called after step() (call it before step(), once per iteration)");
+  // The reciprocal computed in double and rounded to float, as PyTorch does.
+  const float inv = static_cast<float>(1.0 / static_cast<double>(current_scale_));
+  const std::vector<TensorView> grads = grads_of(opt);
+  s.found_inf = detail::scale_tensors(grads, inv, true, detail::ThreadPool::shared(opt.num_threads()));
+  s.stage = Stage::unscaled;
+}
+
+bool GradScaler::step(Optimizer& opt) {
+  if (!enabled_) {
+    opt.step();
+    last_result_ = opt.last_result();
+    return last_result_.applied;
+  }
+  PerOptimizer& s = state_of(opt);
+  if (s.stage == Stage::stepped)
+    throw Error(ErrorCode::invalid_state,
+                "GradScaler::step: step() has already been called for this optimizer since the last update()");
+  if (s.stage == Stage::ready) {
+    // The fused path: unscale, check, clip and update in one reduce and one update pass.
+    last_result_ = opt.step_scaled(static_cast<double>(current_scale_));
+    s.found_inf = last_result_.found_inf;
+  } else if (s.found_inf) {  // unscale_ found inf/NaN: skip, write nothing
+    last_result_ = StepResult{};
+    last_result_.found_inf = true;
+    last_result_.grad_norm = INFINITY;
+  } else {  // already unscaled: a plain step on the unscaled gradients
+    opt.step();
+    last_result_ = opt.last_result();
+  }
+  s.stage = Stage::stepped;
+  return last_result_.applied;
+}
+
+void GradScaler::update(std::optional<double> new_scale) {
+  if (!enabled_) return;
+  if (new_scale) {
+    check_scale("update: new_scale", *new_scale);
+    current_scale_ = static_cast<float>(*new_scale);
+  } else {
+    bool recorded = false, found_inf = false;
+    for (const PerOptimizer& s : per_optimizer_) {
+      recorded |= s.stage != Stage::ready;
+      found_inf |= s.stage != Stage::ready && s.found_inf;
+    }
+    if (!recorded)
+      throw Error(ErrorCode::invalid_state,
+                  "GradScaler::update: no inf checks were recorded prior to update() (call step() or unscale_() for "
+                  "each optimizer first)");
+    // torch._amp_update_scale_: fp32 scale, products computed in double and rounded once.
+    if (found_inf) {
+      current_scale_ = static_cast<float>(static_cast<double>(current_scale_) * backoff_factor_);
+      growth_tracker_ = 0;
+    } else if (growth_tracker_ + 1 >= growth_interval_) {
+      const float grown = static_cast<float>(static_cast<double>(current_scale_) * growth_factor_);
+      if (std::isfinite(grown)) current_scale_ = grown;
+      growth_tracker_ = 0;
+    } else {
+      ++growth_tracker_;
+    }
+  }
+  per_optimizer_.clear();
+}
+
+double GradScaler::get_scale() const { return enabled_ ? static_cast<double>(current_scale_) : 1.0; }
+
+void GradScaler::set_growth_factor(double new_factor) {
+  check_growth_factor(new_factor);
+  growth_factor_ = new_factor;
+}
+void GradScaler::set_backoff_factor(double new_factor) {
+  check_backoff_factor(new_factor);
+  backoff_factor_ = new_factor;
+}
+void GradScaler::set_growth_interval(std::int64_t new_interval) {
+  check_growth_interval(new_interval);
+  growth_interval_ = new_interval;
+}
+
+std::map<std::string, double> GradScaler::state_dict() const {
+  if (!enabled_) return {};
+  return {{"scale", static_cast<double>(current_scale_)},
+          {"growth_factor", growth_factor_},
+          {"backoff_factor", backoff_factor_},
+          {"growth_interval", static_cast<double>(growth_interval_)},
+          {"_growth_tracker", static_cast<double>(growth_tracker_)}};
+}
+
+void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
+  if (!enabled_) return;
+  if (state.empty())
+    bad("load_state_dict: the state dict is empty, possibly because it was saved from a disabled GradScaler "
+        "(a disabled scaler's state_dict() is {})");
+  const auto get = [&](const char* key) {
+    const auto it = state.find(key);
+    if (it == state.end())
+      bad(std::string("load_state_dict: the state dict has no \"") + key +
+          "\" entry (pass a map returned by state_dict(), with its five entries)");
+    return it->second;
+  };
+  const auto integer = [&](const char* key, double v, double lo, double hi) {
+    if (!(v >= lo && v <= hi && v == std::floor(v)))
+      bad(std::string("load_state_dict: \"") + key + "\" = " + num(v) + " (must be an integer in [" + num(lo) + ", " +
+          num(hi) + "])");
+    return static_cast<std::int64_t>(v);
+  };
+  // Validate everything, then assign: nothing changes on an Error.
+  const double scale = get("scale"), growth = get("growth_factor"), backoff = get("backoff_factor");
+  check_scale("load_state_dict: scale", scale);
+  check_growth_factor(growth);
+  check_backoff_factor(backoff);
+  const std::int64_t interval = integer("growth_interval", get("growth_interval"), 1, INT32_MAX);
+  const std::int64_t tracker = integer("_growth_tracker", get("_growth_tracker"), 0, INT32_MAX);
+  current_scale_ = static_cast<float>(scale);
+  growth_factor_ = growth;
+  backoff_factor_ = backoff;
+  growth_interval_ = interval;
+  growth_tracker_ = static_cast<std::int32_t>(tracker);
+}
+
+}  // namespace stepfuse

@@ -1,0 +1,133 @@
+// LossScaleOptimizer: Keras's dynamic loss scaling over the fused step.
+#include "stepfuse/loss_scale_optimizer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "jit/config_fields.hpp"
+#include "runtime/scale_tensors.hpp"
+#include "runtime/thread_pool.hpp"
+#include "stepfuse/error.hpp"
+
+namespace stepfuse {
+
+namespace {
+
+[[noreturn]] void bad(const std::string& message) {
+  throw Error(ErrorCode::invalid_argument, "LossScaleOptimizer: " + message);
+}
+
+struct Hyper {
+  std::string_view keras;  // Keras's name
+  std::string_view field;  // the stepfuse (PyTorch) config field
+};
+
+// The hyperparameters each Keras optimizer registers with _set_hyper.
+std::vector<Hyper> hypers_of(const OptimizerConfig& config) {
+  std::vector<Hyper> h = {{"learning_rate", "lr"}};
+  std::visit(
+      [&](const auto& c) {
+        using T = std::decay_t<decltype(c)>;
+        if constexpr (std::is_same_v<T, optim::SGD>) {
+          h.push_back({"momentum", "momentum"});
+        } else if constexpr (std::is_same_v<T, optim::RMSprop>) {
+          h.push_back({"rho", "alpha"});
+          h.push_back({"momentum", "momentum"});
+        } else if constexpr (!std::is_same_v<T, optim::Adagrad>) {  // Adam, AdamW, Lion
+          h.push_back({"beta_1", "beta1"});
+          h.push_back({"beta_2", "beta2"});
+        }
+      },
+      config);
+  return h;
+}
+
+}  // namespace
+
+LossScaleOptimizer::LossScaleOptimizer(Optimizer& inner, bool dynamic, double initial_scale,
+                                       std::int64_t dynamic_growth_steps)
+    : inner_(&inner), dynamic_(dynamic), growth_steps_(dynamic_growth_steps) {
+  if (!(std::isfinite(initial_scale) && initial_scale > 0) || !std::isfinite(static_cast<float>(initial_scale)) ||
+      static_cast<float>(initial_scale) == 0.0f)
+    bad("initial_scale = " + std::to_string(initial_scale) + " (must be finite, > 0 and within fp32 range)");
+  if (dynamic_growth_steps < 1)
+    bad("dynamic_growth_steps = " + std::to_string(dynamic_growth_steps) + " (must be >= 1)");
+  scale_ = static_cast<float>(initial_scale);
+}
+
+double LossScaleOptimizer::get_scaled_loss(double loss) const { return loss * static_cast<double>(scale_); }
+
+void LossScaleOptimizer::get_unscaled_gradients(const std::vector<TensorView>& grads) const {
+  detail::validate_views(grads, "LossScaleOptimizer::get_unscaled_gradients: grads");
+  const float reciprocal = 1.0f / scale_;  // fp32, as Keras computes it
+  detail::scale_tensors(grads, reciprocal, false, detail::ThreadPool::shared(inner_->num_threads()));
+}
+
+void LossScaleOptimizer::update_scale(bool finite) {
+  if (!dynamic_) return;
+  if (!finite) {
+    scale_ = std::max(scale_ / 2.0f, 1.0f);
+    counter_ = 0;
+  } else if (counter_ + 1 >= growth_steps_) {
+    const float grown = scale_ * 2.0f;
+    if (std::isfinite(grown)) scale_ = grown;
+    counter_ = 0;
+  } else {
+    ++counter_;
+  }
+}
+
+bool LossScaleOptimizer::apply_gradients() {
+  // Scale 1: the reduce pass checks the (already unscaled) gradients; the step is
+  // skipped, writing nothing, when any is inf or NaN.
+  last_result_ = inner_->step_scaled(1.0);
+  update_scale(!last_result_.found_inf);
+  return last_result_.applied;
+}
+
+bool LossScaleOptimizer::minimize(const std::function<void(double loss_scale)>& backward) {
+  if (!backward) bad("minimize: backward is empty (pass a function that writes the gradients of loss * loss_scale)");
+  backward(static_cast<double>(scale_));
+  last_result_ = inner_->step_scaled(static_cast<double>(scale_));
+  update_scale(!last_result_.found_inf);
+  return last_result_.applied;
+}
+
+std::vector<std::string> LossScaleOptimizer::hyper_names() const {
+  std::vector<std::string> names;
+  for (const Hyper& h : hypers_of(inner_->config())) names.emplace_back(h.keras);
+  return names;
+}
+
+namespace {
+
+std::string_view field_for(const OptimizerConfig& config, std::string_view name) {
+  const std::string_view key = name == "lr" ? "learning_rate" : name;
+  const std::vector<Hyper> hypers = hypers_of(config);
+  for (const Hyper& h : hypers)
+    if (h.keras == key) return h.field;
+  std::string known;
+  for (const Hyper& h : hypers) {
+    if (!known.empty()) known += ", ";
+    known += h.keras;
+  }
+  bad("'" + std::string(name) + "' is not a hyperparameter of the inner " + std::string(optimizer_name(config)) +
+      " optimizer (its hyperparameters: " + known +
+      "; other settings are not delegated: read or change them through inner_optimizer().config() / set_config())");
+}
+
+}  // namespace
+
+double LossScaleOptimizer::get_hyper(std::string_view name) const {
+  OptimizerConfig config = inner_->config();
+  return *jit::find_number(config, field_for(config, name));
+}
+
+void LossScaleOptimizer::set_hyper(std::string_view name, double value) {
+  OptimizerConfig config = inner_->config();
+  *jit::find_number(config, field_for(config, name)) = value;
+  inner_->set_config(config);  // validates; nothing changes on an Error
+}
+
+}  // namespace stepfuse
