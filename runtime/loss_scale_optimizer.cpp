@@ -112,7 +112,9 @@ std::string_view field_for(const OptimizerConfig& config, std::string_view name)
     if (!known.empty()) known += ", ";
     known += h.keras;
   }
-  bad("'" + std::string(name) + "' is not a hyperparameter of the inner " + std::string(optimizer_name(config)) +
+  std::string message = "'";
+  message += name;
+  bad(message + "' is not a hyperparameter of the inner " + std::string(optimizer_name(config)) +
       " optimizer (its hyperparameters: " + known +
       "; other settings are not delegated: read or change them through inner_optimizer().config() / set_config())");
 }
