@@ -392,8 +392,9 @@ TEST_P(GradScalerGolden, MatchesTorchAmpGradScaler) {
     // The unfused baseline runs no norm pass without clipping (grad_norm is NaN then).
     const double want_norm = step.at("grad_norm").get<double>();
     const bool norm_optional = param.fusion == Fusion::unfused && !options.max_grad_norm;
-    if (!(norm_optional && std::isnan(r.grad_norm)))
+    if (!(norm_optional && std::isnan(r.grad_norm))) {
       EXPECT_NEAR(r.grad_norm, want_norm, kNormRtol * want_norm) << "last_step_result().grad_norm";
+    }
     if (step.contains("clip_coef")) {
       const double want_coef = step.at("clip_coef").get<double>();
       EXPECT_NEAR(r.clip_coef, want_coef, kNormRtol * want_coef) << "last_step_result().clip_coef";

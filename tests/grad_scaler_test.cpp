@@ -327,7 +327,9 @@ TEST(GradScalerDoc, DeviceCudaAcceptedWarnsAtMostOnce) {
   }
   set_warning_handler(previous);
   EXPECT_LE(g_warnings, 1) << g_last_warning;
-  if (g_warnings == 1) EXPECT_THAT(lower(g_last_warning), HasSubstr("cuda"));
+  if (g_warnings == 1) {
+    EXPECT_THAT(lower(g_last_warning), HasSubstr("cuda"));
+  }
 }
 
 // Header: "Any other string is an Error." (the type of a tensorplay.device: "cuda" or "cpu").
@@ -378,7 +380,9 @@ TEST(GradScalerDoc, ScaleInPlaceEachDtype) {
       const double expected = round_to_dtype(before[static_cast<std::size_t>(j)] * 1024.0, dt);
       EXPECT_EQ(t.get(0, j), expected) << "element " << j;
     }
-    if (dt == DType::f16) EXPECT_TRUE(std::isinf(t.get(0, 66)));
+    if (dt == DType::f16) {
+      EXPECT_TRUE(std::isinf(t.get(0, 66)));
+    }
   }
   // A scale that is not a power of two: the product rounds to the storage dtype.
   GradScaler s3("cpu", 3.0);
