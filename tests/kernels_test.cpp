@@ -151,6 +151,49 @@ TEST(Reduce, SumOfSquaresFollowsTheCanonicalOrderOnEveryTarget) {
   }
 }
 
+// Huge finite gradients (a loss scale near the top of the fp32 range) whose fp32
+// squares overflow: the sum is taken in the canonical order on values scaled by
+// 2^-e (e just above the exponent of max |g|) and scaled back in fp64. Not inf,
+// not flagged, identical on every target, and close to the exact sum.
+TEST(Reduce, SquaresOverflowingFp32GiveTheRescaledCanonicalSum) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (std::size_t n : {1u, 33u, 1000u, 16384u}) {
+      for (float magnitude : {3e19f, 1e30f, 1e38f}) {
+        std::vector<float> g(n);
+        for (float& x : g) x = dist(rng) * (magnitude * 0.2f);
+        g[n / 2] = magnitude;  // at least one square overflows fp32
+        std::vector<std::uint16_t> lp(n);
+        const void* data = g.data();
+        if (t != DType::f32) {
+          cpu::narrow(g.data(), t, lp.data(), n);
+          cpu::widen(t, lp.data(), g.data(), n);  // the values the kernel sees
+          data = lp.data();
+        }
+        float maxabs = 0;
+        for (float x : g) maxabs = std::max(maxabs, std::fabs(x));
+        const int e = std::ilogb(maxabs) + 1;
+        std::vector<float> scaled(n);
+        double exact = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+          scaled[i] = g[i] * std::ldexp(1.0f, -e);
+          exact += static_cast<double>(g[i]) * g[i];
+        }
+        const double expect = std::ldexp(canonical_sumsq(scaled.data(), n), 2 * e);
+        EXPECT_NEAR(expect, exact, 1e-5 * exact);
+        for (std::int64_t target : targets()) {
+          PerTarget scope(target);
+          const cpu::ReducePartial p = cpu::reduce_kernel(t, cpu::NormKind::l2)(data, n);
+          EXPECT_FALSE(p.nonfinite) << dtype_name(t) << " n=" << n << " on " << hwy::TargetName(target);
+          EXPECT_EQ(p.sumsq, expect) << dtype_name(t) << " n=" << n << " |g|~" << magnitude << " on "
+                                     << hwy::TargetName(target);
+        }
+      }
+    }
+  }
+}
+
 TEST(Reduce, FlagsEveryKindOfNonFiniteAnywhere) {
   for (DType t : {DType::f32, DType::f16, DType::bf16}) {
     for (float bad : {INFINITY, -INFINITY, NAN}) {

@@ -20,6 +20,36 @@ namespace hn = hwy::HWY_NAMESPACE;
 // fixed pairwise tree. Must match the GPU reduce (a warp is 32 lanes).
 constexpr std::size_t kLanes = 32;
 
+// The sum of squares of finite gradients whose fp32 squares overflow (|g| above
+// ~1.8e19: huge loss scales with f32 or bf16 gradients). Same canonical order,
+// on values first multiplied by 2^-e, e the exponent just above max |g|, so every
+// square is <= 1; the result is the fp32 sum times 2^2e, in fp64. Power-of-two
+// scaling keeps it reproducible on every target (and for the GPU to match).
+template <DType G>
+double RescaledSumOfSquares(const void* grad, std::size_t n, float maxabs) {
+  const hn::ScalableTag<float> d;
+  using V = hn::Vec<decltype(d)>;
+  constexpr std::size_t kN = hn::MaxLanes(d);
+  constexpr std::size_t kVecs = kLanes / kN;
+  const int e = std::ilogb(maxabs) + 1;  // maxabs * 2^-e < 1
+  const V s = hn::Set(d, std::ldexp(1.0f, -e));
+  V acc[kVecs];
+  for (std::size_t k = 0; k < kVecs; ++k) acc[k] = hn::Zero(d);
+  for (std::size_t i = 0; i < n; i += kLanes) {
+    alignas(64) float buf[kLanes] = {};  // zero-padded tail; every block through the buffer (a rare path)
+    std::memcpy(buf, static_cast<const char*>(grad) + i * dtype_size(G), std::min(kLanes, n - i) * dtype_size(G));
+    for (std::size_t k = 0; k < kVecs; ++k) {
+      const V g = hn::Mul(LoadAs<G>(d, buf, k * kN), s);
+      acc[k] = hn::Add(acc[k], hn::Mul(g, g));
+    }
+  }
+  alignas(64) float lanes[kLanes];
+  for (std::size_t k = 0; k < kVecs; ++k) hn::Store(acc[k], d, lanes + k * kN);
+  for (std::size_t width = kLanes / 2; width >= 1; width /= 2)
+    for (std::size_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  return std::ldexp(static_cast<double>(lanes[0]), 2 * e);
+}
+
 template <DType G, NormKind K>
 ReducePartial ReduceChunk(const void* grad, std::size_t n) {
   const hn::ScalableTag<float> d;
@@ -67,12 +97,15 @@ ReducePartial ReduceChunk(const void* grad, std::size_t n) {
       for (std::size_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
     out.sumsq = lanes[0];
     if (!std::isfinite(lanes[0])) {  // rare: an inf/NaN element, or squares overflowing fp32
+      V maxabs = zero;
       for (std::size_t j = 0; j < n && !out.nonfinite; j += kN) {
         alignas(64) float buf[kN] = {};
         std::memcpy(buf, static_cast<const char*>(grad) + j * dtype_size(G), std::min(kN, n - j) * dtype_size(G));
         const V g = LoadAs<G>(d, buf, 0);
         out.nonfinite = !hn::AllTrue(d, hn::IsFinite(g));
+        maxabs = hn::Max(maxabs, hn::Abs(g));
       }
+      if (!out.nonfinite) out.sumsq = RescaledSumOfSquares<G>(grad, n, hn::GetLane(hn::MaxOfLanes(d, maxabs)));
     }
   } else {
     for (std::size_t lane = 0; lane < kLanes; ++lane) out.nonfinite |= !(bad[lane] == 0.0f);
