@@ -116,9 +116,12 @@ bool GradScaler::step(Optimizer& opt) {
     last_result_ = StepResult{};
     last_result_.found_inf = true;
     last_result_.grad_norm = INFINITY;
-  } else {  // already unscaled: a plain step on the unscaled gradients
-    opt.step();
-    last_result_ = opt.last_result();
+  } else {
+    // Already unscaled (and perhaps changed by the caller): the same fused step with
+    // scale 1, so the result reports the norm, and gradients made non-finite since
+    // unscale_ still skip the step rather than corrupt the weights.
+    last_result_ = opt.step_scaled(1.0);
+    s.found_inf = last_result_.found_inf;
   }
   s.stage = Stage::stepped;
   return last_result_.applied;

@@ -63,7 +63,7 @@ class GradScaler {
   // inf/NaN, clips (OptimizerOptions::max_grad_norm) and updates in one reduce and
   // one update pass. On inf/NaN nothing is written (weights, state, masters, step
   // count) and it returns false. After unscale_(opt) it does not unscale again and
-  // skips if unscale_ found inf/NaN. A second step() for the same optimizer before
+  // skips if unscale_ found inf/NaN (or the gradients are not finite now). A second step() for the same optimizer before
   // update() is Error(invalid_state). Disabled: a plain opt.step().
   // Returns whether the step was applied.
   bool step(Optimizer& opt);
