@@ -1,5 +1,5 @@
 // GradScaler: one test per requirement of the tensorplay.GradScaler document
-// (/work/shared/seeds/gradscaler.txt), of DESIGN §4 and of include/stepfuse/grad_scaler.hpp
+// (the PyTorch-style API document stepfuse::GradScaler implements), of DESIGN §4 and of include/stepfuse/grad_scaler.hpp
 // (the header's comments fix what the document leaves open: PyTorch's fp32 scale
 // arithmetic, the int32 growth tracker, update(new_scale) keeping the tracker, ...).
 // Each test quotes the sentence it pins.
@@ -24,6 +24,7 @@
 #include "reference/dtypes.hpp"
 #include "reference/harness.hpp"
 #include "reference/test_data.hpp"
+#include "runtime/warning.hpp"
 #include "stepfuse/stepfuse.hpp"
 
 namespace stepfuse::ref {
@@ -224,6 +225,68 @@ bool inf_iteration(GradScaler& s, Net& n, std::uint64_t seed) {
 }
 
 // ---------------------------------------------------------------------------
+// Device (first in the file: the "cuda" warning is once per process, and the "cpu"
+// test must run before any "cuda" scaler when the whole suite runs in one process)
+
+int g_warnings = 0;
+std::string g_last_warning;
+void counting_handler(std::string_view message) {
+  ++g_warnings;
+  g_last_warning = std::string(message);
+}
+
+// "device (str, optional, default="cuda") – Device type to use. Possible values are:
+//  ‘cuda’ and ‘cpu’." — "cpu" is accepted and is never a reason to warn.
+TEST(GradScalerDoc, DeviceCpuAcceptedWithoutWarning) {
+  g_warnings = 0;
+  const WarningHandler previous = set_warning_handler(&counting_handler);
+  {
+    GradScaler a("cpu");
+    GradScaler b("cpu", 8.0);
+    EXPECT_EQ(a.device(), "cpu");
+    EXPECT_TRUE(a.where_scale_lives() == Device::cpu());
+  }
+  set_warning_handler(previous);
+  EXPECT_EQ(g_warnings, 0) << g_last_warning;
+}
+
+// DESIGN §4: ""cuda" on a machine without a GPU falls back to the CPU with a one-time
+// warning, so the document's default works everywhere." error.hpp: "Each goes to the
+// handler, once per process per cause." This build has no CUDA backend, so "cuda"
+// always falls back: exactly one warning for three scalers.
+TEST(GradScalerDoc, DeviceCudaAcceptedWarnsOnce) {
+  g_warnings = 0;
+  g_last_warning.clear();
+  detail::reset_warnings_for_testing();  // another test may have used "cuda" in this process
+  const WarningHandler previous = set_warning_handler(&counting_handler);
+  {
+    GradScaler a("cuda");
+    GradScaler b("cuda", 1024.0);
+    GradScaler c;  // the default device is "cuda"
+    EXPECT_EQ(a.device(), "cuda");
+    // The default works everywhere: it steps a CPU optimizer.
+    Net n(sgd(1.0), DType::f32, DType::f32, {16});
+    const auto g = n.set_grads(3, b.get_scale());
+    const double w0 = n.w.get(0, 0);
+    EXPECT_TRUE(b.step(n.opt));
+    b.update();
+    EXPECT_EQ(n.w.get(0, 0), f32(w0 - g[0][0]));
+  }
+  set_warning_handler(previous);
+  EXPECT_EQ(g_warnings, 1) << g_last_warning;
+  EXPECT_THAT(lower(g_last_warning), HasSubstr("cuda"));
+  EXPECT_THAT(lower(g_last_warning), HasSubstr("cpu"));
+}
+
+// Header: "Any other string is an Error." (the type of a tensorplay.device: "cuda" or "cpu").
+TEST(GradScalerDoc, DeviceOtherStringsRejected) {
+  for (const char* d : {"tpu", "", "CUDA:0", "cuda:0", "CPU", "gpu"}) {
+    SCOPED_TRACE(d);
+    error_message([&] { GradScaler s(d); }, ErrorCode::invalid_argument);
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Constructor
 
 // "class tensorplay.GradScaler(device: str = 'cuda', init_scale: float = 65536.0,
@@ -276,67 +339,6 @@ TEST(GradScalerDoc, ConstructorRejectsInvalidValues) {
     SCOPED_TRACE(v);
     EXPECT_THAT(error_message([&] { GradScaler s("cpu", 65536.0, 2.0, 0.5, v); }, ErrorCode::invalid_argument),
                 HasSubstr("growth_interval"));
-  }
-}
-
-// ---------------------------------------------------------------------------
-// Device
-
-int g_warnings = 0;
-std::string g_last_warning;
-void counting_handler(std::string_view message) {
-  ++g_warnings;
-  g_last_warning = std::string(message);
-}
-
-// "device (str, optional, default="cuda") – Device type to use. Possible values are:
-//  ‘cuda’ and ‘cpu’." — "cpu" is accepted and is never a reason to warn.
-TEST(GradScalerDoc, DeviceCpuAcceptedWithoutWarning) {
-  g_warnings = 0;
-  const WarningHandler previous = set_warning_handler(&counting_handler);
-  {
-    GradScaler a("cpu");
-    GradScaler b("cpu", 8.0);
-    EXPECT_EQ(a.device(), "cpu");
-    EXPECT_TRUE(a.where_scale_lives() == Device::cpu());
-  }
-  set_warning_handler(previous);
-  EXPECT_EQ(g_warnings, 0) << g_last_warning;
-}
-
-// DESIGN §4: ""cuda" on a machine without a GPU falls back to the CPU with a one-time
-// warning, so the document's default works everywhere." error.hpp: "Each goes to the
-// handler, once per process per cause." (Another test may already have used "cuda" in
-// this process, so only "at most one, and about cuda" is asserted.)
-TEST(GradScalerDoc, DeviceCudaAcceptedWarnsAtMostOnce) {
-  g_warnings = 0;
-  g_last_warning.clear();
-  const WarningHandler previous = set_warning_handler(&counting_handler);
-  {
-    GradScaler a("cuda");
-    GradScaler b("cuda", 1024.0);
-    GradScaler c;  // the default device is "cuda"
-    EXPECT_EQ(a.device(), "cuda");
-    // The default works everywhere: it steps a CPU optimizer.
-    Net n(sgd(1.0), DType::f32, DType::f32, {16});
-    const auto g = n.set_grads(3, b.get_scale());
-    const double w0 = n.w.get(0, 0);
-    EXPECT_TRUE(b.step(n.opt));
-    b.update();
-    EXPECT_EQ(n.w.get(0, 0), f32(w0 - g[0][0]));
-  }
-  set_warning_handler(previous);
-  EXPECT_LE(g_warnings, 1) << g_last_warning;
-  if (g_warnings == 1) {
-    EXPECT_THAT(lower(g_last_warning), HasSubstr("cuda"));
-  }
-}
-
-// Header: "Any other string is an Error." (the type of a tensorplay.device: "cuda" or "cpu").
-TEST(GradScalerDoc, DeviceOtherStringsRejected) {
-  for (const char* d : {"tpu", "", "CUDA:0", "cuda:0", "CPU", "gpu"}) {
-    SCOPED_TRACE(d);
-    error_message([&] { GradScaler s(d); }, ErrorCode::invalid_argument);
   }
 }
 
@@ -930,6 +932,32 @@ TEST(GradScalerDoc, SeveralOptimizersOneScaler) {
   EXPECT_EQ(a.opt.step_count(), 3);
   EXPECT_EQ(b.opt.step_count(), 3);
   (void)gb;
+}
+
+// "the optimal scale factor is the largest factor that can be used without incurring inf
+//  or NaN gradient values. scaler approximates the optimal scale factor over time by
+//  checking the gradients for infs and NaNs during every scaler.step(optimizer)".
+// Gradients of 100 stored in f16 (max 65504): 100 * S overflows for S >= 1024, so the
+// optimum is 512. From 65536 the scaler backs off 7 times to 512, then oscillates: 10
+// good iterations at 512, growth to 1024, one skip back to 512.
+TEST(GradScalerDoc, ApproximatesOptimalScaleOverTime) {
+  GradScaler s("cpu", 65536.0, 2.0, 0.5, 10);
+  Net n(sgd(1e-6), DType::f32, DType::f16, {64});
+  auto iteration = [&] {
+    for (std::int64_t j = 0; j < 64; ++j) n.g.set(0, j, 100.0 * s.get_scale());  // backward of scale(loss)
+    const bool applied = s.step(n.opt);
+    s.update();
+    return applied;
+  };
+  for (int k = 0; k < 7; ++k) EXPECT_FALSE(iteration()) << k;
+  EXPECT_EQ(s.get_scale(), 512.0);
+  int skipped = 0;
+  for (int k = 0; k < 110; ++k) {
+    if (!iteration()) ++skipped;
+    EXPECT_TRUE(s.get_scale() == 512.0 || s.get_scale() == 1024.0) << s.get_scale();
+  }
+  EXPECT_EQ(skipped, 10);
+  EXPECT_EQ(n.opt.step_count(), 100);
 }
 
 // ---------------------------------------------------------------------------

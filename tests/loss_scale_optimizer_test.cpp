@@ -1,5 +1,5 @@
 // LossScaleOptimizer: the tf.keras.mixed_precision.LossScaleOptimizer document
-// (/work/shared/seeds/loss_scale_optimizer.txt), its examples exactly, DESIGN §4 and
+// (as published in Russian; quoted below), its examples exactly, DESIGN §4 and
 // include/stepfuse/loss_scale_optimizer.hpp. Each test quotes the sentence it pins
 // (translated from the document's Russian where it quotes prose).
 //
@@ -726,6 +726,31 @@ TEST(LossScaleOptimizerDoc, F16OverflowSkipsThenFits) {
   EXPECT_EQ(seen, (std::vector<double>{32768.0, 16384.0}));
   for (std::int64_t j = 0; j < 3; ++j) EXPECT_EQ(n.w.get(0, j), f32(w0[static_cast<std::size_t>(j)] - 1.5));
   EXPECT_EQ(lso.dynamic_counter(), 1);
+}
+
+// "Обычно первые 2-15 шагов модели пропускаются, так как начальный масштаб потерь очень
+//  высок, но после этого шаги пропускаются в среднем в 0,05% случаев (доля пропущенных
+//  шагов — 1 / dynamic_growth_steps)." (the first 2-15 steps are usually skipped because the
+// initial scale is very high; after that the fraction of skipped steps is about
+// 1 / dynamic_growth_steps.) Gradients of 100 in f16 overflow for S >= 1024: from 2^15, 6
+// skips down to 512, then one skip (the growth to 1024) per 10 finite steps.
+TEST(LossScaleOptimizerDoc, SkipRateIsAboutOneOverGrowthSteps) {
+  Net n(sgd(1e-6), DType::f32, DType::f16, {64});
+  LossScaleOptimizer lso(n.opt, true, 32768.0, 10);
+  auto step = [&] {
+    return lso.minimize([&](double S) {
+      for (std::int64_t j = 0; j < 64; ++j) n.g.set(0, j, 100.0 * S);
+    });
+  };
+  for (int k = 0; k < 6; ++k) EXPECT_FALSE(step()) << k;
+  EXPECT_EQ(lso.loss_scale(), 512.0);
+  int skipped = 0;
+  for (int k = 0; k < 110; ++k) {
+    if (!step()) ++skipped;
+    EXPECT_TRUE(lso.loss_scale() == 512.0 || lso.loss_scale() == 1024.0) << lso.loss_scale();
+  }
+  EXPECT_EQ(skipped, 10);  // 1 / (growth_steps + 1) of the steps
+  EXPECT_EQ(lso.iterations(), 100);
 }
 
 // ---------------------------------------------------------------------------
