@@ -1,6 +1,7 @@
 // stepfuse: the whole mixed-precision optimizer step, fused. Umbrella header.
 #pragma once
 
+#include "stepfuse/convert.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/grad_scaler.hpp"
 #include "stepfuse/loss_scale_optimizer.hpp"
