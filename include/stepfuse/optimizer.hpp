@@ -30,7 +30,8 @@ struct OptimizerOptions {
   double norm_type = 2.0;               // 2.0 or INFINITY
   bool master_weights = true;           // fp32 masters for f16/bf16 weights
   Fusion fusion = Fusion::fused;
-  // Threads for the CPU backend; 0 = STEPFUSE_NUM_THREADS, else the machine's cores.
+  // Threads for the CPU backend; 0 = STEPFUSE_NUM_THREADS, else the machine's cores,
+  // but no more than one per 256 K elements (small lists run faster on fewer).
   // Results are bitwise identical for every thread count.
   int num_threads = 0;
   // Compute the gradient norm even on a plain step (no loss scale, no clipping),
