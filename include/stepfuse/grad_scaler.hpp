@@ -17,7 +17,8 @@ namespace stepfuse {
 
 // Usage, once per iteration:
 //
-//   stepfuse::GradScaler scaler;                 // once, before training
+//   stepfuse::GradScaler scaler("cpu");          // once, before training ("cuda", the
+//                                                // default, warns once where no GPU is usable)
 //   ... forward; backward of scaler.scale(loss) writes gradients scaled by S ...
 //   scaler.step(opt);     // unscale + inf/NaN check + clip + update, fused; skipped on inf/NaN
 //   scaler.update();      // back off after a skipped step, grow after growth_interval good ones
