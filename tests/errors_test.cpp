@@ -2,17 +2,14 @@
 #include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr, AnyOf
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cctype>
 #include <cmath>
-#include <functional>
-#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "reference/harness.hpp"
 #include "reference/test_data.hpp"
+#include "reference/test_util.hpp"
 #include "stepfuse/stepfuse.hpp"
 
 namespace stepfuse::ref {
@@ -22,30 +19,6 @@ using ::testing::AllOf;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using ::testing::Matcher;
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-std::string lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return s;
-}
-
-// Runs `f`, which must throw stepfuse::Error with `code`, and returns its message in
-// lower case (messages are matched case-insensitively: "NaN", "nan", "Inf", "inf").
-std::string error_message(const std::function<void()>& f, ErrorCode code = ErrorCode::invalid_argument) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(error_code_name(e.code()), error_code_name(code)) << "message: " << e.what();
-    return lower(e.what());
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something other than stepfuse::Error: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "no exception";
-  return {};
-}
 
 // How a value should appear in a message: "-0.5", "1.5", "nan", "inf", "-inf".
 std::string shown(double v) {

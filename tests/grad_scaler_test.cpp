@@ -6,13 +6,9 @@
 #include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cctype>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -24,6 +20,7 @@
 #include "reference/dtypes.hpp"
 #include "reference/harness.hpp"
 #include "reference/test_data.hpp"
+#include "reference/test_util.hpp"
 #include "runtime/warning.hpp"
 #include "stepfuse/stepfuse.hpp"
 
@@ -32,94 +29,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-std::string lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return s;
-}
-
-// Runs `f`, which must throw stepfuse::Error with `code`; returns the message in lower case.
-std::string error_message(const std::function<void()>& f, ErrorCode code) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(error_code_name(e.code()), error_code_name(code)) << "message: " << e.what();
-    return lower(e.what());
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something other than stepfuse::Error: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "no exception";
-  return {};
-}
-
-// Runs `f`, which must throw stepfuse::Error (any code); returns the message in lower case.
-std::string any_error_message(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return lower(e.what());
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something other than stepfuse::Error: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "no exception";
-  return {};
-}
-
-// The fp32 value a double rounds to, as a double.
-double f32(double x) { return static_cast<double>(static_cast<float>(x)); }
-
-// A model: caller-owned weights and gradients, and an Optimizer over them.
-// Weights are N(0, 1) from `seed`, so two Nets with the same seed start identical.
-struct Net {
-  Net(const OptimizerConfig& config, DType weight_dtype, DType grad_dtype, const std::vector<std::int64_t>& sizes,
-      std::uint64_t seed = 1, OptimizerOptions options = {})
-      : w(weight_dtype, sizes, false),
-        g(grad_dtype, sizes, false),
-        opt((init(w, seed), config), make_params(w, g), options) {}
-
-  static int init(const HostTensors& t, std::uint64_t seed) {
-    Random rng(seed);
-    fill_weights(t, rng);
-    return 0;
-  }
-
-  // Gradients g ~ N(0, 0.25) (g rounded to the grad dtype first), stored as g * S.
-  // S must keep g * S exact (a power of two, no overflow). Returns the unscaled g.
-  std::vector<std::vector<double>> set_grads(std::uint64_t seed, double S) {
-    Random rng(seed);
-    std::vector<std::vector<double>> out;
-    for (std::size_t i = 0; i < g.size(); ++i) {
-      out.emplace_back();
-      for (std::int64_t j = 0; j < g[i].numel; ++j) {
-        g.set(i, j, 0.5 * rng.normal());
-        const double v = g.get(i, j);
-        out.back().push_back(v);
-        g.set(i, j, v * S);
-        EXPECT_EQ(g.get(i, j), v * S) << "test setup: g * S not exact";
-      }
-    }
-    return out;
-  }
-  // Stores the given (already scaled) values.
-  void put_grads(const std::vector<std::vector<double>>& v) {
-    for (std::size_t i = 0; i < g.size(); ++i)
-      for (std::int64_t j = 0; j < g[i].numel; ++j) g.set(i, j, v[i][static_cast<std::size_t>(j)]);
-  }
-
-  HostTensors w;
-  HostTensors g;
-  Optimizer opt;
-};
-
-template <class T>
-std::vector<unsigned char> bytes_of(std::span<const T> s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  return {p, p + s.size_bytes()};
-}
+// The model of these tests (reference/test_util.hpp): gradients N(0, 0.25), not clamped.
+using Net = TestNet;
 
 // Everything a step may write: weights, every state tensor, masters, the step count.
 struct Snapshot {
@@ -152,41 +63,6 @@ void expect_same(const Snapshot& a, const Snapshot& b) {
   ASSERT_EQ(a.blocks.size(), b.blocks.size());
   for (std::size_t k = 0; k < a.blocks.size(); ++k)
     EXPECT_TRUE(a.blocks[k] == b.blocks[k]) << a.labels[k] << " changed";
-}
-
-// fp32 values agree within 1e-6 relative (plus a tiny absolute floor for values near 0).
-void expect_close_f32(std::span<const float> a, std::span<const float> b, const std::string& what,
-                      double abs_floor = 1e-12) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  int bad = 0;
-  for (std::size_t j = 0; j < a.size(); ++j) {
-    const double x = a[j], y = b[j];
-    const double tol = 1e-6 * std::max(std::fabs(x), std::fabs(y)) + abs_floor;
-    if (!(std::fabs(x - y) <= tol) && ++bad <= 5) ADD_FAILURE() << what << "[" << j << "]: " << x << " vs " << y;
-  }
-}
-
-// Two Nets' weights, state and masters agree (fp32 within 1e-6 rel; f16/bf16 weights within 1 ulp).
-void expect_nets_close(const Net& a, const Net& b, double abs_floor = 1e-12) {
-  ASSERT_EQ(a.opt.num_params(), b.opt.num_params());
-  EXPECT_EQ(a.opt.step_count(), b.opt.step_count());
-  for (std::size_t i = 0; i < a.w.size(); ++i) {
-    const std::string t = "tensor " + std::to_string(i);
-    if (a.w.dtype() == DType::f32) {
-      expect_close_f32({static_cast<const float*>(a.w[i].data), static_cast<std::size_t>(a.w[i].numel)},
-                       {static_cast<const float*>(b.w[i].data), static_cast<std::size_t>(b.w[i].numel)}, "weight " + t,
-                       abs_floor);
-    } else {
-      int bad = 0;
-      for (std::int64_t j = 0; j < a.w[i].numel; ++j) {
-        const auto d = ulp_distance16(load_bits16(a.w[i], j), load_bits16(b.w[i], j), a.w.dtype());
-        if (d > 1 && ++bad <= 5) ADD_FAILURE() << "weight " << t << "[" << j << "]: " << a.w.get(i, j) << " vs " << b.w.get(i, j);
-      }
-    }
-    expect_close_f32(a.opt.master(i), b.opt.master(i), "master " + t, abs_floor);
-    for (std::string_view name : a.opt.state_names())
-      expect_close_f32(a.opt.state(i, name), b.opt.state(i, name), std::string(name) + " " + t, abs_floor);
-  }
 }
 
 optim::Adam adam() {
@@ -1222,10 +1098,7 @@ TEST(GradScalerDoc, ClippingThroughScalerStep) {
     Net n(sgd(1.0), DType::f32, gd, kSizes, 3, o);
     Net w0(sgd(1.0), DType::f32, gd, kSizes, 3);
     const auto g = n.set_grads(5, 4096.0);
-    double sq = 0;
-    for (const auto& t : g)
-      for (double x : t) sq += x * x;
-    const double norm = std::sqrt(sq);
+    const double norm = l2_norm(g);
     ASSERT_GT(norm, 10.0);  // so the clip really scales
     const double coef = 1.0 / (norm + 1e-6);
     EXPECT_TRUE(s.step(n.opt));
@@ -1233,13 +1106,7 @@ TEST(GradScalerDoc, ClippingThroughScalerStep) {
     EXPECT_TRUE(r.applied);
     EXPECT_NEAR(r.grad_norm, norm, 1e-5 * norm);
     EXPECT_NEAR(r.clip_coef, coef, 1e-5 * coef);
-    int bad = 0;
-    for (std::size_t i = 0; i < g.size(); ++i)
-      for (std::int64_t j = 0; j < kSizes[i]; ++j) {
-        const double expected = w0.w.get(i, j) - g[i][static_cast<std::size_t>(j)] * coef;
-        if (std::fabs(n.w.get(i, j) - expected) > 1e-6 * (std::fabs(expected) + 1) && ++bad <= 5)
-          ADD_FAILURE() << "weight[" << i << "][" << j << "] = " << n.w.get(i, j) << ", expected " << expected;
-      }
+    expect_clipped_sgd_step(n, w0, g, coef);
     s.update();
     // The same with unscale_() first (the document's example): the same clip.
     Net m(sgd(1.0), DType::f32, gd, kSizes, 3, o);

@@ -10,12 +10,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -26,37 +23,13 @@
 #include "reference/dtypes.hpp"
 #include "reference/harness.hpp"
 #include "reference/test_data.hpp"
+#include "reference/test_util.hpp"
 #include "stepfuse/stepfuse.hpp"
 
 namespace stepfuse::ref {
 namespace {
 
 using ::testing::HasSubstr;
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-std::string lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return s;
-}
-
-// Runs `f`, which must throw stepfuse::Error with `code`; returns the message in lower case.
-std::string error_message(const std::function<void()>& f, ErrorCode code) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(error_code_name(e.code()), error_code_name(code)) << "message: " << e.what();
-    return lower(e.what());
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something other than stepfuse::Error: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "no exception";
-  return {};
-}
-
-double f32(double x) { return static_cast<double>(static_cast<float>(x)); }
 
 // Every field of a configuration, as text (the optim structs have no operator==).
 std::string describe(const optim::SGD& c) {
@@ -104,46 +77,13 @@ std::string describe(const OptimizerConfig& c) {
   return std::visit([](const auto& x) { return describe(x); }, c);
 }
 
-// A model: caller-owned weights and gradients, and an Optimizer over them.
-struct Net {
-  Net(const OptimizerConfig& config, DType weight_dtype, DType grad_dtype, const std::vector<std::int64_t>& sizes,
-      std::uint64_t seed = 1, OptimizerOptions options = {})
-      : w(weight_dtype, sizes, false),
-        g(grad_dtype, sizes, false),
-        opt((init(w, seed), config), make_params(w, g), options) {}
-
-  static int init(const HostTensors& t, std::uint64_t seed) {
-    Random rng(seed);
-    fill_weights(t, rng);
-    return 0;
-  }
-
-  // Gradients g ~ N(0, 0.25), |g| < 1.9, rounded to the grad dtype, stored as g * S
-  // (S a power of two keeping g * S exact). Returns the unscaled g.
+// The model of these tests (reference/test_util.hpp), with gradients clamped to
+// |g| <= 1.9: g * S then stays finite in f16 for every S up to 32768 (grad_scale_for).
+struct Net : TestNet {
+  using TestNet::TestNet;
   std::vector<std::vector<double>> set_grads(std::uint64_t seed, double S) const {
-    Random rng(seed);
-    std::vector<std::vector<double>> out;
-    for (std::size_t i = 0; i < g.size(); ++i) {
-      out.emplace_back();
-      for (std::int64_t j = 0; j < g[i].numel; ++j) {
-        g.set(i, j, std::clamp(0.5 * rng.normal(), -1.9, 1.9));
-        const double v = g.get(i, j);
-        out.back().push_back(v);
-        g.set(i, j, v * S);
-        EXPECT_EQ(g.get(i, j), v * S) << "test setup: g * S not exact";
-      }
-    }
-    return out;
+    return TestNet::set_grads(seed, S, 1.9);
   }
-  std::vector<TensorView> grad_views() const {
-    std::vector<TensorView> v;
-    for (std::size_t i = 0; i < g.size(); ++i) v.push_back(g[i]);
-    return v;
-  }
-
-  HostTensors w;
-  HostTensors g;
-  Optimizer opt;
 };
 
 // The loss scale to store gradients with: S itself when g * S is exact in every dtype
@@ -165,11 +105,6 @@ bool bad_step(LossScaleOptimizer& lso, const Net& n, std::uint64_t seed, double 
   });
 }
 
-template <class T>
-std::vector<unsigned char> bytes_of(std::span<const T> s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  return {p, p + s.size_bytes()};
-}
 // Weights, every state tensor, masters and the step count, as bytes.
 std::vector<std::vector<unsigned char>> capture(const Net& n) {
   auto out = n.w.snapshot();
@@ -179,34 +114,6 @@ std::vector<std::vector<unsigned char>> capture(const Net& n) {
   const std::int64_t steps = n.opt.step_count();
   out.emplace_back(reinterpret_cast<const unsigned char*>(&steps), reinterpret_cast<const unsigned char*>(&steps) + 8);
   return out;
-}
-
-void expect_close_f32(std::span<const float> a, std::span<const float> b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  int bad = 0;
-  for (std::size_t j = 0; j < a.size(); ++j) {
-    const double x = a[j], y = b[j];
-    if (!(std::fabs(x - y) <= 1e-6 * std::max(std::fabs(x), std::fabs(y)) + 1e-12) && ++bad <= 5)
-      ADD_FAILURE() << what << "[" << j << "]: " << x << " vs " << y;
-  }
-}
-void expect_nets_close(const Net& a, const Net& b) {
-  EXPECT_EQ(a.opt.step_count(), b.opt.step_count());
-  for (std::size_t i = 0; i < a.w.size(); ++i) {
-    const std::string t = " of tensor " + std::to_string(i);
-    if (a.w.dtype() == DType::f32) {
-      expect_close_f32({static_cast<const float*>(a.w[i].data), static_cast<std::size_t>(a.w[i].numel)},
-                       {static_cast<const float*>(b.w[i].data), static_cast<std::size_t>(b.w[i].numel)}, "weight" + t);
-    } else {
-      int bad = 0;
-      for (std::int64_t j = 0; j < a.w[i].numel; ++j)
-        if (ulp_distance16(load_bits16(a.w[i], j), load_bits16(b.w[i], j), a.w.dtype()) > 1 && ++bad <= 5)
-          ADD_FAILURE() << "weight" << t << "[" << j << "]: " << a.w.get(i, j) << " vs " << b.w.get(i, j);
-    }
-    expect_close_f32(a.opt.master(i), b.opt.master(i), "master" + t);
-    for (std::string_view name : a.opt.state_names())
-      expect_close_f32(a.opt.state(i, name), b.opt.state(i, name), std::string(name) + t);
-  }
 }
 
 optim::SGD sgd(double lr, double momentum = 0) {
@@ -892,19 +799,10 @@ TEST(LossScaleOptimizerDoc, MinimizeClipsUnscaledGradients) {
   LossScaleOptimizer lso(n.opt);
   std::vector<std::vector<double>> g;
   EXPECT_TRUE(lso.minimize([&](double S) { g = n.set_grads(4, S); }));
-  double sq = 0;
-  for (const auto& t : g)
-    for (double x : t) sq += x * x;
-  const double coef = 1.0 / (std::sqrt(sq) + 1e-6);
+  const double coef = 1.0 / (l2_norm(g) + 1e-6);
   ASSERT_LT(coef, 0.5);
   EXPECT_NEAR(lso.last_result().clip_coef, coef, 1e-5 * coef);
-  int bad = 0;
-  for (std::size_t i = 0; i < g.size(); ++i)
-    for (std::int64_t j = 0; j < kSizes[i]; ++j) {
-      const double expected = w0.w.get(i, j) - g[i][static_cast<std::size_t>(j)] * coef;
-      if (std::fabs(n.w.get(i, j) - expected) > 1e-6 * (std::fabs(expected) + 1) && ++bad <= 5)
-        ADD_FAILURE() << "weight[" << i << "][" << j << "] = " << n.w.get(i, j) << ", expected " << expected;
-    }
+  expect_clipped_sgd_step(n, w0, g, coef);
 }
 
 }  // namespace

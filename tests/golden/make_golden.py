@@ -162,32 +162,129 @@ def total_norm_like_clip(grads, norm_type):
     return torch.norm(torch.stack([torch.norm(g.detach(), norm_type) for g in grads]), norm_type)
 
 
-def make_trace(name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, inject, seed):
-    rng = np.random.RandomState(seed)
-    norm_type_f = math.inf if norm_type == "inf" else float(norm_type)
+# The pieces below are shared with make_golden_scaler.py, so that both sets of traces are
+# made and written the same way.
 
+def new_params_and_optimizer(rng, opt_name, hp, shapes):
+    """Random initial parameters (rounded to 3 decimals) and the torch optimizer over them."""
     init = [np.float32(np.round(rng.randn(n), 3)) for n in shapes]
     params = [torch.nn.Parameter(torch.tensor(p.copy(), dtype=torch.float32)) for p in init]
     opt = OPTIMIZERS[opt_name](params, foreach=False, **hp)
+    return init, params, opt
 
+
+def optimizer_fields(opt_name, hp, max_norm, norm_type):
+    """The trace's lines "optimizer", "hyperparameters", "max_grad_norm", "norm_type"."""
+    return [
+        '  "optimizer": %s,' % json.dumps(opt_name),
+        '  "hyperparameters": {%s},' % ", ".join(
+            "%s: %s" % (json.dumps(k), fmt_scalar(v)) for k, v in hp.items()),
+        '  "max_grad_norm": %s,' % ("null" if max_norm is None else fmt_scalar(max_norm)),
+        '  "norm_type": %s,' % ('"inf"' if norm_type == "inf" else str(int(norm_type))),
+    ]
+
+
+def clip_or_norm(params, max_norm, norm_type_f, **clip_args):
+    """clip_grad_norm_ (with clip_args) when max_norm is set, else the norm alone.
+    Returns (total norm, the clip coefficient or None)."""
+    if max_norm is not None:
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type_f, **clip_args)
+        # the coefficient clip_grad_norm_ applied (recomputed exactly as it does)
+        return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return total_norm_like_clip([p.grad for p in params], norm_type_f), None
+
+
+def applied_step_lines(opt, params, state_names, applied, total, coef, more=False):
+    """The lines of an applied step from "skipped" to "state" (followed by a comma when
+    `more` entries follow). Checks that the optimizer keeps the same state tensors as on
+    earlier steps (state_names; None before the first applied step) and that torch's
+    "step" is `applied`. Returns (state_names, lines)."""
+    names = [key for key, v in opt.state[params[0]].items()
+             if key != "step" and isinstance(v, torch.Tensor)]
+    if state_names is None:
+        state_names = names
+    assert names == state_names, (names, state_names)
+    for p in params:
+        st = opt.state[p]
+        if "step" in st:
+            assert int(st["step"]) == applied, (st["step"], applied)
+
+    lines = []
+    lines.append('      "skipped": false,')
+    lines.append('      "step_count": %d,' % applied)
+    lines.append('      "grad_norm": %s,' % fmt(total.item()))
+    if coef is not None:
+        lines.append('      "clip_coef": %s,' % fmt(coef.item()))
+    lines.append('      "params": [')
+    lines.append(",\n".join("        " + fmt_array(p.detach().numpy()) for p in params))
+    lines.append("      ],")
+    lines.append('      "state": {')
+    st_lines = []
+    for sn in state_names:
+        arrays = ",\n".join("          " + fmt_array(opt.state[p][sn].numpy())
+                            for p in params)
+        st_lines.append('        %s: [\n%s\n        ]' % (json.dumps(sn), arrays))
+    lines.append(",\n".join(st_lines))
+    lines.append("      }," if more else "      }")
+    return state_names, lines
+
+
+def trace_text(name, fields, shapes, state_names, init, step_texts):
+    """A whole trace: format, name, torch_version, the top-level lines `fields`, shapes,
+    state_names, initial_params and the steps; checked to be well-formed JSON."""
+    assert state_names is not None, name + ": no step was applied"
     out = []
     out.append("{")
     out.append('  "format": 1,')
     out.append('  "name": %s,' % json.dumps(name))
     out.append('  "torch_version": %s,' % json.dumps(torch.__version__))
-    out.append('  "optimizer": %s,' % json.dumps(opt_name))
-    out.append('  "hyperparameters": {%s},' % ", ".join(
-        "%s: %s" % (json.dumps(k), fmt_scalar(v)) for k, v in hp.items()))
-    out.append('  "max_grad_norm": %s,' % ("null" if max_norm is None else fmt_scalar(max_norm)))
-    out.append('  "norm_type": %s,' % ('"inf"' if norm_type == "inf" else str(int(norm_type))))
-    out.append('  "loss_scale": %s,' % fmt_scalar(scale))
+    out.extend(fields)
     out.append('  "shapes": %s,' % json.dumps(shapes))
-    state_names_slot = len(out)
-    out.append(None)  # filled once the state names are known
+    out.append('  "state_names": %s,' % json.dumps(state_names))
     out.append('  "initial_params": [')
     out.append(",\n".join("    " + fmt_array(p) for p in init))
     out.append("  ],")
     out.append('  "steps": [')
+    out.append(",\n".join(step_texts))
+    out.append("  ]")
+    out.append("}")
+    text = "\n".join(out) + "\n"
+    json.loads(text)  # well-formed
+    return text
+
+
+def parse_args(doc, out_dir):
+    """The command line both scripts take (--check, --out); also makes torch deterministic."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="compare with the files in tests/golden/%s instead of writing"
+                    % os.path.basename(out_dir))
+    ap.add_argument("--out", default=out_dir, help="output directory (default: %(default)s)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    return args
+
+
+def check_or_write(path, text, check):
+    """With check, compares the file at path with text (True, reported, if it differs);
+    else writes text there (False)."""
+    if check:
+        old = open(path).read() if os.path.exists(path) else None
+        if old != text:
+            print("differs:", path)
+            return True
+    else:
+        with open(path, "w") as f:
+            f.write(text)
+    return False
+
+
+def make_trace(name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, inject, seed):
+    rng = np.random.RandomState(seed)
+    norm_type_f = math.inf if norm_type == "inf" else float(norm_type)
+
+    init, params, opt = new_params_and_optimizer(rng, opt_name, hp, shapes)
 
     applied = 0
     state_names = None
@@ -220,64 +317,22 @@ def make_trace(name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, i
             lines.append('      "step_count": %d' % applied)
         else:
             assert k not in inject
-            if max_norm is not None:
-                total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type_f)
-                # the coefficient clip_grad_norm_ applied (recomputed exactly as it does)
-                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            else:
-                total = total_norm_like_clip([p.grad for p in params], norm_type_f)
-                coef = None
+            total, coef = clip_or_norm(params, max_norm, norm_type_f)
             opt.step()
             applied += 1
-
-            names = [key for key, v in opt.state[params[0]].items()
-                     if key != "step" and isinstance(v, torch.Tensor)]
-            if state_names is None:
-                state_names = names
-            assert names == state_names, (names, state_names)
-            for p in params:
-                st = opt.state[p]
-                if "step" in st:
-                    assert int(st["step"]) == applied, (st["step"], applied)
-
-            lines.append('      "skipped": false,')
-            lines.append('      "step_count": %d,' % applied)
-            lines.append('      "grad_norm": %s,' % fmt(total.item()))
-            if coef is not None:
-                lines.append('      "clip_coef": %s,' % fmt(coef.item()))
-            lines.append('      "params": [')
-            lines.append(",\n".join("        " + fmt_array(p.detach().numpy()) for p in params))
-            lines.append("      ],")
-            lines.append('      "state": {')
-            st_lines = []
-            for sn in state_names:
-                arrays = ",\n".join("          " + fmt_array(opt.state[p][sn].numpy())
-                                    for p in params)
-                st_lines.append('        %s: [\n%s\n        ]' % (json.dumps(sn), arrays))
-            lines.append(",\n".join(st_lines))
-            lines.append("      }")
+            state_names, step_lines = applied_step_lines(opt, params, state_names, applied,
+                                                         total, coef)
+            lines.extend(step_lines)
         lines.append("    }")
         step_texts.append("\n".join(lines))
 
-    assert state_names is not None, name + ": no step was applied"
-    out[state_names_slot] = '  "state_names": %s,' % json.dumps(state_names)
-    out.append(",\n".join(step_texts))
-    out.append("  ]")
-    out.append("}")
-    text = "\n".join(out) + "\n"
-    json.loads(text)  # well-formed
-    return text
+    fields = optimizer_fields(opt_name, hp, max_norm, norm_type)
+    fields.append('  "loss_scale": %s,' % fmt_scalar(scale))
+    return trace_text(name, fields, shapes, state_names, init, step_texts)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true",
-                    help="compare with the files in tests/golden/traces instead of writing")
-    ap.add_argument("--out", default=OUT_DIR, help="output directory (default: %(default)s)")
-    args = ap.parse_args()
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    args = parse_args(__doc__, OUT_DIR)
     os.makedirs(args.out, exist_ok=True)
     differ = 0
     total = 0
@@ -287,14 +342,8 @@ def main():
                           seed=1000 + idx)
         path = os.path.join(args.out, name + ".json")
         total += len(text)
-        if args.check:
-            old = open(path).read() if os.path.exists(path) else None
-            if old != text:
-                print("differs:", path)
-                differ += 1
-        else:
-            with open(path, "w") as f:
-                f.write(text)
+        differ += check_or_write(path, text, args.check)
+        if not args.check:
             print("wrote %s (%d bytes)" % (path, len(text)))
     print("%d traces, %d bytes in all (torch %s)" % (len(TRACES), total, torch.__version__))
     return 1 if differ else 0

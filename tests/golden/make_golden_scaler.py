@@ -11,8 +11,9 @@ How to run (from the repository root):
 Needs torch >= 2.3 (torch.amp.GradScaler with device="cpu"; older releases only have
 torch.cuda.amp.GradScaler), e.g. from PyPI as above, plus numpy. Debian's python3-torch
 (1.13), which is enough for make_golden.py, is too old for this script. The helpers that
-write the numbers (fmt, fmt_array, fmt_scalar) and the optimizer table are imported from
-make_golden.py next to this file, so both sets of traces are written the same way.
+write the numbers (fmt, fmt_array, fmt_scalar), build the optimizer, clip, write an applied
+step and the whole trace, and the command line are imported from make_golden.py next to
+this file, so both sets of traces are made and written the same way.
 The output is deterministic (fixed seeds, single-threaded torch, foreach=False for the
 optimizers and clip_grad_norm_), so rerunning with the same torch version reproduces the
 files byte for byte; the version that made a trace is recorded in it.
@@ -79,8 +80,6 @@ scale, the scaler's factors, hyperparameters) are written as Python's repr of th
 which round-trips exactly; the scale is always an fp32 value.
 """
 
-import argparse
-import json
 import math
 import os
 import sys
@@ -90,7 +89,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from make_golden import OPTIMIZERS, fmt, fmt_array, fmt_scalar, total_norm_like_clip  # noqa: E402
+from make_golden import (applied_step_lines, check_or_write, clip_or_norm, fmt_array,  # noqa: E402
+                         fmt_scalar, new_params_and_optimizer, optimizer_fields, parse_args,
+                         trace_text)
 
 OUT_DIR = os.path.join(HERE, "scaler_traces")
 
@@ -150,33 +151,10 @@ def make_trace(name, opt_name, hp, max_norm, norm_type, scaler_args, shapes, nst
     norm_type_f = math.inf if norm_type == "inf" else float(norm_type)
     init_scale, growth_factor, backoff_factor, growth_interval = scaler_args
 
-    init = [np.float32(np.round(rng.randn(n), 3)) for n in shapes]
-    params = [torch.nn.Parameter(torch.tensor(p.copy(), dtype=torch.float32)) for p in init]
-    opt = OPTIMIZERS[opt_name](params, foreach=False, **hp)
+    init, params, opt = new_params_and_optimizer(rng, opt_name, hp, shapes)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
                                   backoff_factor=backoff_factor,
                                   growth_interval=growth_interval)
-
-    out = []
-    out.append("{")
-    out.append('  "format": 1,')
-    out.append('  "name": %s,' % json.dumps(name))
-    out.append('  "torch_version": %s,' % json.dumps(torch.__version__))
-    out.append('  "scaler": {"init_scale": %s, "growth_factor": %s, "backoff_factor": %s, '
-               '"growth_interval": %d},' % (fmt_scalar(init_scale), fmt_scalar(growth_factor),
-                                            fmt_scalar(backoff_factor), growth_interval))
-    out.append('  "optimizer": %s,' % json.dumps(opt_name))
-    out.append('  "hyperparameters": {%s},' % ", ".join(
-        "%s: %s" % (json.dumps(k), fmt_scalar(v)) for k, v in hp.items()))
-    out.append('  "max_grad_norm": %s,' % ("null" if max_norm is None else fmt_scalar(max_norm)))
-    out.append('  "norm_type": %s,' % ('"inf"' if norm_type == "inf" else str(int(norm_type))))
-    out.append('  "shapes": %s,' % json.dumps(shapes))
-    state_names_slot = len(out)
-    out.append(None)  # filled once the state names are known
-    out.append('  "initial_params": [')
-    out.append(",\n".join("    " + fmt_array(p) for p in init))
-    out.append("  ],")
-    out.append('  "steps": [')
 
     stats = dict(steps=nsteps, skips=0, growths=0, backoffs=0, rejected_growths=0,
                  natural_overflows=0, fp32_update_differs=0)
@@ -213,13 +191,7 @@ def make_trace(name, opt_name, hp, max_norm, norm_type, scaler_args, shapes, nst
         skipped = not all(bool(torch.isfinite(p.grad).all()) for p in params)
         found_inf = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
         assert bool(sum(v.item() for v in found_inf.values())) == skipped
-        total = coef = None
-        if max_norm is not None:
-            total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type_f, foreach=False)
-            # the coefficient clip_grad_norm_ applied (recomputed exactly as it does)
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        else:
-            total = total_norm_like_clip([p.grad for p in params], norm_type_f)
+        total, coef = clip_or_norm(params, max_norm, norm_type_f, foreach=False)
         before = [p.detach().clone() for p in params]
         scaler.step(opt)
         if skipped:
@@ -262,57 +234,24 @@ def make_trace(name, opt_name, hp, max_norm, norm_type, scaler_args, shapes, nst
             lines.append('      "step_count": %d,' % applied)
         else:
             applied += 1
-            names = [key for key, v in opt.state[params[0]].items()
-                     if key != "step" and isinstance(v, torch.Tensor)]
-            if state_names is None:
-                state_names = names
-            assert names == state_names, (names, state_names)
-            for p in params:
-                st = opt.state[p]
-                if "step" in st:
-                    assert int(st["step"]) == applied, (st["step"], applied)
-
-            lines.append('      "skipped": false,')
-            lines.append('      "step_count": %d,' % applied)
-            lines.append('      "grad_norm": %s,' % fmt(total.item()))
-            if coef is not None:
-                lines.append('      "clip_coef": %s,' % fmt(coef.item()))
-            lines.append('      "params": [')
-            lines.append(",\n".join("        " + fmt_array(p.detach().numpy()) for p in params))
-            lines.append("      ],")
-            lines.append('      "state": {')
-            st_lines = []
-            for sn in state_names:
-                arrays = ",\n".join("          " + fmt_array(opt.state[p][sn].numpy())
-                                    for p in params)
-                st_lines.append('        %s: [\n%s\n        ]' % (json.dumps(sn), arrays))
-            lines.append(",\n".join(st_lines))
-            lines.append("      },")
+            state_names, step_lines = applied_step_lines(opt, params, state_names, applied,
+                                                         total, coef, more=True)
+            lines.extend(step_lines)
         lines.append('      "scaler_state": %s' % scaler_state_text(sd))
         lines.append("    }")
         step_texts.append("\n".join(lines))
 
-    assert state_names is not None, name + ": no step was applied"
     assert stats["growths"] >= 1, name + ": the scale never grew"
     assert stats["backoffs"] >= 1, name + ": the scale never backed off"
-    out[state_names_slot] = '  "state_names": %s,' % json.dumps(state_names)
-    out.append(",\n".join(step_texts))
-    out.append("  ]")
-    out.append("}")
-    text = "\n".join(out) + "\n"
-    json.loads(text)  # well-formed
-    return text, stats
+    fields = ['  "scaler": {"init_scale": %s, "growth_factor": %s, "backoff_factor": %s, '
+              '"growth_interval": %d},' % (fmt_scalar(init_scale), fmt_scalar(growth_factor),
+                                           fmt_scalar(backoff_factor), growth_interval)]
+    fields += optimizer_fields(opt_name, hp, max_norm, norm_type)
+    return trace_text(name, fields, shapes, state_names, init, step_texts), stats
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true",
-                    help="compare with the files in tests/golden/scaler_traces instead of writing")
-    ap.add_argument("--out", default=OUT_DIR, help="output directory (default: %(default)s)")
-    args = ap.parse_args()
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    args = parse_args(__doc__, OUT_DIR)
     if not args.check:
         os.makedirs(args.out, exist_ok=True)
     differ = 0
@@ -329,14 +268,8 @@ def main():
         summary = "%s: %s, clip %s, %d steps, %d skipped, %d growths, %d backoffs" % (
             name, opt_name, "none" if max_norm is None else "%s (norm %s)" % (max_norm, norm_type),
             st["steps"], st["skips"], st["growths"], st["backoffs"])
-        if args.check:
-            old = open(path).read() if os.path.exists(path) else None
-            if old != text:
-                print("differs:", path)
-                differ += 1
-        else:
-            with open(path, "w") as f:
-                f.write(text)
+        differ += check_or_write(path, text, args.check)
+        if not args.check:
             summary += " (%d bytes)" % len(text)
         print(summary)
     # The traces must exercise the corner cases the docstring promises.
