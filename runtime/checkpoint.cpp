@@ -166,7 +166,8 @@ ParsedOptimizer parse_optimizer(const detail::CheckpointFile& file, const detail
 }
 
 void commit_optimizer(detail::StepEngine& e, const ParsedOptimizer& p) {
-  for (const auto& [dst, src] : p.copies) std::memcpy(dst, src.data(), src.size());
+  for (const auto& [dst, src] : p.copies)
+    if (!src.empty()) std::memcpy(dst, src.data(), src.size());
   e.set_config(p.config);  // checked in parse_optimizer
   e.set_step_count(p.step_count);
 }

@@ -109,7 +109,7 @@ struct Snapshot {
     }
   }
   static bool same(const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
   }
   bool operator==(const Snapshot& o) const {
     if (weights != o.weights || step_count != o.step_count || lr != o.lr) return false;
