@@ -1,9 +1,10 @@
-// Model-shaped tensor lists for the benchmarks: named presets and flat:N.
+// Model-shaped tensor lists for the benchmarks: named presets, flat:N, and the user's own lists (shapes files).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace stepfuse::bench {
@@ -15,19 +16,36 @@ struct TensorShape {
 };
 
 struct Preset {
-  std::string name;         // as given on the command line, e.g. "gpt2-124m" or "flat:1000000"
+  std::string name;         // as given on the command line, e.g. "gpt2-124m" or "flat:1000000";
+                            // for a shapes file, the file's path
   std::string description;  // one line for --help and the report
   std::vector<TensorShape> tensors;
 
   std::int64_t total_numel() const;
 };
 
-// The preset `spec` names: "gpt2-124m", "llama7b-layer", "many-small", or "flat:N"
-// (one tensor of N elements, N > 0; N may use a k/M/G suffix, powers of 1000).
+// The preset `spec` names: "gpt2-124m", "resnet50", "llama7b-layer", "many-small", or
+// "flat:N" (one tensor of N elements, N > 0; N may use a k/M/G suffix, powers of 1000).
+// A named preset's tensor and parameter counts are checked against the ones its
+// description states (std::logic_error if they ever differ).
 // Throws std::invalid_argument with a message naming `spec` for anything else.
 Preset make_preset(std::string_view spec);
 
 // The names make_preset accepts, with their descriptions (for --help).
 std::vector<std::pair<std::string, std::string>> preset_catalog();
+
+// A tensor list read from a shapes file, one tensor per line:
+//   [NAME] COUNT
+// COUNT is an element count >= 0 with an optional k/M/G suffix (powers of 1000, as in
+// flat:N); NAME is any word without whitespace, and a tensor without one is named
+// "t<index>" (index from 0, in file order). Blank lines and everything from a '#' to the
+// end of a line are ignored. Names must be unique and the list must hold at least one
+// element. This is the format format_shapes() writes. Reads the whole file; throws
+// std::invalid_argument "PATH:LINE: what is wrong" (or "PATH: ..." for the file as a whole).
+Preset load_shapes_file(const std::string& path);
+
+// `tensors` as a shapes file: "NAME COUNT" per line, in order (what --print-shapes
+// prints; load_shapes_file reads it back to the same list).
+std::string format_shapes(const std::vector<TensorShape>& tensors);
 
 }  // namespace stepfuse::bench

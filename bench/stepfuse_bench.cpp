@@ -1,23 +1,31 @@
 // stepfuse-bench: times the fused optimizer step against the unfused baseline and the bandwidth measured in the same run.
 //
 // Phases, in this order on purpose:
+//   0. arguments: the tensor list (a preset or a shapes file; --print-shapes stops here),
+//      then a 16-element optimizer with the requested options and backend, so that
+//      anything the library rejects (a backend this build lacks, say) fails in
+//      milliseconds, before buffers of model size exist;
 //   1. fused only: build the fused optimizer, take a few steps, read the peak RSS (before
 //      anything else of model size exists, so the figure is the fused step's own);
-//   2. verify: fresh fused and unfused optimizers over separate buffers with identical
-//      contents take one step each; every weight, master and state value must agree
-//      within fp32 rounding (exit code 2 otherwise) — nothing is timed before this;
-//   3. measure: warm-up, then timed iterations of [bandwidth probes, fused step, fused
-//      update pass alone, unfused step], interleaved so that drift in the machine affects
-//      all of them alike.
+//   2. verify: fresh optimizers, one per mode, over separate buffers with identical
+//      contents take one step each; every timed mode is compared against a reference
+//      (unfused, or fused when unfused is not timed): every weight, master and state
+//      value must agree within fp32 rounding (exit code 2 otherwise) — nothing is timed
+//      before this;
+//   3. measure: warm-up, then timed iterations of [bandwidth probes, then each mode of
+//      --fusion in the order fused (with the fused update pass alone), unfused,
+//      interpreted], interleaved so that drift in the machine affects all of them alike.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
@@ -42,8 +50,11 @@ namespace {
 
 constexpr int kExitOk = 0;
 constexpr int kExitUsage = 1;   // bad arguments, or a combination the library rejects
-constexpr int kExitVerify = 2;  // fused and unfused disagree, or a step was skipped
+constexpr int kExitVerify = 2;  // a mode disagrees with the reference, or a step was skipped
 constexpr int kExitError = 3;   // anything else (an unexpected library error, out of memory)
+
+// The progress line appears only when the timed phase is expected to take longer than this.
+constexpr double kProgressAfterSeconds = 3.0;
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -54,6 +65,10 @@ struct VerifyError : std::runtime_error {
 
 struct Args {
   std::string preset = "gpt2-124m";
+  std::string shapes_path;  // --shapes: replaces the preset when given
+  bool print_shapes = false;
+  std::vector<std::string> fusion = {"fused", "unfused"};
+  std::string backend = "cpu";
   std::string optimizer = "adamw";
   std::string weights = "f32";
   std::string grads = "f32";
@@ -67,7 +82,16 @@ struct Args {
   int rss_steps = 3;
   double loss_scale = 1024.0;
   std::string json_path;
+  bool json_only = false;
 };
+
+// The modes --fusion can time, in the order they are verified, timed and reported.
+// Indexed by sf::Fusion's value.
+constexpr std::array<sf::Fusion, 3> kAllModes = {sf::Fusion::fused, sf::Fusion::unfused, sf::Fusion::interpreted};
+constexpr std::size_t idx(sf::Fusion f) { return static_cast<std::size_t>(f); }
+const char* mode_name(sf::Fusion f) {
+  return f == sf::Fusion::fused ? "fused" : f == sf::Fusion::unfused ? "unfused" : "interpreted";
+}
 
 // PyTorch's defaults for each optimizer (DESIGN §4).
 sf::OptimizerConfig make_config(const std::string& name) {
@@ -92,10 +116,10 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // Phase messages on stderr, one line rewritten in place, only when stderr is a terminal
-// (so logs and pipes get the report alone).
+// and `enabled` (off for --json-only), so logs, pipes and stdout get the report alone.
 class Progress {
  public:
-  Progress() : tty_(isatty(STDERR_FILENO) == 1) {}
+  explicit Progress(bool enabled) : tty_(enabled && isatty(STDERR_FILENO) == 1) {}
   ~Progress() { done(); }
   void say(const std::string& s) {
     if (!tty_) return;
@@ -123,12 +147,15 @@ std::string with_commas(std::int64_t n) {
   return s;
 }
 
-// printf into a std::string.
+// printf into a std::string, of any length. Every call passes at least one argument
+// (so the format is never a lone non-literal).
 template <class... T>
 std::string format(const char* fmt, T... args) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, fmt, args...);
-  return buf;
+  const int n = std::snprintf(nullptr, 0, fmt, args...);
+  if (n <= 0) return {};
+  std::string s(static_cast<std::size_t>(n), '\0');
+  std::snprintf(s.data(), s.size() + 1, fmt, args...);
+  return s;
 }
 
 double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
@@ -153,28 +180,77 @@ void check_applied(const sf::StepResult& r, const char* mode, int iteration) {
 }
 
 // An optimizer over `buf`; a configuration the library rejects is a usage error (exit code 1).
+// A device the library cannot use is reported in terms of --backend.
 sf::Optimizer make_optimizer(const sf::OptimizerConfig& config, const sb::ModelBuffers& buf,
-                             const sf::OptimizerOptions& opts) {
+                             const sf::OptimizerOptions& opts, const std::string& backend) {
   try {
     return sf::Optimizer(config, buf.params(), opts);
   } catch (const sf::Error& e) {
+    if (e.code() == sf::ErrorCode::unsupported && !(opts.device == sf::Device::cpu())) {
+      // The library decides whether it has the backend; this only rewords its answer in
+      // the command line's terms. (Matching its text is the one way to tell "not built
+      // in" from other reasons until the library has a query for it.)
+      const std::string what = e.what();
+      if (what.find("no CUDA backend") != std::string::npos)
+        throw UsageError("--backend " + backend + ": this build of stepfuse has no CUDA backend; use --backend cpu (" +
+                         what + ")");
+      throw UsageError("--backend " + backend + ": " + what);
+    }
     if (e.code() == sf::ErrorCode::invalid_argument || e.code() == sf::ErrorCode::unsupported)
       throw UsageError(std::string("the library rejects this configuration: ") + e.what());
     throw;
   }
 }
 
+// The modes --fusion names, each once, in kAllModes order.
+std::vector<sf::Fusion> selected_modes(const std::vector<std::string>& names) {
+  std::vector<sf::Fusion> modes;
+  for (sf::Fusion f : kAllModes)
+    if (std::find(names.begin(), names.end(), mode_name(f)) != names.end()) modes.push_back(f);
+  for (const auto& n : names)
+    if (n != "fused" && n != "unfused" && n != "interpreted")
+      throw UsageError("--fusion: unknown mode '" + n + "' (expected fused, unfused or interpreted)");
+  if (modes.empty()) throw UsageError("--fusion: name at least one of fused, unfused, interpreted");
+  return modes;
+}
+
+// One mode's optimizer, over its own buffers (fused: the phase-1 buffers), and its samples.
+struct ModeRun {
+  std::unique_ptr<sb::ModelBuffers> own;  // null for fused, which steps the phase-1 buffers
+  sb::ModelBuffers* buf = nullptr;
+  std::optional<sf::Optimizer> opt;
+  sf::StepResult verify_result;
+  std::vector<double> samples;  // seconds per timed step
+  sb::Summary summary;
+  double gbs = 0;
+};
+
+// A pair of modes whose speeds are compared: "a/b" = median time of b / median time of a.
+struct RatioPair {
+  sf::Fusion a, b;
+};
+constexpr RatioPair kRatioPairs[] = {{sf::Fusion::fused, sf::Fusion::unfused},
+                                     {sf::Fusion::fused, sf::Fusion::interpreted},
+                                     {sf::Fusion::interpreted, sf::Fusion::unfused}};
+
 int run(const Args& a) {
-  Progress progress;
+  Progress progress(!a.json_only);
   const auto t_start = std::chrono::steady_clock::now();
 
   // ---- Arguments -----------------------------------------------------------------------------
   sb::Preset preset;
+  const bool from_file = !a.shapes_path.empty();
   try {
-    preset = sb::make_preset(a.preset);
+    preset = from_file ? sb::load_shapes_file(a.shapes_path) : sb::make_preset(a.preset);
   } catch (const std::invalid_argument& e) {
-    throw UsageError(std::string("--preset: ") + e.what());
+    throw UsageError(std::string(from_file ? "--shapes: " : "--preset: ") + e.what());
   }
+  if (a.print_shapes) {
+    std::fputs(sb::format_shapes(preset.tensors).c_str(), stdout);
+    return std::fflush(stdout) == 0 && !std::ferror(stdout) ? kExitOk : kExitError;
+  }
+  const std::vector<sf::Fusion> modes = selected_modes(a.fusion);
+  auto timed_mode = [&](sf::Fusion f) { return std::find(modes.begin(), modes.end(), f) != modes.end(); };
   const sf::OptimizerConfig config = make_config(a.optimizer);
   const sf::DType wt = parse_dtype("--weights", a.weights), gt = parse_dtype("--grads", a.grads);
   if (!(a.loss_scale > 0) || !std::isfinite(a.loss_scale))
@@ -185,20 +261,33 @@ int run(const Args& a) {
                             a.loss_scale, a.grads.c_str(), a.loss_scale * 1e-3));
   if (!(a.clip >= 0) || !std::isfinite(a.clip))
     throw UsageError(format("--clip: must be finite and >= 0 (0 = off), got %g", a.clip));
+  if (a.backend != "cpu" && a.backend != "cuda")
+    throw UsageError("--backend: unknown backend '" + a.backend + "' (expected cpu or cuda)");
+
+  sf::OptimizerOptions opts;
+  opts.device = a.backend == "cuda" ? sf::Device::cuda() : sf::Device::cpu();
+  if (a.clip > 0) opts.max_grad_norm = a.clip;
+  opts.norm_type = a.norm_type == "inf" ? INFINITY : 2.0;
+  opts.master_weights = !a.no_masters;
+  opts.num_threads = a.threads;
+  auto options_for = [&](sf::Fusion f) {
+    sf::OptimizerOptions o = opts;
+    o.fusion = f;
+    return o;
+  };
+  // What the library rejects (the backend, a hyperparameter, the dtypes) it rejects for
+  // 16 elements as for the whole model; ask it now, before allocating the model.
+  {
+    sb::ModelBuffers tiny(std::vector<sb::TensorShape>{{"probe", 16}}, wt, gt);
+    tiny.fill_weights(1);
+    tiny.fill_grads(a.loss_scale, 1);
+    for (sf::Fusion f : kAllModes) make_optimizer(config, tiny, options_for(f), a.backend);  // all: phase 2 may build any
+  }
   std::ofstream json_out;
   if (!a.json_path.empty()) {
     json_out.open(a.json_path);
     if (!json_out) throw UsageError("--json: cannot write '" + a.json_path + "'");
   }
-
-  sf::OptimizerOptions fused_opts;
-  if (a.clip > 0) fused_opts.max_grad_norm = a.clip;
-  fused_opts.norm_type = a.norm_type == "inf" ? INFINITY : 2.0;
-  fused_opts.master_weights = !a.no_masters;
-  fused_opts.num_threads = a.threads;
-  fused_opts.fusion = sf::Fusion::fused;
-  sf::OptimizerOptions unfused_opts = fused_opts;
-  unfused_opts.fusion = sf::Fusion::unfused;
   const double S = a.loss_scale;
   const std::int64_t n = preset.total_numel();
 
@@ -214,8 +303,9 @@ int run(const Args& a) {
   std::vector<std::string> state_names;
   double state_bytes = 0, master_bytes = 0;
   std::int64_t rss_peak = 0, rss_after = 0;
+  double rss_step_s = 0;  // mean fused step time in this phase: the first guess at the timed phase's length
   {
-    std::optional<sf::Optimizer> opt0 = make_optimizer(config, fb, fused_opts);
+    std::optional<sf::Optimizer> opt0 = make_optimizer(config, fb, options_for(sf::Fusion::fused), a.backend);
     threads = opt0->num_threads();
     for (auto name : opt0->state_names()) state_names.emplace_back(name);
     state_streams = static_cast<int>(state_names.size());
@@ -223,81 +313,132 @@ int run(const Args& a) {
       for (const auto& name : state_names) state_bytes += 4.0 * static_cast<double>(opt0->state(t, name).size());
       master_bytes += 4.0 * static_cast<double>(opt0->master(t).size());
     }
+    const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < a.rss_steps; ++i) {
       progress.say("fused-only phase (peak RSS): step " + std::to_string(i + 1) + "/" + std::to_string(a.rss_steps));
       check_applied(opt0->step_scaled(S), "fused", i);
     }
+    rss_step_s = seconds_since(t0) / a.rss_steps;
     rss_peak = sb::peak_rss_bytes();
     rss_after = sb::current_rss_bytes();
   }
   const double model_bytes =
       static_cast<double>(fb.weight_bytes() + fb.grad_bytes()) + state_bytes + master_bytes;
 
-  // ---- Phase 2: verify fused against unfused before timing anything --------------------------
-  progress.say("verifying fused against unfused");
-  fb.fill_weights(threads);
-  fb.fill_grads(S, threads);
-  sb::ModelBuffers ub(preset.tensors, wt, gt);
-  ub.fill_weights(threads);
-  ub.fill_grads(S, threads);
-  sf::Optimizer fused = make_optimizer(config, fb, fused_opts);
-  sf::Optimizer unfused = make_optimizer(config, ub, unfused_opts);
-  const sf::StepResult vf = fused.step_scaled(S);
-  const sf::StepResult vu = unfused.step_scaled(S);
-  const sb::VerifyReport vr = sb::compare_one_step(fused, fb, vf, unfused, ub, vu, S, threads);
-  if (!vr.ok()) {
-    std::string msg = "fused and unfused steps disagree:";
-    for (const auto& p : vr.problems) msg += "\n  " + p;
-    if (vr.mismatches > 0)
-      msg += "\n  " + with_commas(vr.mismatches) + " of " + with_commas(vr.values_checked) +
-             " values outside the tolerance; worst: " + vr.worst;
-    throw VerifyError(msg);
+  // ---- Phase 2: verify every timed mode against a reference before timing anything ----------
+  // The reference is unfused when it is timed, else fused. A mode that is the only one timed
+  // is still checked: fused (or unfused) against the other, built for the check alone.
+  sf::Fusion ref = timed_mode(sf::Fusion::unfused) ? sf::Fusion::unfused : sf::Fusion::fused;
+  std::vector<sf::Fusion> checked;
+  for (sf::Fusion f : modes)
+    if (f != ref) checked.push_back(f);
+  if (checked.empty()) {  // only fused, or only unfused, is timed
+    ref = sf::Fusion::unfused;
+    checked = {sf::Fusion::fused};
   }
+  std::array<ModeRun, kAllModes.size()> runs;
+  for (sf::Fusion f : kAllModes) {
+    if (f != ref && std::find(checked.begin(), checked.end(), f) == checked.end()) continue;
+    progress.say(std::string("verifying: one ") + mode_name(f) + " step");
+    ModeRun& r = runs[idx(f)];
+    if (f == sf::Fusion::fused) {
+      r.buf = &fb;
+    } else {
+      r.own = std::make_unique<sb::ModelBuffers>(preset.tensors, wt, gt);
+      r.buf = r.own.get();
+    }
+    r.buf->fill_weights(threads);
+    r.buf->fill_grads(S, threads);
+    r.opt.emplace(make_optimizer(config, *r.buf, options_for(f), a.backend));
+    r.verify_result = r.opt->step_scaled(S);
+  }
+  struct Verified {
+    sf::Fusion mode;
+    sb::VerifyReport report;
+  };
+  std::vector<Verified> verified;
+  const ModeRun& rr = runs[idx(ref)];
+  for (sf::Fusion f : checked) {
+    progress.say(std::string("verifying ") + mode_name(f) + " against " + mode_name(ref));
+    const ModeRun& r = runs[idx(f)];
+    sb::VerifyReport vr = sb::compare_one_step(*r.opt, *r.buf, r.verify_result, *rr.opt, *rr.buf, rr.verify_result,
+                                               S, threads, mode_name(f), mode_name(ref));
+    if (!vr.ok()) {
+      std::string msg = std::string(mode_name(f)) + " and " + mode_name(ref) + " steps disagree:";
+      for (const auto& p : vr.problems) msg += "\n  " + p;
+      if (vr.mismatches > 0)
+        msg += "\n  " + with_commas(vr.mismatches) + " of " + with_commas(vr.values_checked) +
+               " values outside the tolerance; worst: " + vr.worst;
+      throw VerifyError(msg);
+    }
+    verified.push_back({f, std::move(vr)});
+  }
+  // The verification step's norm and clip coefficient, for the report: the reference's, or
+  // another mode's when the reference computed no norm (unfused without clipping).
+  sf::StepResult ref_result = rr.verify_result;
+  for (sf::Fusion f : checked)
+    if (std::isnan(ref_result.grad_norm)) ref_result = runs[idx(f)].verify_result;
+  for (sf::Fusion f : kAllModes)  // built for the check alone: free them before timing
+    if (!timed_mode(f)) runs[idx(f)].opt.reset(), runs[idx(f)].own.reset();
 
   // ---- Phase 3: interleaved timing -----------------------------------------------------------
-  // The update pass alone, to split the fused step's time between its two passes: a third
+  // The update pass alone, to split the fused step's time between its two passes: another
   // fused optimizer over the same buffers, without clipping, taking plain steps (no reduce
   // pass). It has its own state; the weights it moves are the fused optimizer's, which
   // changes nothing that is timed.
   std::optional<sf::Optimizer> update_only;
-  if (a.breakdown) {
-    sf::OptimizerOptions o = fused_opts;
+  if (a.breakdown && timed_mode(sf::Fusion::fused)) {
+    sf::OptimizerOptions o = options_for(sf::Fusion::fused);
     o.max_grad_norm.reset();
     o.track_grad_norm = false;
-    update_only.emplace(make_optimizer(config, fb, o));
+    update_only.emplace(make_optimizer(config, fb, o, a.backend));
   }
   progress.say("allocating the bandwidth probe (" + with_commas(n) + " floats x 4)");
   sb::BandwidthProbe probe(n, threads);
+  progress.done();
   std::map<sb::Pattern, std::vector<double>> bw_s;
-  std::vector<double> fused_s, unfused_s, update_s;
+  std::vector<double> update_s;
   const int iterations = a.warmup + a.steps;
+  // A first guess at one iteration's length, in fused steps (good to a factor of two; the
+  // measured time replaces it after the first iteration): the probes move ~1.6x a step's
+  // bytes, the unfused step takes ~5x the fused one, the interpreted ~2x.
+  double iteration_s = rss_step_s * (2.0 + (timed_mode(sf::Fusion::fused) ? 1.0 : 0.0) + (update_only ? 1.0 : 0.0) +
+                                     (timed_mode(sf::Fusion::unfused) ? 5.0 : 0.0) +
+                                     (timed_mode(sf::Fusion::interpreted) ? 2.0 : 0.0));
+  const auto t_loop = std::chrono::steady_clock::now();
   for (int it = 0; it < iterations; ++it) {
     const bool timed = it >= a.warmup;
-    progress.say((timed ? "timing " + std::to_string(it - a.warmup + 1) + "/" + std::to_string(a.steps)
-                        : "warm-up " + std::to_string(it + 1) + "/" + std::to_string(a.warmup)) +
-                 (fused_s.empty() ? std::string()
-                                  : format("  (last: fused %.1f ms, unfused %.1f ms)", fused_s.back() * 1e3,
-                                           unfused_s.back() * 1e3)));
+    if (it > 0) iteration_s = seconds_since(t_loop) / it;
+    if (iteration_s * iterations > kProgressAfterSeconds) {
+      std::string last;
+      for (sf::Fusion f : modes)
+        if (!runs[idx(f)].samples.empty())
+          last += format("%s%s %.1f ms", last.empty() ? "  (last: " : ", ", mode_name(f), runs[idx(f)].samples.back() * 1e3);
+      progress.say((timed ? "timing: step " + std::to_string(it - a.warmup + 1) + "/" + std::to_string(a.steps)
+                          : "warm-up: step " + std::to_string(it + 1) + "/" + std::to_string(a.warmup)) +
+                   (last.empty() ? "" : last + ")"));
+    }
     for (sb::Pattern p : sb::kAllPatterns) {
       const double s = probe.run(p);
       if (timed) bw_s[p].push_back(s);
     }
-    auto t0 = std::chrono::steady_clock::now();
-    const sf::StepResult rf = fused.step_scaled(S);
-    const double tf = seconds_since(t0);
-    check_applied(rf, "fused", it);
-    if (update_only) {
-      t0 = std::chrono::steady_clock::now();
-      update_only->step();
-      if (timed) update_s.push_back(seconds_since(t0));
+    for (sf::Fusion f : modes) {
+      ModeRun& r = runs[idx(f)];
+      // The library's unfused mode unscales into an fp32 temporary and leaves the caller's
+      // gradients alone; restoring them anyway (untimed) keeps every iteration's input the
+      // same should a baseline ever write them in place, as eager PyTorch's unscale_ does.
+      if (f == sf::Fusion::unfused) r.buf->copy_grads_from(fb, threads);
+      auto t0 = std::chrono::steady_clock::now();
+      const sf::StepResult res = r.opt->step_scaled(S);
+      const double t = seconds_since(t0);
+      check_applied(res, mode_name(f), it);
+      if (timed) r.samples.push_back(t);
+      if (f == sf::Fusion::fused && update_only) {
+        t0 = std::chrono::steady_clock::now();
+        update_only->step();
+        if (timed) update_s.push_back(seconds_since(t0));
+      }
     }
-    // The unfused baseline unscales and clips the gradients in place: restore them, untimed.
-    ub.copy_grads_from(fb, threads);
-    t0 = std::chrono::steady_clock::now();
-    const sf::StepResult ru = unfused.step_scaled(S);
-    const double tu = seconds_since(t0);
-    check_applied(ru, "unfused", it);
-    if (timed) fused_s.push_back(tf), unfused_s.push_back(tu);
   }
   progress.done();
 
@@ -305,7 +446,6 @@ int run(const Args& a) {
   const sb::StepBytes bytes =
       sb::step_bytes(wt, gt, !a.no_masters, state_streams, /*reduce_pass=*/true);  // step_scaled always reduces
   const double step_bytes = bytes.per_param() * static_cast<double>(n);
-  const sb::Summary sf_ = sb::summarize(fused_s), su = sb::summarize(unfused_s);
   std::map<sb::Pattern, double> bw_gbs;  // median GB/s per pattern
   std::map<sb::Pattern, sb::Summary> bw_sum;
   for (sb::Pattern p : sb::kAllPatterns) {
@@ -313,86 +453,132 @@ int run(const Args& a) {
     bw_gbs[p] = probe.bytes(p) / bw_sum[p].median * 1e-9;
   }
   const double ref_gbs = bw_gbs[sb::Pattern::adam_like];
-  const double fused_gbs = step_bytes / sf_.median * 1e-9, unfused_gbs = step_bytes / su.median * 1e-9;
-  const double ratio = su.median / sf_.median;
-  // The same figures from each iteration's own samples (probe, fused, unfused taken back to
-  // back), whose median is less sensitive to drift between iterations.
-  std::vector<double> paired_frac, paired_ratio;
-  for (std::size_t i = 0; i < fused_s.size(); ++i) {
-    const double ref_i = probe.bytes(sb::Pattern::adam_like) / bw_s[sb::Pattern::adam_like][i];
-    paired_frac.push_back(step_bytes / fused_s[i] / ref_i);
-    paired_ratio.push_back(unfused_s[i] / fused_s[i]);
+  for (sf::Fusion f : modes) {
+    ModeRun& r = runs[idx(f)];
+    r.summary = sb::summarize(r.samples);
+    r.gbs = step_bytes / r.summary.median * 1e-9;
   }
-  const sb::Summary pf = sb::summarize(paired_frac), pr = sb::summarize(paired_ratio);
+  struct Ratio {
+    RatioPair pair;
+    double median_ratio;      // median time of b / median time of a
+    sb::Summary per_iteration;  // the same from each iteration's own pair of samples
+  };
+  std::vector<Ratio> ratios;
+  for (const RatioPair& p : kRatioPairs) {
+    if (!timed_mode(p.a) || !timed_mode(p.b)) continue;
+    const ModeRun &ra = runs[idx(p.a)], &rb = runs[idx(p.b)];
+    std::vector<double> paired;
+    for (std::size_t i = 0; i < ra.samples.size(); ++i) paired.push_back(rb.samples[i] / ra.samples[i]);
+    ratios.push_back({p, rb.summary.median / ra.summary.median, sb::summarize(paired)});
+  }
+  auto ratio_name = [](const RatioPair& p) { return std::string(mode_name(p.a)) + "/" + mode_name(p.b); };
+  auto ratio_key = [](const RatioPair& p) { return std::string(mode_name(p.a)) + "_over_" + mode_name(p.b) + "_speed"; };
+  // Each mode's share of the bandwidth from each iteration's own samples (probe and step
+  // taken back to back), whose median is less sensitive to drift between iterations.
+  std::array<sb::Summary, kAllModes.size()> paired_frac;
+  for (sf::Fusion f : modes) {
+    std::vector<double> frac;
+    const auto& samples = runs[idx(f)].samples;
+    for (std::size_t i = 0; i < samples.size(); ++i) {
+      const double ref_i = probe.bytes(sb::Pattern::adam_like) / bw_s[sb::Pattern::adam_like][i];
+      frac.push_back(step_bytes / samples[i] / ref_i);
+    }
+    paired_frac[idx(f)] = sb::summarize(frac);
+  }
   // Update pass alone (plain step: no reduce pass), and the reduce pass by difference.
   const sb::StepBytes plain_bytes = sb::step_bytes(wt, gt, !a.no_masters, state_streams, /*reduce_pass=*/false);
   const sb::Summary uo = sb::summarize(update_s);
   const double update_gbs = update_only ? plain_bytes.per_param() * static_cast<double>(n) / uo.median * 1e-9 : 0.0;
-  const double reduce_s = sf_.median - uo.median;
+  const double reduce_s = update_only ? runs[idx(sf::Fusion::fused)].summary.median - uo.median : 0.0;
   const double reduce_gbs = update_only && reduce_s > 0 ? bytes.reduce * static_cast<double>(n) / reduce_s * 1e-9 : 0.0;
 
   const std::string norm = a.norm_type == "inf" ? "inf" : "2";
   const bool masters = !a.no_masters && wt != sf::DType::f32;
-  std::printf("stepfuse-bench %s · CPU target %s · %d thread%s\n", sf::version(), sf::cpu_target(), threads,
-              threads == 1 ? "" : "s");
-  std::printf("preset %s: %zu tensors, %s parameters\n", preset.name.c_str(), preset.tensors.size(),
-              with_commas(n).c_str());
+  std::string mode_list;
+  for (sf::Fusion f : modes) mode_list += (mode_list.empty() ? "" : ", ") + std::string(mode_name(f));
+
+  std::string out;  // the table, printed at the end unless --json-only
+  out += format("stepfuse-bench %s · backend %s · CPU target %s · %d thread%s\n", sf::version(), a.backend.c_str(),
+                sf::cpu_target(), threads, threads == 1 ? "" : "s");
+  out += format("%s %s: %zu tensor%s, %s parameters\n", from_file ? "shapes file" : "preset", preset.name.c_str(),
+                preset.tensors.size(), preset.tensors.size() == 1 ? "" : "s", with_commas(n).c_str());
   const std::string clip = a.clip > 0 ? format("%g (L%s norm)", a.clip, norm.c_str()) : "off";
-  std::printf("%s · weights %s%s · grads %s · clip %s · loss scale %g\n",
-              std::string(sf::optimizer_name(config)).c_str(), a.weights.c_str(), masters ? " + fp32 masters" : "",
-              a.grads.c_str(), clip.c_str(), S);
-  std::printf("bytes the step must move: %s (%d state stream%s) = %.3f GB per step\n", bytes.breakdown().c_str(),
-              state_streams, state_streams == 1 ? "" : "s", step_bytes * 1e-9);
-  std::printf("verified before timing: one fused and one unfused step agree on %s values (%.1f%% bitwise, worst "
-              "%.2f of the tolerance, rel %.0e); grad norm %.6g, clip coef %.6g\n",
-              with_commas(vr.values_checked).c_str(),
-              100.0 * static_cast<double>(vr.identical) / static_cast<double>(std::max<std::int64_t>(vr.values_checked, 1)),
-              vr.worst_ratio, vr.rel_tol, vf.grad_norm, vf.clip_coef);
-  std::printf("\nmemory bandwidth, same run, %d thread%s, %s floats per array (median of %d, min-max):\n", threads,
-              threads == 1 ? "" : "s", with_commas(n).c_str(), a.steps);
+  out += format("%s · weights %s%s · grads %s · clip %s · loss scale %g\n",
+                std::string(sf::optimizer_name(config)).c_str(), a.weights.c_str(), masters ? " + fp32 masters" : "",
+                a.grads.c_str(), clip.c_str(), S);
+  out += format("bytes the step must move: %s (%d state stream%s) = %.3f GB per step\n", bytes.breakdown().c_str(),
+                state_streams, state_streams == 1 ? "" : "s", step_bytes * 1e-9);
+  for (const Verified& v : verified) {
+    const sb::VerifyReport& vr = v.report;
+    out += format("verified before timing: one %s and one %s step agree on %s values (%.1f%% bitwise, worst "
+                  "%.2f of the tolerance, rel %.0e)\n",
+                  mode_name(v.mode), mode_name(ref), with_commas(vr.values_checked).c_str(),
+                  100.0 * static_cast<double>(vr.identical) /
+                      static_cast<double>(std::max<std::int64_t>(vr.values_checked, 1)),
+                  vr.worst_ratio, vr.rel_tol);
+  }
+  out += format("  (grad norm %.6g, clip coef %.6g)\n", ref_result.grad_norm, ref_result.clip_coef);
+  out += format("\nmemory bandwidth, same run, %d thread%s, %s floats per array (median of %d, min-max):\n", threads,
+                threads == 1 ? "" : "s", with_commas(n).c_str(), a.steps);
   for (sb::Pattern p : sb::kAllPatterns) {
     const double b = probe.bytes(p) * 1e-9;
-    std::printf("  %-10s %2d B/elem  %6.1f GB/s  (%.1f-%.1f)\n", std::string(sb::pattern_name(p)).c_str(),
-                sb::pattern_bytes_per_element(p), bw_gbs[p], b / bw_sum[p].max, b / bw_sum[p].min);
+    out += format("  %-10s %2d B/elem  %6.1f GB/s  (%.1f-%.1f)\n", std::string(sb::pattern_name(p)).c_str(),
+                  sb::pattern_bytes_per_element(p), bw_gbs[p], b / bw_sum[p].max, b / bw_sum[p].min);
   }
-  std::printf("\n%d timed steps per mode after %d warm-up, interleaved (fused, unfused, ...):\n", a.steps, a.warmup);
-  std::printf("  %-8s %10s %9s %9s %9s %8s %12s\n", "mode", "median ms", "min", "max", "IQR", "GB/s", "% adam_like");
+  out += format("\n%d timed steps per mode after %d warm-up, interleaved (%s):\n", a.steps, a.warmup,
+                mode_list.c_str());
+  out += format("  %-11s %10s %9s %9s %9s %8s %12s\n", "mode", "median ms", "min", "max", "IQR", "GB/s", "% adam_like");
   auto row = [&](const char* name, const sb::Summary& s, double gbs) {
-    std::printf("  %-8s %10.2f %9.2f %9.2f %9.2f %8.1f %11.1f%%\n", name, s.median * 1e3, s.min * 1e3, s.max * 1e3,
-                (s.p75 - s.p25) * 1e3, gbs, 100.0 * gbs / ref_gbs);
+    out += format("  %-11s %10.2f %9.2f %9.2f %9.2f %8.1f %11.1f%%\n", name, s.median * 1e3, s.min * 1e3, s.max * 1e3,
+                  (s.p75 - s.p25) * 1e3, gbs, 100.0 * gbs / ref_gbs);
   };
-  row("fused", sf_, fused_gbs);
-  row("unfused", su, unfused_gbs);
-  if (update_only) {
-    row("update", uo, update_gbs);
-    std::printf("  (update: the fused update pass alone, a plain step() without reduce pass, %g B/param; the reduce\n"
-                "   pass then takes the rest of the fused step: %.2f ms, %.1f GB/s for %g B/param = %.1f%% of read)\n",
-                plain_bytes.per_param(), reduce_s * 1e3, reduce_gbs, bytes.reduce,
-                100.0 * reduce_gbs / bw_gbs[sb::Pattern::read]);
+  for (sf::Fusion f : modes) {
+    row(mode_name(f), runs[idx(f)].summary, runs[idx(f)].gbs);
+    if (f == sf::Fusion::fused && update_only) row("update", uo, update_gbs);
   }
-  std::printf("  fused/unfused speed ratio: %.2fx (median unfused time / median fused time)\n", ratio);
-  std::printf("  per iteration (median, min-max): fused at %.1f%% of adam_like (%.1f-%.1f), fused/unfused %.2fx "
-              "(%.2f-%.2f)\n",
-              100.0 * pf.median, 100.0 * pf.min, 100.0 * pf.max, pr.median, pr.min, pr.max);
-  std::printf("\npeak RSS, fused-only phase (%d steps, before any other buffer of model size existed):\n",
-              a.rss_steps);
-  std::printf("  %.3f GiB peak vs %.3f GiB weights+grads+state%s = %.2f%% (%+.2f%% above it; process before "
-              "allocating: %.1f MiB)\n",
-              gib(static_cast<double>(rss_peak)), gib(model_bytes), master_bytes > 0 ? "+masters" : "",
-              100.0 * static_cast<double>(rss_peak) / model_bytes,
-              100.0 * (static_cast<double>(rss_peak) / model_bytes - 1.0),
-              static_cast<double>(rss_start) / (1024.0 * 1024.0));
-  std::printf("total run time %.1f s\n", seconds_since(t_start));
+  if (update_only)
+    out += format("  (update: the fused update pass alone, a plain step() without reduce pass, %g B/param; the reduce\n"
+                  "   pass then takes the rest of the fused step: %.2f ms, %.1f GB/s for %g B/param = %.1f%% of read)\n",
+                  plain_bytes.per_param(), reduce_s * 1e3, reduce_gbs, bytes.reduce,
+                  100.0 * reduce_gbs / bw_gbs[sb::Pattern::read]);
+  for (const Ratio& r : ratios)
+    out += format("  %s speed ratio: %.2fx (median %s time / median %s time)\n", ratio_name(r.pair).c_str(),
+                  r.median_ratio, mode_name(r.pair.b), mode_name(r.pair.a));
+  {
+    const sf::Fusion f0 = modes.front();
+    const sb::Summary& pf = paired_frac[idx(f0)];
+    out += format("  per iteration (median, min-max): %s at %.1f%% of adam_like (%.1f-%.1f)", mode_name(f0),
+                  100.0 * pf.median, 100.0 * pf.min, 100.0 * pf.max);
+    for (const Ratio& r : ratios)
+      out += format(", %s %.2fx (%.2f-%.2f)", ratio_name(r.pair).c_str(), r.per_iteration.median,
+                    r.per_iteration.min, r.per_iteration.max);
+    out += "\n";
+  }
+  out += format("\npeak RSS, fused-only phase (%d steps, before any other buffer of model size existed):\n",
+                a.rss_steps);
+  out += format("  %.3f GiB peak vs %.3f GiB weights+grads+state%s = %.2f%% (%+.2f%% above it; process before "
+                "allocating: %.1f MiB)\n",
+                gib(static_cast<double>(rss_peak)), gib(model_bytes), master_bytes > 0 ? "+masters" : "",
+                100.0 * static_cast<double>(rss_peak) / model_bytes,
+                100.0 * (static_cast<double>(rss_peak) / model_bytes - 1.0),
+                static_cast<double>(rss_start) / (1024.0 * 1024.0));
+  out += format("total run time %.1f s\n", seconds_since(t_start));
+  if (!a.json_only) std::fputs(out.c_str(), stdout);
 
-  if (json_out.is_open()) {
+  if (json_out.is_open() || a.json_only) {
     json j;
     j["tool"] = "stepfuse-bench";
     j["version"] = sf::version();
     j["cpu_target"] = sf::cpu_target();
     j["threads"] = threads;
-    j["config"] = {{"preset", preset.name},
+    json fusion = json::array();
+    for (sf::Fusion f : modes) fusion.push_back(mode_name(f));
+    j["config"] = {{"preset", from_file ? json(nullptr) : json(preset.name)},
+                   {"shapes_file", from_file ? json(a.shapes_path) : json(nullptr)},
                    {"tensors", preset.tensors.size()},
                    {"params", n},
+                   {"backend", a.backend},
+                   {"fusion", fusion},
                    {"optimizer", std::string(sf::optimizer_name(config))},
                    {"weights", a.weights},
                    {"grads", a.grads},
@@ -418,32 +604,49 @@ int run(const Args& a) {
                                                {"seconds", bw_s[p]}};
     }
     j["bandwidth"] = bw;
-    auto mode = [&](const sb::Summary& s, const std::vector<double>& samples, double gbs) {
+    auto mode_json = [&](const sb::Summary& s, const std::vector<double>& samples, double gbs) {
       return json{{"ms", summary_json(s, 1e3)},
                   {"samples_ms", scaled(samples, 1e3)},
                   {"gbs", gbs},
                   {"fraction_of_adam_like", gbs / ref_gbs}};
     };
-    j["fused"] = mode(sf_, fused_s, fused_gbs);
-    j["unfused"] = mode(su, unfused_s, unfused_gbs);
-    j["fused_over_unfused_speed"] = ratio;
+    // One key per timed mode ("fused", "unfused", "interpreted"), and one per pair of timed
+    // modes ("fused_over_unfused_speed" = median unfused time / median fused time, ...).
+    for (sf::Fusion f : modes) j[mode_name(f)] = mode_json(runs[idx(f)].summary, runs[idx(f)].samples, runs[idx(f)].gbs);
+    for (const Ratio& r : ratios) j[ratio_key(r.pair)] = r.median_ratio;
     if (update_only) {
-      j["fused_update_only"] = mode(uo, update_s, update_gbs);
+      j["fused_update_only"] = mode_json(uo, update_s, update_gbs);
       j["fused_update_only"]["bytes_per_param"] = plain_bytes.per_param();
       j["fused_reduce_by_difference"] = {{"ms", reduce_s * 1e3},
                                          {"gbs", reduce_gbs},
                                          {"fraction_of_read", reduce_gbs / bw_gbs[sb::Pattern::read]}};
     }
-    j["per_iteration"] = {{"fused_fraction_of_adam_like", summary_json(pf, 1.0)},
-                          {"fused_over_unfused_speed", summary_json(pr, 1.0)}};
+    json per_it = json::object();
+    for (sf::Fusion f : modes) per_it[std::string(mode_name(f)) + "_fraction_of_adam_like"] = summary_json(paired_frac[idx(f)], 1.0);
+    for (const Ratio& r : ratios) per_it[ratio_key(r.pair)] = summary_json(r.per_iteration, 1.0);
+    j["per_iteration"] = per_it;
+    // The top-level figures are the first pair's (fused against unfused by default);
+    // "pairs" has every pair checked.
+    const sb::VerifyReport& v0 = verified.front().report;
+    json pairs = json::array();
+    for (const Verified& v : verified)
+      pairs.push_back({{"mode", mode_name(v.mode)},
+                       {"reference", mode_name(ref)},
+                       {"values_checked", v.report.values_checked},
+                       {"values_bitwise_equal", v.report.identical},
+                       {"worst_fraction_of_tolerance", v.report.worst_ratio},
+                       {"rel_tol", v.report.rel_tol},
+                       {"worst", v.report.worst}});
     j["verification"] = {{"ok", true},
-                         {"values_checked", vr.values_checked},
-                         {"values_bitwise_equal", vr.identical},
-                         {"worst_fraction_of_tolerance", vr.worst_ratio},
-                         {"rel_tol", vr.rel_tol},
-                         {"worst", vr.worst},
-                         {"grad_norm", vf.grad_norm},
-                         {"clip_coef", vf.clip_coef}};
+                         {"values_checked", v0.values_checked},
+                         {"values_bitwise_equal", v0.identical},
+                         {"worst_fraction_of_tolerance", v0.worst_ratio},
+                         {"rel_tol", v0.rel_tol},
+                         {"worst", v0.worst},
+                         {"grad_norm", ref_result.grad_norm},
+                         {"clip_coef", ref_result.clip_coef},
+                         {"reference", mode_name(ref)},
+                         {"pairs", pairs}};
     j["rss"] = {{"phase", "fused only, before any other buffer of model size"},
                 {"peak_bytes", rss_peak},
                 {"peak_before_bytes", peak_start},
@@ -455,8 +658,13 @@ int run(const Args& a) {
                 {"master_bytes", master_bytes},
                 {"model_bytes", model_bytes},
                 {"peak_over_model", static_cast<double>(rss_peak) / model_bytes}};
-    json_out << j.dump(2) << "\n";
-    if (!json_out) throw std::runtime_error("--json: writing '" + a.json_path + "' failed");
+    const std::string text = j.dump(2) + "\n";
+    if (json_out.is_open()) {
+      json_out << text;
+      json_out.flush();
+      if (!json_out) throw std::runtime_error("--json: writing '" + a.json_path + "' failed");
+    }
+    if (a.json_only) std::fputs(text.c_str(), stdout);
   }
   return kExitOk;
 }
@@ -466,17 +674,40 @@ int run(const Args& a) {
 int main(int argc, char** argv) {
   Args a;
   CLI::App app{"stepfuse-bench: the fused optimizer step against the unfused baseline and the memory bandwidth "
-               "measured in the same run.\nVerifies fused == unfused (within fp32 rounding) before timing; times "
-               "interleaved steps; reports medians, spread, bytes moved, GB/s, % of bandwidth, the speed ratio and "
-               "peak RSS.",
+               "measured in the same run.\nVerifies every timed mode against the unfused one (or the fused one) "
+               "within fp32 rounding before timing; times interleaved steps; reports medians, spread, bytes moved, GB/s, % of bandwidth, "
+               "the speed ratios and peak RSS.",
                "stepfuse-bench"};
-  std::string presets = "\nPresets:\n";
-  for (const auto& [name, desc] : sb::preset_catalog()) presets += "  " + name + std::string(16 - name.size(), ' ') + desc + "\n";
+  std::string presets = "\nPresets (--preset):\n";
+  for (const auto& [name, desc] : sb::preset_catalog())
+    presets += "  " + name + std::string(name.size() < 16 ? 16 - name.size() : 1, ' ') + desc + "\n";
   app.footer(presets +
-             "\nExit codes: 0 ok, 1 bad arguments (or a configuration the library rejects), 2 verification "
-             "failed (fused and unfused disagree, or a step was skipped), 3 other errors.");
+             "\nShapes files (--shapes FILE), the format --print-shapes writes: one tensor per line,\n"
+             "  [NAME] COUNT      e.g.  transformer.wte.weight 38597376   or   4096   or   mlp 10M\n"
+             "COUNT is an element count >= 0, optionally with a k/M/G suffix (powers of 1000); a tensor\n"
+             "without a NAME is named t<index> (from 0). Names are unique, without whitespace. Blank\n"
+             "lines and everything after a '#' are ignored. The list must hold at least one element.\n"
+             "\nExit codes: 0 ok, 1 bad arguments (a bad shapes file, a configuration or backend the library "
+             "rejects), 2 verification failed (a mode disagrees with the reference, or a step was skipped), "
+             "3 other errors.");
   app.set_version_flag("--version", std::string(sf::version()));
-  app.add_option("--preset", a.preset, "tensor list: gpt2-124m, llama7b-layer, many-small or flat:N")
+  CLI::Option* preset_opt =
+      app.add_option("--preset", a.preset, "tensor list: gpt2-124m, resnet50, llama7b-layer, many-small or flat:N")
+          ->capture_default_str();
+  CLI::Option* shapes_opt = app.add_option("--shapes", a.shapes_path,
+                                           "tensor list from FILE: one '[NAME] COUNT' per line (see below)")
+                                ->type_name("FILE");
+  preset_opt->excludes(shapes_opt);
+  app.add_flag("--print-shapes", a.print_shapes,
+               "print the tensor list (NAME COUNT per line, the --shapes format) and exit");
+  app.add_option("--fusion", a.fusion,
+                 "modes to time, comma-separated: fused, unfused, interpreted (timed interleaved in that order)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fused", "unfused", "interpreted"}))
+      ->type_name("LIST")
+      ->default_str("fused,unfused");
+  app.add_option("--backend", a.backend, "where the step runs: cpu, or cuda (not in this build)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   app.add_option("--optimizer", a.optimizer, "optimizer, with PyTorch's default hyperparameters")
       ->check(CLI::IsMember({"adamw", "adam", "sgd", "adagrad", "rmsprop", "lion"}))
@@ -501,7 +732,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--loss-scale", a.loss_scale, "loss scale S: gradients are stored multiplied by S")
       ->capture_default_str();
-  app.add_option("--json", a.json_path, "also write every figure to FILE as JSON");
+  app.add_option("--json", a.json_path, "also write every figure to FILE as JSON")->type_name("FILE");
+  app.add_flag("--json-only", a.json_only,
+               "print the JSON report to stdout instead of the table (no progress line on stderr)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -37,6 +37,7 @@ double grad_rel_tol(DType g) {
 
 // Per-thread tally, merged at the end.
 struct Tally {
+  std::string_view a_name, b_name;  // labels of a and b in `worst`
   std::int64_t checked = 0, bad = 0, identical = 0;
   double worst_ratio = 0;
   std::string worst;
@@ -51,8 +52,9 @@ struct Tally {
     if (ratio > worst_ratio || (std::isnan(diff) && worst.empty())) {
       worst_ratio = ratio;
       char line[512];
-      std::snprintf(line, sizeof line, "%s[%lld] %.*s: fused %.9g, unfused %.9g (initial %.9g), |diff| %.3g, tol %.3g",
-                    buf.name(t).c_str(), static_cast<long long>(i), static_cast<int>(what.size()), what.data(), a,
+      std::snprintf(line, sizeof line, "%s[%lld] %.*s: %.*s %.9g, %.*s %.9g (initial %.9g), |diff| %.3g, tol %.3g",
+                    buf.name(t).c_str(), static_cast<long long>(i), static_cast<int>(what.size()), what.data(),
+                    static_cast<int>(a_name.size()), a_name.data(), a, static_cast<int>(b_name.size()), b_name.data(),
                     b, initial, diff, tol);
       worst = line;
     }
@@ -63,25 +65,31 @@ struct Tally {
 
 VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, const StepResult& rf,
                               const Optimizer& unfused, const ModelBuffers& ub, const StepResult& ru,
-                              double loss_scale, int threads) {
+                              double loss_scale, int threads, std::string_view fused_name,
+                              std::string_view unfused_name) {
+  const std::string fn(fused_name), un(unfused_name);
   VerifyReport rep;
   rep.rel_tol = grad_rel_tol(fb.grad_dtype());
   const double rel = rep.rel_tol;
   auto problem = [&](const std::string& s) { rep.problems.push_back(s); };
 
   if (!rf.applied || !ru.applied)
-    problem(std::string("a step was skipped (fused applied=") + (rf.applied ? "yes" : "no") +
-            ", unfused applied=" + (ru.applied ? "yes" : "no") + ") on finite gradients");
-  if (rf.found_inf != ru.found_inf) problem("found_inf differs between fused and unfused");
+    problem("a step was skipped (" + fn + " applied=" + (rf.applied ? "yes" : "no") + ", " + un +
+            " applied=" + (ru.applied ? "yes" : "no") + ") on finite gradients");
+  if (rf.found_inf != ru.found_inf) problem("found_inf differs between " + fn + " and " + un);
   auto close = [&](double a, double b) { return std::fabs(a - b) <= rel * std::max(std::fabs(a), std::fabs(b)); };
-  if (!(std::isnan(rf.grad_norm) && std::isnan(ru.grad_norm)) && !close(rf.grad_norm, ru.grad_norm)) {
-    char s[160];
-    std::snprintf(s, sizeof s, "gradient norms differ: fused %.9g, unfused %.9g", rf.grad_norm, ru.grad_norm);
+  // A NaN norm is one the step did not compute (the unfused baseline runs no norm pass
+  // without clipping): compare the norms where both steps computed one.
+  if (!std::isnan(rf.grad_norm) && !std::isnan(ru.grad_norm) && !close(rf.grad_norm, ru.grad_norm)) {
+    char s[200];
+    std::snprintf(s, sizeof s, "gradient norms differ: %s %.9g, %s %.9g", fn.c_str(), rf.grad_norm, un.c_str(),
+                  ru.grad_norm);
     problem(s);
   }
   if (!close(rf.clip_coef, ru.clip_coef)) {
-    char s[160];
-    std::snprintf(s, sizeof s, "clip coefficients differ: fused %.9g, unfused %.9g", rf.clip_coef, ru.clip_coef);
+    char s[200];
+    std::snprintf(s, sizeof s, "clip coefficients differ: %s %.9g, %s %.9g", fn.c_str(), rf.clip_coef, un.c_str(),
+                  ru.clip_coef);
     problem(s);
   }
   if (fused.step_count() != unfused.step_count()) problem("step counts differ");
@@ -110,7 +118,9 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
 
   const DType wt = fb.weight_dtype();
   const double weight_ulps = wt == DType::f32 ? 4.0 : 1.0;
-  std::vector<Tally> tallies(static_cast<std::size_t>(std::max(threads, 1)));
+  Tally blank;
+  blank.a_name = fused_name, blank.b_name = unfused_name;
+  std::vector<Tally> tallies(static_cast<std::size_t>(std::max(threads, 1)), blank);
   std::vector<std::int64_t> grads_written(tallies.size(), 0);
   parallel_for(fb.total_numel(), threads, [&](int th, std::int64_t lo, std::int64_t hi) {
     Tally& tl = tallies[th];
@@ -150,7 +160,7 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
     }
   }
   if (written > 0)
-    problem("the fused step wrote " + std::to_string(written) + " gradient elements (it must not write gradients)");
+    problem("the " + fn + " step wrote " + std::to_string(written) + " gradient elements (it must not write gradients)");
   return rep;
 }
 

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model_buffers.hpp"
@@ -23,8 +24,9 @@ struct VerifyReport {
 
 // Compares two optimizers that each took exactly one step_scaled(loss_scale) from
 // identical inputs (`fb`/`ub` filled the same way, fresh optimizers): the step results, the
-// gradient norms, every weight, master and state value, and that the fused step left its
-// gradients untouched. Values agree when
+// gradient norms, every weight, master and state value, and that the checked step (`fused`)
+// left its gradients untouched. `fused` may be any mode checked against the reference
+// `unfused` (interpreted against unfused, say); the names only label the messages. Values agree when
 //   |fused - unfused| <= rel * |unfused - initial| + k ulp(max(|fused|, |unfused|))
 // (k = 4 in fp32, 1 in a 16-bit weight format; states use 2 * rel * |value|), where rel is
 // 1e-5 for fp32 gradients (DESIGN §5) and the gradient format's rounding for 16-bit ones:
@@ -32,7 +34,8 @@ struct VerifyReport {
 // eager PyTorch does. Reads everything with `threads` threads; allocates nothing large.
 VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, const StepResult& rf,
                               const Optimizer& unfused, const ModelBuffers& ub, const StepResult& ru,
-                              double loss_scale, int threads);
+                              double loss_scale, int threads, std::string_view fused_name = "fused",
+                              std::string_view unfused_name = "unfused");
 
 // For benchmarks that time one mode: after one step from fill_weights() values, every weight
 // is finite and most moved. Returns "" when so, else what is wrong.

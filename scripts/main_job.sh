@@ -14,7 +14,10 @@ bash scripts/install_deps.sh
 cmake --preset release --log-level=WARNING
 cmake --build --preset release --parallel "$jobs" --target stepfuse-bench stepfuse-train-mlp
 build/release/bench/stepfuse-bench "$@"
-# --help asked for stepfuse-bench's usage, not for a training run.
-for arg in "$@"; do [[ $arg == --help || $arg == -h ]] && exit 0; done
+# --help, --version and --print-shapes ask stepfuse-bench a question, not for a training run;
+# --json-only wants stdout to hold the JSON alone.
+for arg in "$@"; do
+  case $arg in -h | --help | --version | --print-shapes | --json-only) exit 0 ;; esac
+done
 echo
 exec build/release/examples/stepfuse-train-mlp
