@@ -71,15 +71,7 @@ std::vector<NamedCase> all_cases() {
 
 const bool registered = [] {
   for (NamedCase& nc : all_cases()) {
-    benchmark::RegisterBenchmark(nc.name.c_str(),
-                                 [c = std::move(nc.c)](benchmark::State& st) {
-                                   sb::run_step_case(st, c, static_cast<int>(st.range(0)));
-                                 })
-        ->ArgName("threads")
-        ->Arg(1)
-        ->Arg(2)
-        ->UseRealTime()  // the library's worker threads do the work: CPU time of this thread means nothing
-        ->Unit(benchmark::kMillisecond);
+    sb::register_step_case(nc.name, std::move(nc.c));
   }
   return true;
 }();

@@ -48,13 +48,7 @@ const bool registered = [] {
   for (const auto& o : optimizers) {
     for (const auto& d : dtypes) {
       const sb::StepCase c{o.config, d.weights, d.grads, sf::Fusion::fused, sb::large_tensors(), /*scaled=*/false};
-      benchmark::RegisterBenchmark((std::string("update/") + o.name + "/" + d.name).c_str(),
-                                   [c](benchmark::State& st) { sb::run_step_case(st, c, static_cast<int>(st.range(0))); })
-          ->ArgName("threads")
-          ->Arg(1)
-          ->Arg(2)
-          ->UseRealTime()  // the library's worker threads do the work: CPU time of this thread means nothing
-          ->Unit(benchmark::kMillisecond);
+      sb::register_step_case(std::string("update/") + o.name + "/" + d.name, c);
     }
   }
   return true;

@@ -140,3 +140,19 @@ void run_step_case(benchmark::State& state, const StepCase& c, int threads) {
 }
 
 }  // namespace stepfuse::bench
+
+namespace stepfuse::bench {
+
+void register_step_case(const std::string& name, StepCase c) {
+  benchmark::RegisterBenchmark(name.c_str(),
+                               [c = std::move(c)](benchmark::State& st) {
+                                 run_step_case(st, c, static_cast<int>(st.range(0)));
+                               })
+      ->ArgName("threads")
+      ->Arg(1)
+      ->Arg(2)
+      ->UseRealTime()  // the library's worker threads do the work: CPU time of this thread means nothing
+      ->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace stepfuse::bench

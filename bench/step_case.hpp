@@ -101,4 +101,7 @@ void report_step_rates(benchmark::State& state, const PreparedStep& p);
 // worker threads do the work, so this thread's CPU time means nothing.
 void run_step_case(benchmark::State& state, const StepCase& c, int threads);
 
+// Registers `c` as benchmark `name`, run on 1 and 2 threads (real time, milliseconds).
+void register_step_case(const std::string& name, StepCase c);
+
 }  // namespace stepfuse::bench
