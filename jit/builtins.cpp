@@ -120,19 +120,30 @@ void validate_config(const OptimizerConfig& config) {
       config);
 }
 
-void fill_scalars(const OptimizerConfig& config, const Program& program, std::int64_t step, double gscale,
-                  float* out) {
+void scalar_rules(const OptimizerConfig& config, const Program& program, sf_scalar_rule* out) {
+  for (int s = 0; s < program.num_scalars; ++s) out[s] = sf_scalar_rule{SF_RULE_FIXED, 0, 0.0, 0.0};
   std::visit(
       [&](const auto& c) {
         using T = std::decay_t<decltype(c)>;
-        if constexpr (std::is_same_v<T, optim::SGD>) sgd_scalars(c, program, step, gscale, out);
-        else if constexpr (std::is_same_v<T, optim::Adam>) adam_scalars(c, false, program, step, gscale, out);
-        else if constexpr (std::is_same_v<T, optim::AdamW>) adam_scalars(c, true, program, step, gscale, out);
-        else if constexpr (std::is_same_v<T, optim::Adagrad>) adagrad_scalars(c, program, step, gscale, out);
-        else if constexpr (std::is_same_v<T, optim::RMSprop>) rmsprop_scalars(c, program, gscale, out);
-        else lion_scalars(c, program, gscale, out);
+        if constexpr (std::is_same_v<T, optim::SGD>) sgd_scalars(c, program, out);
+        else if constexpr (std::is_same_v<T, optim::Adam>) adam_scalars(c, false, program, out);
+        else if constexpr (std::is_same_v<T, optim::AdamW>) adam_scalars(c, true, program, out);
+        else if constexpr (std::is_same_v<T, optim::Adagrad>) adagrad_scalars(c, program, out);
+        else if constexpr (std::is_same_v<T, optim::RMSprop>) rmsprop_scalars(c, program, out);
+        else lion_scalars(c, program, out);
       },
       config);
+}
+
+void eval_scalars(const sf_scalar_rule* rules, int n, std::int64_t step, double gscale, float* out) {
+  for (int s = 0; s < n; ++s) out[s] = static_cast<float>(sf_eval_rule(&rules[s], step, gscale));
+}
+
+void fill_scalars(const OptimizerConfig& config, const Program& program, std::int64_t step, double gscale,
+                  float* out) {
+  sf_scalar_rule rules[kMaxScalars];
+  scalar_rules(config, program, rules);
+  eval_scalars(rules, program.num_scalars, step, gscale, out);
 }
 
 float initial_state_value(const OptimizerConfig& config, const Program& program, int stream) {

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "jit/step_scalars.h"
 #include "stepfuse/optim.hpp"
 #include "stepfuse/program.hpp"
 
@@ -30,9 +31,16 @@ Builtin select_builtin(const OptimizerConfig& config);
 // and for non-finite values.
 void validate_config(const OptimizerConfig& config);
 
+// The rules that give the program's per-step scalars for a config (one per
+// scalar slot; jit/step_scalars.h). Every backend evaluates these same rules.
+void scalar_rules(const OptimizerConfig& config, const Program& program, sf_scalar_rule* out);
+// Evaluates n rules for applying step `step` (1-based) with the gradient
+// multiplier `gscale`, rounding each to fp32.
+void eval_scalars(const sf_scalar_rule* rules, int n, std::int64_t step, double gscale, float* out);
+
 // The program's per-step scalars for applying step `step` (1-based) with the
-// gradient multiplier `gscale` (1/loss_scale times the clip coefficient).
-// Writes program.num_scalars floats to `out`. No allocation.
+// gradient multiplier `gscale` (1/loss_scale times the clip coefficient):
+// scalar_rules() then eval_scalars(). Writes program.num_scalars floats to `out`.
 void fill_scalars(const OptimizerConfig& config, const Program& program, std::int64_t step, double gscale,
                   float* out);
 

@@ -16,6 +16,7 @@
 #include "jit/builtins.hpp"
 #include "jit/config_fields.hpp"
 #include "runtime/checkpoint_file.hpp"
+#include "runtime/detail_access.hpp"
 #include "runtime/step_engine.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/grad_scaler.hpp"
@@ -35,11 +36,6 @@ constexpr std::uint32_t kLossScaleTag = detail::section_tag("LSOP");
 }
 
 }  // namespace
-
-// Private access for checkpoints.
-struct detail_access {
-  static detail::StepEngine& engine(const Optimizer& o) { return *o.engine_; }
-};
 
 struct LossScaleCheckpoint {
   static void write(const LossScaleOptimizer& l, detail::SectionWriter& w) {

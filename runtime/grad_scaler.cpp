@@ -5,9 +5,12 @@
 #include <cmath>
 #include <string>
 
+#include "runtime/cuda/cuda_scaler.hpp"
+#include "runtime/detail_access.hpp"
 #include "runtime/scale_tensors.hpp"
 #include "runtime/thread_pool.hpp"
 #include "runtime/warning.hpp"
+#include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse {
@@ -60,19 +63,78 @@ GradScaler::GradScaler(std::string_view device, double init_scale, double growth
   check_backoff_factor(backoff_factor);
   check_growth_interval(growth_interval);
   current_scale_ = static_cast<float>(init_scale);
-  if (enabled && device == "cuda")
-    detail::warn_once("GradScaler.cuda",
-                      "GradScaler(device=\"cuda\"): this build of stepfuse has no CUDA backend, so the loss scale is "
-                      "kept on the CPU, where the optimizers run (pass \"cpu\" to silence this warning)");
+  if (enabled && device == "cuda") {
+    if (const CudaStatus cs = cuda_available(); cs) {
+      gpu_usable_ = true;
+    } else {
+      detail::warn_once("GradScaler.cuda",
+                        "GradScaler(device=\"cuda\"): the CUDA backend cannot run here (" + cs.reason +
+                            "), so the loss scale is kept on the CPU, where the optimizers run (pass \"cpu\" to "
+                            "silence this warning)");
+    }
+  }
 }
 
-double GradScaler::scale(double loss) const { return enabled_ ? loss * static_cast<double>(current_scale_) : loss; }
+void GradScaler::pull() const {
+  if (cuda_) cuda_->pull(&current_scale_, &growth_tracker_, static_cast<cuda::CUstream>(cuda_stream_));
+}
+
+void GradScaler::push() {
+  if (cuda_)
+    cuda_->push(current_scale_, growth_tracker_, growth_factor_, backoff_factor_, growth_interval_,
+                static_cast<cuda::CUstream>(cuda_stream_));
+}
+
+detail::CudaScalerState* GradScaler::device_state_for(const Optimizer& opt) {
+  const detail::StepEngine& engine = detail_access::engine(opt);
+  if (!gpu_usable_ || !engine.on_cuda()) return nullptr;
+  cuda_stream_ = engine.cuda()->stream();
+  if (!cuda_) {
+    cuda_ = std::make_shared<detail::CudaScalerState>(engine.cuda()->context().device());
+    push();
+  } else if (cuda_->device() != engine.cuda()->context().device()) {
+    throw Error(ErrorCode::invalid_argument,
+                "GradScaler: its scale is on cuda:" + std::to_string(cuda_->device()) + " but this optimizer is on cuda:" +
+                    std::to_string(engine.cuda()->context().device()) + " (use one GradScaler per GPU)");
+  }
+  return cuda_.get();
+}
+
+Device GradScaler::where_scale_lives() const { return cuda_ ? Device::cuda(cuda_->device()) : Device::cpu(); }
+
+std::int64_t GradScaler::growth_tracker() const {
+  pull();
+  return growth_tracker_;
+}
+
+const StepResult& GradScaler::last_step_result() const {
+  if (last_result_.pending && last_stepped_ != nullptr) last_result_ = last_stepped_->last_result();
+  return last_result_;
+}
+
+double GradScaler::scale(double loss) const {
+  if (!enabled_) return loss;
+  pull();
+  return loss * static_cast<double>(current_scale_);
+}
 
 void GradScaler::scale_(TensorView outputs) const { scale_(std::span<const TensorView>(&outputs, 1)); }
 
 void GradScaler::scale_(std::span<const TensorView> outputs) const {
   if (!enabled_) return;
   detail::validate_views(outputs, "GradScaler::scale_: outputs");
+  int device = 0;
+  if (gpu_usable_ && !outputs.empty() && detail::is_device_pointer(outputs[0].data, &device)) {
+    // Outputs on a GPU are scaled there by the device scale (created on their GPU if needed).
+    auto* self = const_cast<GradScaler*>(this);
+    if (!cuda_) {
+      self->cuda_ = std::make_shared<detail::CudaScalerState>(device);
+      self->push();
+    }
+    for (const TensorView& t : outputs) cuda_->scale_tensor(t, false, static_cast<cuda::CUstream>(cuda_stream_));
+    return;
+  }
+  pull();
   detail::scale_tensors(outputs, current_scale_, false, detail::ThreadPool::shared(detail::ThreadPool::default_threads()));
 }
 
@@ -91,6 +153,14 @@ void GradScaler::unscale_(Optimizer& opt) {
   if (s.stage == Stage::stepped)
     throw Error(ErrorCode::invalid_state,
                 "GradScaler::unscale_: unscale_() is being called after step() (call it before step(), once per iteration)");
+  if (detail::CudaScalerState* dev = device_state_for(opt)) {
+    // In place on the GPU, by fp32(1/S) read there; found_inf recorded there.
+    for (const TensorView& g : grads_of(opt)) dev->scale_tensor(g, true, static_cast<cuda::CUstream>(cuda_stream_));
+    s.found_inf = false;  // known on the device only
+    s.stage = Stage::unscaled;
+    return;
+  }
+  pull();
   // The reciprocal computed in double and rounded to float, as PyTorch does.
   const float inv = static_cast<float>(1.0 / static_cast<double>(current_scale_));
   const std::vector<TensorView> grads = grads_of(opt);
@@ -108,6 +178,19 @@ bool GradScaler::step(Optimizer& opt) {
   if (s.stage == Stage::stepped)
     throw Error(ErrorCode::invalid_state,
                 "GradScaler::step: step() has already been called for this optimizer since the last update()");
+  if (detail::CudaScalerState* dev = device_state_for(opt)) {
+    // On the GPU: the scale is read and found_inf recorded by the kernels. After
+    // unscale_() the gradients are stepped at scale 1 (a device 1.0), and a
+    // non-finite one left by unscale_ still makes the device skip.
+    detail::StepEngine& engine = detail_access::engine(opt);
+    last_result_ = engine.step_device_scale(s.stage == Stage::ready ? dev->scale() : dev->one(), dev->state());
+    last_stepped_ = &opt;
+    s.found_inf = false;  // known on the device only
+    s.stage = Stage::stepped;
+    return true;
+  }
+  pull();
+  last_stepped_ = nullptr;
   if (s.stage == Stage::ready) {
     // The fused path: unscale, check, clip and update in one reduce and one update pass.
     last_result_ = opt.step_scaled(static_cast<double>(current_scale_));
@@ -131,7 +214,23 @@ void GradScaler::update(std::optional<double> new_scale) {
   if (!enabled_) return;
   if (new_scale) {
     check_scale("update: new_scale", *new_scale);
+    pull();  // the tracker
     current_scale_ = static_cast<float>(*new_scale);
+    if (cuda_) cuda_->push(current_scale_, growth_tracker_, growth_factor_, backoff_factor_, growth_interval_,
+                           static_cast<cuda::CUstream>(cuda_stream_), /*end_iteration=*/true);
+  } else if (cuda_) {
+    bool recorded = false, found_inf = false;
+    for (const PerOptimizer& s : per_optimizer_) {
+      recorded |= s.stage != Stage::ready;
+      found_inf |= s.stage != Stage::ready && s.found_inf;  // optimizers on the CPU
+    }
+    if (!recorded)
+      throw Error(ErrorCode::invalid_state,
+                  "GradScaler::update: no inf checks were recorded prior to update() (call step() or unscale_() for "
+                  "each optimizer first)");
+    const auto stream = static_cast<cuda::CUstream>(cuda_stream_);
+    if (found_inf) cuda_->record_found_inf(stream);  // an optimizer on the CPU found inf/NaN
+    cuda_->update(stream);
   } else {
     bool recorded = false, found_inf = false;
     for (const PerOptimizer& s : per_optimizer_) {
@@ -157,23 +256,34 @@ void GradScaler::update(std::optional<double> new_scale) {
   per_optimizer_.clear();
 }
 
-double GradScaler::get_scale() const { return enabled_ ? static_cast<double>(current_scale_) : 1.0; }
+double GradScaler::get_scale() const {
+  if (!enabled_) return 1.0;
+  pull();
+  return static_cast<double>(current_scale_);
+}
 
 void GradScaler::set_growth_factor(double new_factor) {
   check_growth_factor(new_factor);
+  pull();
   growth_factor_ = new_factor;
+  push();
 }
 void GradScaler::set_backoff_factor(double new_factor) {
   check_backoff_factor(new_factor);
+  pull();
   backoff_factor_ = new_factor;
+  push();
 }
 void GradScaler::set_growth_interval(std::int64_t new_interval) {
   check_growth_interval(new_interval);
+  pull();
   growth_interval_ = new_interval;
+  push();
 }
 
 std::map<std::string, double> GradScaler::state_dict() const {
   if (!enabled_) return {};
+  pull();
   return {{"scale", static_cast<double>(current_scale_)},
           {"growth_factor", growth_factor_},
           {"backoff_factor", backoff_factor_},
@@ -211,6 +321,7 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   backoff_factor_ = backoff;
   growth_interval_ = interval;
   growth_tracker_ = static_cast<std::int32_t>(tracker);
+  push();
 }
 
 }  // namespace stepfuse

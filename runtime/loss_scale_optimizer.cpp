@@ -6,6 +6,7 @@
 #include <string>
 
 #include "jit/config_fields.hpp"
+#include "runtime/detail_access.hpp"
 #include "runtime/scale_tensors.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/error.hpp"
@@ -61,6 +62,10 @@ double LossScaleOptimizer::get_scaled_loss(double loss) const { return loss * st
 void LossScaleOptimizer::get_unscaled_gradients(const std::vector<TensorView>& grads) const {
   detail::validate_views(grads, "LossScaleOptimizer::get_unscaled_gradients: grads");
   const float reciprocal = 1.0f / scale_;  // fp32, as Keras computes it
+  if (detail::CudaBackend* gpu = detail_access::engine(*inner_).cuda()) {
+    gpu->scale_tensors(grads, reciprocal);  // the gradients of an optimizer on a GPU are on it too
+    return;
+  }
   detail::scale_tensors(grads, reciprocal, false, detail::ThreadPool::shared(inner_->num_threads()));
 }
 
@@ -81,7 +86,10 @@ void LossScaleOptimizer::update_scale(bool finite) {
 bool LossScaleOptimizer::apply_gradients() {
   // Scale 1: the reduce pass checks the (already unscaled) gradients; the step is
   // skipped, writing nothing, when any is inf or NaN.
-  last_result_ = inner_->step_scaled(1.0);
+  inner_->step_scaled(1.0);
+  // The dynamic scale is kept on the host, as Keras keeps it: on a GPU this reads
+  // the step's outcome (the one wait per step; GradScaler has none).
+  last_result_ = inner_->last_result();
   update_scale(!last_result_.found_inf);
   return last_result_.applied;
 }
@@ -89,7 +97,8 @@ bool LossScaleOptimizer::apply_gradients() {
 bool LossScaleOptimizer::minimize(const std::function<void(double loss_scale)>& backward) {
   if (!backward) bad("minimize: backward is empty (pass a function that writes the gradients of loss * loss_scale)");
   backward(static_cast<double>(scale_));
-  last_result_ = inner_->step_scaled(static_cast<double>(scale_));
+  inner_->step_scaled(static_cast<double>(scale_));
+  last_result_ = inner_->last_result();
   update_scale(!last_result_.found_inf);
   return last_result_.applied;
 }

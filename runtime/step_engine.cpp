@@ -7,6 +7,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::detail {
@@ -45,9 +46,19 @@ void validate_params(const std::vector<Param>& params) {
 }
 
 void validate_options(const OptimizerOptions& o) {
-  if (o.device.kind != Device::Kind::cpu)
-    throw Error(ErrorCode::unsupported, "OptimizerOptions::device = cuda:" + std::to_string(o.device.index) +
-                                            ": this build has no CUDA backend; use Device::cpu()");
+  if (o.device.kind == Device::Kind::cuda) {
+    if (const CudaStatus cs = cuda_available(); !cs)
+      throw Error(ErrorCode::unsupported, "OptimizerOptions::device = cuda:" + std::to_string(o.device.index) +
+                                              ": the CUDA backend cannot run here: " + cs.reason + " (use Device::cpu())");
+    if (o.fusion != Fusion::fused)
+      throw Error(ErrorCode::unsupported, "OptimizerOptions::fusion: the unfused and interpreted modes run on the CPU "
+                                          "only (use Fusion::fused with Device::cuda)");
+  } else if (o.device.kind != Device::Kind::cpu) {
+    bad_argument("OptimizerOptions::device.kind = " + std::to_string(static_cast<int>(o.device.kind)) +
+                 " is not a Device kind (use Device::cpu() or Device::cuda(i))");
+  }
+  if (o.cuda_stream != nullptr && o.device.kind != Device::Kind::cuda)
+    bad_argument("OptimizerOptions::cuda_stream is set but the device is the CPU (set device = Device::cuda(i))");
   if (o.norm_type != 2.0 && o.norm_type != INFINITY)
     bad_argument("OptimizerOptions::norm_type = " + std::to_string(o.norm_type) + " (use 2.0 or INFINITY)");
   if (o.max_grad_norm && !(std::isfinite(*o.max_grad_norm) && *o.max_grad_norm > 0))
@@ -81,10 +92,23 @@ StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, Optimi
   validate_options(options_);
   builtin_ = jit::select_builtin(config_);
   program_ = &jit::builtin_program(builtin_);
+  jit::scalar_rules(config_, *program_, rules_);
 
   std::vector<std::int64_t> numels;
   std::int64_t elements = 0;
   for (const Param& p : params_) numels.push_back(p.weight.numel), elements += p.weight.numel;
+  if (options_.device.kind == Device::Kind::cuda) {
+    // The device does the work; the host keeps only a copy of the state made on demand.
+    float init[kMaxStreams] = {};
+    for (int s = 0; s < program_->num_streams; ++s) init[s] = jit::initial_state_value(config_, *program_, s);
+    cuda_ = std::make_unique<CudaBackend>(*program_, params_, options_, init);
+    offsets_ = cuda_->offsets();
+    master_offsets_ = cuda_->master_offsets();
+    total_ = cuda_->state_elems();
+    pool_ = &ThreadPool::shared(1);
+    tensor_norms_.assign(params_.size(), NAN);
+    return;
+  }
   int threads = options_.num_threads > 0 ? options_.num_threads : ThreadPool::default_threads();
   if (options_.num_threads == 0) {
     // Small lists: waking threads costs more than it saves below ~256 K elements a
@@ -178,6 +202,7 @@ int StepEngine::state_stream(std::string_view name) const {
 void StepEngine::set_config(const OptimizerConfig& config) {
   check_config(config);
   config_ = config;
+  jit::scalar_rules(config_, *program_, rules_);
 }
 
 void StepEngine::check_config(const OptimizerConfig& config) const {
@@ -249,9 +274,67 @@ void StepEngine::update_fused() {
   });
 }
 
+const StepResult& StepEngine::last() const {
+  if (last_.pending) last_ = cuda_->read_result(&tensor_norms_);
+  return last_;
+}
+
+const std::vector<double>& StepEngine::tensor_norms() const {
+  last();
+  return tensor_norms_;
+}
+
+void StepEngine::host_view() const {
+  if (!cuda_) return;
+  if (!host_current_) {
+    for (int s = 0; s < program_->num_streams; ++s)
+      if (program_->streams[s].role == StreamRole::state && state_[s].size() == 0)
+        state_[s] = AlignedBuffer(static_cast<std::size_t>(std::max<std::int64_t>(total_, 1)));
+    if (cuda_->master_elems() > 0 && masters_.size() == 0)
+      masters_ = AlignedBuffer(static_cast<std::size_t>(cuda_->master_elems()));
+    float* state[kMaxStreams] = {};
+    for (int s = 0; s < program_->num_streams; ++s) state[s] = state_[s].data();
+    cuda_->download(state, masters_.data());
+    host_current_ = true;
+  }
+  host_touched_ = true;
+}
+
+void StepEngine::sync_host_to_device() {
+  if (!host_touched_) return;
+  const float* state[kMaxStreams] = {};
+  for (int s = 0; s < program_->num_streams; ++s) state[s] = state_[s].data();
+  cuda_->upload(state, masters_.data());
+  host_touched_ = false;
+}
+
+const StepResult& StepEngine::step_device_scale(const float* scale, sf_scaler_state* scaler) {
+  sync_host_to_device();
+  CudaStepRequest request;
+  request.scale_ptr = scale;
+  request.scaler = scaler;
+  request.scaled = true;
+  cuda_->step(request, rules_, program_->num_scalars);
+  host_current_ = false;
+  last_ = StepResult{};
+  last_.pending = true;
+  return last_;
+}
+
 const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   if (!(std::isfinite(loss_scale) && loss_scale > 0))
     bad_argument("step: loss_scale = " + std::to_string(loss_scale) + " (must be finite and > 0)");
+  if (cuda_) {
+    sync_host_to_device();
+    CudaStepRequest request;
+    request.loss_scale = loss_scale;
+    request.scaled = scaled;
+    cuda_->step(request, rules_, program_->num_scalars);
+    host_current_ = false;
+    last_ = StepResult{};
+    last_.pending = true;
+    return last_;
+  }
   if (options_.fusion == Fusion::unfused) {
     last_ = step_unfused(loss_scale, scaled);
     return last_;
@@ -274,7 +357,7 @@ const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   }
   // Scalar stage: one multiplier for unscale and clip (1/S exactly when S is a power of two).
   const double gscale = r.clip_coef / loss_scale;
-  jit::fill_scalars(config_, *program_, step_count_ + 1, gscale, scalars_);
+  jit::eval_scalars(rules_, program_->num_scalars, step_count_ + 1, gscale, scalars_);
   update_fused();
   ++step_count_;
   r.applied = true;
@@ -329,7 +412,7 @@ StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
     for_chunks([&](const Chunk& ch) { cpu::scale_inplace(DType::f32, tmp_at(ch), static_cast<std::size_t>(ch.len), coef); });
   }
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
-  jit::fill_scalars(config_, *program_, step_count_ + 1, 1.0, scalars_);
+  jit::eval_scalars(rules_, program_->num_scalars, step_count_ + 1, 1.0, scalars_);
   const std::vector<cpu::UpdateArgs>& args = use_tmp ? tmp_args_ : args_;
   // Tensors with different dtypes run different lowered programs: one group after another.
   for (std::size_t group = 0; group < interpreters_.size(); ++group) {

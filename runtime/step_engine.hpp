@@ -8,6 +8,7 @@
 
 #include "jit/builtins.hpp"
 #include "runtime/aligned_buffer.hpp"
+#include "runtime/cuda/cuda_backend.hpp"
 #include "runtime/cpu/interpreter.hpp"
 #include "runtime/cpu/kernels.hpp"
 #include "runtime/plan.hpp"
@@ -24,7 +25,13 @@ class StepEngine {
   StepEngine(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options);
 
   // loss_scale: 1 for a plain step. Returns what the step did (also kept in last()).
+  // On CUDA the step is only enqueued: the result is pending until last() reads it.
   const StepResult& step(double loss_scale, bool scaled);
+  // CUDA: a scaled step whose loss scale is read on the device (a GradScaler's),
+  // recording found_inf in the scaler's device state. Enqueued; nothing waits.
+  const StepResult& step_device_scale(const float* scale, sf_scaler_state* scaler);
+  bool on_cuda() const { return cuda_ != nullptr; }
+  CudaBackend* cuda() const { return cuda_.get(); }
 
   const OptimizerConfig& config() const { return config_; }
   void set_config(const OptimizerConfig& config);
@@ -33,17 +40,27 @@ class StepEngine {
   const OptimizerOptions& options() const { return options_; }
   const std::vector<Param>& params() const { return params_; }
   const Program& program() const { return *program_; }
-  std::int64_t step_count() const { return step_count_; }
-  void set_step_count(std::int64_t n) { step_count_ = n; }  // checkpoint restore
-  const StepResult& last() const { return last_; }
-  const std::vector<double>& tensor_norms() const { return tensor_norms_; }
+  std::int64_t step_count() const { return cuda_ ? cuda_->read_step_count() : step_count_; }
+  void set_step_count(std::int64_t n) {  // checkpoint restore
+    if (cuda_) cuda_->write_step_count(n);
+    step_count_ = n;
+  }
+  const StepResult& last() const;
+  const std::vector<double>& tensor_norms() const;
   int threads() const { return pool_->size(); }
 
   int state_stream(std::string_view name) const;  // program stream index, or -1
-  float* state_data(std::size_t param, int stream) const { return state_[stream].data() + offsets_[param]; }
+  // On CUDA these are a host copy, fetched from the device (waiting for it) when
+  // the device has changed since; the next step copies it back.
+  float* state_data(std::size_t param, int stream) const {
+    host_view();
+    return state_[stream].data() + offsets_[param];
+  }
   // fp32 master copy of a parameter, or null (f32 weights, or masters off).
   float* master_data(std::size_t param) const {
-    return master_offsets_[param] >= 0 ? masters_.data() + master_offsets_[param] : nullptr;
+    if (master_offsets_[param] < 0) return nullptr;
+    host_view();
+    return masters_.data() + master_offsets_[param];
   }
 
  private:
@@ -56,6 +73,8 @@ class StepEngine {
   void update_fused();
   StepResult step_unfused(double loss_scale, bool scaled);
   double clip_coef(double norm) const;
+  void host_view() const;       // CUDA: makes the host copy of state and masters current
+  void sync_host_to_device();   // CUDA: copies a host copy that may have changed back
 
   OptimizerConfig config_;
   jit::Builtin builtin_;
@@ -67,9 +86,13 @@ class StepEngine {
   std::vector<std::int64_t> offsets_;         // element offset of each tensor in state/slot buffers
   std::vector<std::int64_t> master_offsets_;  // offset in masters_, or -1 when the tensor has no master
   std::int64_t total_ = 0;             // padded total
-  AlignedBuffer state_[kMaxStreams];
-  AlignedBuffer masters_;
+  mutable AlignedBuffer state_[kMaxStreams];  // CUDA: the host copy, allocated on first use
+  mutable AlignedBuffer masters_;
+  std::unique_ptr<CudaBackend> cuda_;
+  mutable bool host_current_ = false;  // CUDA: the host copy equals the device's
+  mutable bool host_touched_ = false;  // CUDA: the host copy was handed out since the last step
   std::vector<cpu::UpdateArgs> args_;  // per tensor; args_[t].scalars -> scalars_
+  sf_scalar_rule rules_[kMaxScalars] = {};  // the config's scalar rules (jit/step_scalars.h)
   float scalars_[kMaxScalars] = {};
   // Kernels per tensor: each tensor may have its own weight/grad dtypes.
   struct TensorKernels {
@@ -85,9 +108,9 @@ class StepEngine {
   AlignedBuffer grad_tmp_;                          // unfused: unscaled, clipped fp32 gradients
   std::vector<cpu::UpdateArgs> tmp_args_;           // unfused: args_ reading grad_tmp_
   std::vector<cpu::ReducePartial> partials_;        // one per chunk
-  std::vector<double> tensor_norms_;
+  mutable std::vector<double> tensor_norms_;
   std::int64_t step_count_ = 0;
-  StepResult last_;
+  mutable StepResult last_;
 };
 
 }  // namespace stepfuse::detail

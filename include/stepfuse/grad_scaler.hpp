@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -14,6 +15,10 @@
 #include "stepfuse/types.hpp"
 
 namespace stepfuse {
+
+namespace detail {
+class CudaScalerState;
+}
 
 // Usage, once per iteration:
 //
@@ -33,10 +38,15 @@ namespace stepfuse {
 // Not thread-safe: one scaler per training loop.
 class GradScaler {
  public:
-  // device: "cuda" or "cpu", where the scale lives. The scale follows the
-  // optimizers it steps; "cuda" on a machine or build without a usable GPU keeps
-  // it on the CPU and warns once per process (see set_warning_handler), so the
-  // default works everywhere. Any other string is an Error.
+  // device: "cuda" or "cpu", where the scale lives. With "cuda" and a usable GPU,
+  // the scale, the growth tracker and found_inf move to the GPU the first time an
+  // optimizer on it is stepped (or a device tensor is scaled): step() and update()
+  // then run there as kernels and never wait for the device, so a whole iteration
+  // can be captured in a CUDA graph; the getters (get_scale(), state_dict(),
+  // scale(double)) wait for it. "cuda" where no GPU is usable keeps the scale on
+  // the CPU and warns once per process (see set_warning_handler), so the default
+  // works everywhere. Any other string is an Error. Copies of a scaler whose
+  // scale is on a GPU share that scale.
   // Throws Error(invalid_argument) for init_scale not finite and > 0,
   // growth_factor not finite and > 1, backoff_factor not in (0, 1),
   // growth_interval < 1.
@@ -63,7 +73,9 @@ class GradScaler {
   // The fused step: unless unscale_(opt) ran this iteration, unscales, checks for
   // inf/NaN, clips (OptimizerOptions::max_grad_norm) and updates in one reduce and
   // one update pass. On inf/NaN nothing is written (weights, state, masters, step
-  // count) and it returns false. After unscale_(opt) it does not unscale again and
+  // count) and it returns false. For an optimizer on a GPU the step is enqueued
+  // and the skip decided on the device: it returns true, and last_step_result()
+  // waits for the outcome. After unscale_(opt) it does not unscale again and
   // skips if unscale_ found inf/NaN (or the gradients are not finite now). A second step() for the same optimizer before
   // update() is Error(invalid_state). Disabled: a plain opt.step().
   // Returns whether the step was applied.
@@ -71,7 +83,7 @@ class GradScaler {
 
   // What the last step() did: applied (false = skipped; an LR scheduler should not
   // advance), found_inf, the unscaled gradient norm and the clip coefficient.
-  const StepResult& last_step_result() const { return last_result_; }
+  const StepResult& last_step_result() const;
 
   // Ends the iteration. With no argument: multiplies the scale by backoff_factor if
   // any optimizer's step this iteration found inf/NaN (resetting the growth
@@ -103,8 +115,8 @@ class GradScaler {
 
   // "cuda" or "cpu", as given; where_scale_lives() is where it actually is.
   const std::string& device() const { return device_; }
-  Device where_scale_lives() const { return Device::cpu(); }
-  std::int64_t growth_tracker() const { return growth_tracker_; }
+  Device where_scale_lives() const;
+  std::int64_t growth_tracker() const;
 
  private:
   enum class Stage : std::uint8_t { ready, unscaled, stepped };
@@ -118,15 +130,25 @@ class GradScaler {
   static void check_backoff_factor(double v);
   static void check_growth_interval(std::int64_t v);
 
+  // The device copy is authoritative once it exists: pull() refreshes the host
+  // values from it, push() sends them.
+  void pull() const;
+  void push();
+  detail::CudaScalerState* device_state_for(const Optimizer& opt);
+
   std::string device_;
-  float current_scale_;
+  bool gpu_usable_ = false;  // "cuda" asked for, and a GPU is usable
+  std::shared_ptr<detail::CudaScalerState> cuda_;
+  void* cuda_stream_ = nullptr;  // the stream of the last GPU optimizer stepped
+  mutable float current_scale_;
   double growth_factor_;
   double backoff_factor_;
   std::int64_t growth_interval_;
-  std::int32_t growth_tracker_ = 0;  // an int32 tensor in PyTorch
+  mutable std::int32_t growth_tracker_ = 0;  // an int32 tensor in PyTorch
   bool enabled_;
   std::vector<PerOptimizer> per_optimizer_;  // this iteration's optimizers, in first-use order
-  StepResult last_result_;
+  mutable StepResult last_result_;
+  const Optimizer* last_stepped_ = nullptr;
 };
 
 }  // namespace stepfuse

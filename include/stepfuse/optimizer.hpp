@@ -25,7 +25,14 @@ enum class Fusion {
 };
 
 struct OptimizerOptions {
+  // Where the weights, gradients and the optimizer's state live. With
+  // Device::cuda(i), every Param's pointers are device memory of GPU i, and the
+  // state and fp32 masters are allocated there (see README "On a GPU").
   Device device = Device::cpu();
+  // CUDA: the stream steps are enqueued on (a CUstream / cudaStream_t); null is
+  // the default stream. Steps never wait for the device, so they can be captured
+  // in a CUDA graph; reading results (last_result(), step_count(), state()) waits.
+  void* cuda_stream = nullptr;
   std::optional<double> max_grad_norm;  // clip_grad_norm_ on the unscaled grads, inside the step
   double norm_type = 2.0;               // 2.0 or INFINITY
   bool master_weights = true;           // fp32 masters for f16/bf16 weights
@@ -45,6 +52,9 @@ struct StepResult {
   bool found_inf = false;  // some gradient element was inf or NaN
   double grad_norm = NAN;  // norm of the unscaled gradients (NaN when not computed)
   double clip_coef = 1.0;  // multiplier applied to the unscaled gradients by clipping
+  // CUDA: the step is enqueued and its outcome is decided on the device; the
+  // other fields are not known yet. Optimizer::last_result() waits and tells.
+  bool pending = false;
 };
 
 namespace detail {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "stepfuse/convert.hpp"
+#include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/grad_scaler.hpp"
 #include "stepfuse/loss_scale_optimizer.hpp"

@@ -26,11 +26,11 @@ constexpr Program make_adagrad() {
 
 inline constexpr Program kAdagrad = make_adagrad();
 
-inline void adagrad_scalars(const optim::Adagrad& c, const Program& p, std::int64_t step, double gscale, float* out) {
+inline void adagrad_scalars(const optim::Adagrad& c, const Program& p, sf_scalar_rule* out) {
   ScalarWriter w{p, out};
-  w.set("gscale", c.maximize ? -gscale : gscale);
+  w.gscale(c.maximize);
   w.set("weight_decay", c.weight_decay);
-  w.set("clr", c.lr / (1.0 + static_cast<double>(step - 1) * c.lr_decay));
+  w.rule("clr", SF_RULE_DIV_LINEAR, c.lr, c.lr_decay);
   w.set("eps", c.eps);
 }
 

@@ -40,19 +40,17 @@ inline constexpr Program kAdam = make_adam(false);
 inline constexpr Program kAdamAmsgrad = make_adam(true);
 
 template <class AdamConfig>
-void adam_scalars(const AdamConfig& c, bool decoupled, const Program& p, std::int64_t step, double gscale,
-                  float* out) {
+void adam_scalars(const AdamConfig& c, bool decoupled, const Program& p, sf_scalar_rule* out) {
   ScalarWriter w{p, out};
-  const double t = static_cast<double>(step);
-  w.set("gscale", c.maximize ? -gscale : gscale);
+  w.gscale(c.maximize);
   w.set("l2", decoupled ? 0.0 : c.weight_decay);
   w.set("decay", decoupled ? 1.0 - c.lr * c.weight_decay : 1.0);
   w.set("beta1", c.beta1);
   w.set("one_minus_beta1", 1.0 - c.beta1);
   w.set("beta2", c.beta2);
   w.set("one_minus_beta2", 1.0 - c.beta2);
-  w.set("bias_correction2_sqrt", std::sqrt(1.0 - std::pow(c.beta2, t)));
-  w.set("step_size", c.lr / (1.0 - std::pow(c.beta1, t)));
+  w.rule("bias_correction2_sqrt", SF_RULE_SQRT_ONE_MINUS_POW, 0.0, c.beta2);
+  w.rule("step_size", SF_RULE_DIV_ONE_MINUS_POW, c.lr, c.beta1);
   w.set("eps", c.eps);
 }
 

@@ -24,9 +24,9 @@ constexpr Program make_lion() {
 
 inline constexpr Program kLion = make_lion();
 
-inline void lion_scalars(const optim::Lion& c, const Program& p, double gscale, float* out) {
+inline void lion_scalars(const optim::Lion& c, const Program& p, sf_scalar_rule* out) {
   ScalarWriter w{p, out};
-  w.set("gscale", c.maximize ? -gscale : gscale);
+  w.gscale(c.maximize);
   w.set("decay", 1.0 - c.lr * c.weight_decay);
   w.set("lr", c.lr);
   w.set("beta1", c.beta1);

@@ -45,9 +45,9 @@ inline constexpr Program kRmspropCentered = make_rmsprop(true, false);
 inline constexpr Program kRmspropMomentum = make_rmsprop(false, true);
 inline constexpr Program kRmspropCenteredMomentum = make_rmsprop(true, true);
 
-inline void rmsprop_scalars(const optim::RMSprop& c, const Program& p, double gscale, float* out) {
+inline void rmsprop_scalars(const optim::RMSprop& c, const Program& p, sf_scalar_rule* out) {
   ScalarWriter w{p, out};
-  w.set("gscale", c.maximize ? -gscale : gscale);
+  w.gscale(c.maximize);
   w.set("weight_decay", c.weight_decay);
   w.set("alpha", c.alpha);
   w.set("one_minus_alpha", 1.0 - c.alpha);

@@ -31,14 +31,15 @@ inline constexpr Program kSgd = make_sgd(false, false);
 inline constexpr Program kSgdMomentum = make_sgd(true, false);
 inline constexpr Program kSgdNesterov = make_sgd(true, true);
 
-inline void sgd_scalars(const optim::SGD& c, const Program& p, std::int64_t step, double gscale, float* out) {
+inline void sgd_scalars(const optim::SGD& c, const Program& p, sf_scalar_rule* out) {
   ScalarWriter w{p, out};
-  w.set("gscale", c.maximize ? -gscale : gscale);
+  w.gscale(c.maximize);
   w.set("weight_decay", c.weight_decay);
   w.set("lr", c.lr);
   w.set("momentum", c.momentum);
-  w.set("buf_momentum", step == 1 ? 0.0 : c.momentum);
-  w.set("buf_grad_coef", step == 1 ? 1.0 : 1.0 - c.dampening);
+  // The momentum buffer starts as a copy of the gradient on the first step.
+  w.rule("buf_momentum", SF_RULE_FIRST_STEP, 0.0, c.momentum);
+  w.rule("buf_grad_coef", SF_RULE_FIRST_STEP, 1.0, 1.0 - c.dampening);
 }
 
 }  // namespace stepfuse::jit

@@ -1,0 +1,28 @@
+// Generated CUDA kernels, compiled and cached: the spec's step module and the
+// utility module for a target, through the kernel cache (memory, then disk,
+// then NVRTC). jit/ compiles; runtime/ loads and launches.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "jit/cuda/emit_cuda.hpp"
+#include "jit/cuda/nvrtc_compile.hpp"
+
+namespace stepfuse::jit {
+
+struct CudaImage {
+  std::shared_ptr<const std::string> bytes;  // CUBIN, or PTX text for the driver to JIT
+  CudaTarget target;
+};
+
+// The cache key: our format version, the NVRTC version, its options, the target
+// and the spec's canonical text.
+std::string cuda_cache_key(const std::string& canonical, const CudaTarget& target);
+
+// The compiled step module of `spec` (kernels sf_reduce, sf_update).
+CudaImage cuda_step_image(const CudaSpec& spec, const CudaTarget& target);
+// The compiled utility module (sf_update_scale, sf_scale_*, sf_widen_*, sf_fill).
+CudaImage cuda_utility_image(const CudaTarget& target);
+
+}  // namespace stepfuse::jit

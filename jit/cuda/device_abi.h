@@ -1,0 +1,98 @@
+/* The data the generated CUDA kernels share with the host: C structs included
+ * by the C++ runtime and embedded verbatim into every generated source, so the
+ * two sides cannot disagree on a layout. This is also the ABI a compiler that
+ * embeds the kernels launches them with. C and C++ and CUDA; no includes.
+ *
+ * A step on the device:
+ *   sf_reduce   grid = ceil(num_chunks / SF_REDUCE_WARPS) blocks of 32 * SF_REDUCE_WARPS
+ *               threads; one warp per chunk of at most SF_CHUNK_ELEMS gradients, summed
+ *               in the canonical order (element i into lane i mod 32, a fixed pairwise
+ *               tree over the lanes). The last block to finish combines the partials
+ *               in chunk order (fp64) and runs the scalar stage: found_inf, the norm,
+ *               the clip coefficient, gscale, the program's scalars, the step count.
+ *   sf_update   grid = num_update_blocks blocks of SF_UPDATE_THREADS; returns at once
+ *               when the step found inf/NaN; else applies the update program.
+ * The utility module (the same for every spec):
+ *   sf_update_scale   <<<1, 1>>>: the GradScaler's growth/backoff, on the device.
+ *   sf_scale_{f32,f16,bf16}   data *= S or fp32(1/S), S read from the device.
+ *   sf_widen_{f32,f16,bf16}   fp32 copies (master weights); sf_fill: constant fill.
+ * Nothing in a step is read back by the host: it can be captured in a CUDA graph. */
+#ifndef STEPFUSE_JIT_CUDA_DEVICE_ABI_H_
+#define STEPFUSE_JIT_CUDA_DEVICE_ABI_H_
+
+#define SF_CHUNK_ELEMS 16384 /* the CPU backend's chunk: part of the numerics */
+#define SF_REDUCE_WARPS 4
+#define SF_UPDATE_THREADS 256
+#define SF_UPDATE_ELEMS 4096 /* elements per update block: SF_UPDATE_THREADS threads x 4 x 4 */
+#define SF_MAX_SCALARS 16
+#define SF_MAX_STREAMS 8
+
+/* One parameter tensor. Pointers are device addresses. */
+typedef struct sf_tensor {
+  const void* grad;
+  void* weight;
+  float* master;       /* fp32 master copy, or null */
+  long long state_offset; /* element offset of this tensor in every state buffer */
+  long long numel;
+  long long first_chunk;  /* index of its first reduce chunk; chunks are per tensor, in order */
+  int num_chunks;
+  int combo;           /* index of its dtype combination in the generated kernel */
+} sf_tensor;
+
+/* A span of one tensor: a reduce chunk or an update block. */
+typedef struct sf_span {
+  long long begin; /* element offset within the tensor */
+  int tensor;
+  int len;
+} sf_span;
+
+/* The base of every state buffer, by program stream index (null for the
+ * grad and param streams); passed to sf_update by value. */
+typedef struct sf_streams {
+  float* s[SF_MAX_STREAMS];
+} sf_streams;
+
+/* A reduce chunk's partial result. */
+typedef struct sf_partial {
+  double sumsq;   /* sum of squares of the stored (scaled) gradients, canonical order */
+  float maxabs;   /* inf-norm mode */
+  int nonfinite;
+} sf_partial;
+
+/* The hyperparameters of a step, passed to the kernels by value (so a captured
+ * CUDA graph replays the values it was captured with, and changing them needs
+ * no copy and no recompilation). */
+typedef struct sf_hyper {
+  sf_scalar_rule rules[SF_MAX_SCALARS]; /* the program's per-step scalars */
+  double max_grad_norm;                 /* > 0: clip to it; 0: no clipping */
+} sf_hyper;
+
+/* Per-optimizer state on the device, owned by the kernels; the host reads it
+ * only when asked (Optimizer::last_result() and friends synchronize). */
+typedef struct sf_step_state {
+  long long step;       /* steps applied so far */
+  unsigned int blocks_done;        /* reduce blocks finished in this step; the last resets it */
+  unsigned int update_blocks_done; /* the same for a plain step's update blocks */
+  /* the last step's results */
+  int found_inf;
+  int applied;
+  double loss_scale;    /* the loss scale the step divided by */
+  double grad_norm;     /* unscaled; +inf when not finite; NaN when not computed */
+  double clip_coef;
+  double gscale;
+  float scalars[SF_MAX_SCALARS]; /* the update pass's per-step scalars */
+} sf_step_state;
+
+/* A GradScaler's state on the device (torch._amp_update_scale_ semantics). */
+typedef struct sf_scaler_state {
+  float scale;
+  int growth_tracker;
+  int found_inf;        /* any optimizer stepped this iteration found inf/NaN */
+  int recorded;         /* an optimizer was stepped this iteration */
+  double growth_factor;
+  double backoff_factor;
+  int growth_interval;
+  int pad_;
+} sf_scaler_state;
+
+#endif /* STEPFUSE_JIT_CUDA_DEVICE_ABI_H_ */

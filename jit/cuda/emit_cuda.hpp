@@ -1,0 +1,63 @@
+// The CUDA emitter: (update program, spec) -> self-contained CUDA C++.
+//
+// The generated source includes nothing (NVRTC has no CUDA headers built in):
+// it starts with the element math (jit/cuda/device_prelude.cuh), the scalar
+// rules (jit/step_scalars.h) and the device ABI (jit/cuda/device_abi.h),
+// then the program's element function and the kernels (see device_abi.h for
+// the kernels and their launch shapes). Hyperparameters, pointers and sizes are
+// never in the code: one compiled kernel serves every tensor list with the
+// same spec, and changing the learning rate never recompiles.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "stepfuse/program.hpp"
+#include "stepfuse/types.hpp"
+
+namespace stepfuse::jit {
+
+// A tensor's storage: the dtype combination a kernel is specialized for.
+struct CudaCombo {
+  DType weight = DType::f32;
+  DType grad = DType::f32;
+  bool master = false;  // fp32 master weights (weight is f16/bf16)
+  bool operator==(const CudaCombo&) const = default;
+};
+
+enum class CudaNorm { l2, inf };
+
+// Everything a generated CUDA kernel depends on (DESIGN §3 "spec"), except the
+// target arch, which the compiler adds to the cache key.
+struct CudaSpec {
+  Program program;
+  std::vector<CudaCombo> combos;  // the combinations present, in first-use order
+  CudaNorm norm = CudaNorm::l2;
+  bool flat = false;       // every stream is one contiguous buffer, one combo: no span table
+  bool aligned16 = false;  // every stream base 16-byte aligned, state offsets multiples of 4:
+                           // the update uses 16-byte (f32) / 8-byte (f16, bf16) vector accesses
+};
+
+// Canonical text of a spec: stable across runs and compilers (the cache key's core).
+std::string canonical_text(const CudaSpec& spec);
+
+// The generated source of a spec's step. Kernel names (extern "C"): sf_reduce, sf_update.
+std::string emit_cuda(const CudaSpec& spec);
+
+// The utility kernels, the same for every spec (device_abi.h): sf_update_scale,
+// sf_scale_<dtype>, sf_widen_<dtype>, sf_fill. Compiled once per arch.
+std::string emit_cuda_utilities();
+
+// Only the element function of one combination (prelude included), for
+// compiling on the host in tests:
+//   void sf_body_<k>(const float* sc, float g, float* p, float* st)
+// sc: the program's scalars; g: the gradient (widened, not yet multiplied by
+// gscale); p: the parameter's fp32 value in/out; st: state values indexed by
+// program stream, in/out.
+std::string emit_element_functions(const CudaSpec& spec);
+
+// Text of the headers embedded into every generated source (element math,
+// scalar rules, device ABI), in that order.
+const std::string& cuda_embedded_headers();
+
+}  // namespace stepfuse::jit

@@ -1,0 +1,87 @@
+// The kernel cache: compiled kernels (CUBIN, PTX, object code) by spec, in
+// memory and on disk (DESIGN §3).
+//
+// A key is the canonical text of everything the compiled bytes depend on: the
+// spec, the compiler and its version, the options, the target, and our format
+// version. In memory: a thread-safe map; two threads asking for the same key
+// compile it once (the second waits for the first). On disk: one file per key
+// in the cache directory, named by the key's 128-bit xxHash, holding the key
+// text itself (so a hash collision or a stale entry is detected), the bytes and
+// a checksum; written to a temporary file and renamed, so readers see a whole
+// entry or none. An unreadable, torn, corrupt or mismatched entry is ignored and
+// recompiled (and rewritten). A directory that cannot be used (not creatable,
+// not writable, not owned by this user, or writable by group or others) warns
+// once and the cache works in memory only.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+namespace stepfuse::jit {
+
+struct CacheStats {
+  std::uint64_t memory_hits = 0;     // including threads that waited for another's compile or load
+  std::uint64_t disk_hits = 0;
+  std::uint64_t compiles = 0;       // misses: the compile function ran (whether or not it threw)
+  std::uint64_t disk_writes = 0;
+  std::uint64_t disk_rejects = 0;   // entries found on disk but unusable (torn, corrupt, stale)
+  double compile_ms = 0;            // total time in the compile function
+  double last_compile_ms = 0;
+  double last_disk_load_ms = 0;
+};
+
+class KernelCache {
+ public:
+  // Uses `dir` for the disk cache (created with mode 0700 if missing);
+  // std::nullopt: memory only.
+  explicit KernelCache(std::optional<std::filesystem::path> dir);
+  ~KernelCache();
+
+  // The process-wide cache. Directory: $STEPFUSE_CACHE_DIR, else
+  // $XDG_CACHE_HOME/stepfuse, else $HOME/.cache/stepfuse; STEPFUSE_CACHE_DIR=""
+  // or "off" disables the disk cache.
+  static KernelCache& shared();
+  // The directory the process-wide cache would use (std::nullopt when disabled).
+  static std::optional<std::filesystem::path> default_dir();
+
+  // The bytes for `key`: from memory, else from disk, else from compile() (which
+  // may throw; nothing is cached then, and the exception propagates to every
+  // thread waiting on that key). Thread-safe; compile() and the disk I/O run
+  // without the cache's lock, so other keys proceed meanwhile. compile() must not
+  // get() its own key (it would wait for itself). Disk problems never throw: a bad
+  // entry is recompiled, an unusable directory warns once and turns the disk off.
+  std::shared_ptr<const std::string> get(const std::string& key, const std::function<std::string()>& compile);
+
+  // Whether the disk cache is in use (false after a warning disabled it).
+  bool disk_enabled() const;
+  const std::optional<std::filesystem::path>& dir() const { return dir_; }
+  // The file an entry for `key` lives in (whether or not it exists): dir() /
+  // (32 hex digits of the key's XXH3-128) + ".sfk"; an empty path without a dir().
+  std::filesystem::path entry_path(const std::string& key) const;
+  CacheStats stats() const;
+  // Forgets the in-memory entries and the counters (tests, benchmarks of cold paths).
+  void clear_memory();
+
+ private:
+  struct Slot;
+  std::optional<std::string> load_from_disk(const std::string& key);
+  void store_to_disk(const std::string& key, const std::string& bytes);
+  void disable_disk(const std::string& why);
+
+  std::optional<std::filesystem::path> dir_;
+  // Cleared (once) by disable_disk() while other threads may be reading it.
+  std::atomic<bool> disk_ok_ = false;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<Slot>> slots_;
+  CacheStats stats_;
+};
+
+}  // namespace stepfuse::jit

@@ -1,0 +1,327 @@
+// The CUDA backend: device memory, layout tables, kernel loading and launches.
+#include "runtime/cuda/cuda_backend.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "jit/cuda/cuda_kernels.hpp"
+#include "runtime/cuda/cuda_layout.hpp"
+#include "runtime/cuda/cuda_scaler.hpp"
+#include "stepfuse/error.hpp"
+
+namespace stepfuse::detail {
+
+namespace {
+
+const cuda::DriverApi& api() {
+  const cuda::DriverApi* a = cuda::driver();
+  if (a == nullptr)
+    throw Error(ErrorCode::unsupported, "the CUDA backend cannot run here: " + cuda::driver_status().reason +
+                                            " (use Device::cpu(), or check stepfuse::cuda_available())");
+  return *a;
+}
+
+}  // namespace
+
+// ---- context, modules, memory ----
+
+CudaContext::CudaContext(int device) : device_(device) {
+  const cuda::DriverApi& a = api();
+  int count = 0;
+  cuda::check(a.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  if (device < 0 || device >= count)
+    throw Error(ErrorCode::invalid_argument, "OptimizerOptions::device = cuda:" + std::to_string(device) + ", but there " +
+                                                 (count == 1 ? "is 1 CUDA device" : "are " + std::to_string(count) + " CUDA devices") +
+                                                 " (use cuda:0 .. cuda:" + std::to_string(std::max(count - 1, 0)) + ")");
+  cuda::check(a.cuDeviceGet(&dev_, device), "cuDeviceGet");
+  cuda::check(a.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
+  make_current();
+  int major = 0, minor = 0;
+  cuda::check(a.cuDeviceGetAttribute(&major, cuda::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev_), "cuDeviceGetAttribute");
+  cuda::check(a.cuDeviceGetAttribute(&minor, cuda::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev_), "cuDeviceGetAttribute");
+  sm_ = major * 10 + minor;
+}
+
+CudaContext::~CudaContext() {
+  if (ctx_ != nullptr) cuda::driver()->cuDevicePrimaryCtxRelease(dev_);
+}
+
+void CudaContext::make_current() const { cuda::check(api().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
+
+CudaModule::CudaModule(const std::string& image, const char* what) {
+  char error_log[8192] = {};
+  int options[] = {cuda::CU_JIT_ERROR_LOG_BUFFER, cuda::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+  void* values[] = {error_log, reinterpret_cast<void*>(static_cast<std::uintptr_t>(sizeof error_log))};
+  const cuda::CUresult r = api().cuModuleLoadDataEx(&module_, image.data(), 2, options, values);
+  if (r != cuda::CUDA_SUCCESS) {
+    try {
+      cuda::check(r, (std::string("loading the ") + what + " kernels").c_str());
+    } catch (const Error& e) {
+      throw Error(ErrorCode::device_error, std::string(e.what()) + (error_log[0] ? std::string("\n") + error_log : ""));
+    }
+  }
+}
+
+CudaModule::~CudaModule() {
+  if (module_ != nullptr) cuda::driver()->cuModuleUnload(module_);
+}
+
+cuda::CUfunction CudaModule::get(const char* name) const {
+  cuda::CUfunction fn = nullptr;
+  cuda::check(api().cuModuleGetFunction(&fn, module_, name), (std::string("cuModuleGetFunction ") + name).c_str());
+  return fn;
+}
+
+DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes == 0) return;
+  const cuda::CUresult r = api().cuMemAlloc(&ptr_, bytes);
+  if (r != cuda::CUDA_SUCCESS) cuda::check(r, ("cuMemAlloc of " + std::to_string(bytes) + " bytes").c_str());
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_ != 0) cuda::driver()->cuMemFree(ptr_);
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_ != 0) cuda::driver()->cuMemFree(ptr_);
+    ptr_ = o.ptr_, bytes_ = o.bytes_;
+    o.ptr_ = 0, o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void launch(cuda::CUfunction fn, const char* name, unsigned grid, unsigned block, cuda::CUstream stream, void** args) {
+  const cuda::CUresult r = api().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, args, nullptr);
+  if (r != cuda::CUDA_SUCCESS) cuda::check(r, (std::string("launching ") + name).c_str());
+}
+
+const CudaUtilities& cuda_utilities(const CudaContext& ctx) {
+  // One module per device for the process; modules live as long as the process.
+  static std::mutex mu;
+  static std::map<int, std::pair<std::unique_ptr<CudaModule>, CudaUtilities>> loaded;
+  std::lock_guard lock(mu);
+  auto& slot = loaded[ctx.device()];
+  if (!slot.first) {
+    ctx.make_current();
+    const jit::CudaImage image = jit::cuda_utility_image(jit::target_for_device(ctx.sm() / 10, ctx.sm() % 10));
+    auto module = std::make_unique<CudaModule>(*image.bytes, "utility");
+    CudaUtilities u{};
+    u.update_scale = module->get("sf_update_scale");
+    const char* scale[] = {"sf_scale_f32", "sf_scale_f16", "sf_scale_bf16"};
+    const char* widen[] = {"sf_widen_f32", "sf_widen_f16", "sf_widen_bf16"};
+    for (int d = 0; d < 3; ++d) u.scale[d] = module->get(scale[d]), u.widen[d] = module->get(widen[d]);
+    u.fill = module->get("sf_fill");
+    slot = {std::move(module), u};
+  }
+  return slot.second;
+}
+
+// ---- the backend ----
+
+namespace {
+
+template <class T>
+DeviceBuffer upload_table(const std::vector<T>& v, cuda::CUstream stream) {
+  DeviceBuffer b(std::max<std::size_t>(v.size(), 1) * sizeof(T));
+  if (!v.empty()) cuda::check(api().cuMemcpyHtoDAsync(b.get(), v.data(), v.size() * sizeof(T), stream), "cuMemcpyHtoDAsync");
+  return b;
+}
+
+unsigned grid_for(std::int64_t n, unsigned block) {
+  const std::int64_t blocks = (n + block - 1) / block;
+  return static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, 65535 * 8));
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
+                         const float* state_init)
+    : program_(program), params_(params), options_(options) {
+  ctx_ = std::make_unique<CudaContext>(options.device.index);
+  stream_ = static_cast<cuda::CUstream>(options.cuda_stream);
+  const cuda::DriverApi& a = api();
+  // Host pointers would fault in the kernels (an illegal address that poisons the
+  // context): say which one is wrong instead.
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& [view, field] : {std::pair{&params_[i].weight, "weight"}, std::pair{&params_[i].grad, "grad"}}) {
+      if (view->numel == 0) continue;
+      int device = -1;
+      if (!is_device_pointer(view->data, &device) || device != options.device.index)
+        throw Error(ErrorCode::invalid_argument,
+                    "params[" + std::to_string(i) + "]." + field + ".data is not memory of cuda:" +
+                        std::to_string(options.device.index) +
+                        (device >= 0 ? " (it is on cuda:" + std::to_string(device) + ")" : " (it is host memory)") +
+                        "; with Device::cuda, weights and gradients must be device allocations of that GPU");
+    }
+  }
+  CudaLayout layout = plan_cuda_layout(program, params_, options);
+  spec_ = layout.spec;
+  offsets_ = layout.offsets;
+  master_offsets_ = layout.master_offsets;
+  total_ = layout.state_elems;
+  master_total_ = layout.master_elems;
+  flat_numel_ = layout.flat_numel;
+  num_chunks_ = static_cast<int>(layout.chunks.size());
+  num_update_blocks_ = layout.num_update_blocks;
+  std::vector<sf_tensor>& tensors = layout.tensors;
+
+  // Kernels: compile (or find in the cache) before allocating anything large.
+  const jit::CudaImage image =
+      jit::cuda_step_image(spec_, jit::target_for_device(ctx_->sm() / 10, ctx_->sm() % 10));
+  module_ = std::make_unique<CudaModule>(*image.bytes, "step");
+  reduce_ = module_->get("sf_reduce");
+  update_ = module_->get("sf_update");
+  const CudaUtilities& util = cuda_utilities(*ctx_);
+  ctx_->make_current();
+
+  // State and masters.
+  for (int s = 0; s < program.num_streams; ++s) {
+    if (program.streams[s].role != StreamRole::state) continue;
+    state_[s] = DeviceBuffer(static_cast<std::size_t>(std::max<std::int64_t>(total_, 1)) * sizeof(float));
+    float value = state_init[s];
+    long long n = total_;
+    cuda::CUdeviceptr dst = state_[s].get();
+    void* args[] = {&dst, &n, &value};
+    launch(util.fill, "sf_fill", grid_for(n, 256), 256, stream_, args);
+  }
+  if (master_total_ > 0) masters_ = DeviceBuffer(static_cast<std::size_t>(master_total_) * sizeof(float));
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (master_offsets_[i] < 0) continue;
+    tensors[i].master = masters_.as<float>() + master_offsets_[i];
+    const void* src = params_[i].weight.data;
+    float* dst = tensors[i].master;
+    long long n = params_[i].weight.numel;
+    void* args[] = {&src, &dst, &n};
+    launch(util.widen[static_cast<int>(params_[i].weight.dtype)], "sf_widen", grid_for(n, 256), 256, stream_, args);
+  }
+  tensors_ = upload_table(tensors, stream_);
+  chunks_ = upload_table(layout.chunks, stream_);
+  blocks_ = upload_table(layout.blocks, stream_);
+  partials_ = DeviceBuffer(static_cast<std::size_t>(std::max(num_chunks_, 1)) * sizeof(sf_partial));
+  tensor_sums_ = DeviceBuffer(params_.size() * sizeof(double));
+  step_state_ = DeviceBuffer(sizeof(sf_step_state));
+  cuda::check(a.cuMemsetD8Async(step_state_.get(), 0, sizeof(sf_step_state), stream_), "cuMemsetD8Async");
+  // The host tables must outlive their asynchronous copies.
+  synchronize();
+}
+
+CudaBackend::~CudaBackend() {
+  if (cuda::driver() != nullptr && ctx_) {
+    ctx_->make_current();
+    cuda::driver()->cuStreamSynchronize(stream_);  // kernels still running use our buffers
+  }
+}
+
+void CudaBackend::synchronize() const {
+  ctx_->make_current();
+  cuda::check(api().cuStreamSynchronize(stream_), "cuStreamSynchronize");
+}
+
+void CudaBackend::step(const CudaStepRequest& request, const sf_scalar_rule* rules, int num_rules) {
+  ctx_->make_current();
+  sf_hyper hyper{};
+  for (int k = 0; k < num_rules; ++k) hyper.rules[k] = rules[k];
+  hyper.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
+  const bool clip = options_.max_grad_norm.has_value();
+  const bool reduce = request.scaled || clip || options_.track_grad_norm || request.scale_ptr != nullptr;
+  cuda::CUdeviceptr tensors = tensors_.get(), chunks = chunks_.get(), blocks = blocks_.get();
+  cuda::CUdeviceptr partials = partials_.get(), sums = tensor_sums_.get(), st = step_state_.get();
+  if (reduce) {
+    int num_tensors = static_cast<int>(params_.size());
+    int num_chunks = num_chunks_;
+    const float* scale_ptr = request.scale_ptr;
+    float scale_value = static_cast<float>(request.loss_scale);
+    int check_finite = request.scaled || clip ? 1 : 0;
+    sf_scaler_state* scaler = request.scaler;
+    void* args[] = {&tensors, &num_tensors, &chunks,      &num_chunks,   &partials, &sums,
+                    &st,      &hyper,       &scale_ptr,   &scale_value,  &check_finite, &scaler};
+    const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
+    launch(reduce_, "sf_reduce", grid, 32 * SF_REDUCE_WARPS, stream_, args);
+  }
+  sf_streams streams{};
+  for (int s = 0; s < program_.num_streams; ++s) streams.s[s] = state_[s].as<float>();
+  long long flat_numel = flat_numel_;
+  int plain = reduce ? 0 : 1;
+  void* args[] = {&tensors, &blocks, &flat_numel, &streams, &st, &hyper, &plain};
+  launch(update_, "sf_update", static_cast<unsigned>(num_update_blocks_), SF_UPDATE_THREADS, stream_, args);
+}
+
+void CudaBackend::scale_tensors(const std::vector<TensorView>& tensors, float factor) {
+  ctx_->make_current();
+  if (factor_.get() == 0) factor_ = DeviceBuffer(sizeof(float));
+  // From pageable memory: the copy is staged before the call returns, so `factor` may go.
+  cuda::check(api().cuMemcpyHtoDAsync(factor_.get(), &factor, sizeof factor, stream_), "cuMemcpyHtoDAsync");
+  const CudaUtilities& util = cuda_utilities(*ctx_);
+  for (const TensorView& t : tensors) {
+    if (t.numel == 0) continue;
+    void* data = t.data;
+    long long n = t.numel;
+    const float* scale = factor_.as<float>();
+    int reciprocal = 0;
+    int* found_inf = nullptr;
+    void* args[] = {&data, &n, &scale, &reciprocal, &found_inf};
+    launch(util.scale[static_cast<int>(t.dtype)], "sf_scale", grid_for(n, 256), 256, stream_, args);
+  }
+}
+
+StepResult CudaBackend::read_result(std::vector<double>* tensor_norms) const {
+  synchronize();
+  sf_step_state st{};
+  cuda::check(api().cuMemcpyDtoH(&st, step_state_.get(), sizeof st), "cuMemcpyDtoH");
+  StepResult r;
+  r.applied = st.applied != 0;
+  r.found_inf = st.found_inf != 0;
+  r.grad_norm = st.grad_norm;
+  r.clip_coef = st.clip_coef;
+  if (tensor_norms != nullptr) {
+    tensor_norms->assign(params_.size(), NAN);
+    if (!std::isnan(st.grad_norm) && st.loss_scale > 0) {
+      std::vector<double> sums(params_.size());
+      cuda::check(api().cuMemcpyDtoH(sums.data(), tensor_sums_.get(), sums.size() * sizeof(double)), "cuMemcpyDtoH");
+      const bool inf_norm = options_.norm_type == INFINITY;
+      for (std::size_t t = 0; t < sums.size(); ++t)
+        (*tensor_norms)[t] = (inf_norm ? sums[t] : std::sqrt(sums[t])) / st.loss_scale;
+    }
+  }
+  return r;
+}
+
+std::int64_t CudaBackend::read_step_count() const {
+  synchronize();
+  long long step = 0;
+  cuda::check(api().cuMemcpyDtoH(&step, step_state_.get() + offsetof(sf_step_state, step), sizeof step), "cuMemcpyDtoH");
+  return step;
+}
+
+void CudaBackend::write_step_count(std::int64_t n) {
+  synchronize();
+  const long long step = n;
+  cuda::check(api().cuMemcpyHtoD(step_state_.get() + offsetof(sf_step_state, step), &step, sizeof step), "cuMemcpyHtoD");
+}
+
+void CudaBackend::download(float* const* state, float* masters) const {
+  synchronize();
+  for (int s = 0; s < program_.num_streams; ++s)
+    if (state_[s].get() != 0 && state[s] != nullptr && total_ > 0)
+      cuda::check(api().cuMemcpyDtoH(state[s], state_[s].get(), static_cast<std::size_t>(total_) * sizeof(float)), "cuMemcpyDtoH");
+  if (master_total_ > 0 && masters != nullptr)
+    cuda::check(api().cuMemcpyDtoH(masters, masters_.get(), static_cast<std::size_t>(master_total_) * sizeof(float)),
+                "cuMemcpyDtoH");
+}
+
+void CudaBackend::upload(const float* const* state, const float* masters) {
+  synchronize();
+  for (int s = 0; s < program_.num_streams; ++s)
+    if (state_[s].get() != 0 && state[s] != nullptr && total_ > 0)
+      cuda::check(api().cuMemcpyHtoD(state_[s].get(), state[s], static_cast<std::size_t>(total_) * sizeof(float)), "cuMemcpyHtoD");
+  if (master_total_ > 0 && masters != nullptr)
+    cuda::check(api().cuMemcpyHtoD(masters_.get(), masters, static_cast<std::size_t>(master_total_) * sizeof(float)),
+                "cuMemcpyHtoD");
+}
+
+}  // namespace stepfuse::detail

@@ -1,0 +1,138 @@
+// The CUDA backend of the step pipeline: device memory for state, masters and
+// the layout tables; the generated kernels loaded into the device's primary
+// context; steps enqueued on the caller's stream with no host synchronization.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "jit/cuda/emit_cuda.hpp"
+#include "jit/step_scalars.h"
+#include "runtime/cuda/cuda_api.hpp"
+#include "stepfuse/optimizer.hpp"
+#include "stepfuse/program.hpp"
+
+extern "C" {
+#include "jit/cuda/device_abi.h"
+}
+
+namespace stepfuse::detail {
+
+// A device's primary context, made current on the calling thread for the scope.
+class CudaContext {
+ public:
+  explicit CudaContext(int device);  // retains the primary context (Error if unusable)
+  ~CudaContext();
+  CudaContext(const CudaContext&) = delete;
+  CudaContext& operator=(const CudaContext&) = delete;
+  void make_current() const;
+  int device() const { return device_; }
+  int sm() const { return sm_; }  // compute capability, major*10 + minor
+
+ private:
+  int device_;
+  cuda::CUdevice dev_ = 0;
+  cuda::CUcontext ctx_ = nullptr;
+  int sm_ = 0;
+};
+
+// The kernels of one module, loaded into the current context.
+class CudaModule {
+ public:
+  CudaModule(const std::string& image, const char* what);
+  ~CudaModule();
+  CudaModule(const CudaModule&) = delete;
+  CudaModule& operator=(const CudaModule&) = delete;
+  cuda::CUfunction get(const char* name) const;
+
+ private:
+  cuda::CUmodule module_ = nullptr;
+};
+
+// Device memory, freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = 0, o.bytes_ = 0; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  cuda::CUdeviceptr get() const { return ptr_; }
+  std::size_t bytes() const { return bytes_; }
+  template <class T>
+  T* as() const { return reinterpret_cast<T*>(ptr_); }
+
+ private:
+  cuda::CUdeviceptr ptr_ = 0;
+  std::size_t bytes_ = 0;
+};
+
+// Launches a kernel; throws Error(device_error) naming it on failure.
+void launch(cuda::CUfunction fn, const char* name, unsigned grid, unsigned block, cuda::CUstream stream, void** args);
+
+// The utility kernels (one module per device, loaded once per process).
+struct CudaUtilities {
+  cuda::CUfunction update_scale, scale[3], widen[3], fill;
+};
+const CudaUtilities& cuda_utilities(const CudaContext& ctx);
+
+// What a step needs from its caller.
+struct CudaStepRequest {
+  double loss_scale = 1.0;           // used when scale_ptr is null
+  const float* scale_ptr = nullptr;  // a GradScaler's scale on the device, or null
+  sf_scaler_state* scaler = nullptr; // a GradScaler's device state (found_inf is recorded there), or null
+  bool scaled = false;               // skip on inf/NaN
+};
+
+class CudaBackend {
+ public:
+  // `params` hold device pointers. Allocates and initializes state (`state_init`
+  // per program stream) and masters on the device, compiles (or finds in the
+  // cache) and loads the kernels.
+  CudaBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
+              const float* state_init);
+  ~CudaBackend();
+
+  // Enqueues a step on the stream. Nothing waits for the device.
+  void step(const CudaStepRequest& request, const sf_scalar_rule* rules, int num_rules);
+
+  // data *= factor, in place on the device, rounded to each tensor's storage
+  // format (LossScaleOptimizer::get_unscaled_gradients). Enqueued.
+  void scale_tensors(const std::vector<TensorView>& tensors, float factor);
+
+  // These wait for the stream.
+  StepResult read_result(std::vector<double>* tensor_norms) const;
+  std::int64_t read_step_count() const;
+  void write_step_count(std::int64_t n);
+  // Copies of the state streams and masters to/from host arrays laid out by
+  // offsets() / master_offsets() (tensor i at element offsets()[i]).
+  void download(float* const* state, float* masters) const;
+  void upload(const float* const* state, const float* masters);
+
+  const std::vector<std::int64_t>& offsets() const { return offsets_; }
+  const std::vector<std::int64_t>& master_offsets() const { return master_offsets_; }  // -1: no master
+  std::int64_t state_elems() const { return total_; }
+  std::int64_t master_elems() const { return master_total_; }
+  cuda::CUstream stream() const { return stream_; }
+  const CudaContext& context() const { return *ctx_; }
+  const jit::CudaSpec& spec() const { return spec_; }
+  void synchronize() const;
+
+ private:
+  const Program& program_;
+  std::vector<Param> params_;
+  OptimizerOptions options_;
+  std::unique_ptr<CudaContext> ctx_;
+  cuda::CUstream stream_ = nullptr;
+  jit::CudaSpec spec_;
+  std::unique_ptr<CudaModule> module_;
+  cuda::CUfunction reduce_ = nullptr, update_ = nullptr;
+  std::vector<std::int64_t> offsets_, master_offsets_;
+  std::int64_t total_ = 0, master_total_ = 0, flat_numel_ = 0;
+  int num_chunks_ = 0, num_update_blocks_ = 0;
+  DeviceBuffer factor_;  // scale_tensors()' factor
+  DeviceBuffer state_[kMaxStreams], masters_, step_state_, tensors_, chunks_, blocks_, partials_, tensor_sums_;
+};
+
+}  // namespace stepfuse::detail

@@ -1,0 +1,80 @@
+// Planning a tensor list's layout for the CUDA kernels.
+#include "runtime/cuda/cuda_layout.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace stepfuse::detail {
+
+namespace {
+
+std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+bool vector_aligned(const std::vector<Param>& params) {
+  for (const Param& p : params) {
+    const std::uintptr_t wa = dtype_size(p.weight.dtype) * 4, ga = dtype_size(p.grad.dtype) * 4;
+    if (address(p.weight.data) % wa != 0 || address(p.grad.data) % ga != 0) return false;
+  }
+  return true;
+}
+
+bool is_flat(const std::vector<Param>& params) {
+  for (std::size_t i = 1; i < params.size(); ++i) {
+    const Param& a = params[i - 1];
+    const Param& b = params[i];
+    if (a.weight.dtype != b.weight.dtype || a.grad.dtype != b.grad.dtype) return false;
+    const auto end = [](const TensorView& v) {
+      return address(v.data) + static_cast<std::uintptr_t>(v.numel) * dtype_size(v.dtype);
+    };
+    if (end(a.weight) != address(b.weight.data) || end(a.grad) != address(b.grad.data)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options) {
+  CudaLayout l;
+  l.spec.program = program;
+  l.spec.norm = options.norm_type == INFINITY ? jit::CudaNorm::inf : jit::CudaNorm::l2;
+  l.spec.aligned16 = vector_aligned(params);
+  l.spec.flat = is_flat(params);
+
+  l.tensors.resize(params.size());
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    const bool master = options.master_weights && p.weight.dtype != DType::f32;
+    const jit::CudaCombo combo{p.weight.dtype, p.grad.dtype, master};
+    auto it = std::find(l.spec.combos.begin(), l.spec.combos.end(), combo);
+    if (it == l.spec.combos.end()) it = l.spec.combos.insert(l.spec.combos.end(), combo);
+
+    // Flat: exact concatenation (one index for every stream). Otherwise each
+    // tensor starts on a 64-byte boundary, which keeps vector accesses aligned.
+    const std::int64_t padded = l.spec.flat ? p.weight.numel : (p.weight.numel + 15) / 16 * 16;
+    l.offsets.push_back(l.state_elems);
+    l.state_elems += padded;
+    l.master_offsets.push_back(master ? l.master_elems : -1);
+    if (master) l.master_elems += padded;
+
+    sf_tensor& t = l.tensors[i];
+    t.grad = p.grad.data;
+    t.weight = p.weight.data;
+    t.master = nullptr;
+    t.state_offset = l.offsets.back();
+    t.numel = p.weight.numel;
+    t.first_chunk = static_cast<long long>(l.chunks.size());
+    t.combo = static_cast<int>(it - l.spec.combos.begin());
+    for (std::int64_t b = 0; b < p.weight.numel; b += SF_CHUNK_ELEMS)
+      l.chunks.push_back({b, static_cast<int>(i), static_cast<int>(std::min<std::int64_t>(SF_CHUNK_ELEMS, p.weight.numel - b))});
+    t.num_chunks = static_cast<int>(static_cast<long long>(l.chunks.size()) - t.first_chunk);
+    for (std::int64_t b = 0; b < p.weight.numel; b += SF_UPDATE_ELEMS)
+      l.blocks.push_back({b, static_cast<int>(i), static_cast<int>(std::min<std::int64_t>(SF_UPDATE_ELEMS, p.weight.numel - b))});
+  }
+  if (l.blocks.empty()) l.blocks.push_back({0, 0, 0});  // one idle block still counts a plain step
+  l.flat_numel = l.state_elems;
+  l.num_update_blocks = l.spec.flat ? static_cast<int>(std::max<std::int64_t>((l.flat_numel + SF_UPDATE_ELEMS - 1) / SF_UPDATE_ELEMS, 1))
+                                    : static_cast<int>(l.blocks.size());
+  return l;
+}
+
+}  // namespace stepfuse::detail
