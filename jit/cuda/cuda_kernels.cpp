@@ -1,6 +1,8 @@
 // Compiling generated CUDA kernels through the kernel cache.
 #include "jit/cuda/cuda_kernels.hpp"
 
+#include <future>
+
 #include "jit/kernel_cache.hpp"
 
 namespace stepfuse::jit {
@@ -18,11 +20,16 @@ std::string cuda_cache_key(const std::string& canonical, const CudaTarget& targe
   return key;
 }
 
-CudaImage cuda_step_image(const CudaSpec& spec, const CudaTarget& target) {
-  const std::string key = cuda_cache_key(canonical_text(spec), target);
-  auto bytes = KernelCache::shared().get(
-      key, [&] { return nvrtc_compile(emit_cuda(spec), std::string(spec.program.name) + "_step.cu", target); });
-  return {std::move(bytes), target};
+CudaStepImages cuda_step_images(const CudaSpec& spec, const CudaTarget& target) {
+  const std::string reduce_key = cuda_cache_key(reduce_canonical_text(spec), target);
+  const std::string update_key = cuda_cache_key(canonical_text(spec), target);
+  // NVRTC is thread-safe: a cold spec compiles its two kernels side by side.
+  auto reduce = std::async(std::launch::async, [&] {
+    return KernelCache::shared().get(reduce_key, [&] { return nvrtc_compile(emit_cuda_reduce(spec), "stepfuse_reduce.cu", target); });
+  });
+  auto update = KernelCache::shared().get(
+      update_key, [&] { return nvrtc_compile(emit_cuda_update(spec), std::string(spec.program.name) + "_update.cu", target); });
+  return {{reduce.get(), target}, {std::move(update), target}};
 }
 
 CudaImage cuda_utility_image(const CudaTarget& target) {

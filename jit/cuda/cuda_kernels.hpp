@@ -20,8 +20,12 @@ struct CudaImage {
 // and the spec's canonical text.
 std::string cuda_cache_key(const std::string& canonical, const CudaTarget& target);
 
-// The compiled step module of `spec` (kernels sf_reduce, sf_update).
-CudaImage cuda_step_image(const CudaSpec& spec, const CudaTarget& target);
+// The compiled step modules of `spec`: the reduce kernel (sf_reduce) and the
+// update kernel (sf_update), compiled in parallel when neither is cached.
+struct CudaStepImages {
+  CudaImage reduce, update;
+};
+CudaStepImages cuda_step_images(const CudaSpec& spec, const CudaTarget& target);
 // The compiled utility module (sf_update_scale, sf_scale_*, sf_widen_*, sf_fill).
 CudaImage cuda_utility_image(const CudaTarget& target);
 

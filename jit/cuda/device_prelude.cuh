@@ -14,9 +14,6 @@ SF_HD SF_INLINE unsigned sf_bits(float f) { return __float_as_uint(f); }
 SF_HD SF_INLINE float sf_float(unsigned u) { return __uint_as_float(u); }
 #define SF_SQRTF(x) sqrtf(x)
 #define SF_FMAF(a, b, c) fmaf(a, b, c)
-#define SF_ILOGBF(x) ilogbf(x)
-#define SF_LDEXPF(x, e) ldexpf(x, e)
-#define SF_LDEXP(x, e) ldexp(x, e)
 #else
 #define SF_HD
 #define SF_DEV
@@ -26,9 +23,6 @@ SF_INLINE unsigned sf_bits(float f) { unsigned u; __builtin_memcpy(&u, &f, 4); r
 SF_INLINE float sf_float(unsigned u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
 #define SF_SQRTF(x) __builtin_sqrtf(x)
 #define SF_FMAF(a, b, c) __builtin_fmaf(a, b, c)
-#define SF_ILOGBF(x) __builtin_ilogbf(x)
-#define SF_LDEXPF(x, e) __builtin_ldexpf(x, e)
-#define SF_LDEXP(x, e) __builtin_ldexp(x, e)
 #endif
 
 typedef unsigned short sf_u16;
@@ -67,6 +61,23 @@ SF_HD SF_INLINE sf_u16 sf_narrow_f16(float v) {
   const unsigned nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
   const unsigned magnitude = sf_isnan(v) ? 0x7E00u : nonsign;
   return (sf_u16)(magnitude | ((w >> 16) & 0x8000u));
+}
+
+/* Exact powers of two and exponents, by bits (the same on every compiler; the
+ * CPU's std::ilogb/std::ldexp give the same values for these arguments). */
+SF_HD SF_INLINE int sf_ilogb_normal(float x) { return (int)((sf_bits(x) >> 23) & 0xFFu) - 127; } /* x normal */
+SF_HD SF_INLINE float sf_exp2f(int k) { /* 2^k, k in [-149, 127] */
+  return k >= -126 ? sf_float((unsigned)(k + 127) << 23) : sf_float(1u << (k + 149));
+}
+SF_HD SF_INLINE double sf_exp2(int k) { /* 2^k, k in [-1022, 1023] */
+  const unsigned long long bits = (unsigned long long)(k + 1023) << 52;
+  double d;
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+  d = __longlong_as_double((long long)bits);
+#else
+  __builtin_memcpy(&d, &bits, 8);
+#endif
+  return d;
 }
 
 SF_HD SF_INLINE float sf_round_f16(float v) { return sf_widen_f16(sf_narrow_f16(v)); }

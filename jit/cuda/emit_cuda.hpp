@@ -41,8 +41,16 @@ struct CudaSpec {
 // Canonical text of a spec: stable across runs and compilers (the cache key's core).
 std::string canonical_text(const CudaSpec& spec);
 
-// The generated source of a spec's step. Kernel names (extern "C"): sf_reduce, sf_update.
+// The generated source of a spec's step, both kernels (extern "C"): sf_reduce, sf_update.
 std::string emit_cuda(const CudaSpec& spec);
+
+// The same two kernels as separate sources, which the runtime compiles in
+// parallel and caches apart: the reduce kernel depends only on the grad dtypes,
+// the norm and the number of scalars, so every optimizer over such a list
+// shares it. reduce_canonical_text() is what it depends on.
+std::string emit_cuda_reduce(const CudaSpec& spec);
+std::string emit_cuda_update(const CudaSpec& spec);
+std::string reduce_canonical_text(const CudaSpec& spec);
 
 // The utility kernels, the same for every spec (device_abi.h): sf_update_scale,
 // sf_scale_<dtype>, sf_widen_<dtype>, sf_fill. Compiled once per arch.

@@ -171,11 +171,12 @@ CudaBackend::CudaBackend(const Program& program, const std::vector<Param>& param
   std::vector<sf_tensor>& tensors = layout.tensors;
 
   // Kernels: compile (or find in the cache) before allocating anything large.
-  const jit::CudaImage image =
-      jit::cuda_step_image(spec_, jit::target_for_device(ctx_->sm() / 10, ctx_->sm() % 10));
-  module_ = std::make_unique<CudaModule>(*image.bytes, "step");
-  reduce_ = module_->get("sf_reduce");
-  update_ = module_->get("sf_update");
+  const jit::CudaStepImages images =
+      jit::cuda_step_images(spec_, jit::target_for_device(ctx_->sm() / 10, ctx_->sm() % 10));
+  reduce_module_ = std::make_unique<CudaModule>(*images.reduce.bytes, "reduce");
+  update_module_ = std::make_unique<CudaModule>(*images.update.bytes, "update");
+  reduce_ = reduce_module_->get("sf_reduce");
+  update_ = update_module_->get("sf_update");
   const CudaUtilities& util = cuda_utilities(*ctx_);
   ctx_->make_current();
 
@@ -235,7 +236,7 @@ void CudaBackend::step(const CudaStepRequest& request, const sf_scalar_rule* rul
     int num_tensors = static_cast<int>(params_.size());
     int num_chunks = num_chunks_;
     const float* scale_ptr = request.scale_ptr;
-    float scale_value = static_cast<float>(request.loss_scale);
+    double scale_value = request.loss_scale;  // a double: must match sf_reduce (jit/cuda/emit_cuda.cpp)
     int check_finite = request.scaled || clip ? 1 : 0;
     sf_scaler_state* scaler = request.scaler;
     void* args[] = {&tensors, &num_tensors, &chunks,      &num_chunks,   &partials, &sums,

@@ -126,7 +126,7 @@ class CudaBackend {
   std::unique_ptr<CudaContext> ctx_;
   cuda::CUstream stream_ = nullptr;
   jit::CudaSpec spec_;
-  std::unique_ptr<CudaModule> module_;
+  std::unique_ptr<CudaModule> reduce_module_, update_module_;
   cuda::CUfunction reduce_ = nullptr, update_ = nullptr;
   std::vector<std::int64_t> offsets_, master_offsets_;
   std::int64_t total_ = 0, master_total_ = 0, flat_numel_ = 0;
