@@ -1,0 +1,484 @@
+/* stepfuse C ABI: the fused optimizer step, GradScaler and LossScaleOptimizer for C and
+ * foreign-language runtimes (C99; also compiles as C++). The C++ API is stepfuse.hpp.
+ *
+ * Conventions (every function below follows them):
+ *
+ * - Errors. A function that can fail returns sf_status: SF_OK, or the code of the
+ *   failure, and then sf_last_error() returns the message. A bad argument or a call
+ *   at the wrong time changes nothing (the C++ API validates before it writes). The
+ *   message is per thread and stays until the next failing call on the same thread
+ *   (successful calls do not clear it, as errno). Results come back through out
+ *   pointers, which are written only on SF_OK (sf_optimizer_program_text's size and
+ *   truncated copy excepted). A NULL handle or out pointer is SF_INVALID_ARGUMENT
+ *   with a message naming the function and the argument; only the *_destroy
+ *   functions and arguments documented as optional accept NULL. No C++ exception
+ *   ever leaves this interface.
+ *
+ * - Versioned structs. The configuration, options, result and state structs start
+ *   with `uint32_t struct_size`, so they can grow in later versions, and each has an
+ *   *_init function that sets it (and, for inputs, PyTorch's defaults): call it,
+ *   then change fields. For output structs, setting struct_size = sizeof(the struct)
+ *   also does. A size this library does not know (a caller compiled against another
+ *   version's header, or an uninitialized struct) is SF_INVALID_ARGUMENT, saying
+ *   which size it expected. sf_tensor_view, sf_param and sf_device are fixed.
+ *
+ * - Memory. Weights and gradients are caller-owned (sf_tensor_view) and must stay
+ *   valid, at the same addresses, for the optimizer's lifetime. Handles are created by
+ *   *_create and released by *_destroy. Pointers returned into a handle (state,
+ *   masters, names, norms) stay valid as documented at each function.
+ *
+ * - Threads. One handle must not be used by two threads at once; different handles
+ *   may. sf_last_error() and the version/status queries are thread-safe.
+ */
+#ifndef STEPFUSE_STEPFUSE_H_
+#define STEPFUSE_STEPFUSE_H_
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Must match include/stepfuse/version.hpp and the CMake project version
+ * (runtime/c_api.cpp static_asserts the first; tests/c_api checks the second). The
+ * definitions are token for token those of version.hpp, so both headers can be
+ * included together. */
+#define STEPFUSE_VERSION_MAJOR 0
+#define STEPFUSE_VERSION_MINOR 1
+#define STEPFUSE_VERSION_PATCH 0
+#define STEPFUSE_VERSION (STEPFUSE_VERSION_MAJOR * 10000 + STEPFUSE_VERSION_MINOR * 100 + STEPFUSE_VERSION_PATCH)
+
+/* Marks the exported functions, so the library can be built with -fvisibility=hidden. */
+#ifndef STEPFUSE_API
+#if defined(__GNUC__) || defined(__clang__)
+#define STEPFUSE_API __attribute__((visibility("default")))
+#else
+#define STEPFUSE_API
+#endif
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Version, status, errors -------------------------------------------------- */
+
+/* "MAJOR.MINOR.PATCH" of the library actually linked (static storage). */
+STEPFUSE_API const char* sf_version(void);
+/* STEPFUSE_VERSION of the library actually linked. */
+STEPFUSE_API int sf_version_number(void);
+/* The Highway target the CPU kernels dispatch to on this machine, e.g. "AVX2". */
+STEPFUSE_API const char* sf_cpu_target(void);
+
+/* One to one with stepfuse::ErrorCode, plus out of memory (std::bad_alloc) and
+ * internal (any other exception: a bug in stepfuse). */
+typedef enum sf_status {
+  SF_OK = 0,
+  SF_INVALID_ARGUMENT, /* a bad value passed by the caller; the message names it */
+  SF_INVALID_STATE,    /* a call that is not allowed at this point */
+  SF_UNSUPPORTED,      /* a valid request this build or machine cannot serve */
+  SF_COMPILE_FAILED,   /* a generated kernel did not compile (log and source in the message) */
+  SF_DEVICE_ERROR,     /* the accelerator or its driver reported an error */
+  SF_IO_ERROR,         /* a file could not be read or written */
+  SF_OUT_OF_MEMORY,
+  SF_INTERNAL
+} sf_status;
+
+/* "SF_OK", "SF_INVALID_ARGUMENT", ...; "SF_UNKNOWN_STATUS" for other values. */
+STEPFUSE_API const char* sf_status_name(sf_status status);
+/* The message of the last failed call on this thread ("" if none has failed), as the
+ * C++ API words it ("stepfuse: ..."). Valid until the next failing call on this
+ * thread. Never NULL. */
+STEPFUSE_API const char* sf_last_error(void);
+
+/* ---- Tensors, devices ------------------------------------------------------------ */
+
+/* Storage formats; all arithmetic is fp32. */
+typedef enum sf_dtype { SF_F32 = 0, SF_F16 = 1, SF_BF16 = 2 } sf_dtype;
+
+typedef enum sf_device_kind { SF_DEVICE_CPU = 0, SF_DEVICE_CUDA = 1 } sf_device_kind;
+typedef struct sf_device {
+  sf_device_kind kind;
+  int index; /* GPU ordinal for SF_DEVICE_CUDA; 0 for the CPU */
+} sf_device;
+
+/* A contiguous, caller-owned tensor (data may be NULL when numel is 0). On a GPU
+ * optimizer, data is device memory of its GPU. */
+typedef struct sf_tensor_view {
+  void* data;
+  int64_t numel;
+  sf_dtype dtype;
+} sf_tensor_view;
+
+/* One parameter: its weights and the gradient of the loss with respect to them. */
+typedef struct sf_param {
+  sf_tensor_view weight;
+  sf_tensor_view grad;
+} sf_param;
+
+/* Conversions bit for bit as the kernels do them (round to nearest even, inf and NaN
+ * preserved): for filling f16/bf16 gradients and reading f16/bf16 weights. */
+STEPFUSE_API uint16_t sf_float_to_f16(float value);
+STEPFUSE_API float sf_f16_to_float(uint16_t bits);
+STEPFUSE_API uint16_t sf_float_to_bf16(float value);
+STEPFUSE_API float sf_bf16_to_float(uint16_t bits);
+/* dst[i] = src[i] widened; SF_INVALID_ARGUMENT unless src.numel == dst_numel. */
+STEPFUSE_API sf_status sf_to_float(sf_tensor_view src, float* dst, int64_t dst_numel);
+/* dst[i] = src[i] rounded to dst's dtype; SF_INVALID_ARGUMENT unless dst.numel == src_numel. */
+STEPFUSE_API sf_status sf_from_float(const float* src, int64_t src_numel, sf_tensor_view dst);
+
+/* ---- CUDA availability, warnings ----------------------------------------------- */
+
+/* Whether the CUDA backend can run here (a driver, NVRTC and a device). When not, and
+ * reason is not NULL, writes why (as much as fits in cap bytes, NUL-terminated;
+ * "" when available). Loads the driver and NVRTC on the first call; cheap after. */
+STEPFUSE_API bool sf_cuda_available(char* reason, size_t cap);
+/* Whether NVRTC alone is usable (code generation and compilation, no kernels run). */
+STEPFUSE_API bool sf_nvrtc_available(char* reason, size_t cap);
+
+/* Warnings: things the library works around but the caller should know about (a
+ * GradScaler asked for "cuda" where no GPU is usable, say), each sent once per process
+ * per cause. `message` is valid during the call only. The handler and `user` are
+ * process-wide (one for all threads; a later call replaces them) and may be called
+ * from any thread that uses the library. NULL restores the default handler, which
+ * writes "stepfuse: warning: <message>" to stderr. */
+typedef void (*sf_warning_handler)(const char* message, void* user);
+STEPFUSE_API void sf_set_warning_handler(sf_warning_handler handler, void* user);
+
+/* ---- Optimizer configuration ----------------------------------------------------- */
+
+typedef enum sf_optimizer_kind {
+  SF_SGD = 0,
+  SF_ADAM = 1,
+  SF_ADAMW = 2,
+  SF_ADAGRAD = 3,
+  SF_RMSPROP = 4,
+  SF_LION = 5
+} sf_optimizer_kind;
+
+/* "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion"; NULL for other values. */
+STEPFUSE_API const char* sf_optimizer_kind_name(sf_optimizer_kind kind);
+
+/* The hyperparameters of every kind, with PyTorch's names (torch.optim.*; Lion as in
+ * its paper). Each kind reads only its own fields:
+ *   SGD:     lr, momentum, dampening, weight_decay, nesterov, maximize
+ *   Adam(W): lr, beta1, beta2, eps, weight_decay, amsgrad, maximize
+ *   Adagrad: lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize
+ *   RMSprop: lr, alpha, eps, weight_decay, momentum, centered, maximize
+ *   Lion:    lr, beta1, beta2, weight_decay, maximize
+ * The fields of other kinds must be 0 / false (as sf_optimizer_config_init leaves
+ * them): a non-zero one is SF_INVALID_ARGUMENT, as an unknown keyword is in PyTorch. */
+typedef struct sf_optimizer_config {
+  uint32_t struct_size; /* sizeof(sf_optimizer_config); set by sf_optimizer_config_init */
+  sf_optimizer_kind kind;
+  double lr;
+  double beta1, beta2;
+  double eps;
+  double weight_decay;
+  double momentum, dampening;
+  double alpha;
+  double lr_decay, initial_accumulator_value;
+  bool amsgrad, nesterov, centered, maximize;
+} sf_optimizer_config;
+
+/* Sets struct_size, kind, and PyTorch's defaults for that kind (e.g. AdamW: lr 1e-3,
+ * betas 0.9/0.999, eps 1e-8, weight_decay 1e-2); other fields 0. An unknown kind is
+ * kept, for sf_optimizer_create to reject. Writes nothing if config is NULL. */
+STEPFUSE_API void sf_optimizer_config_init(sf_optimizer_config* config, sf_optimizer_kind kind);
+
+typedef enum sf_fusion {
+  SF_FUSION_FUSED = 0,      /* one reduce pass + one update pass per step */
+  SF_FUSION_UNFUSED = 1,    /* the eager baseline, one pass per operation (CPU only) */
+  SF_FUSION_INTERPRETED = 2 /* fused, with the update program interpreted (CPU only) */
+} sf_fusion;
+
+/* The norm clipping and the reported gradient norm use. */
+typedef enum sf_norm_type { SF_NORM_L2 = 0, SF_NORM_INF = 1 } sf_norm_type;
+
+typedef struct sf_optimizer_options {
+  uint32_t struct_size; /* sizeof(sf_optimizer_options); set by sf_optimizer_options_init */
+  /* Where weights, gradients and state live; with CUDA every sf_param points to
+   * device memory of that GPU. Default: the CPU. */
+  sf_device device;
+  /* CUDA: the stream (CUstream / cudaStream_t) steps are enqueued on; NULL is the
+   * default stream. Must be NULL for the CPU. */
+  void* cuda_stream;
+  /* clip_grad_norm_(max_grad_norm) on the unscaled gradients, inside the step. */
+  bool has_max_grad_norm;
+  double max_grad_norm;
+  sf_norm_type norm_type; /* default SF_NORM_L2 */
+  bool master_weights;    /* fp32 masters for f16/bf16 weights; default true */
+  sf_fusion fusion;       /* default SF_FUSION_FUSED */
+  /* CPU threads; 0 (default) = STEPFUSE_NUM_THREADS, else the machine's cores.
+   * Results are bitwise identical for every thread count. */
+  int num_threads;
+  /* Compute the gradient norm on plain steps too (one more read of the gradients). */
+  bool track_grad_norm;
+} sf_optimizer_options;
+
+/* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
+STEPFUSE_API void sf_optimizer_options_init(sf_optimizer_options* options);
+
+/* What one step did. An output struct: sf_step_result_init() it before the call. */
+typedef struct sf_step_result {
+  uint32_t struct_size; /* sizeof(sf_step_result); set by sf_step_result_init */
+  bool applied;         /* false: non-finite gradients, nothing was written */
+  bool found_inf;       /* some gradient element was inf or NaN */
+  /* CUDA: the step is enqueued and decided on the device; the other fields are not
+   * known yet. sf_optimizer_last_result() waits and tells. */
+  bool pending;
+  double grad_norm; /* norm of the unscaled gradients; NaN when not computed */
+  double clip_coef; /* multiplier clipping applied to the unscaled gradients (1: none) */
+} sf_step_result;
+
+/* Zeroes the struct and sets struct_size. Writes nothing if result is NULL. */
+STEPFUSE_API void sf_step_result_init(sf_step_result* result);
+
+/* ---- Optimizer ---------------------------------------------------------------- */
+
+typedef struct sf_optimizer sf_optimizer;
+
+/* Validates everything (config, params, options), allocates the optimizer state and
+ * fp32 masters, plans the work. Copies the config, the options and the param array
+ * (not the tensors: those must stay valid and in place until sf_optimizer_destroy).
+ * options may be NULL (the defaults). Errors: SF_INVALID_ARGUMENT (a bad
+ * hyperparameter or param, named in the message), SF_UNSUPPORTED (a device this build
+ * or machine cannot use), SF_OUT_OF_MEMORY. On error *out is left as it was. */
+STEPFUSE_API sf_status sf_optimizer_create(const sf_optimizer_config* config, const sf_param* params,
+                                           size_t num_params, const sf_optimizer_options* options,
+                                           sf_optimizer** out);
+/* Frees the optimizer's state and masters (not the caller's tensors). NULL is a no-op.
+ * Destroy any sf_loss_scale_optimizer wrapping it first, and do not destroy it between
+ * a GradScaler's step and update. */
+STEPFUSE_API void sf_optimizer_destroy(sf_optimizer* opt);
+
+/* One step on gradients that are already unscaled (plain, non-AMP use). Reads grads,
+ * writes weights, state and masters; allocates nothing. With max_grad_norm, clips
+ * first and skips on non-finite gradients. On a GPU: enqueued, does not wait. */
+STEPFUSE_API sf_status sf_optimizer_step(sf_optimizer* opt);
+/* One step on gradients scaled by loss_scale (finite, > 0): unscale, inf/NaN check,
+ * clip, update in one reduce and one update pass; on non-finite gradients nothing is
+ * written and the step count does not advance. result (may be NULL) gets what the
+ * step did (pending on a GPU). */
+STEPFUSE_API sf_status sf_optimizer_step_scaled(sf_optimizer* opt, double loss_scale, sf_step_result* result);
+/* What the last step did (on a GPU: waits for it). */
+STEPFUSE_API sf_status sf_optimizer_last_result(const sf_optimizer* opt, sf_step_result* result);
+
+/* The hyperparameters (out->struct_size must be set, e.g. by sf_optimizer_config_init;
+ * every field is overwritten). */
+STEPFUSE_API sf_status sf_optimizer_get_config(const sf_optimizer* opt, sf_optimizer_config* out);
+/* New hyperparameters of the same kind, in effect at the next step, no recompilation.
+ * Changing what changes the program (amsgrad, nesterov, centered, momentum on/off) or
+ * the kind is SF_INVALID_ARGUMENT: create a new optimizer for that. */
+STEPFUSE_API sf_status sf_optimizer_set_config(sf_optimizer* opt, const sf_optimizer_config* config);
+/* The options the optimizer was created with (out->struct_size must be set, e.g. by
+ * sf_optimizer_options_init; every field is overwritten). */
+STEPFUSE_API sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options* out);
+STEPFUSE_API sf_status sf_optimizer_set_lr(sf_optimizer* opt, double lr);
+STEPFUSE_API sf_status sf_optimizer_get_lr(const sf_optimizer* opt, double* lr);
+/* Steps applied (skipped steps do not count). On a GPU: waits. */
+STEPFUSE_API sf_status sf_optimizer_step_count(const sf_optimizer* opt, int64_t* count);
+/* Norm of the unscaled gradients of the last step; +inf when they were not finite,
+ * NaN when the step computed none. On a GPU: waits. */
+STEPFUSE_API sf_status sf_optimizer_last_grad_norm(const sf_optimizer* opt, double* norm);
+/* Per-tensor norms of the unscaled gradients from the last reduce pass: *norms points
+ * into the optimizer, *count entries, valid until its next step or destroy. */
+STEPFUSE_API sf_status sf_optimizer_last_tensor_grad_norms(const sf_optimizer* opt, const double** norms,
+                                                           size_t* count);
+STEPFUSE_API sf_status sf_optimizer_num_params(const sf_optimizer* opt, size_t* count);
+STEPFUSE_API sf_status sf_optimizer_num_threads(const sf_optimizer* opt, int* threads);
+
+/* Optimizer state by name: sf_optimizer_state_names() gives how many state tensors
+ * each param has, sf_optimizer_state_name() the index-th name (e.g. "exp_avg"; static
+ * for the optimizer's lifetime). */
+STEPFUSE_API sf_status sf_optimizer_state_names(const sf_optimizer* opt, size_t* count);
+STEPFUSE_API sf_status sf_optimizer_state_name(const sf_optimizer* opt, size_t index, const char** name);
+/* The fp32 state tensor `name` of param `param`: *data (host memory, also for a GPU
+ * optimizer: a copy fetched from the device, waiting for it) with *numel elements,
+ * valid until the next step or destroy. An unknown name or param index is
+ * SF_INVALID_ARGUMENT (the message lists the state names). */
+STEPFUSE_API sf_status sf_optimizer_state(const sf_optimizer* opt, size_t param, const char* name,
+                                          const float** data, int64_t* numel);
+/* As sf_optimizer_state, writable; changes take effect at the next step. */
+STEPFUSE_API sf_status sf_optimizer_mutable_state(sf_optimizer* opt, size_t param, const char* name, float** data,
+                                                  int64_t* numel);
+/* The fp32 master copy of an f16/bf16 param (host memory, as state); *data = NULL and
+ * *numel = 0 when the weights are f32 or masters are off. */
+STEPFUSE_API sf_status sf_optimizer_master(const sf_optimizer* opt, size_t param, const float** data,
+                                           int64_t* numel);
+/* The update program as text, into a caller buffer. *needed (may be NULL) gets the
+ * size including the terminating NUL. buf = NULL with cap = 0 only asks the size
+ * (SF_OK). A buffer smaller than needed gets as much as fits, NUL-terminated, and the
+ * call returns SF_INVALID_ARGUMENT. */
+STEPFUSE_API sf_status sf_optimizer_program_text(const sf_optimizer* opt, char* buf, size_t cap, size_t* needed);
+
+typedef struct sf_grad_scaler sf_grad_scaler;
+
+/* Checkpoints: writes the hyperparameters, step count, every state tensor and the fp32
+ * masters (with scaler not NULL: its state too) to path atomically (temporary file,
+ * then rename), with a format version and a checksum. The weights are the caller's. */
+STEPFUSE_API sf_status sf_optimizer_save(const sf_optimizer* opt, const char* path, const sf_grad_scaler* scaler);
+/* Restores a file written by sf_optimizer_save for an optimizer of the same kind,
+ * program, sizes and dtypes (with scaler not NULL: the scaler too; the file must hold
+ * a scaler's state). A missing, truncated or corrupt file is SF_IO_ERROR, a mismatch
+ * SF_INVALID_ARGUMENT; both leave the optimizer and scaler as they were. */
+STEPFUSE_API sf_status sf_optimizer_load(sf_optimizer* opt, const char* path, sf_grad_scaler* scaler);
+
+/* ---- GradScaler (torch.amp.GradScaler) ------------------------------------------- */
+
+typedef struct sf_grad_scaler_options {
+  uint32_t struct_size; /* sizeof(sf_grad_scaler_options); set by sf_grad_scaler_options_init */
+  /* "cuda" (default) or "cpu": where the scale lives. "cuda" without a usable GPU
+   * keeps it on the CPU and warns once per process. Copied by create. */
+  const char* device;
+  double init_scale;       /* 65536 */
+  double growth_factor;    /* 2 */
+  double backoff_factor;   /* 0.5 */
+  int64_t growth_interval; /* 2000 */
+  bool enabled;            /* true; false: step() is a plain step, the rest no-ops */
+} sf_grad_scaler_options;
+
+/* Sets struct_size and PyTorch's defaults above. Writes nothing if options is NULL. */
+STEPFUSE_API void sf_grad_scaler_options_init(sf_grad_scaler_options* options);
+/* options may be NULL (the defaults). SF_INVALID_ARGUMENT for a device other than
+ * "cuda"/"cpu", init_scale not finite and > 0, growth_factor not finite and > 1,
+ * backoff_factor not in (0, 1), growth_interval < 1. Not thread-safe: one scaler per
+ * training loop. */
+STEPFUSE_API sf_status sf_grad_scaler_create(const sf_grad_scaler_options* options, sf_grad_scaler** out);
+/* NULL is a no-op. */
+STEPFUSE_API void sf_grad_scaler_destroy(sf_grad_scaler* scaler);
+
+/* *scaled = loss * S (loss itself when disabled). */
+STEPFUSE_API sf_status sf_grad_scaler_scale(const sf_grad_scaler* scaler, double loss, double* scaled);
+/* Multiplies a tensor (or each of count tensors) in place by S, rounding to its dtype.
+ * No-op when disabled. */
+STEPFUSE_API sf_status sf_grad_scaler_scale_(const sf_grad_scaler* scaler, sf_tensor_view tensor);
+STEPFUSE_API sf_status sf_grad_scaler_scale_views_(const sf_grad_scaler* scaler, const sf_tensor_view* tensors,
+                                                   size_t count);
+/* Divides opt's gradients in place by S and records whether any was inf/NaN. Twice
+ * for one optimizer in an iteration, or after step, is SF_INVALID_STATE. */
+STEPFUSE_API sf_status sf_grad_scaler_unscale_(sf_grad_scaler* scaler, sf_optimizer* opt);
+/* The fused step (unscale unless unscale_ ran, check, clip, update); skipped, writing
+ * nothing, on inf/NaN. *applied (may be NULL): whether it was applied (on a GPU:
+ * true; the outcome is in sf_grad_scaler_last_step_result). A second step for one
+ * optimizer before update is SF_INVALID_STATE. */
+STEPFUSE_API sf_status sf_grad_scaler_step(sf_grad_scaler* scaler, sf_optimizer* opt, bool* applied);
+/* What the last step did (an LR scheduler should not advance when !applied). */
+STEPFUSE_API sf_status sf_grad_scaler_last_step_result(const sf_grad_scaler* scaler, sf_step_result* result);
+/* Ends the iteration. new_scale NULL: backs off after a skipped step, grows after
+ * growth_interval good ones in a row (SF_INVALID_STATE if no optimizer was stepped or
+ * unscaled since the last update). new_scale not NULL: sets S to *new_scale (finite,
+ * > 0). No-op when disabled. */
+STEPFUSE_API sf_status sf_grad_scaler_update(sf_grad_scaler* scaler, const double* new_scale);
+
+STEPFUSE_API sf_status sf_grad_scaler_get_scale(const sf_grad_scaler* scaler, double* scale); /* 1 when disabled */
+STEPFUSE_API sf_status sf_grad_scaler_get_growth_factor(const sf_grad_scaler* scaler, double* factor);
+STEPFUSE_API sf_status sf_grad_scaler_get_backoff_factor(const sf_grad_scaler* scaler, double* factor);
+STEPFUSE_API sf_status sf_grad_scaler_get_growth_interval(const sf_grad_scaler* scaler, int64_t* interval);
+STEPFUSE_API sf_status sf_grad_scaler_get_growth_tracker(const sf_grad_scaler* scaler, int64_t* tracker);
+STEPFUSE_API sf_status sf_grad_scaler_is_enabled(const sf_grad_scaler* scaler, bool* enabled);
+/* Validated as in create; nothing changes on an error. */
+STEPFUSE_API sf_status sf_grad_scaler_set_growth_factor(sf_grad_scaler* scaler, double factor);
+STEPFUSE_API sf_status sf_grad_scaler_set_backoff_factor(sf_grad_scaler* scaler, double factor);
+STEPFUSE_API sf_status sf_grad_scaler_set_growth_interval(sf_grad_scaler* scaler, int64_t interval);
+/* The device string as given ("cuda" or "cpu"; static for the scaler's lifetime), and
+ * where the scale actually lives. */
+STEPFUSE_API sf_status sf_grad_scaler_device(const sf_grad_scaler* scaler, const char** device);
+STEPFUSE_API sf_status sf_grad_scaler_where_scale_lives(const sf_grad_scaler* scaler, sf_device* device);
+
+/* state_dict() as a struct: PyTorch's five entries, or empty (a disabled scaler). */
+typedef struct sf_grad_scaler_state {
+  uint32_t struct_size; /* sizeof(sf_grad_scaler_state); set by sf_grad_scaler_state_init */
+  bool empty;           /* saved from a disabled scaler: the other fields are 0 */
+  double scale;
+  double growth_factor;
+  double backoff_factor;
+  int64_t growth_interval;
+  int64_t growth_tracker; /* "_growth_tracker" */
+} sf_grad_scaler_state;
+
+/* Zeroes the struct and sets struct_size. Writes nothing if state is NULL. */
+STEPFUSE_API void sf_grad_scaler_state_init(sf_grad_scaler_state* state);
+
+/* Call after update. */
+STEPFUSE_API sf_status sf_grad_scaler_state_dict(const sf_grad_scaler* scaler, sf_grad_scaler_state* state);
+/* No-op when disabled. An empty state, or an invalid value, is SF_INVALID_ARGUMENT;
+ * nothing changes on an error. */
+STEPFUSE_API sf_status sf_grad_scaler_load_state_dict(sf_grad_scaler* scaler, const sf_grad_scaler_state* state);
+
+/* ---- LossScaleOptimizer (tf.keras.mixed_precision.LossScaleOptimizer) ----------- */
+
+typedef struct sf_loss_scale_optimizer sf_loss_scale_optimizer;
+
+typedef struct sf_loss_scale_optimizer_options {
+  uint32_t struct_size;         /* set by sf_loss_scale_optimizer_options_init */
+  bool dynamic;                 /* true */
+  double initial_scale;         /* 32768 (2^15) */
+  int64_t dynamic_growth_steps; /* 2000 */
+} sf_loss_scale_optimizer_options;
+
+STEPFUSE_API void sf_loss_scale_optimizer_options_init(sf_loss_scale_optimizer_options* options);
+/* Wraps `inner`, which it references and does NOT own: inner must outlive the
+ * sf_loss_scale_optimizer (destroy this first). options may be NULL (the defaults).
+ * SF_INVALID_ARGUMENT for initial_scale not finite and > 0, dynamic_growth_steps < 1. */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_create(sf_optimizer* inner,
+                                                      const sf_loss_scale_optimizer_options* options,
+                                                      sf_loss_scale_optimizer** out);
+/* Does not destroy the inner optimizer. NULL is a no-op. */
+STEPFUSE_API void sf_loss_scale_optimizer_destroy(sf_loss_scale_optimizer* lso);
+/* The handle passed to create. */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_inner(const sf_loss_scale_optimizer* lso, sf_optimizer** inner);
+
+/* *scaled = loss * loss_scale. */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_get_scaled_loss(const sf_loss_scale_optimizer* lso, double loss,
+                                                               double* scaled);
+/* Divides each of count tensors in place by the loss scale, rounding to its dtype. */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_get_unscaled_gradients(const sf_loss_scale_optimizer* lso,
+                                                                      const sf_tensor_view* grads, size_t count);
+/* The inner optimizer's gradients are unscaled: checks them, applies the step or skips
+ * it, updates the loss scale. *applied may be NULL. */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_apply_gradients(sf_loss_scale_optimizer* lso, bool* applied);
+
+/* Writes the gradients of loss * loss_scale into the inner optimizer's gradient
+ * buffers. It must return 0 on success. To fail, return non-zero (keep any detail in
+ * *user): minimize then steps nothing, leaves the loss scale as it was, and returns
+ * SF_INVALID_STATE. It must not throw (a C++ callback catches its own exceptions) and
+ * must not longjmp out. It may call other sf_ functions, but not on this lso. */
+typedef int (*sf_backward_fn)(double loss_scale, void* user);
+/* Calls backward(loss_scale, user), then the fused step (unscale, check, clip, update),
+ * then updates the loss scale. *applied (may be NULL): whether the step was applied. */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_minimize(sf_loss_scale_optimizer* lso, sf_backward_fn backward,
+                                                        void* user, bool* applied);
+/* What the last apply_gradients/minimize did. */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_last_result(const sf_loss_scale_optimizer* lso,
+                                                           sf_step_result* result);
+
+STEPFUSE_API sf_status sf_loss_scale_optimizer_loss_scale(const sf_loss_scale_optimizer* lso, double* scale);
+STEPFUSE_API sf_status sf_loss_scale_optimizer_dynamic(const sf_loss_scale_optimizer* lso, bool* dynamic);
+STEPFUSE_API sf_status sf_loss_scale_optimizer_dynamic_counter(const sf_loss_scale_optimizer* lso, int64_t* counter);
+STEPFUSE_API sf_status sf_loss_scale_optimizer_dynamic_growth_steps(const sf_loss_scale_optimizer* lso,
+                                                                    int64_t* steps);
+/* Hyperparameters under Keras's names, delegated to the inner optimizer:
+ * "learning_rate" (alias "lr"); "beta_1", "beta_2" (Adam, AdamW, Lion); "momentum"
+ * (SGD, RMSprop); "rho" (RMSprop's alpha). Any other name (e.g. "epsilon") is
+ * SF_INVALID_ARGUMENT. set_hyper validates as sf_optimizer_set_config does. */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_get_hyper(const sf_loss_scale_optimizer* lso, const char* name,
+                                                         double* value);
+STEPFUSE_API sf_status sf_loss_scale_optimizer_set_hyper(sf_loss_scale_optimizer* lso, const char* name,
+                                                         double value);
+/* Checkpoint of the inner optimizer with the loss-scale state (as sf_optimizer_save). */
+STEPFUSE_API sf_status sf_loss_scale_optimizer_save(const sf_loss_scale_optimizer* lso, const char* path);
+STEPFUSE_API sf_status sf_loss_scale_optimizer_load(sf_loss_scale_optimizer* lso, const char* path);
+
+/* ---- Reserved: custom update programs -------------------------------------------
+ * Custom update programs (stepfuse::Program / ProgramBuilder, program.hpp) are not yet
+ * accepted by the Optimizer. When they are, their C interface goes here: an opaque
+ * sf_program built op by op (sf_program_builder_*), sf_program_text, an
+ * sf_optimizer_create_with_program taking an sf_program and its scalar values, and the
+ * emit APIs (generated CUDA / C source of a program into a caller buffer, with the
+ * required-size protocol of sf_optimizer_program_text). The names sf_program* and
+ * sf_emit* are reserved for them. */
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* STEPFUSE_STEPFUSE_H_ */

@@ -1,0 +1,930 @@
+/* The C ABI (include/stepfuse/stepfuse.h) tested from C: compiled as C11, so the header
+ * is checked as C and nothing here can reach the C++ API. Results are checked against
+ * closed forms computed here in double (the AdamW first step, SGD, the scale rules). */
+#include <stepfuse/stepfuse.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <threads.h>
+#include <time.h>
+
+static int g_passed, g_failed;
+
+#define CHECK(cond)                                                       \
+  do {                                                                    \
+    if (cond) {                                                           \
+      ++g_passed;                                                         \
+    } else {                                                              \
+      ++g_failed;                                                         \
+      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+    }                                                                     \
+  } while (0)
+
+/* A call that must succeed; on failure prints its status and message. */
+#define CHECK_OK(call)                                                                         \
+  do {                                                                                         \
+    const sf_status st_ = (call);                                                              \
+    if (st_ == SF_OK) {                                                                        \
+      ++g_passed;                                                                              \
+    } else {                                                                                   \
+      ++g_failed;                                                                              \
+      fprintf(stderr, "%s:%d: %s returned %s: %s\n", __FILE__, __LINE__, #call, sf_status_name(st_), \
+              sf_last_error());                                                                \
+    }                                                                                          \
+  } while (0)
+
+/* A call that must fail with `expected` and a message containing `needle`. */
+#define CHECK_FAILS(call, expected, needle)                                                               \
+  do {                                                                                                    \
+    const sf_status st_ = (call);                                                                         \
+    if (st_ == (expected) && strstr(sf_last_error(), (needle)) != NULL) {                                 \
+      ++g_passed;                                                                                         \
+    } else {                                                                                              \
+      ++g_failed;                                                                                         \
+      fprintf(stderr, "%s:%d: %s returned %s (\"%s\"), expected %s with a message containing \"%s\"\n", \
+              __FILE__, __LINE__, #call, sf_status_name(st_), sf_last_error(), sf_status_name(expected), \
+              (needle));                                                                                  \
+    }                                                                                                     \
+  } while (0)
+
+static bool starts_with(const char* s, const char* prefix) { return strncmp(s, prefix, strlen(prefix)) == 0; }
+
+static bool close_rel(double got, double want, double rel) {
+  return fabs(got - want) <= rel * fabs(want);
+}
+
+/* xorshift64*: fresh inputs every run (the seed is printed). */
+static uint64_t g_rng;
+static double uniform(double lo, double hi) {
+  g_rng ^= g_rng >> 12;
+  g_rng ^= g_rng << 25;
+  g_rng ^= g_rng >> 27;
+  const uint64_t r = g_rng * 0x2545F4914F6CDD1DULL;
+  return lo + (hi - lo) * (double)(r >> 11) * (1.0 / 9007199254740992.0);
+}
+/* A value with magnitude in [lo, hi), random sign, exactly representable in bf16 (and
+ * so in f32): the f32 and bf16 runs then see the same numbers. */
+static float bf16_value(double lo, double hi) {
+  const double m = uniform(lo, hi);
+  const float v = (float)(uniform(0, 1) < 0.5 ? -m : m);
+  return sf_bf16_to_float(sf_float_to_bf16(v));
+}
+
+static sf_tensor_view view_f32(float* data, int64_t n) {
+  sf_tensor_view v = {data, n, SF_F32};
+  return v;
+}
+
+static const char* g_tmpdir = STEPFUSE_TEST_TMPDIR;
+
+/* ---- version, names, defaults ------------------------------------------------ */
+
+static void test_version(void) {
+  CHECK(STEPFUSE_VERSION == STEPFUSE_VERSION_MAJOR * 10000 + STEPFUSE_VERSION_MINOR * 100 + STEPFUSE_VERSION_PATCH);
+  CHECK(sf_version_number() == STEPFUSE_VERSION);
+  char expected[32];
+  snprintf(expected, sizeof expected, "%d.%d.%d", STEPFUSE_VERSION_MAJOR, STEPFUSE_VERSION_MINOR,
+           STEPFUSE_VERSION_PATCH);
+  CHECK(strcmp(sf_version(), expected) == 0);
+  /* The CMake project version, passed by tests/CMakeLists.txt. */
+  CHECK(strcmp(sf_version(), STEPFUSE_PROJECT_VERSION) == 0);
+  CHECK(strlen(sf_cpu_target()) > 0);
+
+  CHECK(strcmp(sf_status_name(SF_OK), "SF_OK") == 0);
+  CHECK(strcmp(sf_status_name(SF_IO_ERROR), "SF_IO_ERROR") == 0);
+  CHECK(strcmp(sf_status_name(SF_INTERNAL), "SF_INTERNAL") == 0);
+  CHECK(strcmp(sf_status_name((sf_status)99), "SF_UNKNOWN_STATUS") == 0);
+  CHECK(strcmp(sf_optimizer_kind_name(SF_ADAMW), "AdamW") == 0);
+  CHECK(strcmp(sf_optimizer_kind_name(SF_RMSPROP), "RMSprop") == 0);
+  CHECK(sf_optimizer_kind_name((sf_optimizer_kind)42) == NULL);
+}
+
+static void test_defaults(void) {
+  sf_optimizer_config c;
+  memset(&c, 0xff, sizeof c); /* init must set every field */
+  sf_optimizer_config_init(&c, SF_ADAMW);
+  CHECK(c.struct_size == sizeof(sf_optimizer_config));
+  CHECK(c.kind == SF_ADAMW);
+  CHECK(c.lr == 1e-3 && c.beta1 == 0.9 && c.beta2 == 0.999 && c.eps == 1e-8 && c.weight_decay == 0.01);
+  CHECK(!c.amsgrad && !c.maximize);
+  CHECK(c.momentum == 0 && c.dampening == 0 && c.alpha == 0 && c.lr_decay == 0 && c.initial_accumulator_value == 0);
+  CHECK(!c.nesterov && !c.centered);
+
+  sf_optimizer_config_init(&c, SF_ADAM);
+  CHECK(c.lr == 1e-3 && c.beta1 == 0.9 && c.beta2 == 0.999 && c.eps == 1e-8 && c.weight_decay == 0);
+  sf_optimizer_config_init(&c, SF_SGD);
+  CHECK(c.kind == SF_SGD && c.lr == 1e-3 && c.momentum == 0 && c.dampening == 0 && c.weight_decay == 0);
+  CHECK(!c.nesterov && !c.maximize && c.beta1 == 0 && c.eps == 0);
+  sf_optimizer_config_init(&c, SF_ADAGRAD);
+  CHECK(c.lr == 1e-2 && c.lr_decay == 0 && c.weight_decay == 0 && c.initial_accumulator_value == 0 &&
+        c.eps == 1e-10);
+  sf_optimizer_config_init(&c, SF_RMSPROP);
+  CHECK(c.lr == 1e-2 && c.alpha == 0.99 && c.eps == 1e-8 && c.weight_decay == 0 && c.momentum == 0 &&
+        !c.centered);
+  sf_optimizer_config_init(&c, SF_LION);
+  CHECK(c.lr == 1e-4 && c.beta1 == 0.9 && c.beta2 == 0.99 && c.weight_decay == 0 && c.eps == 0);
+  sf_optimizer_config_init(NULL, SF_SGD); /* a no-op */
+
+  sf_optimizer_options o;
+  memset(&o, 0xff, sizeof o);
+  sf_optimizer_options_init(&o);
+  CHECK(o.struct_size == sizeof(sf_optimizer_options));
+  CHECK(o.device.kind == SF_DEVICE_CPU && o.device.index == 0 && o.cuda_stream == NULL);
+  CHECK(!o.has_max_grad_norm && o.norm_type == SF_NORM_L2 && o.master_weights);
+  CHECK(o.fusion == SF_FUSION_FUSED && o.num_threads == 0 && !o.track_grad_norm);
+
+  sf_grad_scaler_options s;
+  sf_grad_scaler_options_init(&s);
+  CHECK(s.struct_size == sizeof(sf_grad_scaler_options));
+  CHECK(strcmp(s.device, "cuda") == 0 && s.init_scale == 65536.0 && s.growth_factor == 2.0 &&
+        s.backoff_factor == 0.5 && s.growth_interval == 2000 && s.enabled);
+
+  sf_step_result r;
+  memset(&r, 0xff, sizeof r);
+  sf_step_result_init(&r);
+  CHECK(r.struct_size == sizeof(sf_step_result) && !r.applied && !r.found_inf && !r.pending);
+  sf_grad_scaler_state st;
+  memset(&st, 0xff, sizeof st);
+  sf_grad_scaler_state_init(&st);
+  CHECK(st.struct_size == sizeof(sf_grad_scaler_state) && !st.empty && st.scale == 0 && st.growth_tracker == 0);
+
+  sf_loss_scale_optimizer_options l;
+  sf_loss_scale_optimizer_options_init(&l);
+  CHECK(l.struct_size == sizeof(sf_loss_scale_optimizer_options));
+  CHECK(l.dynamic && l.initial_scale == 32768.0 && l.dynamic_growth_steps == 2000);
+}
+
+static void test_conversions(void) {
+  CHECK(sf_bf16_to_float(sf_float_to_bf16(1.0f)) == 1.0f);
+  CHECK(sf_f16_to_float(sf_float_to_f16(-2.5f)) == -2.5f);
+  CHECK(sf_float_to_bf16(1.0f) == 0x3f80);
+  CHECK(sf_float_to_f16(1.0f) == 0x3c00);
+  CHECK(isinf(sf_f16_to_float(sf_float_to_f16(1e6f)))); /* beyond f16's range */
+
+  const float src[3] = {1.0f, 1.00390625f /* 1 + 2^-8: a tie in bf16, to even */, -3.0f};
+  uint16_t bits[3];
+  float back[3];
+  const sf_tensor_view dst = {bits, 3, SF_BF16};
+  CHECK_OK(sf_from_float(src, 3, dst));
+  CHECK(bits[0] == 0x3f80 && bits[1] == 0x3f80 && bits[2] == sf_float_to_bf16(-3.0f));
+  CHECK_OK(sf_to_float(dst, back, 3));
+  CHECK(back[0] == 1.0f && back[1] == 1.0f && back[2] == -3.0f);
+  CHECK_FAILS(sf_to_float(dst, back, 2), SF_INVALID_ARGUMENT, "");
+}
+
+/* ---- AdamW: the first step against its closed form, f32 and bf16 ---------------- */
+
+enum { kN0 = 1000, kN1 = 37 };
+
+static void test_adamw_first_step(void) {
+  /* lr large enough that the update is a tenth of the weight: a relative error of
+   * 1e-6 in the weight is then 1e-5 in the update. */
+  const double lr = 0.1, wd = 0.1, eps = 1e-8;
+  static float w32[2][kN0], g32[2][kN0];
+  static uint16_t w16[2][kN0], g16[2][kN0];
+  static double want[2][kN0];
+  const int64_t n[2] = {kN0, kN1};
+  for (int t = 0; t < 2; ++t)
+    for (int64_t i = 0; i < n[t]; ++i) {
+      w32[t][i] = bf16_value(0.5, 1.5);
+      g32[t][i] = bf16_value(0.1, 1.0);
+      w16[t][i] = sf_float_to_bf16(w32[t][i]);
+      g16[t][i] = sf_float_to_bf16(g32[t][i]);
+      /* PyTorch's AdamW at step 1: p *= 1 - lr*wd; m = (1-b1) g, v = (1-b2) g^2;
+       * p -= lr/(1-b1) * m / (sqrt(v)/sqrt(1-b2) + eps) = lr * g / (|g| + eps). */
+      const double g = g32[t][i];
+      want[t][i] = w32[t][i] * (1.0 - lr * wd) - lr * g / (fabs(g) + eps);
+    }
+
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  cfg.lr = lr;
+  cfg.weight_decay = wd;
+  const sf_param p32[2] = {{view_f32(w32[0], n[0]), view_f32(g32[0], n[0])},
+                           {view_f32(w32[1], n[1]), view_f32(g32[1], n[1])}};
+  const sf_param p16[2] = {{{w16[0], n[0], SF_BF16}, {g16[0], n[0], SF_BF16}},
+                           {{w16[1], n[1], SF_BF16}, {g16[1], n[1], SF_BF16}}};
+  sf_optimizer *a = NULL, *b = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, p32, 2, NULL, &a));
+  CHECK_OK(sf_optimizer_create(&cfg, p16, 2, NULL, &b));
+  if (a == NULL || b == NULL) {
+    sf_optimizer_destroy(a);
+    sf_optimizer_destroy(b);
+    return;
+  }
+  CHECK_OK(sf_optimizer_step(a));
+  CHECK_OK(sf_optimizer_step(b));
+
+  int bad_f32 = 0, bad_state = 0, bad_master = 0, bad_bf16 = 0;
+  for (int t = 0; t < 2; ++t) {
+    const float *exp_avg = NULL, *exp_avg_sq = NULL, *master = NULL;
+    int64_t ne = 0, nq = 0, nm = 0;
+    CHECK_OK(sf_optimizer_state(a, (size_t)t, "exp_avg", &exp_avg, &ne));
+    CHECK_OK(sf_optimizer_state(a, (size_t)t, "exp_avg_sq", &exp_avg_sq, &nq));
+    CHECK_OK(sf_optimizer_master(b, (size_t)t, &master, &nm));
+    CHECK(ne == n[t] && nq == n[t] && nm == n[t]);
+    if (ne != n[t] || nq != n[t] || nm != n[t]) continue;
+    for (int64_t i = 0; i < n[t]; ++i) {
+      const double g = g32[t][i];
+      bad_f32 += !close_rel(w32[t][i], want[t][i], 1e-6);
+      bad_state += !close_rel(exp_avg[i], 0.1 * g, 1e-6) || !close_rel(exp_avg_sq[i], 0.001 * g * g, 1e-6);
+      /* bf16 storage, fp32 masters: the master takes the f32 run's value bit for bit
+       * (same inputs, fp32 arithmetic everywhere), the weight is it rounded to bf16. */
+      bad_master += memcmp(&master[i], &w32[t][i], sizeof(float)) != 0;
+      bad_bf16 += w16[t][i] != sf_float_to_bf16(master[i]);
+    }
+  }
+  CHECK(bad_f32 == 0);
+  CHECK(bad_state == 0);
+  CHECK(bad_master == 0);
+  CHECK(bad_bf16 == 0);
+  if (bad_f32 + bad_state + bad_master + bad_bf16 > 0)
+    fprintf(stderr, "  mismatches: f32 %d, state %d, master %d, bf16 %d\n", bad_f32, bad_state, bad_master, bad_bf16);
+
+  /* f32 weights have no master. */
+  const float* m = (const float*)1;
+  int64_t nm = -1;
+  CHECK_OK(sf_optimizer_master(a, 0, &m, &nm));
+  CHECK(m == NULL && nm == 0);
+
+  /* Introspection. */
+  size_t count = 0;
+  CHECK_OK(sf_optimizer_num_params(a, &count));
+  CHECK(count == 2);
+  CHECK_OK(sf_optimizer_state_names(a, &count));
+  CHECK(count == 2);
+  bool seen_avg = false, seen_sq = false;
+  for (size_t i = 0; i < count; ++i) {
+    const char* name = NULL;
+    CHECK_OK(sf_optimizer_state_name(a, i, &name));
+    if (name != NULL) seen_avg |= strcmp(name, "exp_avg") == 0, seen_sq |= strcmp(name, "exp_avg_sq") == 0;
+  }
+  CHECK(seen_avg && seen_sq);
+  int64_t steps = 0;
+  CHECK_OK(sf_optimizer_step_count(b, &steps));
+  CHECK(steps == 1);
+  sf_step_result r;
+  sf_step_result_init(&r);
+  CHECK_OK(sf_optimizer_last_result(b, &r));
+  CHECK(r.applied && !r.found_inf && !r.pending && r.clip_coef == 1.0);
+  int threads = 0;
+  CHECK_OK(sf_optimizer_num_threads(a, &threads));
+  CHECK(threads >= 1);
+
+  sf_optimizer_config got;
+  got.struct_size = sizeof got;
+  CHECK_OK(sf_optimizer_get_config(a, &got));
+  CHECK(got.kind == SF_ADAMW && got.lr == lr && got.weight_decay == wd && got.beta2 == 0.999 && got.momentum == 0);
+  got.beta1 = 0.8;
+  CHECK_OK(sf_optimizer_set_config(a, &got));
+  CHECK_OK(sf_optimizer_set_lr(a, 0.125));
+  double lr_now = 0;
+  CHECK_OK(sf_optimizer_get_lr(a, &lr_now));
+  CHECK(lr_now == 0.125);
+  CHECK_OK(sf_optimizer_get_config(a, &got));
+  CHECK(got.beta1 == 0.8 && got.lr == 0.125);
+  /* Changing the program (amsgrad) needs a new optimizer. */
+  got.amsgrad = true;
+  CHECK_FAILS(sf_optimizer_set_config(a, &got), SF_INVALID_ARGUMENT, "amsgrad");
+
+  sf_optimizer_options opts;
+  opts.struct_size = sizeof opts;
+  CHECK_OK(sf_optimizer_get_options(a, &opts));
+  CHECK(opts.device.kind == SF_DEVICE_CPU && opts.master_weights && opts.fusion == SF_FUSION_FUSED);
+
+  /* program_text: the required-size protocol. */
+  size_t needed = 0;
+  CHECK_OK(sf_optimizer_program_text(a, NULL, 0, &needed));
+  CHECK(needed > 1);
+  char small[8];
+  memset(small, 'x', sizeof small);
+  CHECK_FAILS(sf_optimizer_program_text(a, small, sizeof small, &needed), SF_INVALID_ARGUMENT, "too small");
+  CHECK(small[sizeof small - 1] == '\0' && strlen(small) == sizeof small - 1);
+  char* text = malloc(needed);
+  if (text != NULL) {
+    size_t needed2 = 0;
+    CHECK_OK(sf_optimizer_program_text(a, text, needed, &needed2));
+    CHECK(needed2 == needed && strlen(text) + 1 == needed);
+    CHECK(starts_with(text, "program ") && strstr(text, "stream exp_avg") != NULL);
+    free(text);
+  }
+
+  sf_optimizer_destroy(a);
+  sf_optimizer_destroy(b);
+  sf_optimizer_destroy(NULL);
+}
+
+/* ---- GradScaler ---------------------------------------------------------------- */
+
+enum { kS = 64 };
+
+static void set_scaled(float* g, const float* g_true, double scale) {
+  for (int i = 0; i < kS; ++i) g[i] = (float)(g_true[i] * scale);
+}
+
+static void test_grad_scaler(void) {
+  static float w[kS], g[kS], g_true[kS], before[kS];
+  for (int i = 0; i < kS; ++i) w[i] = (float)uniform(-1, 1), g_true[i] = (float)uniform(-1, 1);
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_SGD);
+  cfg.lr = 0.5;
+  const sf_param p = {view_f32(w, kS), view_f32(g, kS)};
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, &p, 1, NULL, &opt));
+  sf_grad_scaler_options so;
+  sf_grad_scaler_options_init(&so);
+  so.device = "cpu";
+  so.init_scale = 1024.0;
+  so.growth_interval = 2;
+  sf_grad_scaler* sc = NULL;
+  CHECK_OK(sf_grad_scaler_create(&so, &sc));
+  if (opt == NULL || sc == NULL) goto done;
+
+  const char* dev = NULL;
+  CHECK_OK(sf_grad_scaler_device(sc, &dev));
+  CHECK(dev != NULL && strcmp(dev, "cpu") == 0);
+  sf_device where = {SF_DEVICE_CUDA, 7};
+  CHECK_OK(sf_grad_scaler_where_scale_lives(sc, &where));
+  CHECK(where.kind == SF_DEVICE_CPU);
+
+  /* update() before any step: nothing recorded. */
+  CHECK_FAILS(sf_grad_scaler_update(sc, NULL), SF_INVALID_STATE, "no inf checks were recorded");
+
+  double s = 0, x = 0;
+  CHECK_OK(sf_grad_scaler_scale(sc, 2.0, &x));
+  CHECK(x == 2048.0);
+
+  /* Iteration 1: finite gradients scaled by 1024 (a power of two: unscaling is exact). */
+  set_scaled(g, g_true, 1024.0);
+  memcpy(before, w, sizeof w);
+  bool applied = false;
+  CHECK_OK(sf_grad_scaler_step(sc, opt, &applied));
+  CHECK(applied);
+  int bad = 0;
+  for (int i = 0; i < kS; ++i) bad += !close_rel(w[i], before[i] - 0.5 * g_true[i], 1e-6) && fabs(w[i]) > 1e-3;
+  CHECK(bad == 0);
+  sf_step_result r;
+  sf_step_result_init(&r);
+  CHECK_OK(sf_grad_scaler_last_step_result(sc, &r));
+  double sumsq = 0;
+  for (int i = 0; i < kS; ++i) sumsq += (double)g_true[i] * g_true[i];
+  CHECK(r.applied && !r.found_inf && close_rel(r.grad_norm, sqrt(sumsq), 1e-6));
+  const double* norms = NULL;
+  size_t nnorms = 0;
+  CHECK_OK(sf_optimizer_last_tensor_grad_norms(opt, &norms, &nnorms));
+  CHECK(nnorms == 1 && norms != NULL && close_rel(norms[0], sqrt(sumsq), 1e-6));
+  /* A second step before update() is not allowed. */
+  CHECK_FAILS(sf_grad_scaler_step(sc, opt, &applied), SF_INVALID_STATE, "already been called");
+  CHECK_OK(sf_grad_scaler_update(sc, NULL));
+  int64_t tracker = -1, steps = -1;
+  CHECK_OK(sf_grad_scaler_get_scale(sc, &s));
+  CHECK_OK(sf_grad_scaler_get_growth_tracker(sc, &tracker));
+  CHECK(s == 1024.0 && tracker == 1);
+
+  /* Iteration 2: an inf gradient. The step is skipped (nothing written, step count
+   * unchanged) and update() halves the scale. */
+  set_scaled(g, g_true, 1024.0);
+  g[17] = INFINITY;
+  memcpy(before, w, sizeof w);
+  applied = true;
+  CHECK_OK(sf_grad_scaler_step(sc, opt, &applied));
+  CHECK(!applied);
+  CHECK(memcmp(before, w, sizeof w) == 0);
+  CHECK_OK(sf_optimizer_step_count(opt, &steps));
+  CHECK(steps == 1);
+  CHECK_OK(sf_grad_scaler_last_step_result(sc, &r));
+  CHECK(!r.applied && r.found_inf);
+  double norm = 0;
+  CHECK_OK(sf_optimizer_last_grad_norm(opt, &norm));
+  CHECK(isinf(norm));
+  CHECK_OK(sf_grad_scaler_update(sc, NULL));
+  CHECK_OK(sf_grad_scaler_get_scale(sc, &s));
+  CHECK_OK(sf_grad_scaler_get_growth_tracker(sc, &tracker));
+  CHECK(s == 512.0 && tracker == 0);
+
+  /* Iterations 3 and 4: finite; growth after growth_interval = 2 good steps. */
+  for (int it = 0; it < 2; ++it) {
+    set_scaled(g, g_true, 512.0);
+    CHECK_OK(sf_grad_scaler_step(sc, opt, &applied));
+    CHECK(applied);
+    CHECK_OK(sf_grad_scaler_update(sc, NULL));
+    CHECK_OK(sf_grad_scaler_get_scale(sc, &s));
+    CHECK(s == (it == 0 ? 512.0 : 1024.0));
+  }
+  CHECK_OK(sf_optimizer_step_count(opt, &steps));
+  CHECK(steps == 3);
+
+  /* unscale_ then step; a second unscale_ is an error. */
+  set_scaled(g, g_true, 1024.0);
+  CHECK_OK(sf_grad_scaler_unscale_(sc, opt));
+  int unscaled_ok = 0;
+  for (int i = 0; i < kS; ++i) unscaled_ok += g[i] == g_true[i];
+  CHECK(unscaled_ok == kS);
+  CHECK_FAILS(sf_grad_scaler_unscale_(sc, opt), SF_INVALID_STATE, "unscale_");
+  CHECK_OK(sf_grad_scaler_step(sc, opt, NULL));
+  const double new_scale = 300.0;
+  CHECK_OK(sf_grad_scaler_update(sc, &new_scale));
+  CHECK_OK(sf_grad_scaler_get_scale(sc, &s));
+  CHECK(s == 300.0);
+  const double zero = 0.0;
+  CHECK_FAILS(sf_grad_scaler_update(sc, &zero), SF_INVALID_ARGUMENT, "new_scale");
+
+  /* scale_: in place by S, one view or several. */
+  float t[3] = {1.0f, -2.0f, 0.5f}, u[2] = {4.0f, 8.0f};
+  CHECK_OK(sf_grad_scaler_scale_(sc, view_f32(t, 3)));
+  CHECK(t[0] == 300.0f && t[1] == -600.0f && t[2] == 150.0f);
+  const sf_tensor_view vs[2] = {view_f32(t, 1), view_f32(u, 2)};
+  CHECK_OK(sf_grad_scaler_scale_views_(sc, vs, 2));
+  CHECK(t[0] == 90000.0f && u[0] == 1200.0f && u[1] == 2400.0f);
+
+  /* Factors: getters, setters, validation (nothing changes on an error). */
+  double f = 0;
+  int64_t interval = 0;
+  bool enabled = false;
+  CHECK_OK(sf_grad_scaler_set_growth_factor(sc, 4.0));
+  CHECK_OK(sf_grad_scaler_get_growth_factor(sc, &f));
+  CHECK(f == 4.0);
+  CHECK_FAILS(sf_grad_scaler_set_growth_factor(sc, 0.5), SF_INVALID_ARGUMENT, "growth_factor");
+  CHECK_OK(sf_grad_scaler_get_growth_factor(sc, &f));
+  CHECK(f == 4.0);
+  CHECK_OK(sf_grad_scaler_set_backoff_factor(sc, 0.25));
+  CHECK_OK(sf_grad_scaler_get_backoff_factor(sc, &f));
+  CHECK(f == 0.25);
+  CHECK_FAILS(sf_grad_scaler_set_backoff_factor(sc, 1.0), SF_INVALID_ARGUMENT, "backoff_factor");
+  CHECK_OK(sf_grad_scaler_set_growth_interval(sc, 7));
+  CHECK_OK(sf_grad_scaler_get_growth_interval(sc, &interval));
+  CHECK(interval == 7);
+  CHECK_FAILS(sf_grad_scaler_set_growth_interval(sc, 0), SF_INVALID_ARGUMENT, "growth_interval");
+  CHECK_OK(sf_grad_scaler_is_enabled(sc, &enabled));
+  CHECK(enabled);
+
+  /* state_dict / load_state_dict. */
+  sf_grad_scaler_state st;
+  sf_grad_scaler_state_init(&st);
+  CHECK_OK(sf_grad_scaler_state_dict(sc, &st));
+  CHECK(!st.empty && st.scale == 300.0 && st.growth_factor == 4.0 && st.backoff_factor == 0.25 &&
+        st.growth_interval == 7 && st.growth_tracker == 0);
+  sf_grad_scaler_options so2;
+  sf_grad_scaler_options_init(&so2);
+  so2.device = "cpu";
+  sf_grad_scaler* sc2 = NULL;
+  CHECK_OK(sf_grad_scaler_create(&so2, &sc2));
+  st.growth_tracker = 3;
+  CHECK_OK(sf_grad_scaler_load_state_dict(sc2, &st));
+  CHECK_OK(sf_grad_scaler_get_scale(sc2, &s));
+  CHECK_OK(sf_grad_scaler_get_growth_tracker(sc2, &tracker));
+  CHECK_OK(sf_grad_scaler_get_growth_interval(sc2, &interval));
+  CHECK(s == 300.0 && tracker == 3 && interval == 7);
+  sf_grad_scaler_state empty;
+  sf_grad_scaler_state_init(&empty);
+  empty.empty = true;
+  CHECK_FAILS(sf_grad_scaler_load_state_dict(sc2, &empty), SF_INVALID_ARGUMENT, "");
+  sf_grad_scaler_state wrong = st;
+  wrong.struct_size = 4;
+  CHECK_FAILS(sf_grad_scaler_load_state_dict(sc2, &wrong), SF_INVALID_ARGUMENT, "struct_size = 4");
+  sf_grad_scaler_destroy(sc2);
+
+  /* Disabled: scale 1, empty state, step is a plain step. */
+  so2.enabled = false;
+  sc2 = NULL;
+  CHECK_OK(sf_grad_scaler_create(&so2, &sc2));
+  CHECK_OK(sf_grad_scaler_get_scale(sc2, &s));
+  CHECK(s == 1.0);
+  CHECK_OK(sf_grad_scaler_state_dict(sc2, &st));
+  CHECK(st.empty && st.scale == 0);
+  CHECK_OK(sf_grad_scaler_is_enabled(sc2, &enabled));
+  CHECK(!enabled);
+  sf_grad_scaler_destroy(sc2);
+
+  /* Bad construction arguments. */
+  so2.enabled = true;
+  so2.device = "tpu";
+  CHECK_FAILS(sf_grad_scaler_create(&so2, &sc2), SF_INVALID_ARGUMENT, "device");
+  so2.device = "cpu";
+  so2.init_scale = -1;
+  CHECK_FAILS(sf_grad_scaler_create(&so2, &sc2), SF_INVALID_ARGUMENT, "init_scale");
+  so2.init_scale = 1;
+  so2.device = NULL;
+  CHECK_FAILS(sf_grad_scaler_create(&so2, &sc2), SF_INVALID_ARGUMENT, "options->device is NULL");
+
+done:
+  sf_grad_scaler_destroy(sc);
+  sf_optimizer_destroy(opt);
+}
+
+/* ---- LossScaleOptimizer ------------------------------------------------------- */
+
+struct var_sq {
+  float var, grad;
+  int calls;
+  int fail; /* the callback's way to fail: return non-zero */
+};
+
+/* loss = var^2: writes d(loss * S)/d var = 2 var S. */
+static int backward_var_sq(double loss_scale, void* user) {
+  struct var_sq* v = user;
+  ++v->calls;
+  if (v->fail) return 7;
+  v->grad = (float)(2.0 * v->var * loss_scale);
+  return 0;
+}
+
+static void test_loss_scale_optimizer(void) {
+  /* The Keras document's example: SGD(0.25) on var^2 takes var from 1.0 to 0.5. */
+  struct var_sq v = {1.0f, 0.0f, 0, 0};
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_SGD);
+  cfg.lr = 0.25;
+  const sf_param p = {view_f32(&v.var, 1), view_f32(&v.grad, 1)};
+  sf_optimizer* opt = NULL;
+  sf_loss_scale_optimizer* lso = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, &p, 1, NULL, &opt));
+  CHECK_OK(sf_loss_scale_optimizer_create(opt, NULL, &lso));
+  if (opt == NULL || lso == NULL) goto done;
+
+  sf_optimizer* inner = NULL;
+  CHECK_OK(sf_loss_scale_optimizer_inner(lso, &inner));
+  CHECK(inner == opt);
+  double s = 0, x = 0;
+  int64_t counter = -1, growth = 0;
+  bool dynamic = false, applied = false;
+  CHECK_OK(sf_loss_scale_optimizer_loss_scale(lso, &s));
+  CHECK_OK(sf_loss_scale_optimizer_dynamic(lso, &dynamic));
+  CHECK_OK(sf_loss_scale_optimizer_dynamic_growth_steps(lso, &growth));
+  CHECK(s == 32768.0 && dynamic && growth == 2000);
+  CHECK_OK(sf_loss_scale_optimizer_get_scaled_loss(lso, 2.0, &x));
+  CHECK(x == 65536.0);
+
+  CHECK_OK(sf_loss_scale_optimizer_minimize(lso, backward_var_sq, &v, &applied));
+  CHECK(applied && v.calls == 1 && v.var == 0.5f);
+  CHECK(v.grad == 65536.0f); /* 2 * 1.0 * S: the scaled gradient, left as written */
+  CHECK_OK(sf_loss_scale_optimizer_dynamic_counter(lso, &counter));
+  CHECK(counter == 1);
+
+  /* A failing callback: nothing stepped, scale and counter unchanged. */
+  v.fail = 1;
+  CHECK_FAILS(sf_loss_scale_optimizer_minimize(lso, backward_var_sq, &v, &applied), SF_INVALID_STATE,
+              "returned 7");
+  CHECK(v.calls == 2 && v.var == 0.5f);
+  int64_t steps = 0;
+  CHECK_OK(sf_optimizer_step_count(opt, &steps));
+  CHECK_OK(sf_loss_scale_optimizer_dynamic_counter(lso, &counter));
+  CHECK(steps == 1 && counter == 1);
+  v.fail = 0;
+  CHECK_FAILS(sf_loss_scale_optimizer_minimize(lso, NULL, &v, &applied), SF_INVALID_ARGUMENT, "backward is NULL");
+
+  /* Hyperparameters under Keras's names, delegated to the inner optimizer. */
+  double h = 0;
+  CHECK_OK(sf_loss_scale_optimizer_get_hyper(lso, "learning_rate", &h));
+  CHECK(h == 0.25);
+  CHECK_OK(sf_loss_scale_optimizer_set_hyper(lso, "lr", 0.5));
+  CHECK_OK(sf_optimizer_get_lr(opt, &h));
+  CHECK(h == 0.5);
+  CHECK_OK(sf_loss_scale_optimizer_get_hyper(lso, "momentum", &h));
+  CHECK(h == 0.0);
+  CHECK_FAILS(sf_loss_scale_optimizer_get_hyper(lso, "epsilon", &h), SF_INVALID_ARGUMENT, "epsilon");
+  CHECK_FAILS(sf_loss_scale_optimizer_set_hyper(lso, "learning_rate", -1.0), SF_INVALID_ARGUMENT, "lr");
+  CHECK_OK(sf_loss_scale_optimizer_set_hyper(lso, "learning_rate", 0.25));
+
+  /* By hand: get_unscaled_gradients + apply_gradients; a non-finite one halves S. */
+  v.grad = (float)(2.0 * v.var * 32768.0);
+  const sf_tensor_view gv = view_f32(&v.grad, 1);
+  CHECK_OK(sf_loss_scale_optimizer_get_unscaled_gradients(lso, &gv, 1));
+  CHECK(v.grad == 1.0f);
+  CHECK_OK(sf_loss_scale_optimizer_apply_gradients(lso, &applied));
+  CHECK(applied && v.var == 0.25f);
+  v.grad = NAN;
+  CHECK_OK(sf_loss_scale_optimizer_apply_gradients(lso, &applied));
+  CHECK(!applied && v.var == 0.25f);
+  CHECK_OK(sf_loss_scale_optimizer_loss_scale(lso, &s));
+  CHECK_OK(sf_loss_scale_optimizer_dynamic_counter(lso, &counter));
+  CHECK(s == 16384.0 && counter == 0);
+  sf_step_result r;
+  sf_step_result_init(&r);
+  CHECK_OK(sf_loss_scale_optimizer_last_result(lso, &r));
+  CHECK(!r.applied && r.found_inf);
+
+  /* save / load: the loss-scale state comes back. */
+  char path[4096];
+  snprintf(path, sizeof path, "%s/c_api_test_lso.ckpt", g_tmpdir);
+  CHECK_OK(sf_loss_scale_optimizer_save(lso, path));
+  CHECK_OK(sf_loss_scale_optimizer_minimize(lso, backward_var_sq, &v, &applied));
+  CHECK_OK(sf_loss_scale_optimizer_dynamic_counter(lso, &counter));
+  CHECK(counter == 1);
+  CHECK_OK(sf_loss_scale_optimizer_load(lso, path));
+  CHECK_OK(sf_loss_scale_optimizer_loss_scale(lso, &s));
+  CHECK_OK(sf_loss_scale_optimizer_dynamic_counter(lso, &counter));
+  CHECK_OK(sf_optimizer_step_count(opt, &steps));
+  CHECK(s == 16384.0 && counter == 0 && steps == 2);
+  remove(path);
+
+  /* Bad construction arguments. */
+  sf_loss_scale_optimizer_options lo;
+  sf_loss_scale_optimizer_options_init(&lo);
+  lo.dynamic_growth_steps = 0;
+  sf_loss_scale_optimizer* bad = NULL;
+  CHECK_FAILS(sf_loss_scale_optimizer_create(opt, &lo, &bad), SF_INVALID_ARGUMENT, "dynamic_growth_steps");
+  CHECK_FAILS(sf_loss_scale_optimizer_create(NULL, NULL, &bad), SF_INVALID_ARGUMENT, "inner is NULL");
+  CHECK(bad == NULL);
+
+done:
+  sf_loss_scale_optimizer_destroy(lso); /* before the optimizer it wraps */
+  sf_optimizer_destroy(opt);
+}
+
+/* ---- Checkpoint with a scaler ---------------------------------------------------- */
+
+static void test_checkpoint(void) {
+  static float w[kS], g[kS], g_true[kS];
+  for (int i = 0; i < kS; ++i) w[i] = (float)uniform(-1, 1), g_true[i] = (float)uniform(-1, 1);
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  const sf_param p = {view_f32(w, kS), view_f32(g, kS)};
+  sf_optimizer* opt = NULL;
+  sf_grad_scaler* sc = NULL;
+  sf_grad_scaler_options so;
+  sf_grad_scaler_options_init(&so);
+  so.device = "cpu";
+  so.init_scale = 256.0;
+  CHECK_OK(sf_optimizer_create(&cfg, &p, 1, NULL, &opt));
+  CHECK_OK(sf_grad_scaler_create(&so, &sc));
+  if (opt == NULL || sc == NULL) goto done;
+
+  char path[4096], plain[4096], missing[4096];
+  snprintf(path, sizeof path, "%s/c_api_test_scaler.ckpt", g_tmpdir);
+  snprintf(plain, sizeof plain, "%s/c_api_test_plain.ckpt", g_tmpdir);
+  snprintf(missing, sizeof missing, "%s/c_api_test_does_not_exist.ckpt", g_tmpdir);
+  remove(missing);
+
+  set_scaled(g, g_true, 256.0);
+  CHECK_OK(sf_grad_scaler_step(sc, opt, NULL));
+  CHECK_OK(sf_grad_scaler_update(sc, NULL));
+  CHECK_OK(sf_optimizer_save(opt, path, sc));
+  CHECK_OK(sf_optimizer_save(opt, plain, NULL));
+  static float saved_avg[kS], saved_sq[kS];
+  const float *avg = NULL, *sq = NULL;
+  int64_t n = 0;
+  CHECK_OK(sf_optimizer_state(opt, 0, "exp_avg", &avg, &n));
+  CHECK_OK(sf_optimizer_state(opt, 0, "exp_avg_sq", &sq, &n));
+  if (avg == NULL || sq == NULL || n != kS) goto done;
+  memcpy(saved_avg, avg, sizeof saved_avg);
+  memcpy(saved_sq, sq, sizeof saved_sq);
+
+  /* Move on: another step, a new scale. */
+  set_scaled(g, g_true, 256.0);
+  CHECK_OK(sf_grad_scaler_step(sc, opt, NULL));
+  const double new_scale = 8.0;
+  CHECK_OK(sf_grad_scaler_update(sc, &new_scale));
+  CHECK_OK(sf_optimizer_set_lr(opt, 0.5));
+
+  /* Back to the checkpoint: state, step count, hyperparameters and the scale. */
+  CHECK_OK(sf_optimizer_load(opt, path, sc));
+  CHECK_OK(sf_optimizer_state(opt, 0, "exp_avg", &avg, &n));
+  CHECK_OK(sf_optimizer_state(opt, 0, "exp_avg_sq", &sq, &n));
+  CHECK(memcmp(avg, saved_avg, sizeof saved_avg) == 0 && memcmp(sq, saved_sq, sizeof saved_sq) == 0);
+  int64_t steps = 0, tracker = -1;
+  double s = 0, lr = 0;
+  CHECK_OK(sf_optimizer_step_count(opt, &steps));
+  CHECK_OK(sf_grad_scaler_get_scale(sc, &s));
+  CHECK_OK(sf_grad_scaler_get_growth_tracker(sc, &tracker));
+  CHECK_OK(sf_optimizer_get_lr(opt, &lr));
+  CHECK(steps == 1 && s == 256.0 && tracker == 1 && lr == 1e-3);
+
+  /* A file without a scaler's state, loaded with a scaler: a mismatch, nothing changes. */
+  CHECK_FAILS(sf_optimizer_load(opt, plain, sc), SF_INVALID_ARGUMENT, "no GradScaler state");
+  CHECK_OK(sf_optimizer_load(opt, plain, NULL));
+  /* A missing file: an I/O error naming it. */
+  CHECK_FAILS(sf_optimizer_load(opt, missing, sc), SF_IO_ERROR, "c_api_test_does_not_exist.ckpt");
+  CHECK_FAILS(sf_optimizer_load(opt, NULL, NULL), SF_INVALID_ARGUMENT, "path is NULL");
+  remove(path);
+  remove(plain);
+
+done:
+  sf_grad_scaler_destroy(sc);
+  sf_optimizer_destroy(opt);
+}
+
+/* ---- Error paths ------------------------------------------------------------------- */
+
+static void test_errors(void) {
+  float w[4] = {1, 2, 3, 4}, g[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+  const sf_param p = {view_f32(w, 4), view_f32(g, 4)};
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  sf_optimizer* opt = NULL;
+
+  /* NULL handles and out pointers name the function and the argument. */
+  CHECK_FAILS(sf_optimizer_step(NULL), SF_INVALID_ARGUMENT, "sf_optimizer_step: opt is NULL");
+  CHECK(starts_with(sf_last_error(), "stepfuse: "));
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, NULL, NULL), SF_INVALID_ARGUMENT, "sf_optimizer_create: out is NULL");
+  CHECK_FAILS(sf_optimizer_create(NULL, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "config is NULL");
+  CHECK_FAILS(sf_optimizer_create(&cfg, NULL, 1, NULL, &opt), SF_INVALID_ARGUMENT, "params is NULL");
+  CHECK_FAILS(sf_optimizer_create(&cfg, NULL, 0, NULL, &opt), SF_INVALID_ARGUMENT, "parameter list is empty");
+  CHECK_FAILS(sf_grad_scaler_step(NULL, NULL, NULL), SF_INVALID_ARGUMENT, "sf_grad_scaler_step: scaler is NULL");
+  CHECK_FAILS(sf_loss_scale_optimizer_loss_scale(NULL, NULL), SF_INVALID_ARGUMENT, "lso is NULL");
+  CHECK(opt == NULL);
+
+  /* Bad hyperparameters: named, with the value; the out pointer is left alone. */
+  cfg.lr = -1.0;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "invalid lr = -1");
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  cfg.beta1 = 1.5;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "beta1 = 1.5");
+  /* A field another kind has: as an unknown keyword in PyTorch. */
+  sf_optimizer_config_init(&cfg, SF_SGD);
+  cfg.beta1 = 0.9;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "SGD has no beta1");
+  sf_optimizer_config_init(&cfg, SF_ADAM);
+  cfg.nesterov = true;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "Adam has no nesterov");
+  sf_optimizer_config_init(&cfg, (sf_optimizer_kind)42);
+  CHECK(cfg.struct_size == sizeof cfg && cfg.kind == 42);
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "kind = 42");
+  CHECK(opt == NULL);
+
+  /* struct_size: an unknown size is rejected, saying what was expected. */
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  cfg.struct_size = sizeof cfg + 8; /* a newer header's struct */
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "config->struct_size");
+  CHECK(strstr(sf_last_error(), "sf_optimizer_config_init") != NULL);
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  o.struct_size = 0; /* never initialized */
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &opt), SF_INVALID_ARGUMENT, "options->struct_size = 0");
+
+  /* Bad params and options. */
+  sf_param bp = p;
+  bp.grad.numel = 3;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &bp, 1, NULL, &opt), SF_INVALID_ARGUMENT, "numel");
+  bp = p;
+  bp.weight.dtype = (sf_dtype)7;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &bp, 1, NULL, &opt), SF_INVALID_ARGUMENT, "params[0].weight.dtype = 7");
+  bp = p;
+  bp.weight.data = NULL;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &bp, 1, NULL, &opt), SF_INVALID_ARGUMENT, "data is null");
+  sf_optimizer_options_init(&o);
+  o.has_max_grad_norm = true;
+  o.max_grad_norm = -1.0;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &opt), SF_INVALID_ARGUMENT, "max_grad_norm");
+  sf_optimizer_options_init(&o);
+  o.fusion = (sf_fusion)9;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &opt), SF_INVALID_ARGUMENT, "fusion = 9");
+  sf_optimizer_options_init(&o);
+  o.cuda_stream = &o; /* any non-NULL stream, with the CPU */
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &opt), SF_INVALID_ARGUMENT, "cuda_stream");
+  CHECK(opt == NULL);
+
+  /* A CUDA device: unsupported here without a GPU, with the C++ message. On a GPU
+   * machine the same request with a CPU-only fusion mode is unsupported instead. */
+  sf_optimizer_options_init(&o);
+  o.device.kind = SF_DEVICE_CUDA;
+  char reason[512];
+  if (!sf_cuda_available(reason, sizeof reason)) {
+    CHECK(strlen(reason) > 0);
+    CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &opt), SF_UNSUPPORTED, reason);
+    CHECK(starts_with(sf_last_error(),
+                      "stepfuse: OptimizerOptions::device = cuda:0: the CUDA backend cannot run here: "));
+  } else {
+    CHECK(reason[0] == '\0');
+    o.fusion = SF_FUSION_UNFUSED;
+    CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &opt), SF_UNSUPPORTED, "run on the CPU only");
+    CHECK(starts_with(sf_last_error(), "stepfuse: OptimizerOptions::fusion: "));
+  }
+  CHECK(opt == NULL);
+  char tiny[4] = "xyz";
+  (void)sf_nvrtc_available(tiny, sizeof tiny); /* whatever the answer, the reason fits */
+  CHECK(strlen(tiny) < sizeof tiny);
+
+  /* On a live optimizer. */
+  CHECK_OK(sf_optimizer_create(&cfg, &p, 1, NULL, &opt));
+  if (opt == NULL) return;
+  double lr = 0;
+  CHECK_FAILS(sf_optimizer_get_lr(opt, NULL), SF_INVALID_ARGUMENT, "sf_optimizer_get_lr: lr is NULL");
+  CHECK_FAILS(sf_optimizer_set_lr(opt, NAN), SF_INVALID_ARGUMENT, "lr");
+  CHECK_OK(sf_optimizer_get_lr(opt, &lr));
+  CHECK(lr == 1e-3); /* unchanged */
+  const float* data = NULL;
+  int64_t n = 0;
+  CHECK_FAILS(sf_optimizer_state(opt, 0, "momentum_buffer", &data, &n), SF_INVALID_ARGUMENT, "'momentum_buffer'");
+  CHECK(strstr(sf_last_error(), "exp_avg") != NULL); /* lists the names it has */
+  CHECK_FAILS(sf_optimizer_state(opt, 5, "exp_avg", &data, &n), SF_INVALID_ARGUMENT, "param index 5");
+  CHECK_FAILS(sf_optimizer_state(opt, 0, NULL, &data, &n), SF_INVALID_ARGUMENT, "name is NULL");
+  const char* name = NULL;
+  CHECK_FAILS(sf_optimizer_state_name(opt, 2, &name), SF_INVALID_ARGUMENT, "index 2");
+  CHECK_FAILS(sf_optimizer_step_scaled(opt, 0.0, NULL), SF_INVALID_ARGUMENT, "loss_scale = 0");
+  sf_step_result r = {0};
+  CHECK_FAILS(sf_optimizer_step_scaled(opt, 1.0, &r), SF_INVALID_ARGUMENT, "result->struct_size = 0");
+  r.struct_size = sizeof r;
+  CHECK_OK(sf_optimizer_step_scaled(opt, 2.0, &r));
+  CHECK(r.applied && !r.found_inf && close_rel(r.grad_norm, 0.5, 1e-12)); /* |g/2| over 4 elements */
+  /* State written through mutable_state is what the next step reads:
+   * exp_avg = b1 * exp_avg + (1 - b1) * g. */
+  float* avg = NULL;
+  CHECK_OK(sf_optimizer_mutable_state(opt, 0, "exp_avg", &avg, &n));
+  CHECK(avg != NULL && n == 4);
+  if (avg != NULL) {
+    avg[0] = 42.0f;
+    CHECK_OK(sf_optimizer_state(opt, 0, "exp_avg", &data, &n));
+    CHECK(data == avg && data[0] == 42.0f);
+    CHECK_OK(sf_optimizer_step(opt)); /* g = 0.5, unscaled */
+    CHECK_OK(sf_optimizer_state(opt, 0, "exp_avg", &data, &n));
+    CHECK(close_rel(data[0], 0.9 * 42.0 + 0.1 * 0.5, 1e-6));
+  }
+  sf_optimizer_config bigger;
+  sf_optimizer_config_init(&bigger, SF_ADAMW);
+  bigger.struct_size = 16;
+  CHECK_FAILS(sf_optimizer_get_config(opt, &bigger), SF_INVALID_ARGUMENT, "out->struct_size = 16");
+  sf_optimizer_config_init(&bigger, SF_SGD);
+  CHECK_FAILS(sf_optimizer_set_config(opt, &bigger), SF_INVALID_ARGUMENT, "");
+
+  /* The message stays until the next failure: a successful call keeps it. */
+  CHECK_FAILS(sf_optimizer_set_lr(opt, -2.0), SF_INVALID_ARGUMENT, "lr = -2");
+  char kept[1024];
+  snprintf(kept, sizeof kept, "%s", sf_last_error());
+  CHECK_OK(sf_optimizer_get_lr(opt, &lr));
+  CHECK(strcmp(sf_last_error(), kept) == 0);
+
+  /* update() before step(): invalid state. */
+  sf_grad_scaler_options so;
+  sf_grad_scaler_options_init(&so);
+  so.device = "cpu";
+  sf_grad_scaler* sc = NULL;
+  CHECK_OK(sf_grad_scaler_create(&so, &sc));
+  CHECK_FAILS(sf_grad_scaler_update(sc, NULL), SF_INVALID_STATE, "GradScaler::update: no inf checks");
+  CHECK_FAILS(sf_grad_scaler_get_scale(sc, NULL), SF_INVALID_ARGUMENT, "sf_grad_scaler_get_scale: scale is NULL");
+  sf_grad_scaler_destroy(sc);
+  sf_optimizer_destroy(opt);
+}
+
+/* ---- Per-thread messages ---------------------------------------------------------- */
+
+static int thread_body(void* arg) {
+  (void)arg;
+  /* A new thread has no message yet, whatever other threads did. */
+  CHECK(strcmp(sf_last_error(), "") == 0);
+  CHECK_FAILS(sf_grad_scaler_step(NULL, NULL, NULL), SF_INVALID_ARGUMENT, "sf_grad_scaler_step: scaler is NULL");
+  return 0;
+}
+
+static void test_thread_local_error(void) {
+  CHECK_FAILS(sf_optimizer_step(NULL), SF_INVALID_ARGUMENT, "sf_optimizer_step: opt is NULL");
+  thrd_t t;
+  CHECK(thrd_create(&t, thread_body, NULL) == thrd_success);
+  int rc = -1;
+  CHECK(thrd_join(t, &rc) == thrd_success && rc == 0);
+  /* The other thread's failure did not touch this thread's message. */
+  CHECK(strstr(sf_last_error(), "sf_optimizer_step: opt is NULL") != NULL);
+}
+
+/* ---- Warnings ------------------------------------------------------------------- */
+
+struct warnings {
+  int count;
+  char last[1024];
+};
+
+static void on_warning(const char* message, void* user) {
+  struct warnings* w = user;
+  ++w->count;
+  snprintf(w->last, sizeof w->last, "%s", message);
+}
+
+static void test_warning_handler(void) {
+  /* Must run before any other GradScaler("cuda"): the warning is sent once per process. */
+  struct warnings w = {0, ""};
+  sf_set_warning_handler(on_warning, &w);
+  sf_grad_scaler* sc = NULL;
+  CHECK_OK(sf_grad_scaler_create(NULL, &sc)); /* the defaults: device "cuda" */
+  sf_device where = {SF_DEVICE_CUDA, 0};
+  CHECK_OK(sf_grad_scaler_where_scale_lives(sc, &where));
+  CHECK(where.kind == SF_DEVICE_CPU); /* on a GPU too: it moves when a GPU optimizer steps */
+  if (!sf_cuda_available(NULL, 0)) {
+    CHECK(w.count == 1);
+    CHECK(strstr(w.last, "GradScaler(device=\"cuda\")") != NULL);
+  } else {
+    CHECK(w.count == 0);
+  }
+  sf_grad_scaler_destroy(sc);
+  sf_set_warning_handler(NULL, NULL);
+}
+
+int main(void) {
+  g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
+  printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
+  test_warning_handler();
+  test_version();
+  test_defaults();
+  test_conversions();
+  test_adamw_first_step();
+  test_grad_scaler();
+  test_loss_scale_optimizer();
+  test_checkpoint();
+  test_errors();
+  test_thread_local_error();
+  printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
