@@ -1,6 +1,8 @@
 // Compiling generated CUDA kernels through the kernel cache.
 #include "jit/cuda/cuda_kernels.hpp"
 
+#include <cstdint>
+#include <cstdio>
 #include <future>
 
 #include "jit/kernel_cache.hpp"
@@ -16,6 +18,14 @@ std::string cuda_cache_key(const std::string& canonical, const CudaTarget& targe
   std::string key = "stepfuse cuda kernel, cache format " + std::to_string(kCudaCacheFormat) + "\nnvrtc " +
                     nvrtc_version_string() + "\noptions";
   for (const std::string& o : nvrtc_options(target)) key.append(" ").append(o);
+  // The embedded headers (element math, scalar rules, device ABI) are part of
+  // every source but not of the spec's text: their digest makes any edit to them
+  // a new key.
+  std::uint64_t digest = 0xcbf29ce484222325ull;  // FNV-1a
+  for (const unsigned char c : cuda_embedded_headers()) digest = (digest ^ c) * 0x100000001b3ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(digest));
+  key.append("\nheaders ").append(hex);
   key.append("\ntarget ").append(arch_name(target)).append("\n").append(canonical);
   return key;
 }

@@ -54,9 +54,10 @@ SF_HD SF_INLINE sf_u16 sf_narrow_bf16(float v) {
 SF_HD SF_INLINE sf_u16 sf_narrow_f16(float v) {
   const unsigned w = sf_bits(v);
   float base = (sf_float(w & 0x7FFFFFFFu) * 0x1.0p112f) * 0x1.0p-110f;
-  int exp_w = (int)(w & 0x7F800000u);
-  const int bias = (exp_w > 0x38800000 ? exp_w : 0x38800000) + 0x07800000;
-  base = sf_float((unsigned)bias) + base;
+  /* Unsigned: for |v| >= 2^114 (inf, NaN) the sum passes 2^31, which in int is UB. */
+  const unsigned exp_w = w & 0x7F800000u;
+  const unsigned bias = (exp_w > 0x38800000u ? exp_w : 0x38800000u) + 0x07800000u;
+  base = sf_float(bias) + base;
   const unsigned bits = sf_bits(base);
   const unsigned nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
   const unsigned magnitude = sf_isnan(v) ? 0x7E00u : nonsign;
