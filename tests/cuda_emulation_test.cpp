@@ -1,0 +1,747 @@
+// The generated CUDA kernels, compiled as host C++ and run on the CPU with one
+// std::thread per CUDA thread (tests/cuda_emulation), against the CPU backend:
+// weights, every state tensor, masters, the step count and the step's result must
+// be bit for bit the same, step after step (DESIGN §5). No GPU needed: this is
+// the CI guard on the kernels' logic (reduce order, last-block finalize, skip
+// rules, update dispatch, vector paths, GradScaler kernels).
+//
+// EmulatedOptimizer mirrors CudaBackend (runtime/cuda/cuda_backend.cpp): the same
+// layout (plan_cuda_layout), the same launches with the same arguments and grids;
+// only device memory is host memory and a launch is emulate().
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "jit/builtins.hpp"
+#include "runtime/cuda/cuda_layout.hpp"
+#include "runtime/scale_tensors.hpp"
+#include "runtime/thread_pool.hpp"
+#include "stepfuse/stepfuse.hpp"
+#include "tests/cuda_emulation/emulated_kernels.hpp"
+#include "tests/cuda_emulation/emulated_specs.hpp"
+#include "tests/cuda_emulation/cuda_shim.hpp"  // last: it defines CUDA's qualifiers as macros
+
+namespace stepfuse {
+namespace {
+
+constexpr float kPoison = std::numeric_limits<float>::quiet_NaN();
+// Room after every buffer the device writes: a kernel writing past the end (one
+// update block, say) changes it, which the Release build sees too (ASan sees more).
+constexpr std::size_t kSlackBytes = SF_UPDATE_ELEMS * 4;
+
+// ---- storage ----
+
+float load(DType t, const void* base, std::int64_t i) {
+  if (t == DType::f32) return static_cast<const float*>(base)[i];
+  const std::uint16_t h = static_cast<const std::uint16_t*>(base)[i];
+  return t == DType::f16 ? f16_to_float(h) : bf16_to_float(h);
+}
+void store(DType t, void* base, std::int64_t i, float v) {
+  if (t == DType::f32) static_cast<float*>(base)[i] = v;
+  else static_cast<std::uint16_t*>(base)[i] = t == DType::f16 ? float_to_f16(v) : float_to_bf16(v);
+}
+
+// Equal bits, or both NaN: NaN payloads are not part of the numerics (a GPU's are canonical).
+bool same(float a, float b) { return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b) || (a != a && b != b); }
+bool same(double a, double b) { return std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b) || (a != a && b != b); }
+
+std::string hex(float v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g (0x%08X)", static_cast<double>(v), std::bit_cast<std::uint32_t>(v));
+  return buf;
+}
+
+// Adds a failure naming the first difference, when `n` values differ.
+template <class Get>
+void expect_same_values(std::int64_t n, Get get, const std::string& what) {
+  std::int64_t bad = 0, first = -1;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (const auto [cpu, dev] = get(i); !same(cpu, dev)) bad++, first = first < 0 ? i : first;
+  if (bad > 0) {
+    const auto [cpu, dev] = get(first);
+    ADD_FAILURE() << what << ": " << bad << " of " << n << " elements differ; first [" << first << "]: cpu " << hex(cpu)
+                  << ", emulated device " << hex(dev);
+  }
+}
+
+struct TensorShape {
+  std::int64_t numel;
+  DType weight, grad;
+};
+
+// A model's caller-owned tensors: the CPU optimizer's weights, the emulated
+// device's weights (same values), and one set of gradients both read (neither
+// writes them). flat: tensors back to back in each arena (the flat layout);
+// otherwise each on its own 64-byte boundary with a gap. shift: every tensor
+// moved by that many elements (misaligned for vector accesses).
+class Model {
+ public:
+  Model(std::vector<TensorShape> shapes, bool flat, int shift, std::mt19937& rng) : shapes_(std::move(shapes)) {
+    std::size_t wat = 0, gat = 0;
+    for (const TensorShape& s : shapes_) {
+      const std::size_t wsize = dtype_size(s.weight), gsize = dtype_size(s.grad);
+      if (!flat) wat = (wat + 63) / 64 * 64 + 64, gat = (gat + 63) / 64 * 64 + 64;
+      woff_.push_back(wat + static_cast<std::size_t>(shift) * wsize);
+      goff_.push_back(gat + static_cast<std::size_t>(shift) * gsize);
+      wat += static_cast<std::size_t>(s.numel) * wsize;
+      gat += static_cast<std::size_t>(s.numel) * gsize;
+    }
+    // + alignment, + slack in which a write past the last tensor is seen
+    for (auto* arena : {&cpu_weights_, &dev_weights_, &grads_}) arena->resize((std::max(wat, gat) + 64 + kSlackBytes) / 8);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::size_t t = 0; t < shapes_.size(); ++t)
+      for (std::int64_t i = 0; i < shapes_[t].numel; ++i) {
+        store(shapes_[t].weight, weight(false, t), i, normal(rng));
+        store(shapes_[t].weight, weight(true, t), i, load(shapes_[t].weight, weight(false, t), i));
+      }
+    draw_grads(rng, 1.0);
+  }
+  Model(const Model&) = delete;
+
+  std::size_t size() const { return shapes_.size(); }
+  const TensorShape& shape(std::size_t t) const { return shapes_[t]; }
+  void* weight(bool device, std::size_t t) const { return base(device ? dev_weights_ : cpu_weights_) + woff_[t]; }
+  void* grad(std::size_t t) const { return base(grads_) + goff_[t]; }
+
+  std::vector<Param> params(bool device) const {
+    std::vector<Param> out;
+    for (std::size_t t = 0; t < shapes_.size(); ++t)
+      out.push_back({{weight(device, t), shapes_[t].numel, shapes_[t].weight}, {grad(t), shapes_[t].numel, shapes_[t].grad}});
+    return out;
+  }
+  // Gradients N(0, sigma), rounded to their storage.
+  void draw_grads(std::mt19937& rng, float sigma) {
+    std::normal_distribution<float> normal(0.0f, sigma);
+    for (std::size_t t = 0; t < shapes_.size(); ++t)
+      for (std::int64_t i = 0; i < shapes_[t].numel; ++i) store(shapes_[t].grad, grad(t), i, normal(rng));
+  }
+  void set_grad(std::size_t t, std::int64_t i, float v) { store(shapes_[t].grad, grad(t), i, v); }
+
+  // Adds a failure if the device wrote a weight byte outside every tensor (the
+  // gaps and the slack of the arena, which the CPU never writes either).
+  void expect_nothing_written_outside() const {
+    std::vector<bool> inside(cpu_weights_.size() * 8 - 64, false);  // (the base is at most 56 bytes in)
+    for (std::size_t t = 0; t < shapes_.size(); ++t)
+      std::fill_n(inside.begin() + static_cast<std::ptrdiff_t>(woff_[t]), shapes_[t].numel * dtype_size(shapes_[t].weight), true);
+    const std::byte* cpu = base(cpu_weights_);
+    const std::byte* dev = base(dev_weights_);
+    for (std::size_t i = 0; i < inside.size(); ++i)
+      if (!inside[i] && cpu[i] != dev[i]) {
+        ADD_FAILURE() << "the device wrote weight byte " << i << ", outside every tensor";
+        return;
+      }
+  }
+
+ private:
+  static std::byte* base(const std::vector<std::uint64_t>& arena) {  // 64-byte aligned
+    const auto p = reinterpret_cast<std::uintptr_t>(arena.data());
+    return const_cast<std::byte*>(reinterpret_cast<const std::byte*>(arena.data())) + ((64 - p % 64) % 64);
+  }
+  std::vector<TensorShape> shapes_;
+  std::vector<std::size_t> woff_, goff_;  // byte offsets from the arena's aligned base
+  std::vector<std::uint64_t> cpu_weights_, dev_weights_, grads_;
+};
+
+// Tensor t of a mixed list takes combination t % combos.size() of the spec.
+std::vector<TensorShape> shapes_for(const std::vector<std::int64_t>& sizes, const std::vector<jit::CudaCombo>& combos) {
+  std::vector<TensorShape> out;
+  for (std::size_t t = 0; t < sizes.size(); ++t) out.push_back({sizes[t], combos[t % combos.size()].weight, combos[t % combos.size()].grad});
+  return out;
+}
+
+// Several reduce chunks (16384) and update blocks (4096), odd sizes, an empty tensor.
+const std::vector<std::int64_t> kSizes = {1, 4097, 3, 16385, 0, 40000, 33, 5, 4096, 17, 2};
+
+// ---- the emulated device ----
+
+unsigned grid_for(std::int64_t n, unsigned block) {  // as runtime/cuda/cuda_backend.cpp
+  const std::int64_t blocks = (n + block - 1) / block;
+  return static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, 65535 * 8));
+}
+
+// CudaBackend (+ the CUDA branch of StepEngine) on host memory, kernels emulated.
+class EmulatedOptimizer {
+ public:
+  // order_seed != 0: every launch runs its blocks in a shuffled order.
+  EmulatedOptimizer(const OptimizerConfig& config, std::vector<Param> params, const OptimizerOptions& options,
+                    std::uint32_t order_seed = 0)
+      : params_(std::move(params)), options_(options), seed_(order_seed) {
+    program_ = &jit::builtin_program(jit::select_builtin(config));
+    jit::scalar_rules(config, *program_, rules_);
+    layout_ = detail::plan_cuda_layout(*program_, params_, options_);
+    const std::string canonical = jit::canonical_text(layout_.spec);
+    for (const sf_emu::StepKernels* k : sf_emu::step_kernels())
+      if (canonical == k->canonical) kernels_ = k;
+    if (kernels_ == nullptr)
+      throw std::runtime_error("no emulated kernels for this spec (add it to tests/cuda_emulation/emulated_specs.hpp):\n" +
+                               canonical);
+    const sf_emu::UtilityKernels& util = sf_emu::utility_kernels();
+
+    // State (sf_fill) and masters (sf_widen), on poisoned memory.
+    const long long total = layout_.state_elems;
+    for (int s = 0; s < program_->num_streams; ++s) {
+      if (program_->streams[s].role != StreamRole::state) continue;
+      state_[s].assign(static_cast<std::size_t>(std::max<long long>(total, 1)) + kSlack, kPoison);
+      emulate(util.fill, launch(grid_for(total, 256), 256, true), state_[s].data(), total,
+              jit::initial_state_value(config, *program_, s));
+    }
+    masters_.assign(static_cast<std::size_t>(layout_.master_elems) + kSlack, kPoison);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (layout_.master_offsets[i] < 0) continue;
+      layout_.tensors[i].master = masters_.data() + layout_.master_offsets[i];
+      const long long n = params_[i].weight.numel;
+      emulate(util.widen[static_cast<int>(params_[i].weight.dtype)], launch(grid_for(n, 256), 256, true),
+              static_cast<const void*>(params_[i].weight.data), layout_.tensors[i].master, n);
+    }
+    // The tables, each at least one element long (as the backend's device copies).
+    num_chunks_ = static_cast<int>(layout_.chunks.size());
+    if (layout_.chunks.empty()) layout_.chunks.push_back({0, 0, 0});
+    partials_.resize(layout_.chunks.size());
+    tensor_sums_.resize(params_.size());
+    std::memset(&st_, 0, sizeof st_);
+  }
+
+  // StepEngine::step(loss_scale, scaled) then CudaBackend::step.
+  void step(double loss_scale, bool scaled) { launch_step(loss_scale, nullptr, nullptr, scaled); }
+  // StepEngine::step_device_scale: the scale read on the device, found_inf recorded in the scaler.
+  void step_device_scale(const float* scale, sf_scaler_state* scaler) { launch_step(1.0, scale, scaler, true); }
+
+  // CudaBackend::read_result.
+  StepResult result(std::vector<double>* tensor_norms) const {
+    StepResult r;
+    r.applied = st_.applied != 0;
+    r.found_inf = st_.found_inf != 0;
+    r.grad_norm = st_.grad_norm;
+    r.clip_coef = st_.clip_coef;
+    tensor_norms->assign(params_.size(), NAN);
+    if (!std::isnan(st_.grad_norm) && st_.loss_scale > 0) {
+      const bool inf_norm = options_.norm_type == INFINITY;
+      for (std::size_t t = 0; t < params_.size(); ++t)
+        (*tensor_norms)[t] = (inf_norm ? tensor_sums_[t] : std::sqrt(tensor_sums_[t])) / st_.loss_scale;
+    }
+    return r;
+  }
+  std::int64_t step_count() const { return st_.step; }
+  const sf_step_state& step_state() const { return st_; }
+  std::string spec_name() const { return kernels_->name; }
+  const detail::CudaLayout& layout() const { return layout_; }
+  const float* state(std::size_t t, std::string_view name) const {
+    return state_[program_->find_stream(name)].data() + layout_.offsets[t];
+  }
+  const float* master(std::size_t t) const {
+    return layout_.master_offsets[t] < 0 ? nullptr : masters_.data() + layout_.master_offsets[t];
+  }
+  // Adds a failure if a kernel wrote past the end of the state or master buffer.
+  void expect_slack_untouched() const {
+    const auto untouched = [](const std::vector<float>& b) {
+      const auto poison = [](float x) { return std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(kPoison); };
+      return b.empty() || std::all_of(b.end() - kSlack, b.end(), poison);
+    };
+    for (const std::vector<float>& b : state_) EXPECT_TRUE(untouched(b)) << "a kernel wrote past the end of a state buffer";
+    EXPECT_TRUE(untouched(masters_)) << "a kernel wrote past the end of the master buffer";
+  }
+
+ private:
+  EmuLaunch launch(unsigned grid, unsigned block, bool sequential = false) {
+    return {grid, block, seed_ ? seed_ + ++launches_ : 0, sequential};
+  }
+
+  void launch_step(double loss_scale, const float* scale_ptr, sf_scaler_state* scaler, bool scaled) {
+    // Whatever a previous step left in the scratch tables must not matter.
+    std::fill(partials_.begin(), partials_.end(), sf_partial{kPoison, kPoison, -1});
+    std::fill(tensor_sums_.begin(), tensor_sums_.end(), static_cast<double>(kPoison));
+    sf_hyper hyper{};
+    for (int k = 0; k < program_->num_scalars; ++k) hyper.rules[k] = rules_[k];
+    hyper.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
+    const bool clip = options_.max_grad_norm.has_value();
+    const bool reduce = scaled || clip || options_.track_grad_norm || scale_ptr != nullptr;
+    if (reduce) {
+      const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
+      EXPECT_EQ(static_cast<int>(grid), layout_.reduce_grid());
+      emulate(kernels_->reduce, launch(grid, 32 * SF_REDUCE_WARPS), layout_.tensors.data(), static_cast<int>(params_.size()),
+              layout_.chunks.data(), num_chunks_, partials_.data(), tensor_sums_.data(), &st_, hyper, scale_ptr,
+              loss_scale, scaled || clip ? 1 : 0, scaler);
+    }
+    sf_streams streams{};
+    for (int s = 0; s < program_->num_streams; ++s) streams.s[s] = state_[s].empty() ? nullptr : state_[s].data();
+    emulate(kernels_->update, launch(static_cast<unsigned>(layout_.num_update_blocks), SF_UPDATE_THREADS),
+            layout_.tensors.data(), layout_.blocks.data(), static_cast<long long>(layout_.flat_numel), streams, &st_, hyper,
+            reduce ? 0 : 1);
+  }
+
+  static constexpr std::size_t kSlack = kSlackBytes / sizeof(float);
+  std::vector<Param> params_;
+  OptimizerOptions options_;
+  std::uint32_t seed_, launches_ = 0;
+  int num_chunks_ = 0;
+  const Program* program_;
+  sf_scalar_rule rules_[kMaxScalars] = {};
+  detail::CudaLayout layout_;
+  const sf_emu::StepKernels* kernels_ = nullptr;
+  std::vector<float> state_[kMaxStreams], masters_;
+  std::vector<sf_partial> partials_;
+  std::vector<double> tensor_sums_;
+  sf_step_state st_;
+};
+
+// ---- CPU vs emulated device ----
+
+struct Pair {
+  Pair(const Model& m, const OptimizerConfig& config, OptimizerOptions options, std::uint32_t order_seed = 0)
+      : model(m), cpu(config, m.params(false), cpu_options(options)), dev(config, m.params(true), options, order_seed) {}
+  static OptimizerOptions cpu_options(OptimizerOptions o) {
+    o.device = Device::cpu();
+    o.fusion = Fusion::fused;
+    return o;
+  }
+  // Optimizer::step_scaled(S) / step() on both.
+  void step_scaled(double s) { cpu.step_scaled(s), dev.step(s, true); }
+  void step() { cpu.step(), dev.step(1.0, false); }
+
+  // Everything a step leaves behind.
+  // results = false: before the first step (the device's result is then not defined).
+  void expect_same(const std::string& when, bool results = true) const {
+    SCOPED_TRACE(when);
+    EXPECT_EQ(cpu.step_count(), dev.step_count());
+    if (results) expect_same_results();
+    expect_same_tensors();
+  }
+  void expect_same_results() const {
+    std::vector<double> dev_norms;
+    const StepResult c = cpu.last_result(), d = dev.result(&dev_norms);
+    EXPECT_EQ(c.applied, d.applied);
+    EXPECT_EQ(c.found_inf, d.found_inf);
+    EXPECT_TRUE(same(c.grad_norm, d.grad_norm)) << "grad_norm: cpu " << c.grad_norm << ", device " << d.grad_norm;
+    EXPECT_TRUE(same(c.clip_coef, d.clip_coef)) << "clip_coef: cpu " << c.clip_coef << ", device " << d.clip_coef;
+    const std::vector<double>& cpu_norms = cpu.last_tensor_grad_norms();
+    for (std::size_t t = 0; t < model.size(); ++t)
+      EXPECT_TRUE(same(cpu_norms[t], dev_norms[t])) << "tensor " << t << " norm: cpu " << cpu_norms[t] << ", device " << dev_norms[t];
+  }
+  void expect_same_tensors() const {
+    model.expect_nothing_written_outside();
+    dev.expect_slack_untouched();
+    for (std::size_t t = 0; t < model.size(); ++t) {
+      const TensorShape& s = model.shape(t);
+      const std::string name = "tensor " + std::to_string(t) + " (" + std::string(dtype_name(s.weight)) + "/" +
+                               std::string(dtype_name(s.grad)) + ", " + std::to_string(s.numel) + ")";
+      expect_same_values(s.numel, [&](std::int64_t i) {
+        return std::pair{load(s.weight, model.weight(false, t), i), load(s.weight, model.weight(true, t), i)};
+      }, name + " weights");
+      for (std::string_view state : cpu.state_names()) {
+        const std::span<const float> cs = cpu.state(t, state);
+        const float* ds = dev.state(t, state);
+        expect_same_values(s.numel, [&](std::int64_t i) { return std::pair{cs[static_cast<std::size_t>(i)], ds[i]}; },
+                           name + " " + std::string(state));
+      }
+      const std::span<const float> cm = cpu.master(t);
+      const float* dm = dev.master(t);
+      EXPECT_EQ(cm.empty(), dm == nullptr || s.numel == 0) << name << " master";
+      if (!cm.empty() && dm != nullptr)
+        expect_same_values(s.numel, [&](std::int64_t i) { return std::pair{cm[static_cast<std::size_t>(i)], dm[i]}; },
+                           name + " master");
+    }
+  }
+
+  const Model& model;
+  Optimizer cpu;
+  EmulatedOptimizer dev;
+};
+
+std::uint32_t fresh_seed() { return std::random_device{}(); }
+
+// ---- every program ----
+
+struct ProgramCase {
+  const char* name;
+  OptimizerConfig config;
+};
+
+std::vector<ProgramCase> program_cases() {
+  return {
+      {"sgd", optim::SGD{.lr = 0.01, .weight_decay = 0.01}},
+      {"sgd_momentum", optim::SGD{.lr = 0.01, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01, .maximize = true}},
+      {"sgd_nesterov", optim::SGD{.lr = 0.01, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true}},
+      {"adamw", optim::AdamW{.lr = 1e-3, .weight_decay = 0.1}},
+      {"adam_l2_maximize", optim::Adam{.lr = 1e-3, .weight_decay = 0.01, .maximize = true}},
+      {"adam_amsgrad", optim::Adam{.lr = 1e-3, .weight_decay = 0.01, .amsgrad = true}},
+      {"adamw_amsgrad", optim::AdamW{.lr = 1e-3, .amsgrad = true}},
+      {"adagrad", optim::Adagrad{.lr = 0.01, .lr_decay = 0.01, .weight_decay = 0.01, .initial_accumulator_value = 0.1}},
+      {"rmsprop", optim::RMSprop{.lr = 0.01, .weight_decay = 0.01}},
+      {"rmsprop_centered", optim::RMSprop{.lr = 0.01, .centered = true}},
+      {"rmsprop_momentum", optim::RMSprop{.lr = 0.01, .momentum = 0.9}},
+      {"rmsprop_centered_momentum", optim::RMSprop{.lr = 0.01, .weight_decay = 0.01, .momentum = 0.9, .centered = true}},
+      {"lion", optim::Lion{.lr = 1e-3, .weight_decay = 0.1}},
+  };
+}
+
+class EveryProgram : public ::testing::TestWithParam<ProgramCase> {};
+
+// Scaled and plain steps alternating (the step count advances in the reduce's
+// finalize, then in the plain update), masters, mixed dtypes, blocks in shuffled order.
+TEST_P(EveryProgram, StepsMatchTheCpuBitwise) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, GetParam().config, {}, seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), std::string(jit::builtin_program(jit::select_builtin(GetParam().config)).name));
+  p.expect_same("after construction", false);
+  const double scales[] = {1024.0, 1.0, 3000.5, 1.0, 0.25};
+  for (int k = 0; k < 5; ++k) {
+    model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+    scales[k] == 1.0 ? p.step() : p.step_scaled(scales[k]);
+    p.expect_same("step " + std::to_string(k + 1));
+    EXPECT_TRUE(p.dev.step_state().applied);
+  }
+  EXPECT_EQ(p.dev.step_count(), 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Emulated, EveryProgram, ::testing::ValuesIn(program_cases()),
+                         [](const ::testing::TestParamInfo<ProgramCase>& info) { return std::string(info.param.name); });
+
+// ---- loss scales, clipping, norms ----
+
+const OptimizerConfig kAdamW = optim::AdamW{.lr = 1e-3, .weight_decay = 0.1};
+
+// Clipping on scaled and plain steps (a plain step with clipping reduces and
+// checks), a loss scale that is not an fp32 value, and clipping that does not clip.
+TEST(EmulatedStep, ClippingAndLossScales) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair clipped(model, kAdamW, {.max_grad_norm = 0.5});  // |g| ~ 0.02 * sqrt(70 K): every step clips
+  const double scales[] = {1024.0, 1.0, 65536.0, 1.0, 1000.1};
+  for (int k = 0; k < 5; ++k) {
+    model.draw_grads(rng, static_cast<float>(0.02 * scales[k]));  // (f16 gradients stay finite)
+    scales[k] == 1.0 ? clipped.step() : clipped.step_scaled(scales[k]);
+    clipped.expect_same("clipped step " + std::to_string(k + 1));
+    EXPECT_TRUE(clipped.dev.step_state().applied);
+    EXPECT_LT(clipped.dev.step_state().clip_coef, 1.0);
+  }
+  Pair loose(model, kAdamW, {.max_grad_norm = 1e9});
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, 256.0f);
+    loose.step_scaled(512.0);
+    loose.expect_same("unclipped step " + std::to_string(k + 1));
+    EXPECT_EQ(loose.dev.step_state().clip_coef, 1.0);
+  }
+}
+
+TEST(EmulatedStep, InfNormWithClipping) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, kAdamW, {.max_grad_norm = 0.75, .norm_type = INFINITY}, seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), "adam_inf");
+  const double scales[] = {2048.0, 1.0, 3.0};
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+    scales[k] == 1.0 ? p.step() : p.step_scaled(scales[k]);
+    p.expect_same("step " + std::to_string(k + 1));
+    EXPECT_LT(p.dev.step_state().clip_coef, 1.0);
+  }
+}
+
+// track_grad_norm: a plain step that reduces but does not check; non-finite
+// gradients are then applied (as PyTorch's plain step applies them).
+TEST(EmulatedStep, TrackGradNormOnPlainSteps) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  OptimizerOptions options;
+  options.track_grad_norm = true;
+  Pair p(model, optim::SGD{.lr = 0.01, .momentum = 0.9}, options);
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, 1.0f);
+    p.step();
+    p.expect_same("step " + std::to_string(k + 1));
+    EXPECT_TRUE(std::isfinite(p.dev.step_state().grad_norm));
+  }
+  model.set_grad(5, 39999, INFINITY);
+  p.step();
+  p.expect_same("a plain step with an inf gradient");
+  EXPECT_TRUE(p.dev.step_state().applied && p.dev.step_state().found_inf);
+  EXPECT_EQ(p.dev.step_count(), 4);
+}
+
+// plain = 1: one kernel; its last block counts the step.
+TEST(EmulatedStep, PlainStepsCountOnTheDevice) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, optim::Adam{.lr = 1e-3}, {}, seed | 1);
+  for (int k = 1; k <= 4; ++k) {
+    model.draw_grads(rng, 1.0f);
+    p.step();
+    p.expect_same("plain step " + std::to_string(k));
+    EXPECT_EQ(p.dev.step_count(), k);
+    EXPECT_TRUE(std::isnan(p.dev.step_state().grad_norm));
+    EXPECT_EQ(p.dev.step_state().update_blocks_done, 0u);
+  }
+}
+
+// Only empty tensors: no chunks, one idle update block, which still counts the step.
+TEST(EmulatedStep, EmptyTensorsOnly) {
+  std::mt19937 rng(1);
+  Model model(shapes_for({0, 0, 0, 0, 0}, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, kAdamW, {});
+  p.step();
+  p.step_scaled(8.0);
+  p.expect_same("two steps");
+  EXPECT_EQ(p.dev.step_count(), 2);
+}
+
+// Sums of very different sizes, so that another combination order (of the chunks
+// of a tensor, or of the tensors, in fp64) gives another norm: 2^54 + 1.81 rounds
+// to 2^54 each time, but 2^54 + 4 * 1.81 to 2^54 + 8, whose square root is not 2^27.
+TEST(EmulatedStep, ReductionCombinesInTheCanonicalOrder) {
+  std::mt19937 rng(1);
+  Model model(shapes_for({4 * 16384 + 5, 3000, 2000, 1000, 7}, sf_emu::kMixedMasters), false, 0, rng);
+  for (std::size_t t = 0; t < model.size(); ++t)
+    for (std::int64_t i = 0; i < model.shape(t).numel; ++i) model.set_grad(t, i, 0.0f);
+  const auto small = [&](std::size_t t, std::int64_t at) {  // a sum of squares of 1.81
+    model.set_grad(t, at, 1.0f);
+    model.set_grad(t, at + 1, 0.9f);
+  };
+  model.set_grad(0, 5, 0x1p27f);  // tensor 0, chunk 0: 2^54
+  for (std::int64_t c = 1; c <= 4; ++c) small(0, c * 16384 + 1);  // its chunks 1..4
+  for (std::size_t t = 1; t <= 4; ++t) small(t, model.shape(t).numel - 2);  // tensors 1..4
+  for (const std::uint32_t order : {0u, 7u}) {
+    Pair p(model, kAdamW, {.max_grad_norm = 1.0}, order);
+    p.step_scaled(1.0);
+    p.expect_same(order ? "blocks in a shuffled order" : "blocks in order");
+    EXPECT_EQ(p.dev.step_state().grad_norm, 0x1p27);
+  }
+}
+
+// ---- non-finite gradients ----
+
+TEST(EmulatedStep, NonFiniteGradientsSkipThenContinue) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  for (const bool clip : {false, true}) {
+    SCOPED_TRACE(clip ? "with clipping" : "without clipping");
+    Pair p(model, optim::Adam{.lr = 1e-3, .amsgrad = true}, {.max_grad_norm = clip ? std::optional(1.0) : std::nullopt}, seed | 1);
+    model.draw_grads(rng, 64.0f);
+    p.step_scaled(128.0);
+    p.expect_same("a finite step");
+    const struct {
+      std::size_t tensor;
+      std::int64_t index;
+      float value;
+    } bad[] = {{5, 39999, INFINITY}, {3, 0, NAN}, {1, 4096, -INFINITY}, {0, 0, NAN}};
+    for (const auto& b : bad) {  // f32, f32, bf16 and f32 gradients: the last chunk, a first element, a block edge
+      model.draw_grads(rng, 64.0f);
+      model.set_grad(b.tensor, b.index, b.value);
+      p.step_scaled(128.0);
+      p.expect_same("a skipped step: " + std::to_string(b.value) + " in tensor " + std::to_string(b.tensor));
+      EXPECT_FALSE(p.dev.step_state().applied);
+      EXPECT_TRUE(p.dev.step_state().found_inf);
+      EXPECT_EQ(p.dev.step_state().grad_norm, INFINITY);
+      EXPECT_EQ(p.dev.step_count(), 1);
+    }
+    if (clip) {  // a plain step with clipping checks too
+      model.set_grad(7, 4, NAN);
+      p.step();
+      p.expect_same("a skipped plain step with clipping");
+      EXPECT_EQ(p.dev.step_count(), 1);
+    }
+    model.draw_grads(rng, 64.0f);
+    p.step_scaled(128.0);
+    p.expect_same("the next finite step");
+    EXPECT_EQ(p.dev.step_count(), 2);
+  }
+}
+
+// Finite gradients whose fp32 squares overflow (|g| ~ 1e20: a huge loss scale with
+// f32 or bf16 gradients): the chunk is summed again, scaled by a power of two.
+TEST(EmulatedStep, HugeGradientsUseTheRescaledSum) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  // No f16 gradients (they cannot hold 1e20): the f16 combination's tensor is empty.
+  Model model(shapes_for({1000, 20000, 0, 4097, 3, 17000, 5}, sf_emu::kMixedMasters), false, 0, rng);
+  const double scale = std::ldexp(1.0, 70);
+  for (const bool inf_norm : {false, true}) {
+    Pair p(model, kAdamW, {.max_grad_norm = 2.0, .norm_type = inf_norm ? INFINITY : 2.0});
+    for (int k = 0; k < 3; ++k) {
+      model.draw_grads(rng, 1e20f);
+      model.set_grad(1, 3, 3e38f);  // one square far beyond fp32, others near its edge
+      model.set_grad(6, 0, 1.0f);
+      p.step_scaled(scale);
+      p.expect_same(std::string(inf_norm ? "inf-norm" : "L2") + " step " + std::to_string(k + 1));
+      EXPECT_TRUE(p.dev.step_state().applied);
+      EXPECT_TRUE(std::isfinite(p.dev.step_state().grad_norm));
+    }
+  }
+}
+
+// ---- layouts ----
+
+// One buffer for all weights, one for all grads, one combination; sizes that keep
+// every tensor 8-byte aligned, and an empty tensor in the middle.
+TEST(EmulatedStep, FlatLayout) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model model(shapes_for({4096, 16388, 0, 40000, 4, 12}, sf_emu::kBf16Masters), true, 0, rng);
+  Pair p(model, kAdamW, {.max_grad_norm = 10.0}, seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), "adam_flat");
+  const double scales[] = {1024.0, 1.0, 100.0};
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, static_cast<float>(0.05 * scales[k]));
+    scales[k] == 1.0 ? p.step() : p.step_scaled(scales[k]);
+    p.expect_same("step " + std::to_string(k + 1));
+  }
+  OptimizerOptions options;
+  options.norm_type = INFINITY;
+  options.track_grad_norm = true;
+  Pair lion(model, optim::Lion{.lr = 1e-3, .weight_decay = 0.1}, options);
+  EXPECT_EQ(lion.dev.spec_name(), "lion_flat_inf");
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, 1.0f);
+    lion.step();
+    lion.expect_same("lion step " + std::to_string(k + 1));
+  }
+}
+
+// Every buffer one element off its alignment: the scalar paths.
+TEST(EmulatedStep, UnalignedPointers) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model flat(shapes_for({4097, 1, 16385, 3}, sf_emu::kF16Masters), true, 1, rng);
+  Pair pf(flat, kAdamW, {}, seed | 1);
+  EXPECT_EQ(pf.dev.spec_name(), "adam_flat_unaligned");
+  Model table(shapes_for(kSizes, sf_emu::kMixedMasters), false, 1, rng);
+  Pair pt(table, kAdamW, {.max_grad_norm = 5.0});
+  EXPECT_EQ(pt.dev.spec_name(), "adam_unaligned");
+  const double scales[] = {256.0, 1.0, 8.0};
+  for (int k = 0; k < 3; ++k) {
+    flat.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+    table.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+    scales[k] == 1.0 ? pf.step() : pf.step_scaled(scales[k]);
+    scales[k] == 1.0 ? pt.step() : pt.step_scaled(scales[k]);
+    pf.expect_same("flat step " + std::to_string(k + 1));
+    pt.expect_same("table step " + std::to_string(k + 1));
+  }
+}
+
+TEST(EmulatedStep, NoMasters) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Model model(shapes_for(kSizes, sf_emu::kMixedNoMasters), false, 0, rng);
+  OptimizerOptions options;
+  options.master_weights = false;
+  Pair p(model, kAdamW, options);
+  EXPECT_EQ(p.dev.spec_name(), "adam_no_masters");
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, 0.5f);
+    k == 1 ? p.step() : p.step_scaled(1.0);
+    p.expect_same("step " + std::to_string(k + 1));
+  }
+}
+
+// ---- the GradScaler on the device ----
+
+// Device steps reading the scale from an sf_scaler_state and recording found_inf
+// there, then sf_update_scale, against the CPU GradScaler driven the same way.
+// Growth by 2^8 from 2^100 overflows fp32 (and is not kept) after a few growths.
+TEST(EmulatedGradScaler, MatchesTheCpuGradScaler) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  // Two reduce blocks: a finalize run by any but the last would record a found_inf.
+  Model model(shapes_for({3000, 40000, 0, 4097, 17}, sf_emu::kMixedMasters), false, 0, rng);
+  const double init = std::ldexp(1.0, 100), growth = 256.0, backoff = 0.5;
+  GradScaler cpu_scaler("cpu", init, growth, backoff, 3);
+  Pair p(model, kAdamW, {.max_grad_norm = 1.0}, seed | 1);
+  sf_scaler_state dev_scaler{};
+  dev_scaler.scale = static_cast<float>(init);
+  dev_scaler.growth_factor = growth;
+  dev_scaler.backoff_factor = backoff;
+  dev_scaler.growth_interval = 3;
+  const char* pattern = "ffffffiffffffnfff";  // f: finite, i: an inf, n: a NaN
+  int skipped = 0;
+  for (int k = 0; pattern[k] != 0; ++k) {
+    SCOPED_TRACE("iteration " + std::to_string(k) + " (" + pattern[k] + ")");
+    model.draw_grads(rng, static_cast<float>(cpu_scaler.get_scale() * 1e-3));
+    if (pattern[k] == 'i') model.set_grad(3, 4096, INFINITY);
+    if (pattern[k] == 'n') model.set_grad(0, 7, NAN);
+    cpu_scaler.step(p.cpu);
+    p.dev.step_device_scale(&dev_scaler.scale, &dev_scaler);
+    EXPECT_EQ(dev_scaler.recorded, 1);
+    EXPECT_EQ(dev_scaler.found_inf, pattern[k] == 'i' || pattern[k] == 'n' ? 1 : 0);
+    p.expect_same("the step");
+    skipped += !p.dev.step_state().applied;
+    cpu_scaler.update();
+    emulate(sf_emu::utility_kernels().update_scale, EmuLaunch{1, 1}, &dev_scaler);
+    EXPECT_TRUE(same(static_cast<float>(cpu_scaler.get_scale()), dev_scaler.scale))
+        << "scale: cpu " << cpu_scaler.get_scale() << ", device " << dev_scaler.scale;
+    EXPECT_EQ(cpu_scaler.growth_tracker(), dev_scaler.growth_tracker);
+    EXPECT_EQ(dev_scaler.found_inf, 0);
+    EXPECT_EQ(dev_scaler.recorded, 0);
+  }
+  EXPECT_EQ(skipped, 2);
+  // 2^100 -> 2^108 -> 2^116, inf: 2^115 -> 2^123, 2^131 not kept, NaN: 2^122, 2^130 not kept.
+  EXPECT_EQ(dev_scaler.scale, std::ldexp(1.0f, 122));
+}
+
+// sf_scale_<dtype>: unscale_ (reciprocal = 1: x * fp32(1 / double(S))) and scale_
+// (x * S), rounded to storage, found_inf iff any input was inf/NaN.
+TEST(EmulatedScaleKernels, MatchTheCpuAndTheDefinition) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1000.0f);
+  const sf_emu::UtilityKernels& util = sf_emu::utility_kernels();
+  for (const DType t : {DType::f32, DType::f16, DType::bf16}) {
+    for (const float s : {65536.0f, 3000.7f, 0.125f}) {
+      for (const int non_finite : {0, 1, 2}) {  // none, an inf, a NaN
+        for (const int reciprocal : {1, 0}) {
+          SCOPED_TRACE(std::string(dtype_name(t)) + " S = " + std::to_string(s) + " non_finite " + std::to_string(non_finite) +
+                       " reciprocal " + std::to_string(reciprocal));
+          const long long n = 3001;  // several blocks, a partial last one
+          std::vector<std::uint64_t> dev(static_cast<std::size_t>(n)), cpu(dev.size()), before(dev.size());
+          for (long long i = 0; i < n; ++i) store(t, dev.data(), i, normal(rng));
+          if (non_finite) store(t, dev.data(), n - 2, non_finite == 1 ? -INFINITY : NAN);
+          cpu = before = dev;
+          int found = 0;
+          const unsigned grid = static_cast<unsigned>(std::clamp<long long>((n + 255) / 256, 1, 65535 * 8));
+          emulate(util.scale[static_cast<int>(t)], EmuLaunch{grid, 256}, static_cast<void*>(dev.data()), n, &s, reciprocal,
+                  reciprocal ? &found : nullptr);
+          const float factor = reciprocal ? static_cast<float>(1.0 / static_cast<double>(s)) : s;
+          const TensorView view{cpu.data(), n, t};
+          const bool cpu_found = detail::scale_tensors({&view, 1}, factor, reciprocal != 0, detail::ThreadPool::shared(1));
+          EXPECT_EQ(found, reciprocal && non_finite ? 1 : 0);
+          EXPECT_EQ(cpu_found, reciprocal && non_finite);
+          expect_same_values(n, [&](long long i) { return std::pair{load(t, cpu.data(), i), load(t, dev.data(), i)}; },
+                             "vs the CPU");
+          expect_same_values(n, [&](long long i) {
+            float expect = 0.0f;
+            store(t, &expect, 0, load(t, before.data(), i) * factor);
+            return std::pair{load(t, &expect, 0), load(t, dev.data(), i)};
+          }, "vs the definition");
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace stepfuse
