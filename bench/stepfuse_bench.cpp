@@ -2,9 +2,9 @@
 //
 // Phases, in this order on purpose:
 //   0. arguments: the tensor list (a preset or a shapes file; --print-shapes stops here),
-//      then a 16-element optimizer with the requested options and backend, so that
-//      anything the library rejects (a backend this build lacks, say) fails in
-//      milliseconds, before buffers of model size exist;
+//      then a 16-element optimizer with the requested options, so that anything the
+//      library rejects fails in milliseconds, before buffers of model size exist;
+//      --backend cuda goes on in cuda_bench.cpp from here (no GPU: exit code 1, saying why);
 //   1. fused only: build the fused optimizer, take a few steps, read the peak RSS (before
 //      anything else of model size exists, so the figure is the fused step's own);
 //   2. verify: fresh optimizers, one per mode, over separate buffers with identical
@@ -15,8 +15,6 @@
 //   3. measure: warm-up, then timed iterations of [bandwidth probes, then each mode of
 //      --fusion in the order fused (with the fused update pass alone), unfused,
 //      interpreted], interleaved so that drift in the machine affects all of them alike.
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
@@ -34,6 +32,8 @@
 #include <vector>
 
 #include "bandwidth.hpp"
+#include "cli_support.hpp"
+#include "cuda_bench.hpp"
 #include "model_buffers.hpp"
 #include "presets.hpp"
 #include "rss.hpp"
@@ -48,20 +48,18 @@ using json = nlohmann::ordered_json;
 
 namespace {
 
-constexpr int kExitOk = 0;
-constexpr int kExitUsage = 1;   // bad arguments, or a combination the library rejects
-constexpr int kExitVerify = 2;  // a mode disagrees with the reference, or a step was skipped
-constexpr int kExitError = 3;   // anything else (an unexpected library error, out of memory)
+using sb::format;
+using sb::kExitError;
+using sb::kExitOk;
+using sb::kExitUsage;
+using sb::kExitVerify;
+using sb::Progress;
+using sb::UsageError;
+using sb::VerifyError;
+using sb::with_commas;
 
 // The progress line appears only when the timed phase is expected to take longer than this.
 constexpr double kProgressAfterSeconds = 3.0;
-
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-struct VerifyError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 struct Args {
   std::string preset = "gpt2-124m";
@@ -83,6 +81,7 @@ struct Args {
   double loss_scale = 1024.0;
   std::string json_path;
   bool json_only = false;
+  bool fusion_given = false;  // --fusion was on the command line
 };
 
 // The modes --fusion can time, in the order they are verified, timed and reported.
@@ -115,49 +114,6 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Phase messages on stderr, one line rewritten in place, only when stderr is a terminal
-// and `enabled` (off for --json-only), so logs, pipes and stdout get the report alone.
-class Progress {
- public:
-  explicit Progress(bool enabled) : tty_(enabled && isatty(STDERR_FILENO) == 1) {}
-  ~Progress() { done(); }
-  void say(const std::string& s) {
-    if (!tty_) return;
-    std::fprintf(stderr, "\r\033[Kstepfuse-bench: %s", s.c_str());
-    std::fflush(stderr);
-    shown_ = true;
-  }
-  void done() {
-    if (tty_ && shown_) std::fprintf(stderr, "\r\033[K");
-    shown_ = false;
-  }
-
- private:
-  bool tty_;
-  bool shown_ = false;
-};
-
-std::string with_commas(std::int64_t n) {
-  const std::string digits = std::to_string(n);
-  std::string s;
-  for (std::size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && digits[i - 1] != '-' && (digits.size() - i) % 3 == 0) s += ',';
-    s += digits[i];
-  }
-  return s;
-}
-
-// printf into a std::string, of any length. Every call passes at least one argument
-// (so the format is never a lone non-literal).
-template <class... T>
-std::string format(const char* fmt, T... args) {
-  const int n = std::snprintf(nullptr, 0, fmt, args...);
-  if (n <= 0) return {};
-  std::string s(static_cast<std::size_t>(n), '\0');
-  std::snprintf(s.data(), s.size() + 1, fmt, args...);
-  return s;
-}
-
 double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
 
 json summary_json(const sb::Summary& s, double scale) {
@@ -179,23 +135,13 @@ void check_applied(const sf::StepResult& r, const char* mode, int iteration) {
                       ") although every gradient is finite");
 }
 
-// An optimizer over `buf`; a configuration the library rejects is a usage error (exit code 1).
-// A device the library cannot use is reported in terms of --backend.
+// An optimizer over `buf` on the CPU; a configuration the library rejects is a usage error
+// (exit code 1). (--backend cuda takes its own path: cuda_bench.cpp.)
 sf::Optimizer make_optimizer(const sf::OptimizerConfig& config, const sb::ModelBuffers& buf,
-                             const sf::OptimizerOptions& opts, const std::string& backend) {
+                             const sf::OptimizerOptions& opts) {
   try {
     return sf::Optimizer(config, buf.params(), opts);
   } catch (const sf::Error& e) {
-    if (e.code() == sf::ErrorCode::unsupported && !(opts.device == sf::Device::cpu())) {
-      // The library decides whether it has the backend; this only rewords its answer in
-      // the command line's terms. (Matching its text is the one way to tell "not built
-      // in" from other reasons until the library has a query for it.)
-      const std::string what = e.what();
-      if (what.find("no CUDA backend") != std::string::npos)
-        throw UsageError("--backend " + backend + ": this build of stepfuse has no CUDA backend; use --backend cpu (" +
-                         what + ")");
-      throw UsageError("--backend " + backend + ": " + what);
-    }
     if (e.code() == sf::ErrorCode::invalid_argument || e.code() == sf::ErrorCode::unsupported)
       throw UsageError(std::string("the library rejects this configuration: ") + e.what());
     throw;
@@ -265,11 +211,36 @@ int run(const Args& a) {
     throw UsageError("--backend: unknown backend '" + a.backend + "' (expected cpu or cuda)");
 
   sf::OptimizerOptions opts;
-  opts.device = a.backend == "cuda" ? sf::Device::cuda() : sf::Device::cpu();
   if (a.clip > 0) opts.max_grad_norm = a.clip;
   opts.norm_type = a.norm_type == "inf" ? INFINITY : 2.0;
   opts.master_weights = !a.no_masters;
   opts.num_threads = a.threads;
+  if (a.backend == "cuda") {
+    sb::require_cuda_backend();  // no GPU: a usage error saying why, before anything else
+    if (a.fusion_given && modes != std::vector<sf::Fusion>{sf::Fusion::fused})
+      throw UsageError("--fusion: --backend cuda times the fused step only (the unfused baseline on a GPU is "
+                       "PyTorch's: bench/peers/torch_cuda_step.py); pass --fusion fused or leave --fusion out");
+    sb::CudaBenchArgs c;
+    c.preset = preset;
+    c.from_file = from_file;
+    c.config = config;
+    c.weights = wt;
+    c.grads = gt;
+    c.weights_name = a.weights;
+    c.grads_name = a.grads;
+    c.norm_name = a.norm_type == "inf" ? "inf" : "2";
+    c.options = opts;
+    c.clip = a.clip;
+    c.loss_scale = a.loss_scale;
+    c.steps = a.steps;
+    c.warmup = a.warmup;
+    c.threads = a.threads;
+    c.breakdown = a.breakdown;
+    c.json_path = a.json_path;
+    c.json_only = a.json_only;
+    c.start = t_start;
+    return sb::run_cuda_bench(c);
+  }
   auto options_for = [&](sf::Fusion f) {
     sf::OptimizerOptions o = opts;
     o.fusion = f;
@@ -281,7 +252,7 @@ int run(const Args& a) {
     sb::ModelBuffers tiny(std::vector<sb::TensorShape>{{"probe", 16}}, wt, gt);
     tiny.fill_weights(1);
     tiny.fill_grads(a.loss_scale, 1);
-    for (sf::Fusion f : kAllModes) make_optimizer(config, tiny, options_for(f), a.backend);  // all: phase 2 may build any
+    for (sf::Fusion f : kAllModes) make_optimizer(config, tiny, options_for(f));  // all: phase 2 may build any
   }
   std::ofstream json_out;
   if (!a.json_path.empty()) {
@@ -305,7 +276,7 @@ int run(const Args& a) {
   std::int64_t rss_peak = 0, rss_after = 0;
   double rss_step_s = 0;  // mean fused step time in this phase: the first guess at the timed phase's length
   {
-    std::optional<sf::Optimizer> opt0 = make_optimizer(config, fb, options_for(sf::Fusion::fused), a.backend);
+    std::optional<sf::Optimizer> opt0 = make_optimizer(config, fb, options_for(sf::Fusion::fused));
     threads = opt0->num_threads();
     for (auto name : opt0->state_names()) state_names.emplace_back(name);
     state_streams = static_cast<int>(state_names.size());
@@ -349,7 +320,7 @@ int run(const Args& a) {
     }
     r.buf->fill_weights(threads);
     r.buf->fill_grads(S, threads);
-    r.opt.emplace(make_optimizer(config, *r.buf, options_for(f), a.backend));
+    r.opt.emplace(make_optimizer(config, *r.buf, options_for(f)));
     r.verify_result = r.opt->step_scaled(S);
   }
   struct Verified {
@@ -391,7 +362,7 @@ int run(const Args& a) {
     sf::OptimizerOptions o = options_for(sf::Fusion::fused);
     o.max_grad_norm.reset();
     o.track_grad_norm = false;
-    update_only.emplace(make_optimizer(config, fb, o, a.backend));
+    update_only.emplace(make_optimizer(config, fb, o));
   }
   progress.say("allocating the bandwidth probe (" + with_commas(n) + " floats x 4)");
   sb::BandwidthProbe probe(n, threads);
@@ -706,7 +677,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fused", "unfused", "interpreted"}))
       ->type_name("LIST")
       ->default_str("fused,unfused");
-  app.add_option("--backend", a.backend, "where the step runs: cpu, or cuda (not in this build)")
+  app.add_option("--backend", a.backend,
+                 "where the step runs: cpu, or cuda (GPU 0: device buffers, the fused step timed with CUDA events "
+                 "against a device-to-device copy, verified against the CPU first)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   app.add_option("--optimizer", a.optimizer, "optimizer, with PyTorch's default hyperparameters")
@@ -737,6 +710,7 @@ int main(int argc, char** argv) {
                "print the JSON report to stdout instead of the table (no progress line on stderr)");
   try {
     app.parse(argc, argv);
+    a.fusion_given = app.get_option("--fusion")->count() > 0;
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the error
     return rc == 0 ? kExitOk : kExitUsage;

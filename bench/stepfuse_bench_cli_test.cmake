@@ -5,7 +5,9 @@
 #   print_resnet50  --preset resnet50 --print-shapes: 161 "NAME COUNT" lines, 25,557,032 elements
 #   roundtrip       --print-shapes output read back with --shapes prints the same list
 #   bad_shapes      a shapes file with a bad count: exit 1, the message names file and line
-#   usage           --preset with --shapes, --backend cuda (this build): exit 1 with a clear message
+#   usage           --preset with --shapes, an unknown --fusion mode: exit 1 with a clear message
+#   cuda_backend    --backend cuda: without a usable GPU exit 1 saying why ("the CUDA backend cannot
+#                   run here: no CUDA driver ..."); with one, a tiny run: exit 0 and the JSON's figures
 cmake_minimum_required(VERSION 3.20)
 foreach(var BENCH DIR CASE)
   if(NOT DEFINED ${var})
@@ -116,11 +118,35 @@ elseif(CASE STREQUAL "usage")
   bench(--preset resnet50 --shapes "${DIR}/one.shapes")
   expect_rc(1 "usage (--preset with --shapes)")
   expect_in("${err}" "excludes" "usage (--preset with --shapes)")
-  bench(--shapes "${DIR}/one.shapes" --backend cuda)
-  expect_rc(1 "usage (--backend cuda)")
-  expect_in("${err}" "this build of stepfuse has no CUDA backend; use --backend cpu" "usage (--backend cuda)")
   bench(--shapes "${DIR}/one.shapes" --fusion fused,jit)
   expect_rc(1 "usage (--fusion with an unknown mode)")
+
+elseif(CASE STREQUAL "cuda_backend")
+  file(WRITE "${DIR}/two.shapes" "a 5000\nb 17\n")
+  file(REMOVE "${DIR}/cuda.json")
+  bench(--shapes "${DIR}/two.shapes" --backend cuda --optimizer adamw --weights bf16 --grads bf16 --steps 2
+        --warmup 1 --json "${DIR}/cuda.json")
+  if(rc STREQUAL "1")  # no GPU here: the reason, and what to do instead
+    expect_in("${err}" "stepfuse-bench: --backend cuda: the CUDA backend cannot run here: " "cuda_backend")
+    expect_in("${err}" "; use --backend cpu" "cuda_backend")
+    if(NOT err MATCHES "cannot run here: (no CUDA driver|NVRTC not found|no device)")
+      message(FATAL_ERROR "cuda_backend: the message does not say what is missing:\n${err}")
+    endif()
+  else()
+    expect_rc(0 "cuda_backend (a GPU is usable)")
+    expect_in("${out}" "backend cuda" "cuda_backend stdout")
+    file(READ "${DIR}/cuda.json" j)
+    string(JSON backend GET "${j}" config backend)
+    string(JSON launches GET "${j}" fused kernel_launches_per_step)
+    string(JSON copy GET "${j}" d2d_copy gbs_median)
+    string(JSON samples LENGTH "${j}" fused samples_ms)
+    if(NOT backend STREQUAL "cuda" OR launches LESS 1 OR NOT samples EQUAL 2 OR NOT copy GREATER 0)
+      message(FATAL_ERROR "cuda_backend: the JSON is wrong: backend=${backend} launches=${launches} "
+                          "samples=${samples} d2d copy GB/s=${copy}")
+    endif()
+  endif()
+  bench(--shapes "${DIR}/two.shapes" --backend cuda --fusion fused,unfused)
+  expect_rc(1 "cuda_backend (--fusion unfused)")
 
 else()
   message(FATAL_ERROR "stepfuse_bench_cli_test.cmake: unknown CASE '${CASE}'")

@@ -262,6 +262,14 @@ std::optional<std::filesystem::path> KernelCache::default_dir() {
   return std::nullopt;
 }
 
+std::shared_ptr<const std::string> KernelCache::find(const std::string& key) {
+  std::lock_guard lock(mu_);
+  const auto it = slots_.find(key);
+  if (it == slots_.end() || !it->second->value) return nullptr;
+  ++stats_.memory_hits;
+  return it->second->value;
+}
+
 std::shared_ptr<const std::string> KernelCache::get(const std::string& key,
                                                      const std::function<std::string()>& compile) {
   std::shared_ptr<Slot> slot;

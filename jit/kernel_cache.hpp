@@ -60,6 +60,10 @@ class KernelCache {
   // entry is recompiled, an unusable directory warns once and turns the disk off.
   std::shared_ptr<const std::string> get(const std::string& key, const std::function<std::string()>& compile);
 
+  // The bytes for `key` if they are in memory (counted as a memory hit), else null.
+  // Never compiles and never reads the disk.
+  std::shared_ptr<const std::string> find(const std::string& key);
+
   // Whether the disk cache is in use (false after a warning disabled it).
   bool disk_enabled() const;
   const std::optional<std::filesystem::path>& dir() const { return dir_; }

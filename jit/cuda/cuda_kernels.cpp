@@ -33,13 +33,21 @@ std::string cuda_cache_key(const std::string& canonical, const CudaTarget& targe
 CudaStepImages cuda_step_images(const CudaSpec& spec, const CudaTarget& target) {
   const std::string reduce_key = cuda_cache_key(reduce_canonical_text(spec), target);
   const std::string update_key = cuda_cache_key(canonical_text(spec), target);
+  KernelCache& cache = KernelCache::shared();
+  auto reduce = cache.find(reduce_key);
+  auto update = cache.find(update_key);
+  if (reduce && update) return {{std::move(reduce), target}, {std::move(update), target}};
   // NVRTC is thread-safe: a cold spec compiles its two kernels side by side.
-  auto reduce = std::async(std::launch::async, [&] {
-    return KernelCache::shared().get(reduce_key, [&] { return nvrtc_compile(emit_cuda_reduce(spec), "stepfuse_reduce.cu", target); });
-  });
-  auto update = KernelCache::shared().get(
-      update_key, [&] { return nvrtc_compile(emit_cuda_update(spec), std::string(spec.program.name) + "_update.cu", target); });
-  return {{reduce.get(), target}, {std::move(update), target}};
+  std::future<std::shared_ptr<const std::string>> pending;
+  if (!reduce)
+    pending = std::async(std::launch::async, [&] {
+      return cache.get(reduce_key, [&] { return nvrtc_compile(emit_cuda_reduce(spec), "stepfuse_reduce.cu", target); });
+    });
+  if (!update)
+    update = cache.get(update_key,
+                       [&] { return nvrtc_compile(emit_cuda_update(spec), std::string(spec.program.name) + "_update.cu", target); });
+  if (!reduce) reduce = pending.get();
+  return {{std::move(reduce), target}, {std::move(update), target}};
 }
 
 CudaImage cuda_utility_image(const CudaTarget& target) {

@@ -103,10 +103,18 @@ void launch(cuda::CUfunction fn, const char* name, unsigned grid, unsigned block
 const CudaUtilities& cuda_utilities(const CudaContext& ctx) {
   // One module per device for the process; modules live as long as the process.
   static std::mutex mu;
-  static std::map<int, std::pair<std::unique_ptr<CudaModule>, CudaUtilities>> loaded;
+  // Each entry holds its own reference to the primary context, which would
+  // otherwise be reset (and the module with it) once the last optimizer is gone.
+  struct Loaded {
+    std::unique_ptr<CudaContext> ctx;
+    std::unique_ptr<CudaModule> module;
+    CudaUtilities fns{};
+  };
+  static std::map<int, Loaded> loaded;
   std::lock_guard lock(mu);
-  auto& slot = loaded[ctx.device()];
-  if (!slot.first) {
+  Loaded& slot = loaded[ctx.device()];
+  if (!slot.module) {
+    slot.ctx = std::make_unique<CudaContext>(ctx.device());
     ctx.make_current();
     const jit::CudaImage image = jit::cuda_utility_image(jit::target_for_device(ctx.sm() / 10, ctx.sm() % 10));
     auto module = std::make_unique<CudaModule>(*image.bytes, "utility");
@@ -116,9 +124,10 @@ const CudaUtilities& cuda_utilities(const CudaContext& ctx) {
     const char* widen[] = {"sf_widen_f32", "sf_widen_f16", "sf_widen_bf16"};
     for (int d = 0; d < 3; ++d) u.scale[d] = module->get(scale[d]), u.widen[d] = module->get(widen[d]);
     u.fill = module->get("sf_fill");
-    slot = {std::move(module), u};
+    slot.module = std::move(module);
+    slot.fns = u;
   }
-  return slot.second;
+  return slot.fns;
 }
 
 // ---- the backend ----
@@ -302,7 +311,9 @@ std::int64_t CudaBackend::read_step_count() const {
 void CudaBackend::write_step_count(std::int64_t n) {
   synchronize();
   const long long step = n;
-  cuda::check(api().cuMemcpyHtoD(step_state_.get() + offsetof(sf_step_state, step), &step, sizeof step), "cuMemcpyHtoD");
+  cuda::check(api().cuMemcpyHtoDAsync(step_state_.get() + offsetof(sf_step_state, step), &step, sizeof step, stream_),
+              "cuMemcpyHtoDAsync");
+  synchronize();  // `step` goes out of scope
 }
 
 void CudaBackend::download(float* const* state, float* masters) const {
@@ -319,10 +330,12 @@ void CudaBackend::upload(const float* const* state, const float* masters) {
   synchronize();
   for (int s = 0; s < program_.num_streams; ++s)
     if (state_[s].get() != 0 && state[s] != nullptr && total_ > 0)
-      cuda::check(api().cuMemcpyHtoD(state_[s].get(), state[s], static_cast<std::size_t>(total_) * sizeof(float)), "cuMemcpyHtoD");
+      cuda::check(api().cuMemcpyHtoDAsync(state_[s].get(), state[s], static_cast<std::size_t>(total_) * sizeof(float), stream_),
+                  "cuMemcpyHtoDAsync");
   if (master_total_ > 0 && masters != nullptr)
-    cuda::check(api().cuMemcpyHtoD(masters_.get(), masters, static_cast<std::size_t>(master_total_) * sizeof(float)),
-                "cuMemcpyHtoD");
+    cuda::check(api().cuMemcpyHtoDAsync(masters_.get(), masters, static_cast<std::size_t>(master_total_) * sizeof(float), stream_),
+                "cuMemcpyHtoDAsync");
+  synchronize();  // ordered before the next step's kernels on this stream, and done
 }
 
 }  // namespace stepfuse::detail

@@ -13,8 +13,13 @@ const cuda::DriverApi& api() { return *cuda::driver(); }  // callers hold a Cuda
 
 CudaScalerState::CudaScalerState(int device)
     : ctx_(device), buffer_(sizeof(sf_scaler_state)), one_(sizeof(float)) {
+  // Zeroed (found_inf, recorded) before push() fills the rest; the context is
+  // synchronized so no stream, blocking or not, can run a kernel before the copies land.
   const float one = 1.0f;
+  const sf_scaler_state zero{};
   cuda::check(api().cuMemcpyHtoD(one_.get(), &one, sizeof one), "cuMemcpyHtoD");
+  cuda::check(api().cuMemcpyHtoD(buffer_.get(), &zero, sizeof zero), "cuMemcpyHtoD");
+  cuda::check(api().cuCtxSynchronize(), "cuCtxSynchronize");
 }
 
 void CudaScalerState::push(float scale, std::int32_t tracker, double growth_factor, double backoff_factor,
@@ -32,7 +37,10 @@ void CudaScalerState::push(float scale, std::int32_t tracker, double growth_fact
   cuda::check(api().cuMemcpyDtoH(&old, buffer_.get(), sizeof old), "cuMemcpyDtoH");
   s.found_inf = end_iteration ? 0 : old.found_inf;
   s.recorded = end_iteration ? 0 : old.recorded;
-  cuda::check(api().cuMemcpyHtoD(buffer_.get(), &s, sizeof s), "cuMemcpyHtoD");
+  // On the stream, then waited for: a synchronous copy from pageable memory may
+  // return before it lands, unordered with a non-blocking stream's kernels.
+  cuda::check(api().cuMemcpyHtoDAsync(buffer_.get(), &s, sizeof s, stream), "cuMemcpyHtoDAsync");
+  cuda::check(api().cuStreamSynchronize(stream), "cuStreamSynchronize");
 }
 
 void CudaScalerState::pull(float* scale, std::int32_t* tracker, cuda::CUstream stream) const {
@@ -48,7 +56,9 @@ void CudaScalerState::record_found_inf(cuda::CUstream stream) {
   ctx_.make_current();
   cuda::check(api().cuStreamSynchronize(stream), "cuStreamSynchronize");
   const int one = 1;
-  cuda::check(api().cuMemcpyHtoD(buffer_.get() + offsetof(sf_scaler_state, found_inf), &one, sizeof one), "cuMemcpyHtoD");
+  cuda::check(api().cuMemcpyHtoDAsync(buffer_.get() + offsetof(sf_scaler_state, found_inf), &one, sizeof one, stream),
+              "cuMemcpyHtoDAsync");
+  cuda::check(api().cuStreamSynchronize(stream), "cuStreamSynchronize");
 }
 
 void CudaScalerState::update(cuda::CUstream stream) {
