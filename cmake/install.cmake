@@ -30,6 +30,10 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/stepfuse
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
   COMPONENT stepfuse_development
   FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
+# The kernels' C ABI (stepfuse/device_abi.h), generated from the headers the kernels embed.
+install(FILES ${PROJECT_BINARY_DIR}/generated/include/stepfuse/device_abi.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/stepfuse
+  COMPONENT stepfuse_development)
 install(EXPORT stepfuseTargets
   NAMESPACE stepfuse::
   FILE stepfuseTargets.cmake

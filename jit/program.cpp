@@ -88,19 +88,112 @@ std::string to_string(const Program& p) {
   return out;
 }
 
+namespace {
+
+std::string quoted(std::string_view s) {
+  std::string q(1, '\'');  // (not "'" + s: g++ 12 warns falsely, -Wrestrict)
+  q.append(s).push_back('\'');
+  return q;
+}
+
+std::string stream_label(const Program& p, int s) {
+  return "stream " + std::to_string(s) + " " + quoted(p.streams[s].name);
+}
+
+// The streams with `role`, as "stream 0 'grad', stream 2 'g2'" (or "none").
+std::string streams_with(const Program& p, StreamRole role) {
+  std::string out;
+  for (int s = 0; s < p.num_streams && s < kMaxStreams; ++s)
+    if (p.streams[s].role == role) out += (out.empty() ? "" : ", ") + stream_label(p, s);
+  return out.empty() ? "none" : out;
+}
+
+// What exactly is wrong, for the problems find_problem() reports in words only.
+std::string detail(const Program& p, int where, std::string_view problem) {
+  if (where < 0) {
+    if (problem.find("role grad") != std::string_view::npos)
+      return " (streams with role grad: " + streams_with(p, StreamRole::grad) + ")";
+    if (problem.find("role param") != std::string_view::npos)
+      return " (streams with role param: " + streams_with(p, StreamRole::param) + ")";
+    if (problem.find("never stores") != std::string_view::npos) {
+      const int ps = p.param_stream();
+      return ps >= 0 ? " (no instruction is 'store " + std::string(p.streams[ps].name) + ", %v'; the update must write " +
+                           stream_label(p, ps) + ")"
+                     : std::string();
+    }
+    if (problem.find("same name") != std::string_view::npos) {
+      for (int s = 0; s < p.num_streams && s < kMaxStreams; ++s)
+        for (int t = 0; t < s; ++t)
+          if (p.streams[t].name == p.streams[s].name)
+            return " (streams " + std::to_string(t) + " and " + std::to_string(s) + " are both named " +
+                   quoted(p.streams[s].name) + ")";
+    }
+    if (problem.find("stream has an empty name") != std::string_view::npos) {
+      for (int s = 0; s < p.num_streams && s < kMaxStreams; ++s)
+        if (p.streams[s].name.empty()) return " (stream " + std::to_string(s) + ")";
+    }
+    if (problem.find("scalar has an empty name") != std::string_view::npos) {
+      for (int s = 0; s < p.num_scalars && s < kMaxScalars; ++s)
+        if (p.scalars[s].empty()) return " (scalar " + std::to_string(s) + ")";
+    }
+    return {};
+  }
+  const Instr& in = p.code[where];
+  const std::uint16_t ops[3] = {in.a, in.b, in.c};
+  const int arity = static_cast<int>(in.op) < kNumOps ? op_arity(in.op) : 0;
+  if (problem.find("not yet defined") != std::string_view::npos) {
+    for (int k = 0; k < arity; ++k)
+      if (ops[k] >= where)
+        return " (operand " + std::to_string(k + 1) + " is %" + std::to_string(ops[k]) + "; instruction " +
+               std::to_string(where) + (where == 0 ? " cannot use any value)" : " can use %0 to %" + std::to_string(where - 1) + ")");
+  }
+  if (problem.find("store, which has no value") != std::string_view::npos) {
+    for (int k = 0; k < arity; ++k)
+      if (ops[k] < where && !op_has_value(p.code[ops[k]].op))
+        return " (operand " + std::to_string(k + 1) + " is instruction " + std::to_string(ops[k]) + ": " +
+               instr_text(p, ops[k]) + ")";
+  }
+  if (problem.find("stream index") != std::string_view::npos)
+    return " (stream " + std::to_string(in.attr) + "; the program declares " + std::to_string(p.num_streams) + " streams)";
+  if (problem.find("scalar index") != std::string_view::npos)
+    return " (scalar " + std::to_string(in.attr) + "; the program declares " + std::to_string(p.num_scalars) + " scalars)";
+  if (in.op == Op::load || in.op == Op::store) {
+    if (in.attr < p.num_streams) return " (" + stream_label(p, in.attr) + ")";
+  }
+  if (problem.find("unknown dtype") != std::string_view::npos)
+    return " (dtype " + std::to_string(in.attr) + "; use f32 = 0, f16 = 1 or bf16 = 2)";
+  return {};
+}
+
+}  // namespace
+
 void validate(const Program& p) {
   int where = -1;
   const char* problem = find_problem(p, &where);
   if (problem == nullptr) return;
-  std::string msg = "update program '" + std::string(p.name) + "' is malformed: " + problem;
-  if (where >= 0) msg += std::string(" (instruction ").append(std::to_string(where)) + ": " + instr_text(p, where) + ")";
+  std::string msg = "update program " + quoted(p.name) + " is malformed";
+  if (where >= 0) {
+    // Names the op and the instruction: "at op 'mul' (instruction 3: %3 = mul %0, %4): ..."
+    msg += " at op " + quoted(op_name(p.code[where].op)) + " (instruction " + std::to_string(where) + ": " +
+           instr_text(p, where) + ")";
+  }
+  msg += std::string(": ") + problem + detail(p, where, problem);
   throw Error(ErrorCode::invalid_argument, msg);
 }
 
-void ProgramBuilder::fail(const char* what) {
-  throw Error(ErrorCode::invalid_argument, std::string("update program builder: ") + what + " (the limits are " +
-                                               std::to_string(kMaxStreams) + std::string(" streams, ").append(std::to_string(kMaxScalars)) +
-                                               std::string(" scalars, ").append(std::to_string(kMaxInstrs)) + " instructions)");
+void ProgramBuilder::fail(std::string_view program, const char* what, std::string_view name, Op op, int index) {
+  std::string msg = "update program builder " + quoted(program) + ": ";
+  const std::string_view w(what);
+  if (w == "too many instructions")
+    msg += "op " + quoted(op_name(op)) + " (instruction " + std::to_string(index) + ") does not fit: " + what +
+           " (a program holds at most " + std::to_string(kMaxInstrs) + " instructions)";
+  else if (w == "too many streams")
+    msg += "stream " + quoted(name) + " does not fit: " + what + " (a program declares at most " +
+           std::to_string(kMaxStreams) + " streams)";
+  else
+    msg += "scalar " + quoted(name) + " (declared by instruction " + std::to_string(index) + ", op 'scalar') does not fit: " +
+           what + " (a program declares at most " + std::to_string(kMaxScalars) + " scalars)";
+  throw Error(ErrorCode::invalid_argument, msg);
 }
 
 void ProgramBuilder::fail_validate(const Program& p) {

@@ -35,6 +35,7 @@ constexpr int kCxxVersion = STEPFUSE_VERSION;
 #undef STEPFUSE_VERSION_PATCH
 #undef STEPFUSE_VERSION
 #include "stepfuse/stepfuse.h"
+#include "runtime/c_api_support.hpp"
 static_assert(STEPFUSE_VERSION_MAJOR == kCxxVersionMajor && STEPFUSE_VERSION_MINOR == kCxxVersionMinor &&
                   STEPFUSE_VERSION_PATCH == kCxxVersionPatch && STEPFUSE_VERSION == kCxxVersion,
               "stepfuse.h and version.hpp disagree on the version: change both");
@@ -64,10 +65,7 @@ static_assert(std::is_same_v<ConfigOf<SF_SGD>, stepfuse::optim::SGD> &&
 
 // The handles. Each owns its C++ object; what the C side reads by pointer (names)
 // is kept here so it lives as long as the handle.
-struct sf_optimizer {
-  stepfuse::Optimizer opt;
-  std::vector<std::string> state_names;  // NUL-terminated copies of opt.state_names()
-};
+// sf_optimizer is in runtime/c_api_support.hpp (custom programs create it too).
 struct sf_grad_scaler {
   stepfuse::GradScaler scaler;
 };
@@ -376,6 +374,68 @@ void warning_bridge(std::string_view message) {
 }
 
 }  // namespace
+
+// ---- Shared with the other C ABI units (runtime/c_api_support.hpp) ---------------
+
+namespace stepfuse::c_api {
+
+sf_status guarded_call(const char* fn, void (*call)(void*), void* ctx) noexcept {
+  return guard(fn, [&] { call(ctx); });
+}
+
+void bad_argument(const char* fn, const std::string& message) { bad(fn, message); }
+
+int enum_int(const void* e) {
+  int v;
+  std::memcpy(&v, e, sizeof v);
+  return v;
+}
+
+std::vector<Param> to_params(const char* fn, const sf_param* params, std::size_t num_params) {
+  if (num_params > 0) need(fn, params, "params");
+  std::vector<Param> ps;
+  ps.reserve(num_params);
+  for (std::size_t i = 0; i < num_params; ++i) {
+    const std::string at = "params[" + std::to_string(i) + "]";
+    ps.push_back({to_view(fn, params[i].weight, at + ".weight"), to_view(fn, params[i].grad, at + ".grad")});
+  }
+  return ps;
+}
+
+OptimizerOptions to_options(const char* fn, const sf_optimizer_options* options) {
+  if (options == nullptr) return OptimizerOptions{};
+  check_size(fn, options, "options", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");
+  return to_cpp(fn, *options);
+}
+
+OptimizerConfig to_config(const char* fn, const sf_optimizer_config* config) {
+  check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+  return to_cpp(fn, *config);
+}
+
+sf_optimizer* make_optimizer(Optimizer&& opt) {
+  auto* h = new sf_optimizer{std::move(opt), {}};
+  try {
+    for (std::string_view n : h->opt.state_names()) h->state_names.emplace_back(n);
+  } catch (...) {
+    delete h;
+    throw;
+  }
+  return h;
+}
+
+void copy_text(const char* fn, const std::string& text, char* buf, std::size_t cap, std::size_t* needed) {
+  if (cap > 0) need(fn, buf, "buf");
+  const std::size_t size = text.size() + 1;
+  if (needed != nullptr) *needed = size;
+  if (buf == nullptr) return;  // cap == 0: a size query
+  copy_reason(text, buf, cap);
+  if (cap < size)
+    bad(fn, "cap = " + std::to_string(cap) + " is too small for the text (" + std::to_string(size) +
+                " bytes with the NUL; the buffer holds a truncated copy)");
+}
+
+}  // namespace stepfuse::c_api
 
 // ---- Entry points ---------------------------------------------------------------
 

@@ -44,6 +44,17 @@ std::vector<Hyper> hypers_of(const OptimizerConfig& config) {
   return h;
 }
 
+// A custom program's hyperparameters: "learning_rate" for a fixed scalar "lr", and
+// every fixed scalar under its own name (field = the scalar's name).
+std::vector<Hyper> custom_hypers(const UpdateProgram& p) {
+  std::vector<Hyper> h;
+  for (const ScalarDef& d : p.scalars()) {
+    if (d.rule.kind != ScalarRule::Kind::fixed) continue;
+    h.push_back({d.name == "lr" ? std::string_view("learning_rate") : std::string_view(d.name), d.name});
+  }
+  return h;
+}
+
 }  // namespace
 
 LossScaleOptimizer::LossScaleOptimizer(Optimizer& inner, bool dynamic, double initial_scale,
@@ -105,15 +116,19 @@ bool LossScaleOptimizer::minimize(const std::function<void(double loss_scale)>& 
 
 std::vector<std::string> LossScaleOptimizer::hyper_names() const {
   std::vector<std::string> names;
+  if (inner_->is_custom()) {
+    const UpdateProgram p = inner_->update_program();
+    for (const Hyper& h : custom_hypers(p)) names.emplace_back(h.keras);
+    return names;
+  }
   for (const Hyper& h : hypers_of(inner_->config())) names.emplace_back(h.keras);
   return names;
 }
 
 namespace {
 
-std::string_view field_for(const OptimizerConfig& config, std::string_view name) {
+std::string_view field_for(const std::vector<Hyper>& hypers, std::string_view optimizer, std::string_view name) {
   const std::string_view key = name == "lr" ? "learning_rate" : name;
-  const std::vector<Hyper> hypers = hypers_of(config);
   for (const Hyper& h : hypers)
     if (h.keras == key) return h.field;
   std::string known;
@@ -123,7 +138,7 @@ std::string_view field_for(const OptimizerConfig& config, std::string_view name)
   }
   std::string message = "'";
   message += name;
-  bad(message + "' is not a hyperparameter of the inner " + std::string(optimizer_name(config)) +
+  bad(message + "' is not a hyperparameter of the inner " + std::string(optimizer) +
       " optimizer (its hyperparameters: " + known +
       "; other settings are not delegated: read or change them through inner_optimizer().config() / set_config())");
 }
@@ -131,13 +146,22 @@ std::string_view field_for(const OptimizerConfig& config, std::string_view name)
 }  // namespace
 
 double LossScaleOptimizer::get_hyper(std::string_view name) const {
+  if (inner_->is_custom()) {  // a custom program's fixed scalars
+    const UpdateProgram p = inner_->update_program();
+    return inner_->scalar(field_for(custom_hypers(p), "custom update program '" + std::string(p.name()) + "'", name));
+  }
   OptimizerConfig config = inner_->config();
-  return *jit::find_number(config, field_for(config, name));
+  return *jit::find_number(config, field_for(hypers_of(config), optimizer_name(config), name));
 }
 
 void LossScaleOptimizer::set_hyper(std::string_view name, double value) {
+  if (inner_->is_custom()) {
+    const UpdateProgram p = inner_->update_program();
+    inner_->set_scalar(field_for(custom_hypers(p), "custom update program '" + std::string(p.name()) + "'", name), value);
+    return;
+  }
   OptimizerConfig config = inner_->config();
-  *jit::find_number(config, field_for(config, name)) = value;
+  *jit::find_number(config, field_for(hypers_of(config), optimizer_name(config), name)) = value;
   inner_->set_config(config);  // validates; nothing changes on an Error
 }
 

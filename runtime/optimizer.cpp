@@ -11,6 +11,8 @@ namespace stepfuse {
 
 Optimizer::Optimizer(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options)
     : engine_(std::make_unique<detail::StepEngine>(std::move(config), std::move(params), options)) {}
+Optimizer::Optimizer(UpdateProgram program, std::vector<Param> params, OptimizerOptions options)
+    : engine_(std::make_unique<detail::StepEngine>(std::move(program), std::move(params), options)) {}
 Optimizer::~Optimizer() = default;
 Optimizer::Optimizer(Optimizer&&) noexcept = default;
 Optimizer& Optimizer::operator=(Optimizer&&) noexcept = default;
@@ -21,13 +23,73 @@ StepResult Optimizer::step_scaled(double loss_scale) { return engine_->step(loss
 const OptimizerConfig& Optimizer::config() const { return engine_->config(); }
 void Optimizer::set_config(const OptimizerConfig& config) { engine_->set_config(config); }
 
+namespace {
+
+// A custom program's fixed scalar `lr` (set_lr / lr), or Error(invalid_state).
+void require_fixed_lr(const UpdateProgram& p) {
+  const int s = p.program().find_scalar("lr");
+  if (s < 0)
+    throw Error(ErrorCode::invalid_state, "lr: update program '" + std::string(p.name()) +
+                                              "' declares no scalar 'lr' (use scalar() / set_scalar() with its scalars' names)");
+  if (p.scalars()[s].rule.kind != ScalarRule::Kind::fixed)
+    throw Error(ErrorCode::invalid_state, "lr: scalar 'lr' of update program '" + std::string(p.name()) + "' has rule " +
+                                              std::string(scalar_rule_name(p.scalars()[s].rule.kind)) +
+                                              ", not a fixed value (use set_scalar_rule())");
+}
+
+}  // namespace
+
 void Optimizer::set_lr(double lr) {
+  if (const UpdateProgram* custom = engine_->custom_program()) {
+    require_fixed_lr(*custom);
+    if (!(std::isfinite(lr) && lr >= 0))
+      throw Error(ErrorCode::invalid_argument, "set_lr: lr = " + std::to_string(lr) + " (must be finite and >= 0)");
+    engine_->set_custom_rules(custom->with_value("lr", lr));
+    return;
+  }
   OptimizerConfig c = engine_->config();
   std::visit([&](auto& cfg) { cfg.lr = lr; }, c);
   engine_->set_config(c);  // validates (a negative or non-finite lr is an Error; nothing changes)
 }
 double Optimizer::lr() const {
+  if (const UpdateProgram* custom = engine_->custom_program()) {
+    require_fixed_lr(*custom);
+    return custom->scalar("lr").rule.a;
+  }
   return std::visit([](const auto& cfg) { return cfg.lr; }, engine_->config());
+}
+
+bool Optimizer::is_custom() const { return engine_->custom_program() != nullptr; }
+
+UpdateProgram Optimizer::update_program() const {
+  if (const UpdateProgram* custom = engine_->custom_program()) return *custom;
+  return UpdateProgram::from_config(engine_->config());
+}
+
+double Optimizer::scalar(std::string_view name) const {
+  const UpdateProgram p = update_program();
+  const ScalarDef& d = p.scalar(name);
+  if (d.rule.kind != ScalarRule::Kind::fixed)
+    throw Error(ErrorCode::invalid_argument, "scalar '" + std::string(name) + "' of update program '" +
+                                                 std::string(p.name()) + "' has rule " +
+                                                 std::string(scalar_rule_name(d.rule.kind)) +
+                                                 ", not a fixed value (update_program().scalar(name).rule has it)");
+  return d.rule.a;
+}
+
+void Optimizer::set_scalar(std::string_view name, double value) {
+  const UpdateProgram* custom = engine_->custom_program();
+  if (custom == nullptr)
+    throw Error(ErrorCode::invalid_state, "set_scalar: a built-in optimizer's scalars come from its config; use set_config()");
+  engine_->set_custom_rules(custom->with_value(name, value));  // validates first; nothing changes on an Error
+}
+
+void Optimizer::set_scalar_rule(std::string_view name, ScalarRule rule) {
+  const UpdateProgram* custom = engine_->custom_program();
+  if (custom == nullptr)
+    throw Error(ErrorCode::invalid_state,
+                "set_scalar_rule: a built-in optimizer's scalars come from its config; use set_config()");
+  engine_->set_custom_rules(custom->with_rule(name, rule));
 }
 
 std::int64_t Optimizer::step_count() const { return engine_->step_count(); }

@@ -7,6 +7,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "jit/update_program_rules.hpp"
 #include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
 
@@ -93,15 +94,45 @@ StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, Optimi
   builtin_ = jit::select_builtin(config_);
   program_ = &jit::builtin_program(builtin_);
   jit::scalar_rules(config_, *program_, rules_);
+  float init[kMaxStreams] = {};
+  for (int s = 0; s < program_->num_streams; ++s) init[s] = jit::initial_state_value(config_, *program_, s);
+  setup(init);
+}
 
+StepEngine::StepEngine(UpdateProgram program, std::vector<Param> params, OptimizerOptions options)
+    : custom_(std::make_unique<UpdateProgram>(std::move(program))), params_(std::move(params)), options_(options) {
+  validate_params(params_);
+  validate_options(options_);
+  program_ = &custom_->program();  // lives in custom_'s storage, as long as the engine
+  for (int s = 0; s < program_->num_scalars; ++s) rules_[s] = jit::device_rule(custom_->scalars()[s].rule);
+  float init[kMaxStreams] = {};
+  for (int s = 0; s < program_->num_streams; ++s) init[s] = program_->streams[s].init;
+  setup(init);
+}
+
+void StepEngine::no_config(const char* what) {
+  throw Error(ErrorCode::invalid_state, std::string(what) +
+                                            ": a custom-program optimizer has no OptimizerConfig; use scalar() / "
+                                            "set_scalar() (and lr() / set_lr() when the program has a fixed scalar 'lr')");
+}
+
+void StepEngine::set_custom_rules(const UpdateProgram& program) {
+  if (!custom_) throw Error(ErrorCode::invalid_state, "a built-in optimizer's scalars come from its config; use set_config()");
+  if (to_string(program.program()) != to_string(*program_))
+    bad_argument("the update program '" + std::string(program.name()) + "' is not the one this optimizer runs ('" +
+                 std::string(program_->name) + "'): only its scalar rules can change");
+  // Same program text: same scalars in the same order. Keep our storage (program_ points into it).
+  *custom_ = custom_->with_rules(program.scalars());
+  for (int s = 0; s < program_->num_scalars; ++s) rules_[s] = jit::device_rule(custom_->scalars()[s].rule);
+}
+
+void StepEngine::setup(const float* state_init) {
   std::vector<std::int64_t> numels;
   std::int64_t elements = 0;
   for (const Param& p : params_) numels.push_back(p.weight.numel), elements += p.weight.numel;
   if (options_.device.kind == Device::Kind::cuda) {
     // The device does the work; the host keeps only a copy of the state made on demand.
-    float init[kMaxStreams] = {};
-    for (int s = 0; s < program_->num_streams; ++s) init[s] = jit::initial_state_value(config_, *program_, s);
-    cuda_ = std::make_unique<CudaBackend>(*program_, params_, options_, init);
+    cuda_ = std::make_unique<CudaBackend>(*program_, params_, options_, state_init);
     offsets_ = cuda_->offsets();
     master_offsets_ = cuda_->master_offsets();
     total_ = cuda_->state_elems();
@@ -135,7 +166,7 @@ StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, Optimi
       const Chunk& ch = plan_.chunks[c];
       const std::int64_t at = offsets_[ch.tensor] + ch.begin;
       for (int s = 0; s < program_->num_streams; ++s)
-        if (state_[s].size()) std::fill_n(state_[s].data() + at, ch.len, jit::initial_state_value(config_, *program_, s));
+        if (state_[s].size()) std::fill_n(state_[s].data() + at, ch.len, state_init[s]);
       if (master_offsets_[ch.tensor] >= 0) {
         const Param& p = params_[ch.tensor];
         cpu::widen(p.weight.dtype, static_cast<const char*>(p.weight.data) + ch.begin * dtype_size(p.weight.dtype),
@@ -160,12 +191,14 @@ StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, Optimi
   const cpu::NormKind norm_kind = options_.norm_type == INFINITY ? cpu::NormKind::inf : cpu::NormKind::l2;
   std::vector<int> group_of_combo(cpu::kNumUpdateCombos, -1);
   kernels_.resize(params_.size());
+  // Custom programs have no compile-time fused kernel: the interpreter runs them in the fused pipeline.
+  fused_kernels_ = options_.fusion == Fusion::fused && !custom_;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const DType w = params_[i].weight.dtype, g = params_[i].grad.dtype;
     const bool m = master_offsets_[i] >= 0;
     TensorKernels& k = kernels_[i];
     k.reduce = cpu::reduce_kernel(g, norm_kind);
-    if (options_.fusion == Fusion::fused) {
+    if (fused_kernels_) {
       k.update = cpu::fused_update_kernel(builtin_, w, g, m);
       if (k.update == nullptr)
         throw Error(ErrorCode::unsupported, "no fused CPU kernel for " + std::string(program_->name) + " with " +
@@ -184,7 +217,7 @@ StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, Optimi
     k.group = group;
     k.interp = interpreters_[group].get();
   }
-  if (options_.fusion == Fusion::interpreted) {
+  if (options_.fusion != Fusion::unfused && !fused_kernels_) {  // interpreted (or a custom program, fused)
     scratch_ = AlignedBuffer(static_cast<std::size_t>(max_slots_) * cpu::Interpreter::kBlock * threads);
   } else if (options_.fusion == Fusion::unfused) {
     scratch_ = AlignedBuffer(static_cast<std::size_t>(max_slots_) * static_cast<std::size_t>(total_));
@@ -200,12 +233,14 @@ int StepEngine::state_stream(std::string_view name) const {
 }
 
 void StepEngine::set_config(const OptimizerConfig& config) {
+  if (custom_) no_config("set_config()");
   check_config(config);
   config_ = config;
   jit::scalar_rules(config_, *program_, rules_);
 }
 
 void StepEngine::check_config(const OptimizerConfig& config) const {
+  if (custom_) no_config("set_config()");
   if (config.index() != config_.index())
     bad_argument("set_config: the optimizer is " + std::string(optimizer_name(config_)) + " but the new config is " +
                  std::string(optimizer_name(config)) + " (build a new Optimizer to change the kind)");
@@ -254,7 +289,7 @@ StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
 }
 
 void StepEngine::update_fused() {
-  if (options_.fusion == Fusion::fused) {
+  if (fused_kernels_) {
     pool_->run([&](int t) {
       for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
         const Chunk& ch = plan_.chunks[c];

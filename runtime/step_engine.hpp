@@ -14,6 +14,7 @@
 #include "runtime/plan.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/optimizer.hpp"
+#include "stepfuse/update_program.hpp"
 
 namespace stepfuse::detail {
 
@@ -23,6 +24,10 @@ namespace stepfuse::detail {
 class StepEngine {
  public:
   StepEngine(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options);
+  // A custom update program: on the CPU the blocked interpreter runs it (in the
+  // fused pipeline: Fusion::fused and Fusion::interpreted are the same path for
+  // it), on CUDA the kernels generated for it.
+  StepEngine(UpdateProgram program, std::vector<Param> params, OptimizerOptions options);
 
   // loss_scale: 1 for a plain step. Returns what the step did (also kept in last()).
   // On CUDA the step is only enqueued: the result is pending until last() reads it.
@@ -33,8 +38,18 @@ class StepEngine {
   bool on_cuda() const { return cuda_ != nullptr; }
   CudaBackend* cuda() const { return cuda_.get(); }
 
-  const OptimizerConfig& config() const { return config_; }
+  // Built-ins only: Error(invalid_state) for a custom program.
+  const OptimizerConfig& config() const {
+    if (custom_) no_config("config()");
+    return config_;
+  }
   void set_config(const OptimizerConfig& config);
+  // The custom program (with its current scalar rules), or null for a built-in.
+  const UpdateProgram* custom_program() const { return custom_.get(); }
+  // Custom programs: replaces the scalar rules (same program, validated); takes
+  // effect at the next step, no recompilation. Error(invalid_argument) if `program`
+  // is another program; Error(invalid_state) for a built-in.
+  void set_custom_rules(const UpdateProgram& program);
   // Throws what set_config would throw for `config`, changing nothing.
   void check_config(const OptimizerConfig& config) const;
   const OptimizerOptions& options() const { return options_; }
@@ -73,11 +88,15 @@ class StepEngine {
   void update_fused();
   StepResult step_unfused(double loss_scale, bool scaled);
   double clip_coef(double norm) const;
+  void setup(const float* state_init);  // everything after the program and its rules are known
+  [[noreturn]] static void no_config(const char* what);
   void host_view() const;       // CUDA: makes the host copy of state and masters current
   void sync_host_to_device();   // CUDA: copies a host copy that may have changed back
 
-  OptimizerConfig config_;
-  jit::Builtin builtin_;
+  OptimizerConfig config_;                // built-ins
+  std::unique_ptr<UpdateProgram> custom_;  // custom programs (then config_ is unused)
+  bool fused_kernels_ = false;            // CPU: the compile-time fused kernels (built-ins, Fusion::fused)
+  jit::Builtin builtin_ = jit::Builtin::count;
   const Program* program_;
   std::vector<Param> params_;
   OptimizerOptions options_;
@@ -92,7 +111,7 @@ class StepEngine {
   mutable bool host_current_ = false;  // CUDA: the host copy equals the device's
   mutable bool host_touched_ = false;  // CUDA: the host copy was handed out since the last step
   std::vector<cpu::UpdateArgs> args_;  // per tensor; args_[t].scalars -> scalars_
-  sf_scalar_rule rules_[kMaxScalars] = {};  // the config's scalar rules (jit/step_scalars.h)
+  sf_scalar_rule rules_[kMaxScalars] = {};  // the config's (or custom program's) scalar rules (jit/step_scalars.h)
   float scalars_[kMaxScalars] = {};
   // Kernels per tensor: each tensor may have its own weight/grad dtypes.
   struct TensorKernels {

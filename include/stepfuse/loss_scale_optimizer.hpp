@@ -67,6 +67,8 @@ class LossScaleOptimizer {
   // alpha). Anything else (e.g. "epsilon", which Keras does not treat as a
   // hyperparameter) is Error(invalid_argument): read or set it on the inner
   // optimizer's config. set_hyper validates as Optimizer::set_config does.
+  // A custom-program inner optimizer's hyperparameters are its fixed scalars, each
+  // under its own name, "lr" being "learning_rate" (Optimizer::scalar / set_scalar).
   double get_hyper(std::string_view name) const;
   void set_hyper(std::string_view name, double value);
   std::vector<std::string> hyper_names() const;  // the names get_hyper accepts, without aliases

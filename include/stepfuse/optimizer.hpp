@@ -12,6 +12,7 @@
 
 #include "stepfuse/optim.hpp"
 #include "stepfuse/types.hpp"
+#include "stepfuse/update_program.hpp"
 
 namespace stepfuse {
 
@@ -75,6 +76,14 @@ class Optimizer {
   // numel > 0, a weight/grad size mismatch, or an unsupported dtype combination;
   // Error(unsupported) for a device this build or machine cannot use.
   Optimizer(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options = {});
+  // A custom update program (update_program.hpp; docs/update-programs.md), with the
+  // same pipeline as the built-ins: unscale, inf/NaN check, clipping, GradScaler and
+  // LossScaleOptimizer work unchanged. On the CPU the blocked interpreter runs the
+  // program inside the fused pipeline (Fusion::fused and Fusion::interpreted are the
+  // same path here; Fusion::unfused is the eager baseline, as for built-ins); on
+  // CUDA, kernels generated for it. State streams start at their StreamDecl::init.
+  // Throws as the other constructor does (the program was validated when built).
+  Optimizer(UpdateProgram program, std::vector<Param> params, OptimizerOptions options = {});
   ~Optimizer();
   Optimizer(Optimizer&&) noexcept;
   Optimizer& operator=(Optimizer&&) noexcept;
@@ -92,13 +101,33 @@ class Optimizer {
   // This is the entry GradScaler and LossScaleOptimizer use.
   StepResult step_scaled(double loss_scale);
 
+  // Built-in optimizers only: on a custom-program optimizer config() and
+  // set_config() throw Error(invalid_state) (use scalar() / set_scalar()).
   const OptimizerConfig& config() const;
   // Same optimizer kind (Error otherwise); takes effect at the next step, no recompilation.
   // Changing a flag that changes the program (amsgrad, nesterov, centered, momentum
   // on/off) is an Error: build a new Optimizer for that.
   void set_config(const OptimizerConfig& config);
+  // The learning rate: the config's lr; for a custom program, its scalar "lr",
+  // which must have the fixed rule (Error(invalid_state) otherwise; scalars whose
+  // rules use a learning rate, such as a bias-corrected step size, are changed
+  // with set_scalar_rule()). A negative or non-finite lr is Error(invalid_argument).
   void set_lr(double lr);
   double lr() const;
+
+  // Custom update programs.
+  bool is_custom() const;
+  // The update program and its current scalar rules (built-ins: UpdateProgram::from_config(config())).
+  UpdateProgram update_program() const;
+  // The value of a fixed scalar (the rule's a). Error(invalid_argument) naming the
+  // scalar if the program has none of that name or its rule is not fixed.
+  double scalar(std::string_view name) const;
+  // Custom programs: sets a fixed scalar's value (must be finite), or replaces a
+  // scalar's rule; in effect at the next step, never recompiling (scalars are kernel
+  // arguments). Error(invalid_state) on a built-in (use set_config()), nothing changes
+  // on an Error.
+  void set_scalar(std::string_view name, double value);
+  void set_scalar_rule(std::string_view name, ScalarRule rule);
 
   std::int64_t step_count() const;  // steps applied (skipped steps do not count)
   // Norm of the unscaled grads seen by the last step; +inf when they were not finite;
@@ -128,6 +157,9 @@ class Optimizer {
   // `path`, so a crash leaves the old file or the new one, never a mix. The file
   // carries a format version and a checksum. The weights themselves are the
   // caller's (save them with the model).
+  //
+  // Custom programs: the file holds the program's text and scalar rules; load()
+  // requires the same program text and restores the rules.
   //
   // load() reads a file written by save() for an optimizer of the same kind, update
   // program, tensor sizes and dtypes, and restores all of it (hyperparameters

@@ -129,15 +129,18 @@ class ProgramBuilder {
   constexpr explicit ProgramBuilder(std::string_view name) { p_.name = name; }
 
   constexpr Stream stream(std::string_view name, StreamRole role, float init = 0.0f) {
-    if (p_.num_streams >= kMaxStreams) overflow_ = "too many streams";
-    else p_.streams[p_.num_streams] = {name, role, init};
+    if (p_.num_streams >= kMaxStreams) {
+      note_overflow("too many streams", name);
+      return Stream{0};
+    }
+    p_.streams[p_.num_streams] = {name, role, init};
     return Stream{p_.num_streams++};
   }
   // Declares (or finds) a named per-step scalar and returns its value.
   constexpr Value scalar(std::string_view name) {
     int s = p_.find_scalar(name);
     if (s < 0) {
-      if (p_.num_scalars >= kMaxScalars) { overflow_ = "too many scalars"; s = 0; }
+      if (p_.num_scalars >= kMaxScalars) { note_overflow("too many scalars", name); s = 0; }
       else { s = p_.num_scalars; p_.scalars[p_.num_scalars++] = name; }
     }
     return emit({Op::scalar, static_cast<std::uint8_t>(s)});
@@ -167,7 +170,7 @@ class ProgramBuilder {
   // The finished program. At compile time a malformed program is a compile
   // error; at run time it throws Error(invalid_argument) saying what is wrong.
   constexpr Program build() const {
-    if (overflow_ != nullptr) fail(overflow_);
+    if (overflow_ != nullptr) fail(p_.name, overflow_, overflow_name_, overflow_op_, overflow_index_);
     int where = -1;
     if (find_problem(p_, &where) != nullptr) fail_validate(p_);
     return p_;
@@ -175,15 +178,31 @@ class ProgramBuilder {
 
  private:
   constexpr Value emit(Instr i) {
-    if (p_.num_instrs >= kMaxInstrs) { overflow_ = "too many instructions"; return Value{0}; }
+    if (p_.num_instrs >= kMaxInstrs) {
+      if (overflow_ == nullptr) overflow_ = "too many instructions", overflow_op_ = i.op, overflow_index_ = attempted_;
+      ++attempted_;
+      return Value{0};
+    }
+    ++attempted_;
     p_.code[p_.num_instrs] = i;
     return Value{p_.num_instrs++};
   }
-  [[noreturn]] static void fail(const char* what);
+  // Remembers the first capacity overflow (a stream or scalar declaration), for build().
+  constexpr void note_overflow(const char* what, std::string_view name) {
+    if (overflow_ != nullptr) return;
+    overflow_ = what, overflow_name_ = name, overflow_index_ = attempted_;
+  }
+  // Says which declaration or instruction went over which limit: the op's name and
+  // index for instructions, the name for streams and scalars.
+  [[noreturn]] static void fail(std::string_view program, const char* what, std::string_view name, Op op, int index);
   [[noreturn]] static void fail_validate(const Program& p);
 
   Program p_{};
   const char* overflow_ = nullptr;
+  std::string_view overflow_name_;  // the stream or scalar that did not fit
+  Op overflow_op_ = Op::constant;   // the instruction that did not fit
+  int overflow_index_ = 0;          // its index (instructions emitted before it)
+  int attempted_ = 0;               // instructions emitted, including those that did not fit
 };
 
 constexpr const char* find_problem(const Program& p, int* where) {

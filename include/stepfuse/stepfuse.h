@@ -468,14 +468,187 @@ STEPFUSE_API sf_status sf_loss_scale_optimizer_set_hyper(sf_loss_scale_optimizer
 STEPFUSE_API sf_status sf_loss_scale_optimizer_save(const sf_loss_scale_optimizer* lso, const char* path);
 STEPFUSE_API sf_status sf_loss_scale_optimizer_load(sf_loss_scale_optimizer* lso, const char* path);
 
-/* ---- Reserved: custom update programs -------------------------------------------
- * Custom update programs (stepfuse::Program / ProgramBuilder, program.hpp) are not yet
- * accepted by the Optimizer. When they are, their C interface goes here: an opaque
- * sf_program built op by op (sf_program_builder_*), sf_program_text, an
- * sf_optimizer_create_with_program taking an sf_program and its scalar values, and the
- * emit APIs (generated CUDA / C source of a program into a caller buffer, with the
- * required-size protocol of sf_optimizer_program_text). The names sf_program* and
- * sf_emit* are reserved for them. */
+/* ---- Custom update programs (stepfuse/update_program.hpp; docs/update-programs.md) ----
+ *
+ * An update program is an optimizer's math as a straight-line list of elementwise fp32
+ * ops over streams (the gradient, the parameter, optimizer state) and per-step scalars.
+ * Build one op by op with an sf_program_builder, then sf_program_builder_build() it into
+ * an immutable, validated sf_program, and create an optimizer running it with
+ * sf_optimizer_create_custom(): unscaling, the inf/NaN check, clipping and the loss
+ * scalers work as for the built-ins. Ops refer to earlier ops' values by the sf_value
+ * ids the builder returns. */
+
+typedef struct sf_program sf_program;
+typedef struct sf_program_builder sf_program_builder;
+
+/* An op's result: its instruction index. */
+typedef uint32_t sf_value;
+
+typedef enum sf_stream_role {
+  SF_ROLE_GRAD = 0,  /* the gradient: loaded (widened to fp32, not yet unscaled), never stored */
+  SF_ROLE_PARAM = 1, /* the parameter's fp32 value (the master copy when masters are kept) */
+  SF_ROLE_STATE = 2  /* optimizer state, fp32, owned by the optimizer, starting at its init */
+} sf_stream_role;
+
+/* How a scalar gets its value for applying step t (1-based); gscale is the step's
+ * gradient multiplier (clip coefficient / loss scale). Evaluated in double, rounded
+ * once to fp32; never compiled into a kernel. */
+typedef enum sf_scalar_rule_kind {
+  SF_SCALAR_FIXED = 0,              /* a: a hyperparameter (sf_optimizer_set_scalar changes it) */
+  SF_SCALAR_GSCALE = 1,             /* a * gscale: the gradient multiplier (a = 1; -1 to maximize) */
+  SF_SCALAR_FIRST_STEP = 2,         /* t == 1 ? a : b */
+  SF_SCALAR_DIV_ONE_MINUS_POW = 3,  /* a / (1 - b^t): Adam's lr / bias_correction1 */
+  SF_SCALAR_SQRT_ONE_MINUS_POW = 4, /* sqrt(1 - b^t): Adam's sqrt(bias_correction2) */
+  SF_SCALAR_DIV_LINEAR = 5          /* a / (1 + (t - 1) * b): Adagrad's lr decay */
+} sf_scalar_rule_kind;
+
+/* The value ops (load, store, const, scalar and convert have their own functions).
+ * The values are stepfuse::Op's. */
+typedef enum sf_op {
+  SF_OP_ADD = 4,
+  SF_OP_SUB = 5,
+  SF_OP_MUL = 6,
+  SF_OP_DIV = 7,
+  SF_OP_FMA = 8,    /* a * b + c, one rounding */
+  SF_OP_NEG = 9,
+  SF_OP_ABS = 10,
+  SF_OP_SQRT = 11,
+  SF_OP_MAX = 12,   /* a < b ? b : a: a NaN a is kept, a NaN b is not; ties (-0, +0) give a */
+  SF_OP_MIN = 13,   /* b < a ? b : a: the same NaN and tie rules */
+  SF_OP_SIGN = 14,  /* -1, 0 or +1; NaN stays NaN; -0 gives +0 */
+  SF_OP_SELECT = 15, /* a != 0 ? b : c */
+  SF_OP_LT = 16,    /* a < b ? 1 : 0 */
+  SF_OP_LE = 17,    /* a <= b ? 1 : 0 */
+  SF_OP_EQ = 18     /* a == b ? 1 : 0 */
+} sf_op;
+
+/* A new, empty builder for a program called `name` (an identifier; copied). */
+STEPFUSE_API sf_status sf_program_builder_create(const char* name, sf_program_builder** out);
+/* NULL is a no-op. */
+STEPFUSE_API void sf_program_builder_destroy(sf_program_builder* builder);
+/* Declares a stream (name copied; init: a state stream's initial value, else 0) and
+ * writes its index to *stream. */
+STEPFUSE_API sf_status sf_program_builder_stream(sf_program_builder* builder, const char* name, sf_stream_role role,
+                                                 float init, int* stream);
+/* Declares the scalar `name` with its rule (or, declared before, requires the same
+ * rule) and emits its value. */
+STEPFUSE_API sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* name,
+                                                 sf_scalar_rule_kind rule, double a, double b, sf_value* out);
+/* v = stream[i] */
+STEPFUSE_API sf_status sf_program_builder_load(sf_program_builder* builder, int stream, sf_value* out);
+/* stream[i] = v (each stream at most once; never the gradient; the param stream exactly once). */
+STEPFUSE_API sf_status sf_program_builder_store(sf_program_builder* builder, int stream, sf_value value);
+/* v = x */
+STEPFUSE_API sf_status sf_program_builder_constant(sf_program_builder* builder, float x, sf_value* out);
+/* v = op(a[, b[, c]]): operands past the op's arity are ignored (pass 0). */
+STEPFUSE_API sf_status sf_program_builder_op(sf_program_builder* builder, sf_op op, sf_value a, sf_value b, sf_value c,
+                                             sf_value* out);
+/* v = a rounded to `to` (round to nearest even) and widened back to fp32. */
+STEPFUSE_API sf_status sf_program_builder_convert(sf_program_builder* builder, sf_value a, sf_dtype to, sf_value* out);
+/* Validates what was built and makes an immutable program (the builder is unchanged
+ * and may go on). A malformed program is SF_INVALID_ARGUMENT whose message names the
+ * op, its instruction index and the problem: an operand not defined yet, a load after
+ * a store to the same stream, a store to the gradient, a stream stored twice, no
+ * store of the param stream, not exactly one grad and one param stream, more than 64
+ * instructions, 8 streams or 16 scalars, no scalar with the gscale rule, a bad rule
+ * parameter, a name that is not an identifier. */
+STEPFUSE_API sf_status sf_program_builder_build(const sf_program_builder* builder, sf_program** out);
+/* NULL is a no-op. An optimizer created from a program does not need it afterwards. */
+STEPFUSE_API void sf_program_destroy(sf_program* program);
+/* The program's listing and scalar rules as text (the size protocol of
+ * sf_optimizer_program_text). */
+STEPFUSE_API sf_status sf_program_text(const sf_program* program, char* buf, size_t cap, size_t* needed);
+
+/* As sf_optimizer_create, running a custom program. sf_optimizer_get_config and
+ * sf_optimizer_set_config are then SF_INVALID_STATE; sf_optimizer_get_lr/set_lr work
+ * when the program has a scalar "lr" with the fixed rule. On the CPU the interpreter
+ * runs the program inside the fused pipeline (SF_FUSION_FUSED and
+ * SF_FUSION_INTERPRETED are the same); on a GPU, generated kernels. */
+STEPFUSE_API sf_status sf_optimizer_create_custom(const sf_program* program, const sf_param* params, size_t num_params,
+                                                  const sf_optimizer_options* options, sf_optimizer** out);
+/* A fixed scalar's value; set takes effect at the next step, without recompiling.
+ * SF_INVALID_ARGUMENT naming the scalar for an unknown name, a scalar whose rule is
+ * not fixed, or a non-finite value; set on a built-in optimizer is SF_INVALID_STATE. */
+STEPFUSE_API sf_status sf_optimizer_get_scalar(const sf_optimizer* opt, const char* name, double* value);
+STEPFUSE_API sf_status sf_optimizer_set_scalar(sf_optimizer* opt, const char* name, double value);
+
+/* ---- Emit: kernels for a compiler to link and launch itself (stepfuse/emit.hpp) ----
+ *
+ * The step kernels of a spec as CUDA C++ source, CUBIN or PTX (NVRTC; no GPU needed),
+ * a JSON description of their ABI and the C header of the structs it names
+ * (stepfuse/device_abi.h); and the tables of a concrete tensor list. */
+
+typedef enum sf_emit_target {
+  SF_EMIT_CUBIN = 0, /* sm_XY machine code */
+  SF_EMIT_PTX = 1,   /* compute_XY PTX, for the driver to compile for that or a newer GPU */
+  SF_EMIT_CPU = 2    /* needs the LLVM backend, which is not built: SF_UNSUPPORTED */
+} sf_emit_target;
+
+/* One tensor's storage. */
+typedef struct sf_emit_tensor {
+  sf_dtype weight;
+  sf_dtype grad;
+  bool master; /* fp32 master weights beside f16/bf16 weights */
+} sf_emit_tensor;
+
+typedef struct sf_emit_request {
+  uint32_t struct_size;              /* set by sf_emit_request_init */
+  const sf_program* program;         /* a custom program, or NULL and: */
+  const sf_optimizer_config* config; /* a built-in optimizer's config */
+  const sf_emit_tensor* tensors;     /* one per tensor, in order */
+  size_t num_tensors;
+  bool flat;      /* consecutive views of one weight and one grad buffer (one storage) */
+  bool aligned16; /* every base allows 4-element vector accesses */
+  sf_norm_type norm_type;
+  sf_emit_target target; /* default SF_EMIT_CUBIN */
+  int sm;                /* compute capability major*10 + minor; default 90 */
+  bool compile;          /* default true; false: source and ABI only (no NVRTC needed) */
+} sf_emit_request;
+
+/* Sets struct_size and the defaults (everything else 0/NULL). */
+STEPFUSE_API void sf_emit_request_init(sf_emit_request* request);
+
+typedef struct sf_emitted_kernel sf_emitted_kernel;
+typedef enum sf_emitted_part {
+  SF_EMITTED_SOURCE = 0,     /* CUDA C++, kernels sf_reduce and sf_update */
+  SF_EMITTED_BINARY = 1,     /* CUBIN (binary: use the size) or PTX; empty when not compiled */
+  SF_EMITTED_ABI_JSON = 2,   /* the kernel ABI description (JSON) */
+  SF_EMITTED_ABI_HEADER = 3, /* the C header of the ABI's structs (stepfuse/device_abi.h) */
+  SF_EMITTED_ARCH = 4        /* "sm_90" or "compute_90" */
+} sf_emitted_part;
+
+/* Generates (and compiles) the kernels. SF_INVALID_ARGUMENT for a bad request,
+ * SF_UNSUPPORTED for SF_EMIT_CPU or without NVRTC, SF_COMPILE_FAILED with the log. */
+STEPFUSE_API sf_status sf_emit(const sf_emit_request* request, sf_emitted_kernel** out);
+STEPFUSE_API void sf_emitted_kernel_destroy(sf_emitted_kernel* kernel);
+/* *data points into the kernel (NUL-terminated; *size excludes the NUL), valid until
+ * it is destroyed. */
+STEPFUSE_API sf_status sf_emitted_kernel_part(const sf_emitted_kernel* kernel, sf_emitted_part part, const char** data,
+                                              size_t* size);
+
+typedef struct sf_kernel_tables sf_kernel_tables;
+/* The tables and launch shapes of a tensor list (numels[i]: tensor i's elements). The
+ * arrays point into the handle, valid until it is destroyed; the tensor table's
+ * pointers are NULL, for the caller to fill with device addresses. */
+typedef struct sf_kernel_tables_info {
+  uint32_t struct_size;      /* set by sf_kernel_tables_info_init */
+  const void* tensors;       /* num_tensors sf_tensor (stepfuse/device_abi.h) */
+  size_t num_tensors;
+  const int64_t* master_offsets; /* num_tensors: offset in the master buffer, or -1 */
+  const void* chunks;        /* num_chunks sf_span: sf_reduce's chunk table */
+  size_t num_chunks;
+  const void* blocks;        /* num_blocks sf_span: sf_update's block table (table layout) */
+  size_t num_blocks;
+  int64_t state_elems, master_elems, flat_numel;
+  uint32_t reduce_grid, reduce_block, update_grid, update_block;
+  size_t partials_bytes, tensor_sums_bytes, step_state_bytes;
+} sf_kernel_tables_info;
+STEPFUSE_API void sf_kernel_tables_info_init(sf_kernel_tables_info* info);
+/* The request's target and compile fields are not used. */
+STEPFUSE_API sf_status sf_emit_tables(const sf_emit_request* request, const int64_t* numels, size_t count,
+                                      sf_kernel_tables** out);
+STEPFUSE_API sf_status sf_kernel_tables_get(const sf_kernel_tables* tables, sf_kernel_tables_info* info);
+STEPFUSE_API void sf_kernel_tables_destroy(sf_kernel_tables* tables);
 
 #ifdef __cplusplus
 } /* extern "C" */

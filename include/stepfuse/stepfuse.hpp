@@ -3,6 +3,7 @@
 
 #include "stepfuse/convert.hpp"
 #include "stepfuse/cuda.hpp"
+#include "stepfuse/emit.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/grad_scaler.hpp"
 #include "stepfuse/loss_scale_optimizer.hpp"
@@ -10,4 +11,5 @@
 #include "stepfuse/optimizer.hpp"
 #include "stepfuse/program.hpp"
 #include "stepfuse/types.hpp"
+#include "stepfuse/update_program.hpp"
 #include "stepfuse/version.hpp"

@@ -58,7 +58,9 @@ HWY_INLINE V Ternary(D d, V a, V b, V c) {
   if constexpr (kOp == Op::fma) return hn::MulAdd(a, b, c);
   else {
     static_assert(kOp == Op::select, "ternary op");
-    return hn::IfThenElse(hn::Ne(a, hn::Zero(d)), b, c);
+    // a != 0 ? b : c, a NaN selecting b as in C. Written with Eq: Highway's Ne is an
+    // ordered compare on AVX2/AVX3 (NaN != 0 is false there) but not on SSE4/scalar.
+    return hn::IfThenElse(hn::Eq(a, hn::Zero(d)), c, b);
   }
 }
 

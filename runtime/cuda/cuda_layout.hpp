@@ -39,4 +39,17 @@ struct CudaLayout {
 // aligned for 4-element vector accesses (16 bytes for f32, 8 for f16/bf16).
 CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options);
 
+// One tensor as the kernels see it, without its pointers.
+struct CudaTensorShape {
+  std::int64_t numel = 0;
+  jit::CudaCombo combo;
+};
+// The same layout from sizes and storage only, for a spec whose layout class
+// (flat, aligned16) and norm the caller has decided: the tables' pointers (grad,
+// weight, master) are null, for the caller to fill. What the emit API gives a
+// compiler that launches the kernels itself (stepfuse/emit.hpp). The caller checks
+// that a flat spec has one combination.
+CudaLayout plan_cuda_layout(const Program& program, const std::vector<CudaTensorShape>& tensors, jit::CudaNorm norm,
+                            bool flat, bool aligned16);
+
 }  // namespace stepfuse::detail

@@ -1,6 +1,7 @@
 /* The C ABI (include/stepfuse/stepfuse.h) tested from C: compiled as C11, so the header
  * is checked as C and nothing here can reach the C++ API. Results are checked against
  * closed forms computed here in double (the AdamW first step, SGD, the scale rules). */
+#include <stepfuse/device_abi.h> /* the emitted kernels' structs, for the tables */
 #include <stepfuse/stepfuse.h>
 
 #include <math.h>
@@ -912,6 +913,369 @@ static void test_warning_handler(void) {
   sf_set_warning_handler(NULL, NULL);
 }
 
+/* ---- Custom update programs: a Lion variant built op by op ------------------------ */
+
+/* Lion with a soft sign: where |c| <= tau the update is c / tau instead of sign(c).
+ *   c = beta1*m + (1-beta1)*g;  p = p*decay - lr*u;  m = beta2*m + (1-beta2)*g,  g = grad*gscale */
+enum { kLionBeta1, kLionBeta2, kLionDecay, kLionTau };
+static const double kLion[] = {0.9, 0.99, 1.0 - 0.05 * 0.1, 0.02};
+static const double kLionLr = 0.05;
+
+static sf_program* build_lion_soft_sign(void) {
+  sf_program_builder* b = NULL;
+  CHECK_OK(sf_program_builder_create("lion_soft_sign", &b));
+  int grad = -1, param = -1, exp_avg = -1;
+  CHECK_OK(sf_program_builder_stream(b, "grad", SF_ROLE_GRAD, 0.0f, &grad));
+  CHECK_OK(sf_program_builder_stream(b, "param", SF_ROLE_PARAM, 0.0f, &param));
+  CHECK_OK(sf_program_builder_stream(b, "exp_avg", SF_ROLE_STATE, 0.0f, &exp_avg));
+  sf_value v[32];
+  CHECK_OK(sf_program_builder_load(b, grad, &v[0]));
+  CHECK_OK(sf_program_builder_scalar(b, "gscale", SF_SCALAR_GSCALE, 1.0, 0.0, &v[1]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[0], v[1], 0, &v[2])); /* g */
+  CHECK_OK(sf_program_builder_load(b, exp_avg, &v[3]));                /* m */
+  CHECK_OK(sf_program_builder_scalar(b, "beta1", SF_SCALAR_FIXED, kLion[kLionBeta1], 0.0, &v[4]));
+  CHECK_OK(sf_program_builder_scalar(b, "one_minus_beta1", SF_SCALAR_FIXED, 1.0 - kLion[kLionBeta1], 0.0, &v[5]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[4], v[3], 0, &v[6]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[5], v[2], 0, &v[7]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_ADD, v[6], v[7], 0, &v[8])); /* c */
+  CHECK_OK(sf_program_builder_scalar(b, "tau", SF_SCALAR_FIXED, kLion[kLionTau], 0.0, &v[9]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_ABS, v[8], 0, 0, &v[10]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_LT, v[9], v[10], 0, &v[11]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_SIGN, v[8], 0, 0, &v[12]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_DIV, v[8], v[9], 0, &v[13]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_SELECT, v[11], v[12], v[13], &v[14])); /* u */
+  CHECK_OK(sf_program_builder_load(b, param, &v[15]));
+  CHECK_OK(sf_program_builder_scalar(b, "decay", SF_SCALAR_FIXED, kLion[kLionDecay], 0.0, &v[16]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[15], v[16], 0, &v[17]));
+  CHECK_OK(sf_program_builder_scalar(b, "lr", SF_SCALAR_FIXED, kLionLr, 0.0, &v[18]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[18], v[14], 0, &v[19]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_SUB, v[17], v[19], 0, &v[20]));
+  CHECK_OK(sf_program_builder_store(b, param, v[20]));
+  CHECK_OK(sf_program_builder_scalar(b, "beta2", SF_SCALAR_FIXED, kLion[kLionBeta2], 0.0, &v[21]));
+  CHECK_OK(sf_program_builder_scalar(b, "one_minus_beta2", SF_SCALAR_FIXED, 1.0 - kLion[kLionBeta2], 0.0, &v[22]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[21], v[3], 0, &v[23]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[22], v[2], 0, &v[24]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_ADD, v[23], v[24], 0, &v[25]));
+  CHECK_OK(sf_program_builder_store(b, exp_avg, v[25]));
+  CHECK(v[25] == 26); /* ids are instruction indexes (the store of param is 21) */
+  sf_program* prog = NULL;
+  CHECK_OK(sf_program_builder_build(b, &prog));
+  sf_program_builder_destroy(b);
+  return prog;
+}
+
+/* One element of a step from m = 0, in double; *ambiguous when |c| is within fp32
+ * rounding of tau (either branch may be taken). */
+static void lion_first_step(double p, double g, double lr, double* p_out, double* m_out, bool* ambiguous) {
+  const double c = (1.0 - kLion[kLionBeta1]) * g;
+  const double tau = kLion[kLionTau];
+  *ambiguous = fabs(fabs(c) - tau) < 1e-5 * tau;
+  const double u = fabs(c) > tau ? (c > 0 ? 1.0 : -1.0) : c / tau;
+  *p_out = p * kLion[kLionDecay] - lr * u;
+  *m_out = (1.0 - kLion[kLionBeta2]) * g;
+}
+
+static void test_custom_program(void) {
+  sf_program* prog = build_lion_soft_sign();
+  CHECK(prog != NULL);
+  if (prog == NULL) return;
+  size_t needed = 0;
+  CHECK_OK(sf_program_text(prog, NULL, 0, &needed));
+  char text[4096];
+  CHECK(needed > 0 && needed < sizeof text);
+  CHECK_OK(sf_program_text(prog, text, sizeof text, NULL));
+  CHECK(starts_with(text, "program lion_soft_sign\n"));
+  CHECK(strstr(text, "  %14 = select %11, %12, %13\n") != NULL);
+  CHECK(strstr(text, "scalars\n  gscale = gscale * 1\n") != NULL);
+
+  static float w[2][kN0], g[2][kN0], w0[2][kN0], g_true[2][kN0];
+  const int64_t n[2] = {kN0, kN1};
+  for (int t = 0; t < 2; ++t)
+    for (int64_t i = 0; i < n[t]; ++i) {
+      w[t][i] = w0[t][i] = bf16_value(0.5, 1.5);
+      g_true[t][i] = bf16_value(0.01, 0.5); /* (1-beta1)*g spans tau = 0.02 */
+    }
+  sf_param params[2] = {{view_f32(w[0], n[0]), view_f32(g[0], n[0])}, {view_f32(w[1], n[1]), view_f32(g[1], n[1])}};
+  sf_optimizer_options opts;
+  sf_optimizer_options_init(&opts);
+  opts.has_max_grad_norm = true;
+  opts.max_grad_norm = 1e6; /* clipping on, not binding: the reduce pass runs */
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create_custom(prog, params, 2, &opts, &opt));
+  sf_program_destroy(prog); /* the optimizer keeps its own copy */
+  if (opt == NULL) return;
+
+  /* The loss-scaled first step against the closed form. */
+  const double S = 1024.0;
+  for (int t = 0; t < 2; ++t)
+    for (int64_t i = 0; i < n[t]; ++i) g[t][i] = (float)(g_true[t][i] * S);
+  sf_step_result r;
+  sf_step_result_init(&r);
+  CHECK_OK(sf_optimizer_step_scaled(opt, S, &r));
+  CHECK(r.applied && !r.found_inf && r.clip_coef == 1.0);
+  int bad = 0, skipped = 0;
+  for (int t = 0; t < 2; ++t) {
+    const float* m = NULL;
+    int64_t numel = 0;
+    CHECK_OK(sf_optimizer_state(opt, (size_t)t, "exp_avg", &m, &numel));
+    CHECK(numel == n[t]);
+    for (int64_t i = 0; i < n[t]; ++i) {
+      double p_want, m_want;
+      bool ambiguous;
+      lion_first_step(w0[t][i], g_true[t][i], kLionLr, &p_want, &m_want, &ambiguous);
+      if (ambiguous) {
+        ++skipped;
+        continue;
+      }
+      if (fabs(w[t][i] - p_want) > 1e-6 * fabs(p_want) + 1e-7 || !close_rel(m[i], m_want, 1e-5)) ++bad;
+    }
+  }
+  CHECK(bad == 0);
+  CHECK(skipped < 10);
+
+  /* Scalars: lr through get/set_lr (a fixed "lr" scalar), others by name; no config. */
+  double lr = 0;
+  CHECK_OK(sf_optimizer_get_lr(opt, &lr));
+  CHECK(lr == kLionLr);
+  CHECK_OK(sf_optimizer_set_lr(opt, 0.01));
+  CHECK_OK(sf_optimizer_get_scalar(opt, "lr", &lr));
+  CHECK(lr == 0.01);
+  double tau = 0;
+  CHECK_OK(sf_optimizer_get_scalar(opt, "tau", &tau));
+  CHECK(tau == kLion[kLionTau]);
+  CHECK_OK(sf_optimizer_set_scalar(opt, "tau", 0.03));
+  CHECK_FAILS(sf_optimizer_set_scalar(opt, "gscale", 2.0), SF_INVALID_ARGUMENT, "has rule gscale");
+  CHECK_FAILS(sf_optimizer_set_scalar(opt, "eps", 2.0), SF_INVALID_ARGUMENT, "no scalar 'eps'");
+  CHECK_FAILS(sf_optimizer_get_scalar(opt, NULL, &tau), SF_INVALID_ARGUMENT, "sf_optimizer_get_scalar: name is NULL");
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_LION);
+  CHECK_FAILS(sf_optimizer_get_config(opt, &cfg), SF_INVALID_STATE, "has no OptimizerConfig");
+  CHECK_FAILS(sf_optimizer_set_config(opt, &cfg), SF_INVALID_STATE, "has no OptimizerConfig");
+  char ptext[4096];
+  CHECK_OK(sf_optimizer_program_text(opt, ptext, sizeof ptext, NULL));
+  CHECK(starts_with(ptext, "program lion_soft_sign\n"));
+
+  /* A GradScaler over it: an inf is skipped, writing nothing. */
+  sf_grad_scaler_options so;
+  sf_grad_scaler_options_init(&so);
+  so.device = "cpu";
+  so.init_scale = 256.0;
+  sf_grad_scaler* scaler = NULL;
+  CHECK_OK(sf_grad_scaler_create(&so, &scaler));
+  for (int t = 0; t < 2; ++t)
+    for (int64_t i = 0; i < n[t]; ++i) g[t][i] = (float)(g_true[t][i] * 256.0);
+  g[1][3] = INFINITY;
+  memcpy(w0, w, sizeof w);
+  bool applied = true;
+  CHECK_OK(sf_grad_scaler_step(scaler, opt, &applied));
+  CHECK(!applied);
+  CHECK(memcmp(w0, w, sizeof w) == 0);
+  CHECK_OK(sf_grad_scaler_update(scaler, NULL));
+  double scale = 0;
+  CHECK_OK(sf_grad_scaler_get_scale(scaler, &scale));
+  CHECK(scale == 128.0);
+  int64_t steps = 0;
+  CHECK_OK(sf_optimizer_step_count(opt, &steps));
+  CHECK(steps == 1);
+  sf_grad_scaler_destroy(scaler);
+  sf_optimizer_destroy(opt);
+}
+
+/* constant and convert: p = bf16(p - 0.5 * g), on f32 weights. */
+static void test_constant_and_convert(void) {
+  sf_program_builder* b = NULL;
+  CHECK_OK(sf_program_builder_create("rounded_step", &b));
+  int grad, param;
+  CHECK_OK(sf_program_builder_stream(b, "grad", SF_ROLE_GRAD, 0.0f, &grad));
+  CHECK_OK(sf_program_builder_stream(b, "param", SF_ROLE_PARAM, 0.0f, &param));
+  sf_value raw, gs, g, half, step, p, diff, rounded;
+  CHECK_OK(sf_program_builder_load(b, grad, &raw));
+  CHECK_OK(sf_program_builder_scalar(b, "gscale", SF_SCALAR_GSCALE, 1.0, 0.0, &gs));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, raw, gs, 0, &g));
+  CHECK_OK(sf_program_builder_constant(b, 0.5f, &half));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, half, g, 0, &step));
+  CHECK_OK(sf_program_builder_load(b, param, &p));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_SUB, p, step, 0, &diff));
+  CHECK_OK(sf_program_builder_convert(b, diff, SF_BF16, &rounded));
+  CHECK_OK(sf_program_builder_store(b, param, rounded));
+  sf_program* prog = NULL;
+  CHECK_OK(sf_program_builder_build(b, &prog));
+  sf_program_builder_destroy(b);
+  static float w[kN1], gr[kN1];
+  float want[kN1];
+  for (int i = 0; i < kN1; ++i) {
+    w[i] = (float)uniform(-1, 1), gr[i] = (float)uniform(-1, 1);
+    want[i] = sf_bf16_to_float(sf_float_to_bf16(w[i] - 0.5f * gr[i]));
+  }
+  sf_param param_view = {view_f32(w, kN1), view_f32(gr, kN1)};
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create_custom(prog, &param_view, 1, NULL, &opt));
+  sf_program_destroy(prog);
+  CHECK_OK(sf_optimizer_step(opt));
+  CHECK(memcmp(w, want, sizeof want) == 0);
+  double lr = 0;
+  CHECK_FAILS(sf_optimizer_get_lr(opt, &lr), SF_INVALID_STATE, "declares no scalar 'lr'");
+  sf_optimizer_destroy(opt);
+}
+
+/* A builder whose program is malformed in one way: build fails naming the op and index. */
+static void expect_build_error(sf_program_builder* b, const char* needle1, const char* needle2) {
+  sf_program* prog = NULL;
+  CHECK_FAILS(sf_program_builder_build(b, &prog), SF_INVALID_ARGUMENT, needle1);
+  CHECK(strstr(sf_last_error(), needle2) != NULL);
+  CHECK(prog == NULL);
+  sf_program_builder_destroy(b);
+}
+
+static sf_program_builder* start(int* grad, int* param, int* state, sf_value* g) {
+  sf_program_builder* b = NULL;
+  CHECK_OK(sf_program_builder_create("broken", &b));
+  CHECK_OK(sf_program_builder_stream(b, "grad", SF_ROLE_GRAD, 0.0f, grad));
+  CHECK_OK(sf_program_builder_stream(b, "param", SF_ROLE_PARAM, 0.0f, param));
+  CHECK_OK(sf_program_builder_stream(b, "m", SF_ROLE_STATE, 0.0f, state));
+  sf_value gs, raw;
+  CHECK_OK(sf_program_builder_load(b, *grad, &raw));                            /* %0 */
+  CHECK_OK(sf_program_builder_scalar(b, "gscale", SF_SCALAR_GSCALE, 1, 0, &gs));  /* %1 */
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, raw, gs, 0, g));                   /* %2 */
+  return b;
+}
+
+static void test_program_errors(void) {
+  int grad, param, state;
+  sf_value g, v;
+  int w;
+  sf_program_builder* b;
+
+  b = start(&grad, &param, &state, &g); /* a store to the gradient */
+  CHECK_OK(sf_program_builder_store(b, grad, g));
+  CHECK_OK(sf_program_builder_store(b, param, g));
+  expect_build_error(b, "at op 'store' (instruction 3: store grad, %2)", "the grad stream is read-only");
+
+  b = start(&grad, &param, &state, &g); /* a load after a store */
+  CHECK_OK(sf_program_builder_store(b, state, g));
+  CHECK_OK(sf_program_builder_load(b, state, &v));
+  CHECK_OK(sf_program_builder_store(b, param, v));
+  expect_build_error(b, "at op 'load' (instruction 4: %4 = load m)", "a load follows a store");
+
+  b = start(&grad, &param, &state, &g); /* an operand out of range */
+  CHECK_OK(sf_program_builder_op(b, SF_OP_ADD, g, 99, 0, &v));
+  CHECK_OK(sf_program_builder_store(b, param, v));
+  expect_build_error(b, "at op 'add' (instruction 3)", "operand 2 is %99");
+
+  b = start(&grad, &param, &state, &g); /* a stream index out of range */
+  CHECK_OK(sf_program_builder_load(b, 5, &v));
+  CHECK_OK(sf_program_builder_store(b, param, v));
+  expect_build_error(b, "at op 'load' (instruction 3)", "stream index 5 is out of range");
+
+  b = start(&grad, &param, &state, &g); /* the param stream never stored */
+  CHECK_OK(sf_program_builder_store(b, state, g));
+  expect_build_error(b, "never stores the param stream", "store param");
+
+  b = start(&grad, &param, &state, &g); /* two grad streams */
+  CHECK_OK(sf_program_builder_stream(b, "grad2", SF_ROLE_GRAD, 0.0f, &w));
+  CHECK_OK(sf_program_builder_store(b, param, g));
+  expect_build_error(b, "exactly one stream with role grad", "stream 0 'grad', stream 3 'grad2'");
+
+  b = start(&grad, &param, &state, &g); /* too many instructions */
+  v = g;
+  for (int i = 0; i < 70; ++i) CHECK_OK(sf_program_builder_op(b, SF_OP_NEG, v, 0, 0, &v));
+  CHECK_OK(sf_program_builder_store(b, param, v));
+  expect_build_error(b, "op 'neg' (instruction 64) does not fit", "too many instructions");
+
+  /* no scalar with the gscale rule */
+  CHECK_OK(sf_program_builder_create("no_gscale", &b));
+  CHECK_OK(sf_program_builder_stream(b, "grad", SF_ROLE_GRAD, 0.0f, &grad));
+  CHECK_OK(sf_program_builder_stream(b, "param", SF_ROLE_PARAM, 0.0f, &param));
+  CHECK_OK(sf_program_builder_load(b, grad, &v));
+  CHECK_OK(sf_program_builder_store(b, param, v));
+  expect_build_error(b, "no scalar has the gscale rule", "UpdateProgram::gscale");
+
+  /* Checked at the call: enums, a scalar redeclared with another rule, NULLs. */
+  b = start(&grad, &param, &state, &g);
+  CHECK_FAILS(sf_program_builder_op(b, (sf_op)2, g, g, 0, &v), SF_INVALID_ARGUMENT, "op = 2 is not an sf_op");
+  CHECK_FAILS(sf_program_builder_stream(b, "x", (sf_stream_role)7, 0.0f, &w), SF_INVALID_ARGUMENT, "role = 7");
+  CHECK_FAILS(sf_program_builder_scalar(b, "gscale", SF_SCALAR_FIXED, 1, 0, &v), SF_INVALID_ARGUMENT,
+              "scalar 'gscale' was declared with another rule");
+  CHECK_FAILS(sf_program_builder_convert(b, g, (sf_dtype)9, &v), SF_INVALID_ARGUMENT, "to = 9");
+  CHECK_FAILS(sf_program_builder_load(NULL, 0, &v), SF_INVALID_ARGUMENT, "sf_program_builder_load: builder is NULL");
+  sf_program_builder_destroy(b);
+  CHECK_FAILS(sf_optimizer_create_custom(NULL, NULL, 0, NULL, NULL), SF_INVALID_ARGUMENT, "program is NULL");
+}
+
+/* ---- Emit: the kernels for a compiler, their ABI and tables ----------------------- */
+
+static void test_emit(void) {
+  sf_program* prog = build_lion_soft_sign();
+  sf_emit_tensor tensors[2] = {{SF_BF16, SF_BF16, true}, {SF_F32, SF_F32, false}};
+  sf_emit_request req;
+  sf_emit_request_init(&req);
+  CHECK(req.struct_size == sizeof req && req.sm == 90 && req.compile && req.target == SF_EMIT_CUBIN);
+  req.program = prog;
+  req.tensors = tensors;
+  req.num_tensors = 2;
+  req.compile = false; /* source and ABI: no NVRTC needed */
+  sf_emitted_kernel* k = NULL;
+  CHECK_OK(sf_emit(&req, &k));
+  const char* data = NULL;
+  size_t size = 0;
+  CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_SOURCE, &data, &size));
+  CHECK(size > 1000 && strstr(data, "sf_reduce(") != NULL && strstr(data, "sf_update(") != NULL);
+  CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_ABI_JSON, &data, &size));
+  CHECK(strstr(data, "\"format\": \"stepfuse.kernel_abi\"") != NULL);
+  CHECK(strstr(data, "\"name\": \"lion_soft_sign\"") != NULL);
+  CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_ABI_HEADER, &data, &size));
+  CHECK(strstr(data, "typedef struct sf_tensor") != NULL);
+  CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_BINARY, &data, &size));
+  CHECK(size == 0);
+  CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_ARCH, &data, &size));
+  CHECK(strcmp(data, "sm_90") == 0);
+  sf_emitted_kernel_destroy(k);
+
+  if (sf_nvrtc_available(NULL, 0)) { /* PTX for compute_80, from a built-in's config */
+    sf_optimizer_config cfg;
+    sf_optimizer_config_init(&cfg, SF_ADAMW);
+    req.program = NULL;
+    req.config = &cfg;
+    req.target = SF_EMIT_PTX;
+    req.sm = 80;
+    req.compile = true;
+    k = NULL;
+    CHECK_OK(sf_emit(&req, &k));
+    CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_BINARY, &data, &size));
+    CHECK(size > 0 && strstr(data, ".entry sf_update") != NULL && strstr(data, ".target sm_80") != NULL);
+    sf_emitted_kernel_destroy(k);
+    req.config = NULL;
+    req.program = prog;
+  }
+  req.target = SF_EMIT_CPU;
+  CHECK_FAILS(sf_emit(&req, &k), SF_UNSUPPORTED, "needs the LLVM backend (not built)");
+  req.target = SF_EMIT_CUBIN;
+  req.flat = true; /* two storages cannot be one flat range */
+  CHECK_FAILS(sf_emit(&req, &k), SF_INVALID_ARGUMENT, "flat = true needs every tensor");
+  req.flat = false;
+
+  const int64_t numels[2] = {40000, 5};
+  sf_kernel_tables* tables = NULL;
+  CHECK_OK(sf_emit_tables(&req, numels, 2, &tables));
+  sf_kernel_tables_info info;
+  sf_kernel_tables_info_init(&info);
+  CHECK_OK(sf_kernel_tables_get(tables, &info));
+  CHECK(info.num_tensors == 2 && info.num_chunks == 4 && info.num_blocks == 11);
+  CHECK(info.state_elems == 40000 + 16 && info.master_elems == 40000);
+  CHECK(info.master_offsets[0] == 0 && info.master_offsets[1] == -1);
+  CHECK(info.reduce_grid == 1 && info.reduce_block == 128 && info.update_grid == 11 && info.update_block == 256);
+  CHECK(info.tensor_sums_bytes == 2 * sizeof(double) && info.partials_bytes == 4 * sizeof(sf_partial));
+  CHECK(info.step_state_bytes == sizeof(sf_step_state));
+  const sf_tensor* tt = (const sf_tensor*)info.tensors;
+  const sf_span* chunks = (const sf_span*)info.chunks;
+  CHECK(tt[0].grad == NULL && tt[1].state_offset == 40000 && tt[1].numel == 5 && tt[1].first_chunk == 3);
+  CHECK(tt[0].combo == 0 && tt[1].combo == 1 && tt[0].num_chunks == 3);
+  CHECK(chunks[2].begin == 2 * SF_CHUNK_ELEMS && chunks[2].len == 40000 - 2 * SF_CHUNK_ELEMS && chunks[3].tensor == 1);
+  sf_kernel_tables_destroy(tables);
+  CHECK_FAILS(sf_emit_tables(&req, numels, 1, &tables), SF_INVALID_ARGUMENT, "numels has 1 entries");
+  sf_program_destroy(prog);
+}
+
 int main(void) {
   g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
   printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
@@ -925,6 +1289,10 @@ int main(void) {
   test_checkpoint();
   test_errors();
   test_thread_local_error();
+  test_custom_program();
+  test_constant_and_convert();
+  test_program_errors();
+  test_emit();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -1,0 +1,441 @@
+// The C ABI of custom update programs and of the emit API (include/stepfuse/stepfuse.h):
+// the program builder, sf_program, custom optimizers, sf_emit and the kernel tables.
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/c_api_support.hpp"
+#include "stepfuse/emit.hpp"
+#include "stepfuse/error.hpp"
+#include "stepfuse/update_program.hpp"
+
+using stepfuse::c_api::bad_argument;
+using stepfuse::c_api::enum_int;
+using stepfuse::c_api::guarded;
+
+// The C enums are the C++ ones, value for value.
+static_assert(SF_ROLE_GRAD == static_cast<int>(stepfuse::StreamRole::grad) &&
+              SF_ROLE_PARAM == static_cast<int>(stepfuse::StreamRole::param) &&
+              SF_ROLE_STATE == static_cast<int>(stepfuse::StreamRole::state));
+static_assert(SF_SCALAR_FIXED == static_cast<int>(stepfuse::ScalarRule::Kind::fixed) &&
+              SF_SCALAR_GSCALE == static_cast<int>(stepfuse::ScalarRule::Kind::gscale) &&
+              SF_SCALAR_FIRST_STEP == static_cast<int>(stepfuse::ScalarRule::Kind::first_step) &&
+              SF_SCALAR_DIV_ONE_MINUS_POW == static_cast<int>(stepfuse::ScalarRule::Kind::div_one_minus_pow) &&
+              SF_SCALAR_SQRT_ONE_MINUS_POW == static_cast<int>(stepfuse::ScalarRule::Kind::sqrt_one_minus_pow) &&
+              SF_SCALAR_DIV_LINEAR == static_cast<int>(stepfuse::ScalarRule::Kind::div_linear));
+static_assert(SF_OP_ADD == static_cast<int>(stepfuse::Op::add) && SF_OP_SUB == static_cast<int>(stepfuse::Op::sub) &&
+              SF_OP_MUL == static_cast<int>(stepfuse::Op::mul) && SF_OP_DIV == static_cast<int>(stepfuse::Op::div) &&
+              SF_OP_FMA == static_cast<int>(stepfuse::Op::fma) && SF_OP_NEG == static_cast<int>(stepfuse::Op::neg) &&
+              SF_OP_ABS == static_cast<int>(stepfuse::Op::abs) && SF_OP_SQRT == static_cast<int>(stepfuse::Op::sqrt) &&
+              SF_OP_MAX == static_cast<int>(stepfuse::Op::max) && SF_OP_MIN == static_cast<int>(stepfuse::Op::min) &&
+              SF_OP_SIGN == static_cast<int>(stepfuse::Op::sign) &&
+              SF_OP_SELECT == static_cast<int>(stepfuse::Op::select) &&
+              SF_OP_LT == static_cast<int>(stepfuse::Op::cmp_lt) && SF_OP_LE == static_cast<int>(stepfuse::Op::cmp_le) &&
+              SF_OP_EQ == static_cast<int>(stepfuse::Op::cmp_eq));
+static_assert(SF_EMIT_CUBIN == static_cast<int>(stepfuse::EmitTarget::Kind::cuda_cubin) &&
+              SF_EMIT_PTX == static_cast<int>(stepfuse::EmitTarget::Kind::cuda_ptx) &&
+              SF_EMIT_CPU == static_cast<int>(stepfuse::EmitTarget::Kind::cpu));
+
+// What the builder has recorded. Ops are checked for what fits the C types at the
+// call (enums, NULLs), the program's structure at build, where validate() names
+// the op, its instruction index and the problem.
+struct sf_program_builder {
+  struct StreamRec {
+    std::string name;
+    stepfuse::StreamRole role;
+    float init;
+  };
+  struct ScalarRec {
+    std::string name;
+    stepfuse::ScalarRule rule;
+  };
+  struct InstrRec {
+    stepfuse::Op op;
+    std::uint32_t attr;  // stream index, scalar index or dtype
+    sf_value a, b, c;
+    float imm;
+  };
+  std::string name;
+  std::vector<StreamRec> streams;
+  std::vector<ScalarRec> scalars;
+  std::vector<InstrRec> code;
+};
+
+struct sf_program {
+  stepfuse::UpdateProgram program;
+};
+struct sf_emitted_kernel {
+  stepfuse::EmittedKernel kernel;
+};
+struct sf_kernel_tables {
+  stepfuse::KernelTables tables;
+};
+
+namespace {
+
+template <class T>
+T* need(const char* fn, T* p, const char* name) {
+  if (p == nullptr) bad_argument(fn, std::string(name) + " is NULL");
+  return p;
+}
+
+std::string quoted(std::string_view s) {
+  std::string q(1, '\'');  // (not "'" + s: g++ 12 warns falsely, -Wrestrict)
+  q.append(s).push_back('\'');
+  return q;
+}
+
+sf_value emit(sf_program_builder* b, stepfuse::Op op, std::uint32_t attr, sf_value x, sf_value y, sf_value z, float imm) {
+  b->code.push_back({op, attr, x, y, z, imm});
+  return static_cast<sf_value>(b->code.size() - 1);
+}
+
+// The recorded program as a Program (views into the builder) and its scalar rules,
+// or Error(invalid_argument) naming the op and instruction that does not fit.
+stepfuse::UpdateProgram build(const sf_program_builder& b) {
+  using stepfuse::kMaxInstrs;
+  using stepfuse::kMaxScalars;
+  using stepfuse::kMaxStreams;
+  const std::string where = "update program " + quoted(b.name) + ": ";
+  if (b.streams.size() > kMaxStreams)
+    throw stepfuse::Error(stepfuse::ErrorCode::invalid_argument,
+                          where + "stream " + std::to_string(kMaxStreams) + " " + quoted(b.streams[kMaxStreams].name) +
+                              " does not fit: too many streams (a program declares at most " +
+                              std::to_string(kMaxStreams) + ")");
+  if (b.code.size() > kMaxInstrs)
+    throw stepfuse::Error(stepfuse::ErrorCode::invalid_argument,
+                          where + "op " + quoted(stepfuse::op_name(b.code[kMaxInstrs].op)) + " (instruction " +
+                              std::to_string(kMaxInstrs) + ") does not fit: too many instructions (a program holds at most " +
+                              std::to_string(kMaxInstrs) + ")");
+  if (b.scalars.size() > kMaxScalars) {
+    std::size_t at = 0;
+    while (at < b.code.size() && !(b.code[at].op == stepfuse::Op::scalar && b.code[at].attr == kMaxScalars)) ++at;
+    throw stepfuse::Error(stepfuse::ErrorCode::invalid_argument,
+                          where + "scalar " + quoted(b.scalars[kMaxScalars].name) + " (op 'scalar', instruction " +
+                              std::to_string(at) + ") does not fit: too many scalars (a program declares at most " +
+                              std::to_string(kMaxScalars) + ")");
+  }
+  stepfuse::Program p;
+  p.name = b.name;
+  p.num_streams = static_cast<std::uint8_t>(b.streams.size());
+  for (std::size_t s = 0; s < b.streams.size(); ++s) p.streams[s] = {b.streams[s].name, b.streams[s].role, b.streams[s].init};
+  p.num_scalars = static_cast<std::uint8_t>(b.scalars.size());
+  for (std::size_t s = 0; s < b.scalars.size(); ++s) p.scalars[s] = b.scalars[s].name;
+  p.num_instrs = static_cast<std::uint16_t>(b.code.size());
+  for (std::size_t i = 0; i < b.code.size(); ++i) {
+    const sf_program_builder::InstrRec& r = b.code[i];
+    const auto fail = [&](const std::string& problem) {
+      throw stepfuse::Error(stepfuse::ErrorCode::invalid_argument,
+                            "update program " + quoted(b.name) + " is malformed at op " + quoted(stepfuse::op_name(r.op)) +
+                                " (instruction " + std::to_string(i) + "): " + problem);
+    };
+    // What the fixed-width IR cannot even hold is reported here; the rest by validate().
+    if ((r.op == stepfuse::Op::load || r.op == stepfuse::Op::store) && r.attr >= b.streams.size())
+      fail("the stream index " + std::to_string(r.attr) + " is out of range (the program declares " +
+           std::to_string(b.streams.size()) + " streams)");
+    const sf_value operands[3] = {r.a, r.b, r.c};
+    for (int k = 0; k < stepfuse::op_arity(r.op); ++k)
+      if (operands[k] >= i)
+        fail("operand " + std::to_string(k + 1) + " is %" + std::to_string(operands[k]) +
+             ", a value not yet defined (operands must come earlier: instruction " + std::to_string(i) +
+             (i == 0 ? " cannot use any value)" : " can use %0 to %" + std::to_string(i - 1) + ")"));
+    stepfuse::Instr& in = p.code[i];
+    in.op = r.op;
+    in.attr = static_cast<std::uint8_t>(r.attr);
+    in.a = static_cast<std::uint16_t>(r.a);
+    in.b = static_cast<std::uint16_t>(r.b);
+    in.c = static_cast<std::uint16_t>(r.c);
+    in.imm = r.imm;
+  }
+  std::vector<stepfuse::ScalarDef> defs;
+  for (const auto& s : b.scalars) defs.push_back({s.name, s.rule});
+  return stepfuse::UpdateProgram(p, std::move(defs));  // validates and copies every name
+}
+
+stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
+  need(fn, r, "request");
+  if (r->struct_size != sizeof(sf_emit_request))
+    bad_argument(fn, "request->struct_size = " + std::to_string(r->struct_size) + ", but this library knows only " +
+                         std::to_string(sizeof(sf_emit_request)) +
+                         " (sizeof(sf_emit_request) in its stepfuse.h): initialize it with sf_emit_request_init()");
+  if ((r->program == nullptr) == (r->config == nullptr))
+    bad_argument(fn, "give exactly one of request->program (a custom program) and request->config (a built-in)");
+  if (r->num_tensors > 0) need(fn, r->tensors, "request->tensors");
+  std::vector<stepfuse::EmitTensor> tensors;
+  for (std::size_t i = 0; i < r->num_tensors; ++i) {
+    const int w = enum_int(&r->tensors[i].weight), g = enum_int(&r->tensors[i].grad);
+    const std::string at = "request->tensors[" + std::to_string(i) + "]";
+    if (w < SF_F32 || w > SF_BF16) bad_argument(fn, at + ".weight = " + std::to_string(w) + " is not an sf_dtype");
+    if (g < SF_F32 || g > SF_BF16) bad_argument(fn, at + ".grad = " + std::to_string(g) + " is not an sf_dtype");
+    tensors.push_back({static_cast<stepfuse::DType>(w), static_cast<stepfuse::DType>(g), r->tensors[i].master});
+  }
+  const int norm = enum_int(&r->norm_type), target = enum_int(&r->target);
+  if (norm != SF_NORM_L2 && norm != SF_NORM_INF)
+    bad_argument(fn, "request->norm_type = " + std::to_string(norm) + " is not an sf_norm_type");
+  if (target < SF_EMIT_CUBIN || target > SF_EMIT_CPU)
+    bad_argument(fn, "request->target = " + std::to_string(target) + " is not an sf_emit_target");
+  return stepfuse::EmitRequest{
+      r->program != nullptr ? r->program->program
+                            : stepfuse::UpdateProgram::from_config(stepfuse::c_api::to_config(fn, r->config)),
+      std::move(tensors),
+      r->flat,
+      r->aligned16,
+      norm == SF_NORM_L2 ? 2.0 : INFINITY,
+      stepfuse::EmitTarget{static_cast<stepfuse::EmitTarget::Kind>(target), r->sm},
+      r->compile};
+}
+
+}  // namespace
+
+extern "C" {
+
+sf_status sf_program_builder_create(const char* name, sf_program_builder** out) {
+  constexpr const char* fn = "sf_program_builder_create";
+  return guarded(fn, [&] {
+    need(fn, name, "name");
+    need(fn, out, "out");
+    *out = new sf_program_builder{name, {}, {}, {}};
+  });
+}
+
+void sf_program_builder_destroy(sf_program_builder* builder) { delete builder; }
+
+sf_status sf_program_builder_stream(sf_program_builder* builder, const char* name, sf_stream_role role, float init,
+                                    int* stream) {
+  constexpr const char* fn = "sf_program_builder_stream";
+  return guarded(fn, [&] {
+    need(fn, builder, "builder");
+    need(fn, name, "name");
+    need(fn, stream, "stream");
+    const int r = enum_int(&role);
+    if (r < SF_ROLE_GRAD || r > SF_ROLE_STATE)
+      bad_argument(fn, "role = " + std::to_string(r) + " is not an sf_stream_role (SF_ROLE_GRAD, SF_ROLE_PARAM, SF_ROLE_STATE)");
+    builder->streams.push_back({name, static_cast<stepfuse::StreamRole>(r), init});
+    *stream = static_cast<int>(builder->streams.size() - 1);
+  });
+}
+
+sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* name, sf_scalar_rule_kind rule, double a,
+                                    double b, sf_value* out) {
+  constexpr const char* fn = "sf_program_builder_scalar";
+  return guarded(fn, [&] {
+    need(fn, builder, "builder");
+    need(fn, name, "name");
+    need(fn, out, "out");
+    const int k = enum_int(&rule);
+    if (k < SF_SCALAR_FIXED || k > SF_SCALAR_DIV_LINEAR)
+      bad_argument(fn, "rule = " + std::to_string(k) + " is not an sf_scalar_rule_kind");
+    const stepfuse::ScalarRule r{static_cast<stepfuse::ScalarRule::Kind>(k), a, b};
+    std::size_t s = 0;
+    while (s < builder->scalars.size() && builder->scalars[s].name != name) ++s;
+    if (s == builder->scalars.size()) {
+      builder->scalars.push_back({name, r});
+    } else if (!(builder->scalars[s].rule == r)) {
+      bad_argument(fn, "scalar " + quoted(name) + " was declared with another rule (" +
+                           std::string(stepfuse::scalar_rule_name(builder->scalars[s].rule.kind)) +
+                           "); each use of a scalar gives the same rule");
+    }
+    *out = emit(builder, stepfuse::Op::scalar, static_cast<std::uint32_t>(s), 0, 0, 0, 0.0f);
+  });
+}
+
+sf_status sf_program_builder_load(sf_program_builder* builder, int stream, sf_value* out) {
+  constexpr const char* fn = "sf_program_builder_load";
+  return guarded(fn, [&] {
+    need(fn, builder, "builder");
+    need(fn, out, "out");
+    if (stream < 0) bad_argument(fn, "stream = " + std::to_string(stream) + " is negative");
+    *out = emit(builder, stepfuse::Op::load, static_cast<std::uint32_t>(stream), 0, 0, 0, 0.0f);
+  });
+}
+
+sf_status sf_program_builder_store(sf_program_builder* builder, int stream, sf_value value) {
+  constexpr const char* fn = "sf_program_builder_store";
+  return guarded(fn, [&] {
+    need(fn, builder, "builder");
+    if (stream < 0) bad_argument(fn, "stream = " + std::to_string(stream) + " is negative");
+    emit(builder, stepfuse::Op::store, static_cast<std::uint32_t>(stream), value, 0, 0, 0.0f);
+  });
+}
+
+sf_status sf_program_builder_constant(sf_program_builder* builder, float x, sf_value* out) {
+  constexpr const char* fn = "sf_program_builder_constant";
+  return guarded(fn, [&] {
+    need(fn, builder, "builder");
+    need(fn, out, "out");
+    *out = emit(builder, stepfuse::Op::constant, 0, 0, 0, 0, x);
+  });
+}
+
+sf_status sf_program_builder_op(sf_program_builder* builder, sf_op op, sf_value a, sf_value b, sf_value c,
+                                sf_value* out) {
+  constexpr const char* fn = "sf_program_builder_op";
+  return guarded(fn, [&] {
+    need(fn, builder, "builder");
+    need(fn, out, "out");
+    const int o = enum_int(&op);
+    if (o < SF_OP_ADD || o > SF_OP_EQ)
+      bad_argument(fn, "op = " + std::to_string(o) +
+                           " is not an sf_op (SF_OP_ADD .. SF_OP_EQ; loads, stores, constants, scalars and converts have "
+                           "their own functions)");
+    const auto kind = static_cast<stepfuse::Op>(o);
+    const int arity = stepfuse::op_arity(kind);
+    *out = emit(builder, kind, 0, a, arity > 1 ? b : 0, arity > 2 ? c : 0, 0.0f);
+  });
+}
+
+sf_status sf_program_builder_convert(sf_program_builder* builder, sf_value a, sf_dtype to, sf_value* out) {
+  constexpr const char* fn = "sf_program_builder_convert";
+  return guarded(fn, [&] {
+    need(fn, builder, "builder");
+    need(fn, out, "out");
+    const int d = enum_int(&to);
+    if (d < SF_F32 || d > SF_BF16) bad_argument(fn, "to = " + std::to_string(d) + " is not an sf_dtype");
+    *out = emit(builder, stepfuse::Op::convert, static_cast<std::uint32_t>(d), a, 0, 0, 0.0f);
+  });
+}
+
+sf_status sf_program_builder_build(const sf_program_builder* builder, sf_program** out) {
+  constexpr const char* fn = "sf_program_builder_build";
+  return guarded(fn, [&] {
+    need(fn, builder, "builder");
+    need(fn, out, "out");
+    *out = new sf_program{build(*builder)};
+  });
+}
+
+void sf_program_destroy(sf_program* program) { delete program; }
+
+sf_status sf_program_text(const sf_program* program, char* buf, size_t cap, size_t* needed) {
+  constexpr const char* fn = "sf_program_text";
+  return guarded(fn, [&] {
+    need(fn, program, "program");
+    stepfuse::c_api::copy_text(fn, program->program.text(), buf, cap, needed);
+  });
+}
+
+sf_status sf_optimizer_create_custom(const sf_program* program, const sf_param* params, size_t num_params,
+                                     const sf_optimizer_options* options, sf_optimizer** out) {
+  constexpr const char* fn = "sf_optimizer_create_custom";
+  return guarded(fn, [&] {
+    need(fn, program, "program");
+    const stepfuse::OptimizerOptions opts = stepfuse::c_api::to_options(fn, options);
+    need(fn, out, "out");
+    std::vector<stepfuse::Param> ps = stepfuse::c_api::to_params(fn, params, num_params);
+    *out = stepfuse::c_api::make_optimizer(stepfuse::Optimizer(program->program, std::move(ps), opts));
+  });
+}
+
+sf_status sf_optimizer_get_scalar(const sf_optimizer* opt, const char* name, double* value) {
+  constexpr const char* fn = "sf_optimizer_get_scalar";
+  return guarded(fn, [&] {
+    need(fn, opt, "opt");
+    need(fn, name, "name");
+    *need(fn, value, "value") = opt->opt.scalar(name);
+  });
+}
+
+sf_status sf_optimizer_set_scalar(sf_optimizer* opt, const char* name, double value) {
+  constexpr const char* fn = "sf_optimizer_set_scalar";
+  return guarded(fn, [&] {
+    need(fn, opt, "opt");
+    need(fn, name, "name");
+    opt->opt.set_scalar(name, value);
+  });
+}
+
+// ---- Emit ---------------------------------------------------------------------------
+
+void sf_emit_request_init(sf_emit_request* request) {
+  if (request == nullptr) return;
+  std::memset(static_cast<void*>(request), 0, sizeof *request);
+  request->struct_size = sizeof(sf_emit_request);
+  request->norm_type = SF_NORM_L2;
+  request->target = SF_EMIT_CUBIN;
+  request->sm = 90;
+  request->compile = true;
+}
+
+sf_status sf_emit(const sf_emit_request* request, sf_emitted_kernel** out) {
+  constexpr const char* fn = "sf_emit";
+  return guarded(fn, [&] {
+    const stepfuse::EmitRequest r = to_request(fn, request);
+    need(fn, out, "out");
+    *out = new sf_emitted_kernel{stepfuse::emit(r)};
+  });
+}
+
+void sf_emitted_kernel_destroy(sf_emitted_kernel* kernel) { delete kernel; }
+
+sf_status sf_emitted_kernel_part(const sf_emitted_kernel* kernel, sf_emitted_part part, const char** data,
+                                 size_t* size) {
+  constexpr const char* fn = "sf_emitted_kernel_part";
+  return guarded(fn, [&] {
+    need(fn, kernel, "kernel");
+    need(fn, data, "data");
+    need(fn, size, "size");
+    const stepfuse::EmittedKernel& k = kernel->kernel;
+    const std::string* s = nullptr;
+    switch (enum_int(&part)) {
+      case SF_EMITTED_SOURCE: s = &k.source; break;
+      case SF_EMITTED_BINARY: s = &k.binary; break;
+      case SF_EMITTED_ABI_JSON: s = &k.abi; break;
+      case SF_EMITTED_ABI_HEADER: s = &k.abi_header; break;
+      case SF_EMITTED_ARCH: s = &k.arch; break;
+      default: bad_argument(fn, "part = " + std::to_string(enum_int(&part)) + " is not an sf_emitted_part");
+    }
+    *data = s->c_str();
+    *size = s->size();
+  });
+}
+
+void sf_kernel_tables_info_init(sf_kernel_tables_info* info) {
+  if (info == nullptr) return;
+  *info = sf_kernel_tables_info{};
+  info->struct_size = sizeof(sf_kernel_tables_info);
+}
+
+sf_status sf_emit_tables(const sf_emit_request* request, const int64_t* numels, size_t count, sf_kernel_tables** out) {
+  constexpr const char* fn = "sf_emit_tables";
+  return guarded(fn, [&] {
+    const stepfuse::EmitRequest r = to_request(fn, request);
+    if (count > 0) need(fn, numels, "numels");
+    need(fn, out, "out");
+    *out = new sf_kernel_tables{stepfuse::plan_kernel_tables(r, std::span<const std::int64_t>(numels, count))};
+  });
+}
+
+sf_status sf_kernel_tables_get(const sf_kernel_tables* tables, sf_kernel_tables_info* info) {
+  constexpr const char* fn = "sf_kernel_tables_get";
+  return guarded(fn, [&] {
+    need(fn, tables, "tables");
+    need(fn, info, "info");
+    if (info->struct_size != sizeof(sf_kernel_tables_info))
+      bad_argument(fn, "info->struct_size = " + std::to_string(info->struct_size) + ", but this library knows only " +
+                           std::to_string(sizeof(sf_kernel_tables_info)) + ": initialize it with sf_kernel_tables_info_init()");
+    const stepfuse::KernelTables& t = tables->tables;
+    info->tensors = t.tensors.data();
+    info->num_tensors = t.tensors.size();
+    info->master_offsets = t.master_offsets.data();
+    info->chunks = t.chunks.data();
+    info->num_chunks = t.chunks.size();
+    info->blocks = t.blocks.data();
+    info->num_blocks = t.blocks.size();
+    info->state_elems = t.state_elems;
+    info->master_elems = t.master_elems;
+    info->flat_numel = t.flat_numel;
+    info->reduce_grid = t.reduce_grid;
+    info->reduce_block = t.reduce_block;
+    info->update_grid = t.update_grid;
+    info->update_block = t.update_block;
+    info->partials_bytes = t.partials_bytes;
+    info->tensor_sums_bytes = t.tensor_sums_bytes;
+    info->step_state_bytes = t.step_state_bytes;
+  });
+}
+
+void sf_kernel_tables_destroy(sf_kernel_tables* tables) { delete tables; }
+
+}  // extern "C"
