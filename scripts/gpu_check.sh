@@ -248,7 +248,7 @@ begin "configure ($build, Release)"
 generator=()
 command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
 if ! cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DSTEPFUSE_BUILD_TESTS=ON \
-  -DSTEPFUSE_BUILD_BENCH=ON -DSTEPFUSE_BUILD_EXAMPLES=OFF "${cmake_deps[@]}" >"$results/configure.log" 2>&1; then
+  -DSTEPFUSE_BUILD_BENCH=ON -DSTEPFUSE_BUILD_EXAMPLES=ON "${cmake_deps[@]}" >"$results/configure.log" 2>&1; then
   tail -n 40 "$results/configure.log"
   echo "gpu_check: FAILED: configure (log: $results/configure.log)"
   exit 1
@@ -259,8 +259,12 @@ end configure
 tests=(cuda_loader_test kernel_cache_test)
 [[ -f tests/cuda_codegen_test.cpp ]] && tests+=(cuda_codegen_test)
 tests+=(cuda_gpu_test)
-begin "build (${#tests[@]} test programs, stepfuse-bench; $jobs jobs)"
-if ! cmake --build "$build" --parallel "$jobs" --target stepfuse "${tests[@]}" stepfuse-bench >"$results/build.log" 2>&1; then
+for t in custom_program_test emit_test; do [[ -f tests/$t.cpp ]] && tests+=("$t"); done
+examples=()
+[[ -f examples/run_emitted/run_emitted.c ]] && examples=(stepfuse-emit-kernel stepfuse-run-emitted)
+begin "build (${#tests[@]} test programs, ${#examples[@]} examples, stepfuse-bench; $jobs jobs)"
+if ! cmake --build "$build" --parallel "$jobs" --target stepfuse "${tests[@]}" "${examples[@]}" stepfuse-bench \
+  >"$results/build.log" 2>&1; then
   grep -E 'error|FAILED' "$results/build.log" | head -n 30
   tail -n 30 "$results/build.log"
   echo "gpu_check: FAILED: build (log: $results/build.log)"
@@ -310,6 +314,22 @@ for t in "${tests[@]}"; do
   run_test "$t"
   report_test "$t"
 done
+# The emit example: kernels emitted at build time, launched by a C program without stepfuse.
+if ((${#examples[@]})); then
+  set +e
+  timeout 120 "$build/examples/stepfuse-run-emitted" >"$results/run_emitted.log" 2>&1
+  rc=$?
+  set -e
+  if ((rc != 0)); then
+    failed+=("stepfuse-run-emitted (exit $rc)")
+    tail -n 40 "$results/run_emitted.log"
+    line=$(printf '%-20s %s' "stepfuse-run-emitted" "FAILED (exit $rc)")
+  else
+    line=$(printf '%-20s %s' "stepfuse-run-emitted" "$(tail -n 1 "$results/run_emitted.log")")
+  fi
+  test_summary+=("$line")
+  echo "$line"
+fi
 set +e
 STEPFUSE_CACHE_DIR=$build/gpu_check_cache/bench_smoke ctest --test-dir "$build" -L bench --output-on-failure \
   >"$results/bench_smoke.log" 2>&1
