@@ -270,6 +270,23 @@ std::shared_ptr<const std::string> KernelCache::find(const std::string& key) {
   return it->second->value;
 }
 
+std::shared_ptr<const std::string> KernelCache::find_or_load(const std::string& key) {
+  if (auto value = find(key)) return value;
+  if (!disk_ok_.load(std::memory_order_relaxed)) return nullptr;
+  auto bytes = load_from_disk(key);
+  if (!bytes) return nullptr;
+  auto value = std::make_shared<const std::string>(std::move(*bytes));
+  std::lock_guard lock(mu_);
+  std::shared_ptr<Slot>& slot = slots_[key];
+  if (!slot) {
+    slot = std::make_shared<Slot>();
+    slot->value = value;
+  } else if (slot->value) {
+    return slot->value;  // another thread got there first: one copy in memory
+  }
+  return value;  // (a slot still pending: its owner fills it in)
+}
+
 std::shared_ptr<const std::string> KernelCache::get(const std::string& key,
                                                      const std::function<std::string()>& compile) {
   std::shared_ptr<Slot> slot;

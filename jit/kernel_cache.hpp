@@ -64,6 +64,10 @@ class KernelCache {
   // Never compiles and never reads the disk.
   std::shared_ptr<const std::string> find(const std::string& key);
 
+  // The bytes for `key` from memory, else from disk (then kept in memory), else
+  // null. Never compiles: for callers that compile elsewhere when it is not cached.
+  std::shared_ptr<const std::string> find_or_load(const std::string& key);
+
   // Whether the disk cache is in use (false after a warning disabled it).
   bool disk_enabled() const;
   const std::optional<std::filesystem::path>& dir() const { return dir_; }

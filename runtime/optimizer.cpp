@@ -97,6 +97,16 @@ double Optimizer::last_grad_norm() const { return engine_->last().grad_norm; }
 const StepResult& Optimizer::last_result() const { return engine_->last(); }
 const OptimizerOptions& Optimizer::options() const { return engine_->options(); }
 int Optimizer::num_threads() const { return engine_->threads(); }
+std::string_view Optimizer::backend() const { return engine_->backend(); }
+
+std::string_view cpu_backend_name(CpuBackend backend) {
+  switch (backend) {
+    case CpuBackend::automatic: return "auto";
+    case CpuBackend::highway: return "highway";
+    case CpuBackend::llvm: return "llvm";
+  }
+  return "?";
+}
 std::size_t Optimizer::num_params() const { return engine_->params().size(); }
 const std::vector<Param>& Optimizer::params() const { return engine_->params(); }
 

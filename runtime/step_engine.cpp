@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "jit/update_program_rules.hpp"
+#include "runtime/warning.hpp"
 #include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
 
@@ -217,6 +218,7 @@ void StepEngine::setup(const float* state_init) {
     k.group = group;
     k.interp = interpreters_[group].get();
   }
+  if (options_.fusion == Fusion::fused) setup_llvm();
   if (options_.fusion != Fusion::unfused && !fused_kernels_) {  // interpreted (or a custom program, fused)
     scratch_ = AlignedBuffer(static_cast<std::size_t>(max_slots_) * cpu::Interpreter::kBlock * threads);
   } else if (options_.fusion == Fusion::unfused) {
@@ -225,6 +227,70 @@ void StepEngine::setup(const float* state_init) {
     tmp_args_ = args_;
     for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + offsets_[i];
   }
+}
+
+void StepEngine::setup_llvm() {
+  const CpuBackend choice = cpu::resolve_cpu_backend(options_.cpu_backend);
+  if (choice == CpuBackend::highway || (choice == CpuBackend::automatic && !jit::llvm_built())) return;
+  llvm_spec_.program = *program_;
+  llvm_spec_.inf_norm = options_.norm_type == INFINITY;
+  llvm_spec_.contract = options_.llvm_contract;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const jit::CpuCombo c{params_[i].weight.dtype, params_[i].grad.dtype, master_offsets_[i] >= 0};
+    if (std::find(llvm_spec_.combos.begin(), llvm_spec_.combos.end(), c) == llvm_spec_.combos.end())
+      llvm_spec_.combos.push_back(c);
+    const DType g = params_[i].grad.dtype;
+    if (std::find(llvm_spec_.reduce_grads.begin(), llvm_spec_.reduce_grads.end(), g) == llvm_spec_.reduce_grads.end())
+      llvm_spec_.reduce_grads.push_back(g);
+  }
+  if (choice == CpuBackend::llvm) {
+    install_llvm(*jit::cpu_kernels(llvm_spec_));  // compiles now; throws what LLVM reports
+    return;
+  }
+  try {
+    if (auto cached = jit::cpu_kernels_if_cached(llvm_spec_)) {
+      install_llvm(*cached);
+      return;
+    }
+  } catch (const std::exception& e) {
+    detail::warn_once(std::string("llvm_load:") + e.what(),
+                      std::string("stepfuse: the LLVM CPU backend is not usable, using Highway: ") + e.what());
+    return;
+  }
+  llvm_build_ = cpu::build_in_background(llvm_spec_);
+}
+
+void StepEngine::install_llvm(const jit::CpuKernels& k) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const jit::CpuCombo c{params_[i].weight.dtype, params_[i].grad.dtype, master_offsets_[i] >= 0};
+    const auto ci = std::find(llvm_spec_.combos.begin(), llvm_spec_.combos.end(), c) - llvm_spec_.combos.begin();
+    const auto gi = std::find(llvm_spec_.reduce_grads.begin(), llvm_spec_.reduce_grads.end(), c.grad) -
+                    llvm_spec_.reduce_grads.begin();
+    TensorKernels& t = kernels_[i];
+    t.update = reinterpret_cast<cpu::UpdateFn>(k.update[static_cast<std::size_t>(ci)]);
+    if (llvm_spec_.inf_norm) t.llvm_inf = reinterpret_cast<cpu::JitInfFn>(k.reduce[static_cast<std::size_t>(gi)]);
+    else t.llvm_l2 = reinterpret_cast<cpu::JitL2Fn>(k.reduce[static_cast<std::size_t>(gi)]);
+  }
+  llvm_active_ = true;
+  llvm_build_.reset();
+}
+
+void StepEngine::poll_llvm() {
+  if (!llvm_build_ || !llvm_build_->ready()) return;
+  if (llvm_build_->kernels()) {
+    install_llvm(*llvm_build_->kernels());
+    return;
+  }
+  detail::warn_once("llvm_compile:" + llvm_build_->error(),
+                    "stepfuse: compiling the LLVM CPU kernels failed, staying on Highway: " + llvm_build_->error());
+  llvm_build_.reset();
+}
+
+std::string_view StepEngine::backend() const {
+  if (cuda_) return "cuda";
+  if (options_.fusion == Fusion::unfused) return "unfused";
+  if (llvm_active_ || (llvm_build_ && llvm_build_->ready() && llvm_build_->kernels())) return "llvm";
+  return fused_kernels_ ? "highway" : "interpreter";
 }
 
 int StepEngine::state_stream(std::string_view name) const {
@@ -258,6 +324,21 @@ double StepEngine::clip_coef(double norm) const {
   return std::min(1.0, *options_.max_grad_norm / (norm + 1e-6));
 }
 
+// One chunk's partial: the LLVM kernel's when there is one (its rare cases, a
+// non-finite sum of squares, rescanned by the Highway kernel, as Highway itself
+// does), else the Highway kernel's. Bitwise the same either way.
+cpu::ReducePartial StepEngine::reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n) {
+  if (k.llvm_l2) {
+    const float sumsq = k.llvm_l2(grad, n);
+    if (std::isfinite(sumsq)) return {sumsq, 0.0f, false};
+  } else if (k.llvm_inf) {
+    std::uint32_t nonfinite = 0;
+    const float maxabs = k.llvm_inf(grad, n, &nonfinite);
+    return {0.0, maxabs, nonfinite != 0};
+  }
+  return k.reduce(grad, n);
+}
+
 StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
   const bool inf_norm = options_.norm_type == INFINITY;
   const cpu::ReduceFn tmp_fn = cpu::reduce_kernel(DType::f32, inf_norm ? cpu::NormKind::inf : cpu::NormKind::l2);
@@ -268,8 +349,9 @@ StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
       if (from_grad_tmp)
         partials_[c] = tmp_fn(grad_tmp_.data() + offsets_[ch.tensor] + ch.begin, static_cast<std::size_t>(ch.len));
       else
-        partials_[c] = kernels_[ch.tensor].reduce(
-            static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype), static_cast<std::size_t>(ch.len));
+        partials_[c] = reduce_chunk(kernels_[ch.tensor],
+                                    static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype),
+                                    static_cast<std::size_t>(ch.len));
     }
   });
   // Combine in a fixed order: chunks in order within a tensor (fp64), then tensors in order.
@@ -289,7 +371,7 @@ StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
 }
 
 void StepEngine::update_fused() {
-  if (fused_kernels_) {
+  if (fused_kernels_ || llvm_active_) {
     pool_->run([&](int t) {
       for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
         const Chunk& ch = plan_.chunks[c];
@@ -370,6 +452,7 @@ const StepResult& StepEngine::step(double loss_scale, bool scaled) {
     last_.pending = true;
     return last_;
   }
+  poll_llvm();
   if (options_.fusion == Fusion::unfused) {
     last_ = step_unfused(loss_scale, scaled);
     return last_;

@@ -11,6 +11,7 @@
 #include "runtime/cuda/cuda_backend.hpp"
 #include "runtime/cpu/interpreter.hpp"
 #include "runtime/cpu/kernels.hpp"
+#include "runtime/cpu/llvm_backend.hpp"
 #include "runtime/plan.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/optimizer.hpp"
@@ -63,6 +64,7 @@ class StepEngine {
   const StepResult& last() const;
   const std::vector<double>& tensor_norms() const;
   int threads() const { return pool_->size(); }
+  std::string_view backend() const;  // Optimizer::backend()
 
   int state_stream(std::string_view name) const;  // program stream index, or -1
   // On CUDA these are a host copy, fetched from the device (waiting for it) when
@@ -92,6 +94,9 @@ class StepEngine {
   [[noreturn]] static void no_config(const char* what);
   void host_view() const;       // CUDA: makes the host copy of state and masters current
   void sync_host_to_device();   // CUDA: copies a host copy that may have changed back
+  void setup_llvm();            // CPU, fused: the LLVM kernels now, or a background build
+  void install_llvm(const jit::CpuKernels& kernels);
+  void poll_llvm();             // adopts a finished background build (at the start of a step)
 
   OptimizerConfig config_;                // built-ins
   std::unique_ptr<UpdateProgram> custom_;  // custom programs (then config_ is unused)
@@ -119,8 +124,14 @@ class StepEngine {
     cpu::UpdateFn update = nullptr;            // fused mode
     const cpu::Interpreter* interp = nullptr;  // interpreted and unfused modes
     int group = 0;                             // index into interpreters_
+    cpu::JitL2Fn llvm_l2 = nullptr;            // LLVM reduce (then `reduce` is its rare path)
+    cpu::JitInfFn llvm_inf = nullptr;
   };
+  static cpu::ReducePartial reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n);
   std::vector<TensorKernels> kernels_;
+  jit::CpuSpec llvm_spec_;                   // what the LLVM kernels are compiled for
+  bool llvm_active_ = false;                 // the LLVM kernels run the step
+  std::shared_ptr<cpu::JitBuild> llvm_build_;  // automatic: the background compile, until adopted
   std::vector<std::unique_ptr<cpu::Interpreter>> interpreters_;  // one per dtype combination present
   int max_slots_ = 0;
   AlignedBuffer scratch_;                           // interpreted: per-thread blocks; unfused: model-sized slots

@@ -25,6 +25,18 @@ enum class Fusion {
                 // interpreter (the path of programs known only at run time)
 };
 
+// The code that runs a fused step on the CPU. Every choice computes bitwise the
+// same results (unless OptimizerOptions::llvm_contract), so switching is invisible.
+enum class CpuBackend : std::uint8_t {
+  // LLVM-compiled code once it is compiled, Highway until then: the compile runs
+  // on a background thread (a spec in the kernel cache loads at once) and a step
+  // never waits for it. Highway alone when the build has no LLVM.
+  automatic,
+  highway,  // Highway SIMD kernels for built-ins; the blocked interpreter for custom programs
+  llvm,     // LLVM-compiled code, compiled (or loaded) at construction; Error(unsupported) without LLVM
+};
+std::string_view cpu_backend_name(CpuBackend backend);  // "auto", "highway", "llvm"
+
 struct OptimizerOptions {
   // Where the weights, gradients and the optimizer's state live. With
   // Device::cuda(i), every Param's pointers are device memory of GPU i, and the
@@ -45,6 +57,13 @@ struct OptimizerOptions {
   // Compute the gradient norm even on a plain step (no loss scale, no clipping),
   // which otherwise needs no reduce pass. Costs one read of the gradients.
   bool track_grad_norm = false;
+  // CPU, Fusion::fused: which code runs the step. Unset: the environment variable
+  // STEPFUSE_CPU_BACKEND (auto, highway or llvm), else CpuBackend::automatic.
+  std::optional<CpuBackend> cpu_backend;
+  // LLVM backend: let LLVM fuse the update's multiply-add pairs into FMAs where the
+  // CPU has them. Faster for some programs; results then equal Highway's within
+  // fp32 rounding instead of bit for bit (the gradient norm is unaffected).
+  bool llvm_contract = false;
 };
 
 // What one step did.
@@ -137,6 +156,11 @@ class Optimizer {
   const StepResult& last_result() const;
   const OptimizerOptions& options() const;
   int num_threads() const;
+  // What runs the next step's update: "llvm", "highway" (built-in Highway kernels),
+  // "interpreter" (a custom program, or Fusion::interpreted), "unfused" or "cuda".
+  // With CpuBackend::automatic it turns from "highway"/"interpreter" to "llvm" once
+  // the background compile is done.
+  std::string_view backend() const;
 
   // Introspection (tests, checkpoints, debugging).
   std::size_t num_params() const;

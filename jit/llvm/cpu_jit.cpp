@@ -1,0 +1,134 @@
+// ORC LLJIT holding every linked spec: one JITDylib per object, so the same
+// symbol names in two specs never meet, with the process's own symbols visible
+// (libm's fmaf where the CPU has no FMA instruction).
+#include "jit/llvm/cpu_jit.hpp"
+
+#include <llvm/Config/llvm-config.h>
+#include <llvm/ExecutionEngine/Orc/ExecutionUtils.h>
+#include <llvm/ExecutionEngine/Orc/LLJIT.h>
+#include <llvm/Support/Error.h>
+#include <llvm/Support/MemoryBuffer.h>
+
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "jit/kernel_cache.hpp"
+#include "stepfuse/error.hpp"
+
+namespace stepfuse::jit {
+namespace {
+
+[[noreturn]] void link_failed(const std::string& what, llvm::Error err) {
+  throw Error(ErrorCode::compile_failed, "LLVM JIT: " + what + ": " + llvm::toString(std::move(err)));
+}
+
+class Linker {
+ public:
+  static Linker& get() {
+    static Linker* linker = new Linker();  // never destroyed: linked code lives as long as the process
+    return *linker;
+  }
+
+  std::vector<void*> link(const std::string& object, const std::vector<std::string>& symbols) {
+    std::lock_guard lock(mu_);
+    const std::string name = "stepfuse_spec_" + std::to_string(next_++);
+    auto jd = jit_->createJITDylib(name);
+    if (!jd) link_failed("cannot create a JITDylib", jd.takeError());
+    auto process = llvm::orc::DynamicLibrarySearchGenerator::GetForCurrentProcess(jit_->getDataLayout().getGlobalPrefix());
+    if (!process) link_failed("cannot search the process's symbols", process.takeError());
+    jd->addGenerator(std::move(*process));
+    if (auto err = jit_->addObjectFile(*jd, llvm::MemoryBuffer::getMemBufferCopy(object, name)))
+      link_failed("cannot add the object", std::move(err));
+    std::vector<void*> out;
+    for (const std::string& s : symbols) {
+      auto sym = jit_->lookup(*jd, s);
+      if (!sym) link_failed("no symbol " + s + " in the object", sym.takeError());
+#if LLVM_VERSION_MAJOR >= 15
+      out.push_back(sym->toPtr<void*>());
+#else
+      out.push_back(reinterpret_cast<void*>(static_cast<std::uintptr_t>(sym->getAddress())));
+#endif
+    }
+    return out;
+  }
+
+ private:
+  Linker() {
+    CpuTarget::host();  // initializes the native target
+    auto jit = llvm::orc::LLJITBuilder().create();
+    if (!jit) link_failed("cannot create LLJIT", jit.takeError());
+    jit_ = std::move(*jit);
+  }
+  std::mutex mu_;
+  std::unique_ptr<llvm::orc::LLJIT> jit_;
+  int next_ = 0;
+};
+
+std::vector<std::string> symbols_of(const CpuSpec& spec) {
+  std::vector<std::string> out;
+  for (const CpuCombo& c : spec.combos) out.push_back(cpu_update_symbol(c));
+  for (DType g : spec.reduce_grads) out.push_back(cpu_reduce_symbol(g, spec.inf_norm));
+  return out;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Linked specs by cache key. A spec is linked once; later calls share it.
+std::mutex linked_mu;
+std::unordered_map<std::string, std::shared_ptr<const CpuKernels>>& linked() {
+  static auto* map = new std::unordered_map<std::string, std::shared_ptr<const CpuKernels>>();
+  return *map;
+}
+
+std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, bool compile) {
+  const CpuTarget& target = CpuTarget::host();
+  const std::string key = cpu_cache_key(spec, target);
+  {
+    std::lock_guard lock(linked_mu);
+    if (auto it = linked().find(key); it != linked().end()) {
+      auto out = std::make_shared<CpuKernels>(*it->second);
+      out->source = CpuKernels::Source::linked;
+      out->ms = 0;
+      return out;
+    }
+  }
+  const auto start = std::chrono::steady_clock::now();
+  KernelCache& cache = KernelCache::shared();
+  CpuKernels::Source source = CpuKernels::Source::memory_cache;
+  std::shared_ptr<const std::string> object = cache.find(key);
+  if (!object) {
+    source = CpuKernels::Source::disk_cache;
+    object = cache.find_or_load(key);
+  }
+  if (!object) {
+    if (!compile) return nullptr;
+    bool compiled = false;
+    object = cache.get(key, [&] {
+      compiled = true;
+      return cpu_compile_object(spec, target);
+    });
+    source = compiled ? CpuKernels::Source::compiled : CpuKernels::Source::memory_cache;
+  }
+  const std::vector<std::string> symbols = symbols_of(spec);
+  std::lock_guard lock(linked_mu);  // one link per spec (linking takes a few milliseconds)
+  if (auto it = linked().find(key); it != linked().end()) return it->second;
+  const std::vector<void*> fns = Linker::get().link(*object, symbols);
+  auto out = std::make_shared<CpuKernels>();
+  out->update.assign(fns.begin(), fns.begin() + static_cast<std::ptrdiff_t>(spec.combos.size()));
+  out->reduce.assign(fns.begin() + static_cast<std::ptrdiff_t>(spec.combos.size()), fns.end());
+  out->source = source;
+  out->ms = ms_since(start);
+  linked().emplace(key, out);
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<const CpuKernels> cpu_kernels(const CpuSpec& spec) { return kernels(spec, true); }
+std::shared_ptr<const CpuKernels> cpu_kernels_if_cached(const CpuSpec& spec) { return kernels(spec, false); }
+
+}  // namespace stepfuse::jit

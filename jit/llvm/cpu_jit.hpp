@@ -1,0 +1,31 @@
+// The CPU JIT: a spec's object code (jit/llvm/emit_llvm.hpp) from the kernel
+// cache or compiled, linked into the process by ORC LLJIT, as function pointers.
+//
+// Linked code is never unloaded: like the CUDA modules, the kernels of a spec
+// live as long as the process, and every optimizer with that spec shares them.
+// Without LLVM (llvm_built() false) every function here throws Error(unsupported).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "jit/llvm/emit_llvm.hpp"
+
+namespace stepfuse::jit {
+
+struct CpuKernels {
+  std::vector<void*> update;  // sf_cpu_update_* per spec.combos, in order
+  std::vector<void*> reduce;  // sf_cpu_reduce_* per spec.reduce_grads, in order
+  enum class Source { linked, memory_cache, disk_cache, compiled };
+  Source source = Source::compiled;  // how this call got them (linked: this process had them)
+  double ms = 0;                     // what this call spent: loading or compiling, and linking
+};
+
+// The kernels of `spec` for this machine (CpuTarget::host()): already linked,
+// else the object from the kernel cache (memory, then disk), else compiled now
+// (and cached). Thread-safe; concurrent calls for one spec compile it once.
+std::shared_ptr<const CpuKernels> cpu_kernels(const CpuSpec& spec);
+// The same, but null instead of compiling when no cache has the object.
+std::shared_ptr<const CpuKernels> cpu_kernels_if_cached(const CpuSpec& spec);
+
+}  // namespace stepfuse::jit

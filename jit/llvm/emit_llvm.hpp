@@ -1,0 +1,88 @@
+// The LLVM emitter and compiler for the CPU: (update program, spec) -> one LLVM
+// module with the spec's fused update loops (one per dtype combination) and
+// reduce loops (one per grad dtype), vectorized for a target CPU, optimized and
+// compiled to object code (DESIGN §3, §5).
+//
+// The generated code computes bitwise what the Highway kernels compute: every op
+// is written with the same IEEE operations (no fast-math; max/min/sign/select
+// with compares; f16/bf16 conversions with the same integer and fp32 steps), the
+// reduce accumulates element i of a chunk into lane i mod 32 and combines the 32
+// lanes with the same fixed tree. Only `contract` (off by default) lets LLVM fuse
+// a multiply and an add of the update into one FMA: faster where the program has
+// such pairs, equal to Highway within fp32 rounding instead of bitwise.
+//
+// The functions' C ABI (also what the emit API documents):
+//   void  sf_cpu_update_<w>_<g>[_m](const sf_cpu_update_args* args, uint64_t begin, uint64_t n);
+//       elements [begin, begin + n) of one tensor: reads grad, weight (or master),
+//       state; writes weight, master, state (layout of cpu::UpdateArgs).
+//   float sf_cpu_reduce_l2_<g>(const void* grad, uint64_t n);
+//       the canonical fp32 sum of squares of n gradients (not finite: an inf/NaN
+//       element or squares overflowing fp32; the caller rescans, see reduce.cpp).
+//   float sf_cpu_reduce_inf_<g>(const void* grad, uint64_t n, uint32_t* nonfinite);
+//       max |g| of n gradients; *nonfinite = 1 when one is inf or NaN.
+//
+// This header needs no LLVM headers; the implementation is built only when LLVM
+// is found (STEPFUSE_HAVE_LLVM), else every function here throws
+// Error(unsupported) and llvm_built() is false.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "stepfuse/program.hpp"
+#include "stepfuse/types.hpp"
+
+namespace stepfuse::jit {
+
+struct CpuCombo {
+  DType weight = DType::f32;
+  DType grad = DType::f32;
+  bool master = false;  // fp32 master weights (weight is f16/bf16)
+  bool operator==(const CpuCombo&) const = default;
+};
+
+// Everything the generated module depends on, except the target CPU.
+struct CpuSpec {
+  Program program;                // names unused (they are not part of the code)
+  std::vector<CpuCombo> combos;   // update functions: the combinations present, in first-use order
+  std::vector<DType> reduce_grads;  // reduce functions: the grad dtypes present
+  bool inf_norm = false;          // reduce functions for the inf-norm (else L2)
+  bool contract = false;          // let LLVM fuse mul+add pairs of the update into FMAs
+};
+
+// The CPU code is generated for: an LLVM target triple, CPU name and feature
+// string ("+avx2,+fma,-avx512f,..."), and the vector width in fp32 lanes the
+// loops are written with (the widest the features allow: 16, 8 or 4).
+struct CpuTarget {
+  std::string triple;
+  std::string cpu;
+  std::string features;
+  int vector_width = 4;
+  // This machine (what the JIT compiles for).
+  static CpuTarget host();
+  // A named CPU of this machine's architecture, with its default features
+  // ("x86-64-v3", "skylake-avx512", "znver3"; empty features: the CPU's own).
+  static CpuTarget named(const std::string& triple, const std::string& cpu, const std::string& features = "");
+  std::string describe() const;  // "x86_64-pc-linux-gnu haswell (8 fp32 lanes)"
+};
+
+bool llvm_built();           // false when stepfuse was built without LLVM
+std::string llvm_version();  // "14.0.6", or "" when not built
+
+std::string cpu_update_symbol(const CpuCombo& combo);
+std::string cpu_reduce_symbol(DType grad, bool inf_norm);
+
+// Stable across runs and compilers; with the target and versions, the cache key.
+std::string cpu_canonical_text(const CpuSpec& spec);
+std::string cpu_cache_key(const CpuSpec& spec, const CpuTarget& target);
+
+// The module as LLVM IR text: before optimization (what the emitter wrote) or
+// after the O3 pipeline for the target.
+std::string cpu_module_ir(const CpuSpec& spec, const CpuTarget& target, bool optimized);
+// The optimized module compiled to a relocatable object file (ELF on Linux).
+// Error(invalid_argument) for a spec the emitter cannot handle, Error(compile_failed)
+// when LLVM fails (the target is unknown, say).
+std::string cpu_compile_object(const CpuSpec& spec, const CpuTarget& target);
+
+}  // namespace stepfuse::jit
