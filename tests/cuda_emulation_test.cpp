@@ -526,6 +526,76 @@ TEST(EmulatedStep, ReductionCombinesInTheCanonicalOrder) {
   }
 }
 
+// The finalize adds each tensor's partials in chains of SF_FIN_WINDOW (64) per round
+// (jit/cuda/emit_cuda.cpp): tensors of 66 chunks span two rounds, small and empty
+// tensors sit at the cuts between chains and at the end. Tensors 0 and 6 hold 2^54
+// in their first chunk, then sums of 1.81 (one rounding away each) at round edges:
+// a chain that dropped its sum at a round, or added out of order, changes a norm.
+TEST(EmulatedStep, FinalizeChainsAcrossRounds) {
+  std::mt19937 rng(fresh_seed());
+  const std::int64_t k = 16384;
+  Model model(shapes_for({65 * k + 3, 1, 0, 5 * k, 0, 3, 65 * k + 1, 0}, sf_emu::kMixedMasters), false, 0, rng);
+  const auto small = [&](std::size_t t, std::int64_t at) {  // a sum of squares of 1.81
+    model.set_grad(t, at, 1.0f);
+    model.set_grad(t, at + 1, 0.9f);
+  };
+  for (std::size_t t = 0; t < model.size(); ++t)
+    for (std::int64_t i = 0; i < model.shape(t).numel; ++i) model.set_grad(t, i, 0.0f);
+  model.set_grad(0, 7, 0x1p27f);  // tensor 0 (f32 grads), chunk 0
+  model.set_grad(6, 0, 0x1p27f);  // tensor 6 (bf16 grads), chunk 0
+  for (const std::int64_t c : {63, 64, 65}) small(0, c * k + 1);
+  small(3, 4 * k);
+  for (const std::int64_t c : {1, 63, 64, 65}) small(6, c * k);
+  Pair p(model, kAdamW, {.max_grad_norm = 1.0}, 11);
+  p.step_scaled(1.0);
+  p.expect_same("order-sensitive sums");
+  std::vector<double> norms;
+  p.dev.result(&norms);
+  EXPECT_EQ(norms[0], 0x1p27);
+  EXPECT_EQ(norms[6], 0x1p27);
+  EXPECT_EQ(p.dev.step_state().grad_norm, std::sqrt(0x1p55));  // 2^54 + 1.81 + 2^54, in order
+  model.draw_grads(rng, 0.01f);  // random sums: every tensor's norm bitwise
+  p.step_scaled(4.0);
+  p.expect_same("random gradients");
+}
+
+// The reduce reads 16-byte-aligned gradients with vector loads and others one by one
+// (the layout's aligned16 asks only 8 bytes of f16/bf16): shift 4 puts every
+// 16-bit gradient 8 bytes off (scalar reads) and keeps f32 gradients aligned (vector
+// reads), in the same spec as shift 0 (vector reads throughout). Sizes with tails
+// after the vector steps (1024 elements of 16 bits, 512 of f32), inf/NaN in both.
+TEST(EmulatedStep, ReduceVectorAndScalarReads) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const std::vector<std::int64_t> sizes = {1023, 1024, 1025, 16384 + 1000, 513, 511, 3000, 40000, 2047, 7};
+  for (const int shift : {0, 4}) {
+    SCOPED_TRACE("shift " + std::to_string(shift));
+    Model model(shapes_for(sizes, sf_emu::kMixedMasters), false, shift, rng);
+    for (const bool inf_norm : {false, true}) {
+      Pair p(model, kAdamW, {.max_grad_norm = 3.0, .norm_type = inf_norm ? INFINITY : 2.0}, seed | 1);
+      EXPECT_EQ(p.dev.spec_name(), inf_norm ? "adam_inf" : "adam");
+      for (int step = 0; step < 2; ++step) {
+        model.draw_grads(rng, 0.5f);
+        p.step_scaled(16.0);
+        p.expect_same("step " + std::to_string(step + 1));
+      }
+      const struct {
+        std::size_t tensor;
+        std::int64_t index;
+        float value;
+      } bad[] = {{1, 1000, NAN}, {7, 32768 + 5, INFINITY}, {3, 16384 + 999, -INFINITY}, {4, 300, NAN}};
+      for (const auto& b : bad) {  // bf16 (vector), f32 (vector), bf16 (tail), f32 (tail after a vector step)
+        model.draw_grads(rng, 0.5f);
+        model.set_grad(b.tensor, b.index, b.value);
+        p.step_scaled(16.0);
+        p.expect_same("a skipped step");
+        EXPECT_TRUE(p.dev.step_state().found_inf);
+      }
+    }
+  }
+}
+
 // ---- non-finite gradients ----
 
 TEST(EmulatedStep, NonFiniteGradientsSkipThenContinue) {

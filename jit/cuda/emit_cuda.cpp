@@ -16,7 +16,7 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 2;  // 2: sf_reduce takes the loss scale as a double
+constexpr int kEmitterVersion = 3;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -133,6 +133,21 @@ SF_DEV SF_INLINE void sf_store4_bf16(void* p, long long i, const float* v) {
 #define SF_FULL_MASK 0xFFFFFFFFu
 )";
 
+// The reduce kernel's shape, beyond device_abi.h (not part of the ABI: only the
+// kernel reads these). Shared memory per block: 2 KiB of staging slots + 6 KiB of
+// finalize tile.
+constexpr std::string_view kReduceShape = R"(
+#define SF_REDUCE_VLOADS 4 /* 16-byte gradient loads in flight per lane */
+
+/* The finalize's partials go through shared memory SF_FIN_SLOTS x SF_FIN_WINDOW at
+ * a time: SF_FIN_SLOTS chains of additions side by side (thread s < SF_FIN_SLOTS runs
+ * chain s), each over SF_FIN_WINDOW partials per round. */
+#define SF_FIN_SLOTS 8
+#define SF_FIN_WINDOW 64
+#define SF_FIN_TILE (SF_FIN_SLOTS * SF_FIN_WINDOW)
+#define SF_FIN_LOADS (SF_FIN_TILE / (32 * SF_REDUCE_WARPS)) /* per thread per round */
+)";
+
 // The reduce of one chunk by one warp, for grad dtype {G}, in the canonical
 // order: lane l sums elements l, l+32, ... in sequence, then the fixed tree.
 constexpr std::string_view kReduceChunkL2 = R"(
@@ -142,16 +157,45 @@ SF_DEV SF_INLINE float sf_lane_tree(float acc) {
 }
 )";
 
+// {G}: the grad dtype; {E}: its storage type (float or sf_u16); {V}: elements per
+// 16 bytes. The vector path needs the chunk's first gradient 16-byte aligned
+// (chunks begin at multiples of SF_CHUNK_ELEMS, so: the tensor's grad pointer),
+// which a tensor view need not be: it is checked here, per chunk (warp-uniform),
+// and the scalar loop takes the rest (a tail, or the whole of an unaligned chunk).
 constexpr std::string_view kReduceChunkL2G = R"(
-SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long begin, int len, int lane) {
+SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long begin, int len, int lane,
+                                      uint4* SF_RESTRICT stage) {
+  const {E}* SF_RESTRICT g = (const {E}*)grad + begin;
   float acc = 0.0f;
   int i = lane;
+  if (((unsigned long long)g & 15u) == 0) {
+    /* SF_REDUCE_VLOADS 16-byte loads in flight per lane; lane l's load k holds the
+     * elements 32*{V}*k + {V}*l ... + {V}-1 of the step. Each 16 bytes go through the
+     * warp's 32 staging slots in shared memory, from which lane l reads back elements
+     * l, l+32, ..., l+32*({V}-1) of that segment: lane l still adds exactly elements
+     * l, l+32, l+64, ... of the chunk, in increasing order, with the same ops. */
+    int base = 0;
+    for (; base + SF_REDUCE_VLOADS * 32 * {V} <= len; base += SF_REDUCE_VLOADS * 32 * {V}) {
+      uint4 q[SF_REDUCE_VLOADS];
+#pragma unroll
+      for (int k = 0; k < SF_REDUCE_VLOADS; ++k) q[k] = *(const uint4*)(g + base + 32 * {V} * k + {V} * lane);
+#pragma unroll
+      for (int k = 0; k < SF_REDUCE_VLOADS; ++k) {
+        __syncwarp(SF_FULL_MASK);  /* every lane has read the previous segment */
+        stage[lane] = q[k];
+        __syncwarp(SF_FULL_MASK);
+#pragma unroll
+        for (int r = 0; r < {V}; ++r) { const float x = sf_load_{G}(stage, 32 * r + lane); acc = acc + x * x; }
+      }
+    }
+    i = base + lane;  /* a multiple of 32 plus the lane: the scalar loop continues the order */
+  }
   for (; i + 7 * 32 < len; i += 8 * 32) {  /* eight loads in flight, summed in order */
     float x[8];
-    for (int k = 0; k < 8; ++k) x[k] = sf_load_{G}(grad, begin + i + 32 * k);
+    for (int k = 0; k < 8; ++k) x[k] = sf_load_{G}(g, i + 32 * k);
     for (int k = 0; k < 8; ++k) acc = acc + x[k] * x[k];
   }
-  for (; i < len; i += 32) { const float x = sf_load_{G}(grad, begin + i); acc = acc + x * x; }
+  for (; i < len; i += 32) { const float x = sf_load_{G}(g, i); acc = acc + x * x; }
   acc = sf_lane_tree(acc);
   sf_partial r;
   r.sumsq = (double)acc; r.maxabs = 0.0f; r.nonfinite = 0;
@@ -159,7 +203,7 @@ SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long be
     int bad = 0;
     float m = 0.0f;
     for (i = lane; i < len; i += 32) {
-      const float x = sf_load_{G}(grad, begin + i);
+      const float x = sf_load_{G}(g, i);
       bad |= !sf_isfinite(x);
       m = sf_max(m, sf_abs(x));
     }
@@ -171,7 +215,7 @@ SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long be
       const int e = sf_ilogb_normal(m) + 1;  /* m is normal: squares of it overflowed */
       const float s = sf_exp2f(-e);
       acc = 0.0f;
-      for (i = lane; i < len; i += 32) { const float x = sf_load_{G}(grad, begin + i) * s; acc = acc + x * x; }
+      for (i = lane; i < len; i += 32) { const float x = sf_load_{G}(g, i) * s; acc = acc + x * x; }
       acc = sf_lane_tree(acc);
       r.sumsq = (double)acc * sf_exp2(2 * e);
     }
@@ -180,15 +224,39 @@ SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long be
 }
 )";
 
+// The inf-norm of a chunk: a max (NaNs ignored, |x| >= +0) and an or, which no
+// order changes: aligned chunks are read with 16-byte loads, each lane its own.
 constexpr std::string_view kReduceChunkInfG = R"(
-SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long begin, int len, int lane) {
+SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long begin, int len, int lane,
+                                      uint4* SF_RESTRICT stage) {
+  const {E}* SF_RESTRICT g = (const {E}*)grad + begin;
   float m = 0.0f;
   int bad = 0;
-  for (int i = lane; i < len; i += 32) {
-    const float x = sf_load_{G}(grad, begin + i);
+  int i = lane;
+  if (((unsigned long long)g & 15u) == 0) {
+    int base = 0;
+    for (; base + SF_REDUCE_VLOADS * 32 * {V} <= len; base += SF_REDUCE_VLOADS * 32 * {V}) {
+      uint4 q[SF_REDUCE_VLOADS];
+#pragma unroll
+      for (int k = 0; k < SF_REDUCE_VLOADS; ++k) q[k] = *(const uint4*)(g + base + 32 * {V} * k + {V} * lane);
+#pragma unroll
+      for (int k = 0; k < SF_REDUCE_VLOADS; ++k) {
+#pragma unroll
+        for (int j = 0; j < {V}; ++j) {
+          const float x = sf_load_{G}(&q[k], j);
+          bad |= !sf_isfinite(x);
+          m = sf_max(m, sf_abs(x));
+        }
+      }
+    }
+    i = base + lane;
+  }
+  for (; i < len; i += 32) {
+    const float x = sf_load_{G}(g, i);
     bad |= !sf_isfinite(x);
     m = sf_max(m, sf_abs(x));
   }
+  (void)stage;
   bad = __any_sync(SF_FULL_MASK, bad);
   for (int w = 16; w >= 1; w >>= 1) m = sf_max(m, __shfl_xor_sync(SF_FULL_MASK, m, w));
   sf_partial r;
@@ -199,34 +267,108 @@ SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long be
 
 // The reduce kernel and its finalize (the scalar stage), run by the last block.
 constexpr std::string_view kReduceKernel = R"(
-/* Combines the partials in the CPU's order (chunks of a tensor in order in fp64,
- * then tensors in order) and runs the scalar stage. One block. */
-SF_DEV void sf_finalize(const sf_tensor* SF_RESTRICT tensors, int num_tensors, const sf_partial* partials,
-                        double* tensor_sums, sf_step_state* st, const sf_hyper* hyper, double scale,
-                        int check_finite, sf_scaler_state* scaler) {
+
+/* The first chunk at or after chunk x that begins a tensor (num_chunks if none). */
+SF_DEV SF_INLINE long long sf_tensor_start_from(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT chunks,
+                                                int num_chunks, long long x) {
+  if (x >= num_chunks) return num_chunks;
+  const sf_span c = chunks[x];
+  if (c.begin == 0) return x;
+  return tensors[c.tensor].first_chunk + tensors[c.tensor].num_chunks;
+}
+
+/* Loads this thread's entries of round `round` of the finalize tile: the norm value
+ * of each partial, and the index of its tensor where it is the tensor's last chunk
+ * (else -1). ORs the nonfinite flags into *bad (in any order: an or). */
+SF_DEV SF_INLINE void sf_fin_load(const sf_span* SF_RESTRICT chunks, int num_chunks, const sf_partial* partials,
+                                  const long long* range, int round, double* value, int* last_of, int* bad) {
+#pragma unroll
+  for (int j = 0; j < SF_FIN_LOADS; ++j) {
+    const int e = j * (32 * SF_REDUCE_WARPS) + (int)threadIdx.x;  /* tile entry: slot e / W, position e % W */
+    const int s = e / SF_FIN_WINDOW;
+    const long long c = range[s] + (long long)round * SF_FIN_WINDOW + e % SF_FIN_WINDOW;
+    value[j] = 0.0;
+    last_of[j] = -1;
+    if (c < range[s + 1]) {
+      /* volatile: written by other blocks of this launch (not through this SM's L1) */
+      const volatile sf_partial* p = (const volatile sf_partial*)&partials[c];
+      *bad |= p->nonfinite;
+      value[j] = {PARTIAL_VALUE};
+      if (c + 1 == num_chunks || chunks[c + 1].begin == 0) last_of[j] = chunks[c].tensor;
+    }
+  }
+}
+
+/* Combines the partials in the CPU's order and runs the scalar stage. One block.
+ * Invariant (the numerics): each tensor's chunk partials are combined by ONE thread,
+ * sequentially in chunk order in fp64, from 0.0; then thread 0 combines the tensors'
+ * sums sequentially in tensor order. Only where the values wait changes: the chunk
+ * range is cut at tensor starts into SF_FIN_SLOTS ranges of about equal length, one
+ * per chain; every round, all threads load the next SF_FIN_WINDOW partials of every
+ * range (coalesced) into shared memory, while the chains add the previous round's. */
+SF_DEV void sf_finalize(const sf_tensor* SF_RESTRICT tensors, int num_tensors, const sf_span* SF_RESTRICT chunks,
+                        int num_chunks, const sf_partial* partials, double* tensor_sums, sf_step_state* st,
+                        const sf_hyper* hyper, double scale, int check_finite, sf_scaler_state* scaler) {
+  __shared__ double tile[SF_FIN_TILE];
+  __shared__ int tile_last_of[SF_FIN_TILE];
+  __shared__ long long range[SF_FIN_SLOTS + 1];  /* chain s: chunks [range[s], range[s + 1]) */
   __shared__ int any_bad;
   if (threadIdx.x == 0) any_bad = 0;
+  if (threadIdx.x <= SF_FIN_SLOTS)
+    range[threadIdx.x] = sf_tensor_start_from(tensors, chunks, num_chunks,
+                                              (long long)num_chunks * threadIdx.x / SF_FIN_SLOTS);
+  for (int t = threadIdx.x; t < num_tensors; t += blockDim.x)
+    if (tensors[t].num_chunks == 0) tensor_sums[t] = 0.0;  /* empty: no chain visits it */
   __syncthreads();
-  for (int t = threadIdx.x; t < num_tensors; t += blockDim.x) {
-    const long long first = tensors[t].first_chunk;
-    const int n = tensors[t].num_chunks;
-    double acc = 0.0;
-    int bad = 0;
-    for (int c = 0; c < n; ++c) {
-      const volatile sf_partial* p = (const volatile sf_partial*)&partials[first + c];
-      bad |= p->nonfinite;
-      {NORM_COMBINE}
+  long long longest = 0;
+  for (int s = 0; s < SF_FIN_SLOTS; ++s) longest = range[s + 1] - range[s] > longest ? range[s + 1] - range[s] : longest;
+  const int rounds = (int)((longest + SF_FIN_WINDOW - 1) / SF_FIN_WINDOW);
+  int bad = 0;
+  double value[SF_FIN_LOADS];
+  int last_of[SF_FIN_LOADS];
+  sf_fin_load(chunks, num_chunks, partials, range, 0, value, last_of, &bad);
+  double acc = 0.0;  /* chain threadIdx.x's sum of its current tensor so far */
+  for (int round = 0; round < rounds; ++round) {
+    __syncthreads();  /* the chains are done with the previous round's tile */
+#pragma unroll
+    for (int j = 0; j < SF_FIN_LOADS; ++j) {
+      tile[j * (32 * SF_REDUCE_WARPS) + threadIdx.x] = value[j];
+      tile_last_of[j * (32 * SF_REDUCE_WARPS) + threadIdx.x] = last_of[j];
     }
-    tensor_sums[t] = acc;
-    if (bad) atomicOr(&any_bad, 1);
+    __syncthreads();
+    if (round + 1 < rounds) sf_fin_load(chunks, num_chunks, partials, range, round + 1, value, last_of, &bad);
+    if (threadIdx.x < SF_FIN_SLOTS) {
+      const long long left = range[threadIdx.x + 1] - range[threadIdx.x] - (long long)round * SF_FIN_WINDOW;
+      const int n = left < SF_FIN_WINDOW ? (int)left : SF_FIN_WINDOW;
+      const double* v = &tile[threadIdx.x * SF_FIN_WINDOW];
+      const int* last = &tile_last_of[threadIdx.x * SF_FIN_WINDOW];
+      for (int i = 0; i < n; ++i) {
+        {NORM_COMBINE}
+        if (last[i] >= 0) {  /* a chain's range ends with a tensor's last chunk */
+          tensor_sums[last[i]] = acc;
+          acc = 0.0;
+        }
+      }
+    }
   }
+  if (bad) atomicOr(&any_bad, 1);
   __syncthreads();
-  if (threadIdx.x != 0) return;
+  /* The total, in tensor order, by thread 0; the tensors' sums staged the same way. */
   double total = 0.0;
-  for (int t = 0; t < num_tensors; ++t) {
-    const double acc = ((const volatile double*)tensor_sums)[t];
-    {TOTAL_COMBINE}
+  for (int base = 0; base < num_tensors; base += SF_FIN_TILE) {
+    if (base > 0) __syncthreads();
+    for (int k = threadIdx.x; k < SF_FIN_TILE && base + k < num_tensors; k += blockDim.x)
+      tile[k] = ((const volatile double*)tensor_sums)[base + k];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int n = num_tensors - base < SF_FIN_TILE ? num_tensors - base : SF_FIN_TILE;
+      for (int k = 0; k < n; ++k) {
+        const double x = tile[k];
+        {TOTAL_COMBINE}
+      }
+    }
   }
+  if (threadIdx.x != 0) return;
   const double norm = {NORM_OF_TOTAL};
   const int found_inf = any_bad;
   st->found_inf = found_inf;
@@ -267,6 +409,7 @@ extern "C" __global__ void __launch_bounds__(32 * SF_REDUCE_WARPS)
 sf_reduce(const sf_tensor* SF_RESTRICT tensors, int num_tensors, const sf_span* SF_RESTRICT chunks, int num_chunks,
           sf_partial* partials, double* tensor_sums, sf_step_state* st, const sf_hyper hyper, const float* scale_ptr,
           double scale_value, int check_finite, sf_scaler_state* scaler) {
+  __shared__ uint4 stage[SF_REDUCE_WARPS][32];  /* each warp's staging slots (sf_reduce_chunk_*) */
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c = blockIdx.x * SF_REDUCE_WARPS + warp;
   if (c < num_chunks) {
@@ -287,7 +430,7 @@ sf_reduce(const sf_tensor* SF_RESTRICT tensors, int num_tensors, const sf_span* 
   if (!is_last) return;
   __threadfence();
   const double scale = scale_ptr ? (double)*(const volatile float*)scale_ptr : scale_value;
-  sf_finalize(tensors, num_tensors, partials, tensor_sums, st, &hyper, scale, check_finite, scaler);
+  sf_finalize(tensors, num_tensors, chunks, num_chunks, partials, tensor_sums, st, &hyper, scale, check_finite, scaler);
 }
 )";
 
@@ -495,12 +638,16 @@ namespace {
 std::string reduce_part(const CudaSpec& spec) {
   std::string out;
   const bool l2 = spec.norm == CudaNorm::l2;
+  out += kReduceShape;
   if (l2) out += kReduceChunkL2;
   bool have_grad[3] = {};
   for (const CudaCombo& c : spec.combos) {
     if (have_grad[static_cast<int>(c.grad)]) continue;
     have_grad[static_cast<int>(c.grad)] = true;
-    out += fill(std::string(l2 ? kReduceChunkL2G : kReduceChunkInfG), {{"G", std::string(dtype_tag(c.grad))}});
+    const bool wide = c.grad == DType::f32;
+    out += fill(std::string(l2 ? kReduceChunkL2G : kReduceChunkInfG), {{"G", std::string(dtype_tag(c.grad))},
+                                                                         {"E", wide ? "float" : "sf_u16"},
+                                                                         {"V", wide ? "4" : "8"}});
   }
   // One case per grad dtype (the combinations sharing it fall through), so each
   // chunk function is inlined once: a 15-combination list compiles ~5x faster.
@@ -509,12 +656,13 @@ std::string reduce_part(const CudaSpec& spec) {
     if (!have_grad[static_cast<int>(g)]) continue;
     for (std::size_t k = 0; k < spec.combos.size(); ++k)
       if (spec.combos[k].grad == g) reduce_cases += "      case " + std::to_string(k) + ":\n";
-    reduce_cases += "        r = sf_reduce_chunk_" + std::string(dtype_tag(g)) + "(t->grad, ch.begin, ch.len, lane);\n        break;\n";
+    reduce_cases += "        r = sf_reduce_chunk_" + std::string(dtype_tag(g)) + "(t->grad, ch.begin, ch.len, lane, stage[warp]);\n        break;\n";
   }
   if (!reduce_cases.empty()) reduce_cases.pop_back();
   out += fill(std::string(kReduceKernel),
-              {{"NORM_COMBINE", l2 ? "acc = acc + p->sumsq;" : "acc = acc < (double)p->maxabs ? (double)p->maxabs : acc;"},
-               {"TOTAL_COMBINE", l2 ? "total = total + acc;" : "total = total < acc ? acc : total;"},
+              {{"PARTIAL_VALUE", l2 ? "p->sumsq" : "(double)p->maxabs"},
+               {"NORM_COMBINE", l2 ? "acc = acc + v[i];" : "acc = acc < v[i] ? v[i] : acc;"},
+               {"TOTAL_COMBINE", l2 ? "total = total + x;" : "total = total < x ? x : total;"},
                {"NORM_OF_TOTAL", l2 ? "sqrt(total)" : "total"},
                {"NUM_SCALARS", std::to_string(spec.program.num_scalars)},
                {"REDUCE_CASES", reduce_cases}});

@@ -16,9 +16,9 @@
 //    is past the end skips the reduction): a block-wide barrier would deadlock.
 //  - A thread that returns leaves both barriers (arrive_and_drop), as an exited
 //    thread stops counting for __syncthreads on the GPU (sm_70+).
-//  - Warp intrinsics must name the full mask and run in a full warp of 32 (the
+//  - Warp intrinsics (__syncwarp too) must name the full mask and run in a full warp of 32 (the
 //    generated code uses only SF_FULL_MASK); anything else aborts.
-//  - float4/uint2 accesses check their alignment and abort when it is wrong, as a
+//  - float4/uint4/uint2 accesses check their alignment and abort when it is wrong, as a
 //    GPU faults ("misaligned address") where x86 would not.
 // Not a CUDA implementation: no streams, no memory model beyond C++'s (the pool's
 // hand-offs and the barriers order everything), and no concurrency between blocks,
@@ -98,6 +98,21 @@ struct alignas(8) uint2 {
     return *this;
   }
 };
+// uint4: 16-byte gradient loads and the reduce's shared staging slots (an array
+// of them is __shared__, hence the default constructor).
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+  uint4() = default;
+  uint4(const uint4& o) {
+    sf_emu::check_aligned<16>(&o, "uint4");
+    x = o.x, y = o.y, z = o.z, w = o.w;
+  }
+  uint4& operator=(const uint4& o) {
+    sf_emu::check_aligned<16>(this, "uint4");
+    x = o.x, y = o.y, z = o.z, w = o.w;
+    return *this;
+  }
+};
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 
@@ -164,6 +179,11 @@ T warp_exchange(unsigned mask, T v, Read read) {
 }
 
 }  // namespace sf_emu
+
+// A barrier of the warp's 32 lanes (full mask only), ordering their shared-memory accesses.
+inline void __syncwarp(unsigned mask) {
+  sf_emu::warp_exchange(mask, 0, [](unsigned, auto) { return 0; });
+}
 
 // A source lane outside the warp leaves the value unchanged (CUDA's rule for width 32).
 template <class T>
