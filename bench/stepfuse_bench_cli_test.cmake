@@ -8,6 +8,10 @@
 #   usage           --preset with --shapes, an unknown --fusion mode: exit 1 with a clear message
 #   cuda_backend    --backend cuda: without a usable GPU exit 1 saying why ("the CUDA backend cannot
 #                   run here: no CUDA driver ..."); with one, a tiny run: exit 0 and the JSON's figures
+#   cpu_backend     -DHAVE_LLVM=ON: a tiny run with --cpu-backend highway,llvm: exit 0, the bitwise check, the
+#                   fused-llvm row and the "llvm / highway" ratio line, the JSON's figures; OFF: the same
+#                   command exits 1 saying the build has no LLVM, and the default times Highway alone
+#   cpu_backend_usage  --cpu-backend bogus, and --cpu-backend without a fused mode: exit 1 with a clear message
 cmake_minimum_required(VERSION 3.20)
 foreach(var BENCH DIR CASE)
   if(NOT DEFINED ${var})
@@ -147,6 +151,50 @@ elseif(CASE STREQUAL "cuda_backend")
   endif()
   bench(--shapes "${DIR}/two.shapes" --backend cuda --fusion fused,unfused)
   expect_rc(1 "cuda_backend (--fusion unfused)")
+
+elseif(CASE STREQUAL "cpu_backend")
+  file(REMOVE "${DIR}/llvm.json")
+  set(tiny --preset flat:100000 --steps 3 --warmup 1 --rss-steps 1 --optimizer adamw --weights bf16 --grads bf16)
+  bench(${tiny} --cpu-backend highway,llvm --json "${DIR}/llvm.json")
+  if(HAVE_LLVM)
+    expect_rc(0 "cpu_backend")
+    expect_in("${out}" " · LLVM " "cpu_backend header")
+    expect_in("${out}" "one fused-llvm and one fused (Highway) step are bitwise equal" "cpu_backend stdout")
+    expect_in("${out}" "\n  fused-llvm " "cpu_backend stdout (table row)")
+    expect_in("${out}" "  llvm / highway: " "cpu_backend stdout (ratio line)")
+    expect_in("${out}" "x faster (median of per-iteration ratios, " "cpu_backend stdout (ratio line)")
+    expect_in("${out}" "LLVM optimizer construction: " "cpu_backend stdout")
+    file(READ "${DIR}/llvm.json" j)
+    string(JSON samples LENGTH "${j}" fused_llvm samples_ms)
+    string(JSON hw_samples LENGTH "${j}" fused samples_ms)
+    string(JSON speed GET "${j}" fused_llvm_over_fused_speed)
+    string(JSON per_it GET "${j}" per_iteration fused_llvm_over_fused_speed median)
+    string(JSON bitwise GET "${j}" verification llvm_vs_highway bitwise_equal)
+    string(JSON nbackends LENGTH "${j}" config cpu_backends)
+    string(JSON version GET "${j}" llvm version)
+    if(NOT samples EQUAL 3 OR NOT hw_samples EQUAL 3 OR NOT speed GREATER 0 OR NOT per_it GREATER 0
+       OR NOT bitwise OR NOT nbackends EQUAL 2 OR version STREQUAL "")
+      message(FATAL_ERROR "cpu_backend: the JSON is wrong: fused_llvm samples=${samples} fused samples=${hw_samples} "
+                          "speed=${speed} per-iteration=${per_it} bitwise=${bitwise} backends=${nbackends} "
+                          "llvm version=${version}")
+    endif()
+  else()
+    expect_rc(1 "cpu_backend (no LLVM)")
+    expect_in("${err}" "--cpu-backend llvm: this stepfuse was built without LLVM" "cpu_backend (no LLVM)")
+    bench(${tiny})
+    expect_rc(0 "cpu_backend (no LLVM, default)")
+    if(out MATCHES "fused-llvm|llvm / highway")
+      message(FATAL_ERROR "cpu_backend: without LLVM the default timed an LLVM step:\n${out}")
+    endif()
+  endif()
+
+elseif(CASE STREQUAL "cpu_backend_usage")
+  bench(--preset flat:1000 --cpu-backend bogus)
+  expect_rc(1 "cpu_backend_usage (bogus)")
+  expect_in("${err}" "stepfuse-bench: --cpu-backend: unknown CPU backend 'bogus' (expected highway or llvm" "cpu_backend_usage")
+  bench(--preset flat:1000 --fusion unfused --cpu-backend highway)
+  expect_rc(1 "cpu_backend_usage (no fused mode)")
+  expect_in("${err}" "--fusion times no fused step" "cpu_backend_usage (no fused mode)")
 
 else()
   message(FATAL_ERROR "stepfuse_bench_cli_test.cmake: unknown CASE '${CASE}'")

@@ -51,15 +51,86 @@ struct Tally {
     if (!(diff <= tol)) ++bad;
     if (ratio > worst_ratio || (std::isnan(diff) && worst.empty())) {
       worst_ratio = ratio;
-      char line[512];
-      std::snprintf(line, sizeof line, "%s[%lld] %.*s: %.*s %.9g, %.*s %.9g (initial %.9g), |diff| %.3g, tol %.3g",
-                    buf.name(t).c_str(), static_cast<long long>(i), static_cast<int>(what.size()), what.data(),
-                    static_cast<int>(a_name.size()), a_name.data(), a, static_cast<int>(b_name.size()), b_name.data(),
-                    b, initial, diff, tol);
-      worst = line;
+      describe(a, b, tol, buf, t, i, what, initial);
     }
   }
+
+  // Bit for bit: a and b are fp32 values (or 16-bit ones) widened exactly, so their
+  // doubles' bits differ exactly when the stored bits do. worst_ratio tracks the largest
+  // |a - b| here (a NaN on one side only is infinitely far).
+  void check_bits(double a, double b, const ModelBuffers& buf, std::size_t t, std::int64_t i, std::string_view what,
+                  double initial) {
+    ++checked;
+    if (std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b)) {
+      ++identical;
+      return;
+    }
+    ++bad;
+    const double diff = std::isnan(a - b) ? INFINITY : std::fabs(a - b);
+    if (diff > worst_ratio || worst.empty()) {
+      worst_ratio = diff;
+      describe(a, b, 0.0, buf, t, i, what, initial);
+    }
+  }
+
+  void describe(double a, double b, double tol, const ModelBuffers& buf, std::size_t t, std::int64_t i,
+                std::string_view what, double initial) {
+    char line[512];
+    std::snprintf(line, sizeof line, "%s[%lld] %.*s: %.*s %.9g, %.*s %.9g (initial %.9g), |diff| %.3g, tol %.3g",
+                  buf.name(t).c_str(), static_cast<long long>(i), static_cast<int>(what.size()), what.data(),
+                  static_cast<int>(a_name.size()), a_name.data(), a, static_cast<int>(b_name.size()), b_name.data(), b,
+                  initial, std::fabs(a - b), tol);
+    worst = line;
+  }
 };
+
+// The masters and state streams of two optimizers over the same tensor list, gathered up
+// front so that the parallel loops only read plain memory.
+struct Spans {
+  std::vector<std::span<const float>> am, bm;               // masters, per tensor
+  std::vector<std::vector<std::span<const float>>> as, bs;  // state, per stream, per tensor
+};
+
+// Fills `sp` for `names`; returns "" or what does not match in size.
+std::string gather_spans(const Optimizer& a, const Optimizer& b, const ModelBuffers& buf,
+                         const std::vector<std::string_view>& names, Spans& sp) {
+  const std::size_t nt = buf.num_tensors();
+  sp.am.resize(nt);
+  sp.bm.resize(nt);
+  sp.as.assign(names.size(), {});
+  sp.bs.assign(names.size(), {});
+  for (std::size_t t = 0; t < nt; ++t) {
+    sp.am[t] = a.master(t);
+    sp.bm[t] = b.master(t);
+    if (sp.am[t].size() != sp.bm[t].size()) return "master copies differ in size";
+    for (std::size_t s = 0; s < names.size(); ++s) {
+      sp.as[s].push_back(a.state(t, names[s]));
+      sp.bs[s].push_back(b.state(t, names[s]));
+      if (sp.as[s][t].size() != sp.bs[s][t].size() || sp.as[s][t].size() != static_cast<std::size_t>(buf.numel(t)))
+        return "state '" + std::string(names[s]) + "' has the wrong size";
+    }
+  }
+  return "";
+}
+
+// The per-thread tallies added into `rep` (worst: the largest worst_ratio); returns the
+// gradient elements written, summed.
+std::int64_t merge(const std::vector<Tally>& tallies, const std::vector<std::int64_t>& grads_written,
+                   VerifyReport& rep) {
+  std::int64_t written = 0;
+  for (std::size_t k = 0; k < tallies.size(); ++k) {
+    const Tally& tl = tallies[k];
+    rep.values_checked += tl.checked;
+    rep.mismatches += tl.bad;
+    rep.identical += tl.identical;
+    written += grads_written[k];
+    if (tl.worst_ratio > rep.worst_ratio || (rep.worst.empty() && !tl.worst.empty())) {
+      rep.worst_ratio = tl.worst_ratio;
+      rep.worst = tl.worst;
+    }
+  }
+  return written;
+}
 
 }  // namespace
 
@@ -100,21 +171,10 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
     problem("the optimizers do not hold the benchmark's tensor list");
   if (!rep.problems.empty()) return rep;
 
-  // Gather spans up front, so the parallel loop only reads plain memory.
-  const std::size_t nt = fb.num_tensors();
-  std::vector<std::span<const float>> fm(nt), um(nt);
-  std::vector<std::vector<std::span<const float>>> fs(names.size()), us(names.size());
-  for (std::size_t t = 0; t < nt; ++t) {
-    fm[t] = fused.master(t);
-    um[t] = unfused.master(t);
-    if (fm[t].size() != um[t].size()) return problem("master copies differ in size"), rep;
-    for (std::size_t s = 0; s < names.size(); ++s) {
-      fs[s].push_back(fused.state(t, names[s]));
-      us[s].push_back(unfused.state(t, names[s]));
-      if (fs[s][t].size() != us[s][t].size() || fs[s][t].size() != static_cast<std::size_t>(fb.numel(t)))
-        return problem("state '" + std::string(names[s]) + "' has the wrong size"), rep;
-    }
-  }
+  Spans sp;
+  if (std::string p = gather_spans(fused, unfused, fb, names, sp); !p.empty()) return problem(p), rep;
+  const auto &fm = sp.am, &um = sp.bm;
+  const auto &fs = sp.as, &us = sp.bs;
 
   const DType wt = fb.weight_dtype();
   const double weight_ulps = wt == DType::f32 ? 4.0 : 1.0;
@@ -147,20 +207,77 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
       }
     });
   });
-  std::int64_t written = 0;
-  for (std::size_t k = 0; k < tallies.size(); ++k) {
-    const Tally& tl = tallies[k];
-    rep.values_checked += tl.checked;
-    rep.mismatches += tl.bad;
-    rep.identical += tl.identical;
-    written += grads_written[k];
-    if (tl.worst_ratio > rep.worst_ratio || (rep.worst.empty() && !tl.worst.empty())) {
-      rep.worst_ratio = tl.worst_ratio;
-      rep.worst = tl.worst;
-    }
-  }
+  const std::int64_t written = merge(tallies, grads_written, rep);
   if (written > 0)
     problem("the " + fn + " step wrote " + std::to_string(written) + " gradient elements (it must not write gradients)");
+  return rep;
+}
+
+VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const StepResult& ra, const Optimizer& b,
+                             const ModelBuffers& bb, const StepResult& rb, double loss_scale, int threads,
+                             std::string_view a_name, std::string_view b_name) {
+  const std::string an(a_name), bn(b_name);
+  VerifyReport rep;
+  auto problem = [&](const std::string& s) { rep.problems.push_back(s); };
+  auto same_bits = [](double x, double y) {
+    return std::bit_cast<std::uint64_t>(x) == std::bit_cast<std::uint64_t>(y);
+  };
+  auto differ = [&](const char* what, double x, double y) {
+    char s[200];
+    std::snprintf(s, sizeof s, "%s differ: %s %.17g, %s %.17g", what, an.c_str(), x, bn.c_str(), y);
+    problem(s);
+  };
+  if (!ra.applied || !rb.applied)
+    problem("a step was skipped (" + an + " applied=" + (ra.applied ? "yes" : "no") + ", " + bn +
+            " applied=" + (rb.applied ? "yes" : "no") + ") on finite gradients");
+  if (ra.found_inf != rb.found_inf) problem("found_inf differs between " + an + " and " + bn);
+  if (!same_bits(ra.grad_norm, rb.grad_norm)) differ("gradient norms", ra.grad_norm, rb.grad_norm);
+  if (!same_bits(ra.clip_coef, rb.clip_coef)) differ("clip coefficients", ra.clip_coef, rb.clip_coef);
+  const std::vector<double>&tna = a.last_tensor_grad_norms(), &tnb = b.last_tensor_grad_norms();
+  if (tna.size() != tnb.size()) {
+    problem("the per-tensor gradient norms differ in count");
+  } else {
+    for (std::size_t t = 0; t < tna.size(); ++t)
+      if (!same_bits(tna[t], tnb[t])) {
+        differ(("per-tensor gradient norms of " + ab.name(t)).c_str(), tna[t], tnb[t]);
+        break;
+      }
+  }
+  if (a.step_count() != b.step_count()) problem("step counts differ");
+  const auto names = a.state_names();
+  if (names != b.state_names()) problem("the optimizers have different state streams");
+  if (a.num_params() != ab.num_tensors() || b.num_params() != bb.num_tensors() || ab.num_tensors() != bb.num_tensors())
+    problem("the optimizers do not hold the benchmark's tensor list");
+  if (!rep.problems.empty()) return rep;
+
+  Spans sp;
+  if (std::string p = gather_spans(a, b, ab, names, sp); !p.empty()) return problem(p), rep;
+  const DType wt = ab.weight_dtype();
+  Tally blank;
+  blank.a_name = a_name, blank.b_name = b_name;
+  std::vector<Tally> tallies(static_cast<std::size_t>(std::max(threads, 1)), blank);
+  std::vector<std::int64_t> grads_written(tallies.size(), 0);
+  parallel_for(ab.total_numel(), threads, [&](int th, std::int64_t lo, std::int64_t hi) {
+    Tally& tl = tallies[th];
+    ab.for_each_piece(lo, hi, [&](std::size_t t, std::int64_t s0, std::int64_t e) {
+      const TensorView aw = ab.weight(t), bw = bb.weight(t), ag = ab.grad(t);
+      const std::int64_t base = ab.offset(t);
+      for (std::int64_t i = s0; i < e; ++i) {
+        const double p0 = ab.initial_weight(base + i);
+        tl.check_bits(load_as_f32(aw.data, wt, i), load_as_f32(bw.data, wt, i), ab, t, i, "weight", p0);
+        if (!sp.am[t].empty()) tl.check_bits(sp.am[t][i], sp.bm[t][i], ab, t, i, "master", p0);
+        for (std::size_t s = 0; s < names.size(); ++s)
+          tl.check_bits(sp.as[s][t][i], sp.bs[s][t][i], ab, t, i, names[s], 0.0);
+        const float g = load_as_f32(ag.data, ab.grad_dtype(), i), g0 = ab.initial_grad(loss_scale, base + i);
+        if (std::bit_cast<std::uint32_t>(g) != std::bit_cast<std::uint32_t>(g0)) ++grads_written[th];
+      }
+    });
+  });
+  const std::int64_t written = merge(tallies, grads_written, rep);
+  rep.worst_ratio = 0;  // the largest |difference| is in `worst`; there is no tolerance to be a fraction of
+  if (written > 0)
+    problem("the " + an + " step wrote " + std::to_string(written) +
+            " gradient elements (it must not write gradients)");
   return rep;
 }
 

@@ -37,6 +37,17 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
                               double loss_scale, int threads, std::string_view fused_name = "fused",
                               std::string_view unfused_name = "unfused");
 
+// Compares two optimizers that must compute the same step bit for bit (one fused step on
+// two CPU backends), each after exactly one step_scaled(loss_scale) from identical inputs:
+// the step results (grad norm and clip coefficient as bits), the per-tensor gradient norms,
+// every weight (as stored), master and state value, and that `a` left its gradients
+// untouched. rel_tol and worst_ratio are 0; mismatches counts values whose bits differ and
+// worst describes the one that differs most. Reads with `threads` threads; allocates
+// nothing large.
+VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const StepResult& ra, const Optimizer& b,
+                             const ModelBuffers& bb, const StepResult& rb, double loss_scale, int threads,
+                             std::string_view a_name, std::string_view b_name);
+
 // For benchmarks that time one mode: after one step from fill_weights() values, every weight
 // is finite and most moved. Returns "" when so, else what is wrong.
 std::string check_step_effect(const ModelBuffers& b, int threads);

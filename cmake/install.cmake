@@ -89,6 +89,18 @@ if(STEPFUSE_STATIC)
 else()
   set(STEPFUSE_PC_REQUIRES "Requires.private: libhwy")
 endif()
+# The LLVM CPU backend links LLVM's shared library: on the consumer's link line when
+# libstepfuse is static, else only for a static link.
+set(STEPFUSE_PC_LIBS "")
+set(STEPFUSE_PC_LIBS_PRIVATE "")
+if(STEPFUSE_HAVE_LLVM)
+  set(_pc_llvm "-L${LLVM_LIBRARY_DIR} -lLLVM-${LLVM_VERSION_MAJOR}")
+  if(STEPFUSE_STATIC)
+    set(STEPFUSE_PC_LIBS " ${_pc_llvm}")
+  else()
+    set(STEPFUSE_PC_LIBS_PRIVATE "Libs.private: ${_pc_llvm}")
+  endif()
+endif()
 configure_file(${CMAKE_CURRENT_LIST_DIR}/stepfuse.pc.in ${PROJECT_BINARY_DIR}/stepfuse.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/stepfuse.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig
   COMPONENT stepfuse_development)

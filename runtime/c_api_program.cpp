@@ -1,7 +1,9 @@
 // The C ABI of custom update programs and of the emit API (include/stepfuse/stepfuse.h):
 // the program builder, sf_program, custom optimizers, sf_emit and the kernel tables.
 #include <cmath>
+#include <cstddef>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,6 +39,10 @@ static_assert(SF_OP_ADD == static_cast<int>(stepfuse::Op::add) && SF_OP_SUB == s
 static_assert(SF_EMIT_CUBIN == static_cast<int>(stepfuse::EmitTarget::Kind::cuda_cubin) &&
               SF_EMIT_PTX == static_cast<int>(stepfuse::EmitTarget::Kind::cuda_ptx) &&
               SF_EMIT_CPU == static_cast<int>(stepfuse::EmitTarget::Kind::cpu));
+// The cpu_* fields were appended: the older request is exactly the part before them.
+static_assert(SF_EMIT_REQUEST_SIZE_V1 ==
+                  (offsetof(sf_emit_request, compile) + sizeof(bool) + alignof(void*) - 1) / alignof(void*) * alignof(void*),
+              "sf_emit_request before the cpu_* fields ended with `bool compile`, padded to pointer alignment");
 
 // What the builder has recorded. Ops are checked for what fits the C types at the
 // call (enums, NULLs), the program's structure at build, where validate() names
@@ -68,6 +74,7 @@ struct sf_program {
 };
 struct sf_emitted_kernel {
   stepfuse::EmittedKernel kernel;
+  std::string names;  // SF_EMITTED_KERNEL_NAMES: kernel.kernel_names, each followed by '\n'
 };
 struct sf_kernel_tables {
   stepfuse::KernelTables tables;
@@ -156,10 +163,13 @@ stepfuse::UpdateProgram build(const sf_program_builder& b) {
 
 stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
   need(fn, r, "request");
-  if (r->struct_size != sizeof(sf_emit_request))
+  // Requests from a stepfuse.h before the cpu_* fields are read without them.
+  const bool has_cpu_fields = r->struct_size == sizeof(sf_emit_request);
+  if (!has_cpu_fields && r->struct_size != SF_EMIT_REQUEST_SIZE_V1)
     bad_argument(fn, "request->struct_size = " + std::to_string(r->struct_size) + ", but this library knows only " +
-                         std::to_string(sizeof(sf_emit_request)) +
-                         " (sizeof(sf_emit_request) in its stepfuse.h): initialize it with sf_emit_request_init()");
+                         std::to_string(sizeof(sf_emit_request)) + " (sizeof(sf_emit_request) in its stepfuse.h) and " +
+                         std::to_string(SF_EMIT_REQUEST_SIZE_V1) +
+                         " (before the cpu_* fields): initialize it with sf_emit_request_init()");
   if ((r->program == nullptr) == (r->config == nullptr))
     bad_argument(fn, "give exactly one of request->program (a custom program) and request->config (a built-in)");
   if (r->num_tensors > 0) need(fn, r->tensors, "request->tensors");
@@ -176,6 +186,13 @@ stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
     bad_argument(fn, "request->norm_type = " + std::to_string(norm) + " is not an sf_norm_type");
   if (target < SF_EMIT_CUBIN || target > SF_EMIT_CPU)
     bad_argument(fn, "request->target = " + std::to_string(target) + " is not an sf_emit_target");
+  stepfuse::EmitTarget emit_target{static_cast<stepfuse::EmitTarget::Kind>(target), r->sm};
+  if (has_cpu_fields) {
+    const auto text = [](const char* s) { return s != nullptr ? std::string(s) : std::string(); };
+    emit_target.cpu_name = text(r->cpu_name);
+    emit_target.triple = text(r->cpu_triple);
+    emit_target.features = text(r->cpu_features);
+  }
   return stepfuse::EmitRequest{
       r->program != nullptr ? r->program->program
                             : stepfuse::UpdateProgram::from_config(stepfuse::c_api::to_config(fn, r->config)),
@@ -183,7 +200,7 @@ stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
       r->flat,
       r->aligned16,
       norm == SF_NORM_L2 ? 2.0 : INFINITY,
-      stepfuse::EmitTarget{static_cast<stepfuse::EmitTarget::Kind>(target), r->sm},
+      std::move(emit_target),
       r->compile};
 }
 
@@ -363,7 +380,10 @@ sf_status sf_emit(const sf_emit_request* request, sf_emitted_kernel** out) {
   return guarded(fn, [&] {
     const stepfuse::EmitRequest r = to_request(fn, request);
     need(fn, out, "out");
-    *out = new sf_emitted_kernel{stepfuse::emit(r)};
+    auto k = std::make_unique<sf_emitted_kernel>();
+    k->kernel = stepfuse::emit(r);
+    for (const std::string& name : k->kernel.kernel_names) k->names += name + "\n";
+    *out = k.release();
   });
 }
 
@@ -384,6 +404,7 @@ sf_status sf_emitted_kernel_part(const sf_emitted_kernel* kernel, sf_emitted_par
       case SF_EMITTED_ABI_JSON: s = &k.abi; break;
       case SF_EMITTED_ABI_HEADER: s = &k.abi_header; break;
       case SF_EMITTED_ARCH: s = &k.arch; break;
+      case SF_EMITTED_KERNEL_NAMES: s = &kernel->names; break;
       default: bad_argument(fn, "part = " + std::to_string(enum_int(&part)) + " is not an sf_emitted_part");
     }
     *data = s->c_str();

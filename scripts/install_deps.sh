@@ -15,6 +15,7 @@ packages=(
   libcli11-dev        # command lines (stepfuse-bench)
   nlohmann-json3-dev  # JSON (benchmark reports, cache metadata)
   libxxhash-dev       # cache keys and checksums
+  llvm-14-dev         # the LLVM CPU backend (optional: without it the build has Highway alone)
 )
 
 if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then

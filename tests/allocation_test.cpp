@@ -2,8 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <new>
+#include <thread>
 #include <vector>
 
 #include "stepfuse/stepfuse.hpp"
@@ -31,29 +33,47 @@ void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 namespace stepfuse {
 namespace {
 
+// Every CPU backend; automatic: counting from the step that switches to the LLVM code
+// (the compile thread, which allocates, is idle by then).
+std::vector<CpuBackend> backends() {
+  if (llvm_version()[0] == '\0') return {CpuBackend::highway};
+  return {CpuBackend::highway, CpuBackend::llvm, CpuBackend::automatic};
+}
+
 TEST(Allocation, FusedStepsAllocateNothing) {
   for (const OptimizerConfig& config :
        {OptimizerConfig{optim::AdamW{}}, OptimizerConfig{optim::SGD{.momentum = 0.9}}, OptimizerConfig{optim::Lion{}}}) {
     for (Fusion mode : {Fusion::fused, Fusion::interpreted}) {
-      std::vector<float> w1(100000, 1.0f), g1(100000, 0.5f), w2(37, 1.0f), g2(37, 0.25f);
-      OptimizerOptions o;
-      o.fusion = mode;
-      o.max_grad_norm = 1.0;
-      o.num_threads = 2;
-      Optimizer opt(config, {{{w1.data(), 100000, DType::f32}, {g1.data(), 100000, DType::f32}},
-                             {{w2.data(), 37, DType::f32}, {g2.data(), 37, DType::f32}}},
-                    o);
-      opt.step_scaled(1024.0);  // warm up the pool's threads
-      g_allocations = 0;
-      g_counting = true;
-      for (int i = 0; i < 5; ++i) {
-        opt.step_scaled(1024.0);
-        opt.step();
+      for (CpuBackend backend : backends()) {
+        if (mode == Fusion::interpreted && backend != CpuBackend::highway) continue;  // no LLVM there
+        std::vector<float> w1(100000, 1.0f), g1(100000, 0.5f), w2(37, 1.0f), g2(37, 0.25f);
+        OptimizerOptions o;
+        o.fusion = mode;
+        o.max_grad_norm = 1.0;
+        o.num_threads = 2;
+        o.cpu_backend = backend;
+        Optimizer opt(config, {{{w1.data(), 100000, DType::f32}, {g1.data(), 100000, DType::f32}},
+                               {{w2.data(), 37, DType::f32}, {g2.data(), 37, DType::f32}}},
+                      o);
+        opt.step_scaled(1024.0);  // warm up the pool's threads
+        if (backend == CpuBackend::automatic) {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+          while (opt.backend() != "llvm" && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          ASSERT_EQ(opt.backend(), "llvm") << "the background compile did not finish in 120 s";
+        }
+        g_allocations = 0;
+        g_counting = true;
+        for (int i = 0; i < 5; ++i) {
+          opt.step_scaled(1024.0);
+          opt.step();
+        }
+        opt.set_lr(1e-4);
+        g_counting = false;
+        EXPECT_EQ(g_allocations.load(), 0) << optimizer_name(config) << " mode " << static_cast<int>(mode)
+                                           << " backend " << cpu_backend_name(backend);
+        EXPECT_EQ(opt.step_count(), 11);
       }
-      opt.set_lr(1e-4);
-      g_counting = false;
-      EXPECT_EQ(g_allocations.load(), 0) << optimizer_name(config) << " mode " << static_cast<int>(mode);
-      EXPECT_EQ(opt.step_count(), 11);
     }
   }
 }

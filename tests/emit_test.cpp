@@ -5,20 +5,37 @@
 //  - the ABI header is the installed stepfuse/device_abi.h, byte for byte;
 //  - plan_kernel_tables() gives the runtime's own layout for the same sizes;
 //  - with NVRTC (no GPU needed), a CUBIN and PTX that hold both kernels;
-//  - bad requests and a CPU target are errors that say why.
+//  - bad requests are errors that say why;
+//  - a CPU target (LLVM backend): the IR defines the functions, the object is an ELF
+//    relocatable whose symbol table has them, the ABI's layouts are cpu::UpdateArgs',
+//    the header declares what the ABI lists, and (with a C compiler to link it) the
+//    object, loaded as a shared library, steps bitwise as the library's own CPU step;
+//    without LLVM, Error(unsupported) that says what to install.
+// examples/run_emitted_cpu (a CTest test) links an emitted object into a C program.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <dlfcn.h>
+#include <elf.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "runtime/cpu/kernels.hpp"
 #include "runtime/cuda/cuda_layout.hpp"
+#include "stepfuse/stepfuse.h"
 #include "stepfuse/stepfuse.hpp"
 
 namespace stepfuse {
@@ -160,9 +177,6 @@ TEST(Emit, BadRequestsSayWhy) {
     return std::string();
   };
   EmitRequest r = request();
-  r.target = EmitTarget::cpu();
-  EXPECT_THAT(message(r, ErrorCode::unsupported), HasSubstr("needs the LLVM backend (not built)"));
-  r = request();
   r.flat = true;
   EXPECT_THAT(message(r, ErrorCode::invalid_argument), HasSubstr("flat = true needs every tensor"));
   r = request();
@@ -239,6 +253,364 @@ TEST(Emit, CompilesToCubinAndPtxWithoutAGpu) {
   EXPECT_THAT(ptx.binary, HasSubstr(".target sm_80"));
   EXPECT_THAT(ptx.binary, HasSubstr(".entry sf_reduce"));
   EXPECT_THAT(ptx.binary, HasSubstr(".entry sf_update"));
+}
+
+// ---- CPU targets (the LLVM backend) ---------------------------------------------------
+
+bool have_llvm() { return llvm_version()[0] != '\0'; }
+
+EmitRequest cpu_request(bool compile = true) {
+  EmitRequest r = request(compile);
+  r.target = EmitTarget::cpu();
+  return r;
+}
+
+// The symbols of an ELF64 relocatable object: name -> defined (and a function).
+struct ElfSymbols {
+  std::vector<std::string> defined_functions;
+  std::vector<std::string> undefined;
+};
+ElfSymbols elf_symbols(const std::string& o) {
+  ElfSymbols out;
+  const auto at = [&](std::size_t off, std::size_t size) {
+    if (off + size > o.size()) throw std::runtime_error("ELF: truncated at " + std::to_string(off));
+    return o.data() + off;
+  };
+  Elf64_Ehdr eh;
+  std::memcpy(&eh, at(0, sizeof eh), sizeof eh);
+  for (int i = 0; i < eh.e_shnum; ++i) {
+    Elf64_Shdr sh;
+    std::memcpy(&sh, at(eh.e_shoff + i * sizeof sh, sizeof sh), sizeof sh);
+    if (sh.sh_type != SHT_SYMTAB) continue;
+    Elf64_Shdr strtab;
+    std::memcpy(&strtab, at(eh.e_shoff + sh.sh_link * sizeof strtab, sizeof strtab), sizeof strtab);
+    for (std::size_t k = 1; k < sh.sh_size / sizeof(Elf64_Sym); ++k) {
+      Elf64_Sym sym;
+      std::memcpy(&sym, at(sh.sh_offset + k * sizeof sym, sizeof sym), sizeof sym);
+      const std::string name(at(strtab.sh_offset + sym.st_name, 1));
+      if (sym.st_shndx == SHN_UNDEF && !name.empty()) out.undefined.push_back(name);
+      else if (ELF64_ST_TYPE(sym.st_info) == STT_FUNC && ELF64_ST_BIND(sym.st_info) == STB_GLOBAL)
+        out.defined_functions.push_back(name);
+    }
+  }
+  return out;
+}
+
+TEST(EmitCpu, IrObjectAbiAndHeaderDescribeTheSameFunctions) {
+  if (!have_llvm()) GTEST_SKIP() << "built without LLVM";
+  const EmittedKernel k = emit(cpu_request());
+  // Combinations in first-use order, then grad dtypes in first-use order.
+  const std::vector<std::string> names = {"sf_cpu_update_bf16_bf16_m", "sf_cpu_update_f32_f32", "sf_cpu_reduce_l2_bf16",
+                                          "sf_cpu_reduce_l2_f32"};
+  EXPECT_EQ(k.kernel_names, names);
+  EXPECT_EQ(k.arch, llvm_cpu());
+  EXPECT_THAT(k.source, HasSubstr("define void @sf_cpu_update_bf16_bf16_m(i8* "));
+  EXPECT_THAT(k.source, HasSubstr("define void @sf_cpu_update_f32_f32(i8* "));
+  EXPECT_THAT(k.source, HasSubstr("define float @sf_cpu_reduce_l2_bf16(i8* "));
+  EXPECT_THAT(k.source, HasSubstr("define float @sf_cpu_reduce_l2_f32(i8* "));
+  EXPECT_THAT(k.source, HasSubstr("\"target-cpu\"=\"" + k.arch + "\""));
+
+  // The object: an ELF64 relocatable defining every function.
+  ASSERT_GE(k.binary.size(), sizeof(Elf64_Ehdr));
+  EXPECT_EQ(k.binary.substr(0, 4), std::string("\x7f" "ELF"));
+  Elf64_Ehdr eh;
+  std::memcpy(&eh, k.binary.data(), sizeof eh);
+  EXPECT_EQ(eh.e_ident[EI_CLASS], ELFCLASS64);
+  EXPECT_EQ(eh.e_type, ET_REL);
+  ElfSymbols syms = elf_symbols(k.binary);
+  std::sort(syms.defined_functions.begin(), syms.defined_functions.end());
+  std::vector<std::string> sorted = names;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(syms.defined_functions, sorted);
+  for (const std::string& u : syms.undefined)  // libm's fmaf where the CPU has no FMA, nothing else
+    EXPECT_TRUE(u == "fmaf") << "the object needs " << u;
+
+  // The ABI: the functions in order, with declarations the header has verbatim.
+  const json abi = json::parse(k.abi);
+  EXPECT_EQ(abi["format"], "stepfuse.kernel_abi");
+  EXPECT_EQ(abi["format_version"], 1);
+  EXPECT_EQ(abi["target"]["kind"], "cpu");
+  EXPECT_EQ(abi["target"]["cpu"], k.arch);
+  EXPECT_EQ(abi["target"]["llvm_version"], llvm_version());
+  EXPECT_THAT(abi["target"]["vector_width"].get<int>(), ::testing::AnyOf(4, 8, 16));
+  ASSERT_EQ(abi["kernels"].size(), names.size());
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const json& f = abi["kernels"][i];
+    EXPECT_EQ(f["name"], names[i]);
+    EXPECT_THAT(k.abi_header, HasSubstr(f["c_declaration"].get<std::string>()));
+    EXPECT_EQ(f["params"].size(), 3u - (f["role"] == "reduce_l2"));
+  }
+  EXPECT_EQ(abi["kernels"][0]["c_declaration"],
+            "void sf_cpu_update_bf16_bf16_m(const sf_cpu_update_args* args, uint64_t begin, uint64_t n);");
+  EXPECT_EQ(abi["kernels"][3]["c_declaration"], "float sf_cpu_reduce_l2_f32(const void* grad, uint64_t n);");
+  EXPECT_EQ(abi["spec"]["tensor_combos"], json::parse("[0, 1, 0]"));
+  EXPECT_EQ(abi["spec"]["tensors"][1]["update"], "sf_cpu_update_f32_f32");
+  EXPECT_EQ(abi["spec"]["tensors"][2]["reduce"], "sf_cpu_reduce_l2_bf16");
+  EXPECT_EQ(abi["constants"]["SF_CPU_CHUNK_ELEMS"], cpu::kChunkElems);
+  EXPECT_EQ(abi["program"]["scalars"][0]["kind"], SF_RULE_GSCALE);
+  // The args struct: cpu::UpdateArgs, which the generated code reads.
+  const json& args = abi["types"]["sf_cpu_update_args"];
+  EXPECT_EQ(args["size"], sizeof(cpu::UpdateArgs));
+  std::vector<std::size_t> offsets;
+  for (const json& f : args["fields"]) offsets.push_back(f["offset"]);
+  EXPECT_EQ(offsets, (std::vector<std::size_t>{offsetof(cpu::UpdateArgs, grad), offsetof(cpu::UpdateArgs, weight),
+                                               offsetof(cpu::UpdateArgs, master), offsetof(cpu::UpdateArgs, state),
+                                               offsetof(cpu::UpdateArgs, scalars)}));
+  EXPECT_THAT(abi["reduce"]["combine"].get<std::string>(), HasSubstr("chunk order"));
+  EXPECT_THAT(abi["threading"].get<std::string>(), HasSubstr("Chunks are independent"));
+  EXPECT_THAT(k.abi_header, HasSubstr("typedef struct sf_cpu_update_args {"));
+  EXPECT_THAT(k.abi_header, HasSubstr("#define SF_CPU_CHUNK_ELEMS 16384"));
+  EXPECT_THAT(k.abi_header, HasSubstr("sf_eval_rule(const sf_scalar_rule* r"));
+
+  // Without compile: the IR and the ABI only. The inf-norm has its own reduce functions.
+  EmitRequest r = cpu_request(false);
+  r.norm_type = INFINITY;
+  const EmittedKernel ir_only = emit(r);
+  EXPECT_TRUE(ir_only.binary.empty());
+  EXPECT_THAT(ir_only.source, HasSubstr("define float @sf_cpu_reduce_inf_f32(i8* "));
+  EXPECT_THAT(ir_only.abi_header, HasSubstr("float sf_cpu_reduce_inf_f32(const void* grad, uint64_t n, uint32_t* nonfinite);"));
+}
+
+TEST(EmitCpu, NamedCpusAndFeaturesSetTheVectorWidth) {
+  if (!have_llvm()) GTEST_SKIP() << "built without LLVM";
+#if !defined(__x86_64__)
+  GTEST_SKIP() << "the CPU names below are x86-64's";
+#endif
+  const auto width = [](const EmittedKernel& k) { return json::parse(k.abi)["target"]["vector_width"].get<int>(); };
+  EmitRequest r = cpu_request(false);
+  r.target = EmitTarget::cpu("x86-64-v2");
+  EmittedKernel k = emit(r);
+  EXPECT_EQ(k.arch, "x86-64-v2");
+  EXPECT_EQ(width(k), 4);
+  EXPECT_THAT(k.source, HasSubstr("<4 x float>"));
+  r.target = EmitTarget::cpu("haswell", "x86_64-pc-linux-gnu");
+  k = emit(r);
+  EXPECT_EQ(width(k), 8);
+  EXPECT_EQ(json::parse(k.abi)["target"]["triple"], "x86_64-pc-linux-gnu");
+  r.target = EmitTarget::cpu("skylake-avx512");
+  r.compile = true;  // a CPU this machine may not have: compiling for it still works
+  k = emit(r);
+  EXPECT_EQ(width(k), 16);
+  EXPECT_EQ(k.binary.substr(0, 4), std::string("\x7f" "ELF"));
+  r.target = EmitTarget::cpu("skylake-avx512", "", "-avx512f");  // features over the CPU's own
+  EXPECT_EQ(width(emit(r)), 8);
+  r.target = EmitTarget::cpu("", "", "-avx");  // over the host's
+  EXPECT_EQ(width(emit(r)), 4);
+
+  // A program's fma on a CPU without FMA: a call to libm's fmaf, the one symbol an
+  // object may need (the ABI says to link with -lm).
+  ProgramBuilder b("fma_sgd");
+  const Stream g = b.stream("grad", StreamRole::grad), p = b.stream("param", StreamRole::param);
+  b.store(p, b.fma(b.load(g), b.scalar("neg_lr_gscale"), b.load(p)));
+  r.program = UpdateProgram(b.build(), {UpdateProgram::gscale("neg_lr_gscale", -0.1)});
+  r.target = EmitTarget::cpu("x86-64");
+  const ElfSymbols syms = elf_symbols(emit(r).binary);
+  EXPECT_EQ(syms.undefined, std::vector<std::string>{"fmaf"});
+  r.target = EmitTarget::cpu("x86-64-v3");
+  EXPECT_EQ(elf_symbols(emit(r).binary).undefined, std::vector<std::string>{});
+}
+
+TEST(EmitCpu, BadTargetsSayWhy) {
+  const auto message = [](const EmitRequest& r, ErrorCode code) {
+    try {
+      (void)emit(r);
+    } catch (const Error& e) {
+      EXPECT_EQ(error_code_name(e.code()), error_code_name(code)) << e.what();
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "no Error";
+    return std::string();
+  };
+  EmitRequest r = cpu_request();
+  if (!have_llvm()) {
+    const std::string m = message(r, ErrorCode::unsupported);
+    EXPECT_THAT(m, HasSubstr("needs the LLVM backend (not built)"));
+    EXPECT_THAT(m, HasSubstr("install llvm-14-dev and rebuild"));
+    return;
+  }
+  r.target = EmitTarget::cpu("no-such-cpu");
+  EXPECT_THAT(message(r, ErrorCode::invalid_argument), HasSubstr("'no-such-cpu' is not a CPU LLVM knows"));
+  r.target = EmitTarget::cpu("", "x86_64-pc-linux-gnu");
+  EXPECT_THAT(message(r, ErrorCode::invalid_argument), HasSubstr("without a target.cpu_name"));
+  r.target = EmitTarget::cpu("generic", "no-such-triple");
+  EXPECT_THAT(message(r, ErrorCode::invalid_argument), HasSubstr("no target for triple 'no-such-triple'"));
+  r = cpu_request();
+  r.tensors[1].master = true;  // the request's own checks come first, as for CUDA
+  EXPECT_THAT(message(r, ErrorCode::invalid_argument), HasSubstr("tensors[1].master is set with f32 weights"));
+}
+
+TEST(EmitCpu, CApiTakesTheCpuFields) {
+  sf_emit_tensor tensors[2] = {{SF_BF16, SF_BF16, true}, {SF_F32, SF_F32, false}};
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  sf_emit_request req;
+  sf_emit_request_init(&req);
+  EXPECT_EQ(req.cpu_name, nullptr);
+  req.config = &cfg;
+  req.tensors = tensors;
+  req.num_tensors = 2;
+  req.target = SF_EMIT_CPU;
+  req.compile = false;
+  sf_emitted_kernel* k = nullptr;
+  if (!have_llvm()) {
+    EXPECT_EQ(sf_emit(&req, &k), SF_UNSUPPORTED);
+    EXPECT_THAT(sf_last_error(), HasSubstr("install llvm-14-dev"));
+    return;
+  }
+#if defined(__x86_64__)
+  req.cpu_name = "x86-64-v3";
+#endif
+  ASSERT_EQ(sf_emit(&req, &k), SF_OK) << sf_last_error();
+  const char* data = nullptr;
+  std::size_t size = 0;
+  ASSERT_EQ(sf_emitted_kernel_part(k, SF_EMITTED_KERNEL_NAMES, &data, &size), SF_OK);
+  EXPECT_EQ(std::string(data, size),
+            "sf_cpu_update_bf16_bf16_m\nsf_cpu_update_f32_f32\nsf_cpu_reduce_l2_bf16\nsf_cpu_reduce_l2_f32\n");
+  ASSERT_EQ(sf_emitted_kernel_part(k, SF_EMITTED_ARCH, &data, &size), SF_OK);
+#if defined(__x86_64__)
+  EXPECT_STREQ(data, "x86-64-v3");
+#endif
+  ASSERT_EQ(sf_emitted_kernel_part(k, SF_EMITTED_SOURCE, &data, &size), SF_OK);
+  EXPECT_THAT(data, HasSubstr("define void @sf_cpu_update_f32_f32("));
+  ASSERT_EQ(sf_emitted_kernel_part(k, SF_EMITTED_ABI_HEADER, &data, &size), SF_OK);
+  EXPECT_THAT(data, HasSubstr("typedef struct sf_cpu_update_args"));
+  sf_emitted_kernel_destroy(k);
+
+  // A request from the stepfuse.h before the cpu_* fields: read without them (host CPU).
+  req.cpu_name = "no-such-cpu";  // beyond the old struct: not read
+  req.struct_size = SF_EMIT_REQUEST_SIZE_V1;
+  ASSERT_EQ(sf_emit(&req, &k), SF_OK) << sf_last_error();
+  ASSERT_EQ(sf_emitted_kernel_part(k, SF_EMITTED_ARCH, &data, &size), SF_OK);
+  EXPECT_STREQ(data, llvm_cpu());
+  sf_emitted_kernel_destroy(k);
+  req.struct_size = SF_EMIT_REQUEST_SIZE_V1 + 8;
+  EXPECT_EQ(sf_emit(&req, &k), SF_INVALID_ARGUMENT);
+  EXPECT_THAT(sf_last_error(), HasSubstr("struct_size"));
+  req.struct_size = sizeof req;
+  EXPECT_EQ(sf_emit(&req, &k), SF_INVALID_ARGUMENT);
+  EXPECT_THAT(sf_last_error(), HasSubstr("'no-such-cpu' is not a CPU LLVM knows"));
+}
+
+// The emitted object, linked into a shared library by the system C compiler and
+// loaded, run the way the ABI says (chunks, fp64 combine, scalar stage here), steps
+// bitwise as the library's own CPU step. Needs a C compiler at test time (else skipped).
+TEST(EmitCpu, LinkedObjectStepsBitwiseAsTheLibrary) {
+  if (!have_llvm()) GTEST_SKIP() << "built without LLVM";
+  if (std::system("cc --version > /dev/null 2>&1") != 0) GTEST_SKIP() << "no C compiler (cc) to link the object";
+  const optim::AdamW config{.lr = 1e-2, .weight_decay = 0.1};
+  struct Tensor {
+    std::int64_t numel;
+    EmitTensor storage;
+  };
+  const std::vector<Tensor> list = {{40003, {DType::f32, DType::f32, false}},
+                                    {16384 + 5, {DType::bf16, DType::bf16, true}},
+                                    {37, {DType::f32, DType::f16, false}},
+                                    {3, {DType::f16, DType::bf16, true}}};
+  EmitRequest r{.program = UpdateProgram::from_config(config), .tensors = {}, .target = EmitTarget::cpu()};
+  for (const Tensor& t : list) r.tensors.push_back(t.storage);
+  const EmittedKernel k = emit(r);
+
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("stepfuse_emit_test_" + std::to_string(std::random_device{}()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "step.o", std::ios::binary) << k.binary;
+  const std::string so = (dir / "step.so").string();
+  ASSERT_EQ(std::system(("cc -shared -o " + so + " " + (dir / "step.o").string() + " -lm").c_str()), 0);
+  void* lib = dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(lib, nullptr) << dlerror();
+  using UpdateFn = void (*)(const cpu::UpdateArgs*, std::uint64_t, std::uint64_t);
+  using ReduceFn = float (*)(const void*, std::uint64_t);
+  const json abi = json::parse(k.abi);
+  std::vector<UpdateFn> update;
+  std::vector<ReduceFn> reduce;
+  for (const json& t : abi["spec"]["tensors"]) {
+    update.push_back(reinterpret_cast<UpdateFn>(dlsym(lib, t["update"].get<std::string>().c_str())));
+    reduce.push_back(reinterpret_cast<ReduceFn>(dlsym(lib, t["reduce"].get<std::string>().c_str())));
+    ASSERT_TRUE(update.back() && reduce.back()) << t;
+  }
+
+  // Two copies of every tensor: one the library steps, one the emitted functions step.
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<std::vector<char>> w_lib, w_emit, grads;
+  std::vector<Param> params;
+  for (const Tensor& t : list) {
+    const std::size_t n = static_cast<std::size_t>(t.numel);
+    std::vector<float> wf(n), gf(n);
+    for (std::size_t i = 0; i < n; ++i) wf[i] = dist(rng), gf[i] = dist(rng) * 64.0f;
+    w_lib.emplace_back(n * dtype_size(t.storage.weight));
+    grads.emplace_back(n * dtype_size(t.storage.grad));
+    from_float(wf, {w_lib.back().data(), t.numel, t.storage.weight});
+    from_float(gf, {grads.back().data(), t.numel, t.storage.grad});
+    w_emit.push_back(w_lib.back());
+    params.push_back({{w_lib.back().data(), t.numel, t.storage.weight}, {grads.back().data(), t.numel, t.storage.grad}});
+  }
+  const double max_norm = 20.0, loss_scale = 64.0;
+  Optimizer opt(config, params, OptimizerOptions{.max_grad_norm = max_norm, .cpu_backend = CpuBackend::highway});
+
+  // The emitted side's memory: masters (the weights widened), state (init), scalars.
+  const Program& p = r.program.program();
+  std::vector<std::vector<float>> masters, states;
+  std::vector<cpu::UpdateArgs> args(list.size());
+  std::vector<float> scalars(kMaxScalars, NAN);
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const std::size_t n = static_cast<std::size_t>(list[i].numel);
+    masters.emplace_back(list[i].storage.master ? n : 0);
+    if (list[i].storage.master) to_float({w_emit[i].data(), list[i].numel, list[i].storage.weight}, masters[i]);
+    args[i] = {grads[i].data(), w_emit[i].data(), list[i].storage.master ? masters[i].data() : nullptr, {}, scalars.data()};
+    for (int s = 0; s < p.num_streams; ++s)
+      if (p.streams[s].role == StreamRole::state) {
+        states.emplace_back(n, p.streams[s].init);
+        args[i].state[s] = states.back().data();
+      }
+  }
+  std::vector<sf_scalar_rule> rules;
+  for (const ScalarDef& d : r.program.scalars())
+    rules.push_back({static_cast<int>(d.rule.kind), 0, d.rule.a, d.rule.b});
+
+  for (int step = 1; step <= 3; ++step) {
+    for (std::size_t i = 0; i < list.size(); ++i) {  // fresh gradients, the same for both sides
+      std::vector<float> gf(static_cast<std::size_t>(list[i].numel));
+      for (float& x : gf) x = dist(rng) * 64.0f;
+      from_float(gf, {grads[i].data(), list[i].numel, list[i].storage.grad});
+    }
+    const StepResult lib_result = opt.step_scaled(loss_scale);
+    ASSERT_TRUE(lib_result.applied);
+    double total = 0;
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      double acc = 0;  // chunks in order, then tensors in order
+      for (std::int64_t b = 0; b < list[i].numel; b += cpu::kChunkElems) {
+        const std::size_t len = static_cast<std::size_t>(std::min<std::int64_t>(cpu::kChunkElems, list[i].numel - b));
+        const float partial = reduce[i](grads[i].data() + b * dtype_size(list[i].storage.grad), len);
+        ASSERT_TRUE(std::isfinite(partial));
+        acc += partial;
+      }
+      total += acc;
+    }
+    const double norm = std::sqrt(total) / loss_scale;
+    EXPECT_EQ(norm, lib_result.grad_norm) << "step " << step;
+    const double clip = std::min(1.0, max_norm / (norm + 1e-6));
+    EXPECT_EQ(clip, lib_result.clip_coef);
+    for (int s = 0; s < p.num_scalars; ++s) scalars[s] = static_cast<float>(sf_eval_rule(&rules[s], step, clip / loss_scale));
+    for (std::size_t i = 0; i < list.size(); ++i)  // any split: here 1000 elements a call
+      for (std::int64_t b = 0; b < list[i].numel; b += 1000)
+        update[i](&args[i], static_cast<std::uint64_t>(b), static_cast<std::uint64_t>(std::min<std::int64_t>(1000, list[i].numel - b)));
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      EXPECT_EQ(std::memcmp(w_lib[i].data(), w_emit[i].data(), w_lib[i].size()), 0) << "weights of " << i << ", step " << step;
+      if (list[i].storage.master) {
+        const std::span<const float> m = opt.master(i);
+        ASSERT_EQ(m.size(), masters[i].size());
+        EXPECT_EQ(std::memcmp(m.data(), masters[i].data(), m.size_bytes()), 0) << "masters of " << i;
+      }
+      for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+        const std::span<const float> v = opt.state(i, name);
+        ASSERT_EQ(v.size(), static_cast<std::size_t>(list[i].numel));
+        EXPECT_EQ(std::memcmp(v.data(), args[i].state[p.find_stream(name)], v.size_bytes()), 0) << name << " of " << i;
+      }
+    }
+  }
+  dlclose(lib);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

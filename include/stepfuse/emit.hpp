@@ -2,20 +2,26 @@
 // into its own executable and launches without stepfuse at run time.
 //
 // Given a spec (update program with its scalar rules, the storage of each
-// tensor, the layout class, the norm, the target), emit() returns the CUDA C++
-// source of the step (kernels sf_reduce and sf_update), the CUBIN or PTX NVRTC
-// made of it, and a description of the kernel ABI: argument order and C types,
-// grid and block, the device memory the caller allocates, the table formats, and
-// how the scalar stage runs. plan_kernel_tables() gives the tables of a concrete
-// tensor list (sizes only; the caller fills in device addresses).
-// docs/update-programs.md walks through it; examples/emit_kernel.cpp and
-// examples/run_emitted/ are a complete emitter and launcher.
+// tensor, the layout class, the norm, the target), emit() returns, for a CUDA
+// target, the CUDA C++ source of the step (kernels sf_reduce and sf_update), the
+// CUBIN or PTX NVRTC made of it, and a description of the kernel ABI: argument
+// order and C types, grid and block, the device memory the caller allocates, the
+// table formats, and how the scalar stage runs. plan_kernel_tables() gives the
+// tables of a concrete tensor list (sizes only; the caller fills in device
+// addresses). For a CPU target (needs the LLVM backend) it returns the LLVM IR of
+// the step's plain C-callable functions (sf_cpu_update_*, sf_cpu_reduce_*), the
+// ELF object file compiled from it, the ABI (JSON) and a C header declaring them;
+// the caller runs the chunk loop, the fp64 combine and the scalar stage itself.
+// docs/update-programs.md walks through both; examples/emit_kernel.cpp with
+// examples/run_emitted/ (CUDA) and examples/emit_cpu_kernel.cpp with
+// examples/run_emitted_cpu/ (CPU) are complete emitters and callers.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stepfuse/device_abi.h"  // sf_tensor, sf_span, sf_hyper, ...: the kernels' C ABI
@@ -28,14 +34,30 @@ struct EmitTarget {
   enum class Kind : std::uint8_t {
     cuda_cubin,  // machine code for one architecture, sm_XY
     cuda_ptx,    // PTX for compute_XY: the driver compiles it for that or any newer GPU
-    cpu,         // LLVM IR / object code: needs the LLVM backend (not built: Error(unsupported))
+    cpu,         // LLVM IR and an ELF object: needs the LLVM backend (not built: Error(unsupported))
   };
   Kind kind = Kind::cuda_cubin;
   int sm = 90;  // compute capability major*10 + minor (CUDA targets)
+  // CPU targets. cpu_name: an LLVM CPU name ("x86-64-v3", "skylake-avx512",
+  // "znver3"); empty or "native": this machine's CPU with its features. triple: an
+  // LLVM target triple of this machine's architecture (the build initializes only
+  // the native LLVM target); empty: this machine's. features: LLVM feature
+  // flags added to the CPU's own ("-avx512f" caps the vectors at 256 bits); empty:
+  // the CPU's. The vector width of the generated loops follows from them.
+  // (Default member initializers keep {kind, sm} free of -Wmissing-field-initializers.)
+  std::string cpu_name = {};
+  std::string triple = {};
+  std::string features = {};
 
   static EmitTarget cubin(int sm) { return {Kind::cuda_cubin, sm}; }
   static EmitTarget ptx(int sm) { return {Kind::cuda_ptx, sm}; }
+  // This machine's CPU (what the stepfuse LLVM backend itself compiles for).
   static EmitTarget cpu() { return {Kind::cpu, 0}; }
+  // A named CPU, for code that runs elsewhere: cpu("x86-64-v3") runs on any x86-64
+  // with AVX2 and FMA.
+  static EmitTarget cpu(std::string cpu_name, std::string triple = "", std::string features = "") {
+    return {Kind::cpu, 0, std::move(cpu_name), std::move(triple), std::move(features)};
+  }
 };
 
 // The storage of one tensor: what a kernel is specialized for (sizes are not).
@@ -54,41 +76,61 @@ struct EmitRequest {
   std::vector<EmitTensor> tensors;
   // All tensors are consecutive views of one weight buffer and one grad buffer (one
   // combination; masters and state then laid out alike): sf_update indexes one
-  // flat range instead of reading a block table.
+  // flat range instead of reading a block table. CUDA only: the CPU functions take
+  // any element range of any tensor, so for a CPU target flat is checked (one
+  // combination) and otherwise ignored.
   bool flat = false;
   // Every weight and grad base address allows 4-element vector accesses (16 bytes
-  // for f32, 8 for f16/bf16): the update uses vector loads and stores.
+  // for f32, 8 for f16/bf16): the update uses vector loads and stores. CUDA only:
+  // the CPU functions use unaligned vector accesses, so a CPU target ignores it.
   bool aligned16 = false;
   double norm_type = 2.0;  // 2.0 or INFINITY: the norm clipping and the reported norm use
   EmitTarget target;
-  // false: the source and the ABI only (no NVRTC needed); binary stays empty.
+  // false: the source and the ABI only (CUDA: no NVRTC needed); binary stays empty.
   bool compile = true;
 };
 
 struct EmittedKernel {
-  std::string source;  // self-contained CUDA C++ (no #include), both kernels, extern "C"
-  std::string binary;  // CUBIN (binary) or PTX (text), per target; empty when !compile
-  std::string arch;    // "sm_90" or "compute_90"
-  std::vector<std::string> kernel_names;  // {"sf_reduce", "sf_update"}
+  // CUDA: self-contained CUDA C++ (no #include), both kernels, extern "C".
+  // CPU: the LLVM IR module as text, as the emitter wrote it (before optimization:
+  // one readable function per symbol, with the target's vector width, target-cpu
+  // and target-features attributes); binary is the O3-optimized module compiled.
+  std::string source;
+  // CUBIN (binary) or PTX (text), or for a CPU target the ELF relocatable object
+  // (position-independent) defining kernel_names; empty when !compile.
+  std::string binary;
+  std::string arch;  // "sm_90", "compute_90", or the CPU name ("znver3", "x86-64-v3")
+  // CUDA: {"sf_reduce", "sf_update"}. CPU: the function symbols, the update
+  // functions (one per dtype combination, first-use order) then the reduce
+  // functions (one per grad dtype, first-use order).
+  std::vector<std::string> kernel_names;
   // The kernel ABI as JSON (format "stepfuse.kernel_abi", version 1): program,
-  // streams and scalar rules, spec, target and NVRTC options, constants, every
-  // struct with its field offsets, the kernels with their parameters in order (C
-  // types), grids and blocks, the device memory to allocate, the tables and the
-  // step sequence. Human-readable (indented) and machine-readable.
+  // streams and scalar rules, spec, target (NVRTC options, or triple, CPU,
+  // features, vector width and LLVM version), constants, every struct with its
+  // field offsets, the kernels with their parameters in order (C types; for a CPU
+  // target also each C declaration), grids and blocks (CUDA), the memory to
+  // allocate, the tables or the chunking, the step sequence and the threading
+  // contract (CPU). Human-readable (indented) and machine-readable.
   std::string abi;
-  // The C declarations the ABI names (sf_tensor, sf_span, sf_hyper, sf_step_state,
-  // the scalar rules, the constants): the text of stepfuse/device_abi.h, for code
-  // generated elsewhere.
+  // CUDA: the C declarations the ABI names (sf_tensor, sf_span, sf_hyper,
+  // sf_step_state, the scalar rules, the constants): the text of
+  // stepfuse/device_abi.h, for code generated elsewhere. CPU: a self-contained C
+  // header (only <stdint.h>): SF_CPU_CHUNK_ELEMS, sf_cpu_update_args, the scalar
+  // rules with sf_eval_rule (jit/step_scalars.h, as in device_abi.h) and the
+  // spec's functions.
   std::string abi_header;
 };
 
-// Generates (and with request.compile, compiles with NVRTC; no GPU needed) the
-// step kernels of a spec. Allocates; touches no GPU; uses no cache.
+// Generates (and with request.compile, compiles with NVRTC, no GPU needed, or
+// with LLVM for a CPU target) the step kernels of a spec. Allocates; touches no
+// GPU; uses no cache.
 // Throws Error(invalid_argument) for a bad request (no tensors, an invalid dtype, a
 // master beside f32 weights, flat with more than one dtype combination, a norm
-// other than 2 or inf, an impossible sm), Error(unsupported) for a CPU target
-// (needs the LLVM backend, not built) or when NVRTC is not available,
-// Error(compile_failed) with the log and numbered source if NVRTC rejects it.
+// other than 2 or inf, an impossible sm, a CPU name or triple LLVM does not know
+// here, a triple without a CPU name), Error(unsupported) for a CPU target without
+// the LLVM backend (not built: install llvm-14-dev and rebuild) or a CUDA target
+// without NVRTC, Error(compile_failed) with the log and numbered source if NVRTC
+// rejects it, or if LLVM fails.
 EmittedKernel emit(const EmitRequest& request);
 
 // The tables and launch shapes for a concrete tensor list of the request's spec.
@@ -111,7 +153,9 @@ struct KernelTables {
   std::size_t step_state_bytes = 0;   // sizeof(sf_step_state), zeroed once before the first step
 };
 
-// `numels[i]` is tensor i's element count (request.tensors.size() of them).
+// `numels[i]` is tensor i's element count (request.tensors.size() of them). The
+// tables are the CUDA kernels' (for any target; a CPU caller needs none: it walks
+// each tensor in SF_CPU_CHUNK_ELEMS chunks itself).
 // Host only; allocates. Error(invalid_argument) as emit(), or for a size mismatch
 // or a negative count.
 KernelTables plan_kernel_tables(const EmitRequest& request, std::span<const std::int64_t> numels);

@@ -576,12 +576,14 @@ STEPFUSE_API sf_status sf_optimizer_set_scalar(sf_optimizer* opt, const char* na
  *
  * The step kernels of a spec as CUDA C++ source, CUBIN or PTX (NVRTC; no GPU needed),
  * a JSON description of their ABI and the C header of the structs it names
- * (stepfuse/device_abi.h); and the tables of a concrete tensor list. */
+ * (stepfuse/device_abi.h); and the tables of a concrete tensor list. For a CPU target
+ * (LLVM backend): the LLVM IR text, an ELF object file, the ABI and a C header of
+ * plain functions the caller runs per chunk. */
 
 typedef enum sf_emit_target {
   SF_EMIT_CUBIN = 0, /* sm_XY machine code */
   SF_EMIT_PTX = 1,   /* compute_XY PTX, for the driver to compile for that or a newer GPU */
-  SF_EMIT_CPU = 2    /* needs the LLVM backend, which is not built: SF_UNSUPPORTED */
+  SF_EMIT_CPU = 2    /* LLVM IR + ELF object for a CPU (cpu_* fields); without the LLVM backend SF_UNSUPPORTED */
 } sf_emit_target;
 
 /* One tensor's storage. */
@@ -603,22 +605,31 @@ typedef struct sf_emit_request {
   sf_emit_target target; /* default SF_EMIT_CUBIN */
   int sm;                /* compute capability major*10 + minor; default 90 */
   bool compile;          /* default true; false: source and ABI only (no NVRTC needed) */
+  /* SF_EMIT_CPU only (added after the fields above: a request whose struct_size is
+   * SF_EMIT_REQUEST_SIZE_V1, from an older stepfuse.h, is read without them). */
+  const char* cpu_name;     /* LLVM CPU name ("x86-64-v3", "znver3"); NULL, "" or "native": this machine's */
+  const char* cpu_triple;   /* LLVM target triple of this machine's architecture; NULL or "": this machine's */
+  const char* cpu_features; /* LLVM features over the CPU's own ("-avx512f"); NULL or "": none */
 } sf_emit_request;
+/* The size of sf_emit_request before the cpu_* fields. */
+#define SF_EMIT_REQUEST_SIZE_V1 offsetof(sf_emit_request, cpu_name)
 
 /* Sets struct_size and the defaults (everything else 0/NULL). */
 STEPFUSE_API void sf_emit_request_init(sf_emit_request* request);
 
 typedef struct sf_emitted_kernel sf_emitted_kernel;
 typedef enum sf_emitted_part {
-  SF_EMITTED_SOURCE = 0,     /* CUDA C++, kernels sf_reduce and sf_update */
-  SF_EMITTED_BINARY = 1,     /* CUBIN (binary: use the size) or PTX; empty when not compiled */
-  SF_EMITTED_ABI_JSON = 2,   /* the kernel ABI description (JSON) */
-  SF_EMITTED_ABI_HEADER = 3, /* the C header of the ABI's structs (stepfuse/device_abi.h) */
-  SF_EMITTED_ARCH = 4        /* "sm_90" or "compute_90" */
+  SF_EMITTED_SOURCE = 0,      /* CUDA C++, kernels sf_reduce and sf_update; CPU: LLVM IR text (unoptimized) */
+  SF_EMITTED_BINARY = 1,      /* CUBIN (binary: use the size), PTX, or CPU: ELF object; empty when not compiled */
+  SF_EMITTED_ABI_JSON = 2,    /* the kernel ABI description (JSON) */
+  SF_EMITTED_ABI_HEADER = 3,  /* the C header of the ABI's structs (stepfuse/device_abi.h) or CPU functions */
+  SF_EMITTED_ARCH = 4,        /* "sm_90", "compute_90", or the CPU name */
+  SF_EMITTED_KERNEL_NAMES = 5 /* the kernels' (CPU: functions') symbols, each followed by '\n' */
 } sf_emitted_part;
 
-/* Generates (and compiles) the kernels. SF_INVALID_ARGUMENT for a bad request,
- * SF_UNSUPPORTED for SF_EMIT_CPU or without NVRTC, SF_COMPILE_FAILED with the log. */
+/* Generates (and compiles) the kernels. SF_INVALID_ARGUMENT for a bad request (or a
+ * CPU name LLVM does not know), SF_UNSUPPORTED for SF_EMIT_CPU without the LLVM
+ * backend or a CUDA target without NVRTC, SF_COMPILE_FAILED with the log. */
 STEPFUSE_API sf_status sf_emit(const sf_emit_request* request, sf_emitted_kernel** out);
 STEPFUSE_API void sf_emitted_kernel_destroy(sf_emitted_kernel* kernel);
 /* *data points into the kernel (NUL-terminated; *size excludes the NUL), valid until

@@ -84,8 +84,7 @@ std::unordered_map<std::string, std::shared_ptr<const CpuKernels>>& linked() {
   return *map;
 }
 
-std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, bool compile) {
-  const CpuTarget& target = CpuTarget::host();
+std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& target, bool compile) {
   const std::string key = cpu_cache_key(spec, target);
   {
     std::lock_guard lock(linked_mu);
@@ -128,7 +127,12 @@ std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, bool compile) {
 
 }  // namespace
 
-std::shared_ptr<const CpuKernels> cpu_kernels(const CpuSpec& spec) { return kernels(spec, true); }
-std::shared_ptr<const CpuKernels> cpu_kernels_if_cached(const CpuSpec& spec) { return kernels(spec, false); }
+std::shared_ptr<const CpuKernels> cpu_kernels(const CpuSpec& spec) { return kernels(spec, CpuTarget::host(), true); }
+std::shared_ptr<const CpuKernels> cpu_kernels_if_cached(const CpuSpec& spec) {
+  return kernels(spec, CpuTarget::host(), false);
+}
+std::shared_ptr<const CpuKernels> cpu_kernels_for(const CpuSpec& spec, const CpuTarget& target) {
+  return kernels(spec, target, true);
+}
 
 }  // namespace stepfuse::jit

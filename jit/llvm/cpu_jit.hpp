@@ -27,5 +27,8 @@ struct CpuKernels {
 std::shared_ptr<const CpuKernels> cpu_kernels(const CpuSpec& spec);
 // The same, but null instead of compiling when no cache has the object.
 std::shared_ptr<const CpuKernels> cpu_kernels_if_cached(const CpuSpec& spec);
+// The kernels compiled for another CPU of this architecture (tests: code for an older
+// CPU, with narrower vectors, runs here too). Calling code this CPU cannot run crashes.
+std::shared_ptr<const CpuKernels> cpu_kernels_for(const CpuSpec& spec, const CpuTarget& target);
 
 }  // namespace stepfuse::jit

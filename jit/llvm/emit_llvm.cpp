@@ -470,7 +470,10 @@ std::string feature_string(const llvm::StringMap<bool>& features) {
   for (const auto& f : features) list.push_back((f.getValue() ? "+" : "-") + f.getKey().str());
   std::sort(list.begin(), list.end());  // a stable order: part of the cache key
   std::string out;
-  for (const std::string& f : list) out += (out.empty() ? "" : ",") + f;
+  for (const std::string& f : list) {
+    if (!out.empty()) out.push_back(',');
+    out.append(f);
+  }
   return out;
 }
 
@@ -498,11 +501,15 @@ CpuTarget CpuTarget::named(const std::string& triple, const std::string& cpu, co
   t.triple = triple.empty() ? llvm::sys::getProcessTriple() : triple;
   t.cpu = cpu;
   t.features = features;
-  const auto tm = target_machine(t);
-  if (!tm->getMCSubtargetInfo()->isCPUStringValid(cpu))
+  init_llvm();
+  std::string err;
+  const llvm::Target* target = llvm::TargetRegistry::lookupTarget(t.triple, err);
+  if (target == nullptr) throw Error(ErrorCode::invalid_argument, "LLVM: no target for triple '" + t.triple + "' (" + err + ")");
+  const std::unique_ptr<llvm::MCSubtargetInfo> sti(target->createMCSubtargetInfo(t.triple, "", ""));
+  if (!sti || !sti->isCPUStringValid(cpu))
     throw Error(ErrorCode::invalid_argument, "LLVM: '" + cpu + "' is not a CPU LLVM knows for " + t.triple +
-                                                 " (try 'x86-64-v3', 'skylake-avx512', 'znver3' or 'native')");
-  t.vector_width = vector_width_of(*tm);
+                                                 " (try 'x86-64-v3', 'skylake-avx512' or 'znver3')");
+  t.vector_width = vector_width_of(*target_machine(t));
   return t;
 }
 

@@ -26,4 +26,5 @@ std::string cpu_module_ir(const CpuSpec&, const CpuTarget&, bool) { absent(); }
 std::string cpu_compile_object(const CpuSpec&, const CpuTarget&) { absent(); }
 std::shared_ptr<const CpuKernels> cpu_kernels(const CpuSpec&) { absent(); }
 std::shared_ptr<const CpuKernels> cpu_kernels_if_cached(const CpuSpec&) { absent(); }
+std::shared_ptr<const CpuKernels> cpu_kernels_for(const CpuSpec&, const CpuTarget&) { absent(); }
 }  // namespace stepfuse::jit

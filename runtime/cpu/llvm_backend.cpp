@@ -4,9 +4,11 @@
 #include <cstdlib>
 #include <deque>
 #include <mutex>
+#include <new>
 #include <string_view>
 #include <thread>
 
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -42,6 +44,7 @@ class CompileThread {
     {
       std::lock_guard lock(mu_);
       queue_.push_back({std::move(build), std::move(spec)});
+      if (!thread_.joinable() && !stopping_) thread_ = std::thread([this] { run(); });
     }
     cv_.notify_one();
   }
@@ -54,8 +57,15 @@ class CompileThread {
 
   CompileThread() {
     jit::KernelCache::shared();  // constructed first, so destroyed after the thread is joined
-    thread_ = std::thread([this] { run(); });
     std::atexit([] { get().stop(); });
+    // A child of fork() has no compile thread (and perhaps a lock its parent's thread held):
+    // it starts afresh, with a thread of its own at its first build.
+    pthread_atfork(nullptr, nullptr, [] {
+      CompileThread& t = get();
+      new (&t.mu_) std::mutex();
+      new (&t.cv_) std::condition_variable();
+      new (&t.thread_) std::thread();  // the parent's thread: not ours to join
+    });
   }
 
   void stop() {

@@ -1247,8 +1247,24 @@ static void test_emit(void) {
     req.config = NULL;
     req.program = prog;
   }
-  req.target = SF_EMIT_CPU;
-  CHECK_FAILS(sf_emit(&req, &k), SF_UNSUPPORTED, "needs the LLVM backend (not built)");
+  req.target = SF_EMIT_CPU; /* this machine's CPU: LLVM IR, the ABI and the header of the functions */
+  req.compile = false;
+  k = NULL;
+  if (sf_emit(&req, &k) == SF_OK) {
+    CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_SOURCE, &data, &size));
+    CHECK(strstr(data, "define void @sf_cpu_update_bf16_bf16_m(") != NULL);
+    CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_KERNEL_NAMES, &data, &size));
+    CHECK(strcmp(data, "sf_cpu_update_bf16_bf16_m\nsf_cpu_update_f32_f32\nsf_cpu_reduce_l2_bf16\n"
+                       "sf_cpu_reduce_l2_f32\n") == 0);
+    CHECK_OK(sf_emitted_kernel_part(k, SF_EMITTED_ABI_HEADER, &data, &size));
+    CHECK(strstr(data, "typedef struct sf_cpu_update_args") != NULL);
+    sf_emitted_kernel_destroy(k);
+    req.cpu_name = "no-such-cpu";
+    CHECK_FAILS(sf_emit(&req, &k), SF_INVALID_ARGUMENT, "'no-such-cpu' is not a CPU LLVM knows");
+    req.cpu_name = NULL;
+  } else { /* built without LLVM */
+    CHECK_FAILS(sf_emit(&req, &k), SF_UNSUPPORTED, "needs the LLVM backend (not built)");
+  }
   req.target = SF_EMIT_CUBIN;
   req.flat = true; /* two storages cannot be one flat range */
   CHECK_FAILS(sf_emit(&req, &k), SF_INVALID_ARGUMENT, "flat = true needs every tensor");
