@@ -314,13 +314,37 @@ stepfuse::OptimizerOptions to_cpp(const char* fn, const sf_optimizer_options& o)
   out.fusion = static_cast<stepfuse::Fusion>(fusion);
   out.num_threads = o.num_threads;
   out.track_grad_norm = o.track_grad_norm;
+  const int backend = enum_value(o.cpu_backend);
+  if (backend < SF_CPU_BACKEND_DEFAULT || backend > SF_CPU_BACKEND_LLVM)
+    bad(fn, "options->cpu_backend = " + std::to_string(backend) +
+                " is not an sf_cpu_backend (SF_CPU_BACKEND_DEFAULT, _AUTO, _HIGHWAY, _LLVM)");
+  if (backend != SF_CPU_BACKEND_DEFAULT) out.cpu_backend = static_cast<stepfuse::CpuBackend>(backend - 1);
+  out.llvm_contract = o.llvm_contract;
   return out;
+}
+
+// The options as this library's struct: one from an older header (SF_OPTIMIZER_OPTIONS_SIZE_V1)
+// gets the defaults for the fields it lacks.
+sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* o) {
+  need(fn, o, "options");
+  sf_optimizer_options full;
+  sf_optimizer_options_init(&full);
+  if (o->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1) {
+    std::memcpy(static_cast<void*>(&full), o, SF_OPTIMIZER_OPTIONS_SIZE_V1);
+    full.struct_size = sizeof full;
+    return full;
+  }
+  check_size(fn, o, "options", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");
+  return *o;
 }
 
 void from_cpp(const stepfuse::OptimizerOptions& o, sf_optimizer_options* out) {
   const std::uint32_t size = out->struct_size;
   std::memset(static_cast<void*>(out), 0, sizeof *out);
   out->struct_size = size;
+  out->cpu_backend = o.cpu_backend ? static_cast<sf_cpu_backend>(static_cast<int>(*o.cpu_backend) + 1)
+                                   : SF_CPU_BACKEND_DEFAULT;
+  out->llvm_contract = o.llvm_contract;
   out->device = {static_cast<sf_device_kind>(o.device.kind), o.device.index};
   out->cuda_stream = o.cuda_stream;
   out->has_max_grad_norm = o.max_grad_norm.has_value();
@@ -404,8 +428,7 @@ std::vector<Param> to_params(const char* fn, const sf_param* params, std::size_t
 
 OptimizerOptions to_options(const char* fn, const sf_optimizer_options* options) {
   if (options == nullptr) return OptimizerOptions{};
-  check_size(fn, options, "options", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");
-  return to_cpp(fn, *options);
+  return to_cpp(fn, full_options(fn, options));
 }
 
 OptimizerConfig to_config(const char* fn, const sf_optimizer_config* config) {
@@ -444,6 +467,7 @@ extern "C" {
 const char* sf_version(void) { return stepfuse::version(); }
 int sf_version_number(void) { return STEPFUSE_VERSION; }
 const char* sf_cpu_target(void) { return stepfuse::cpu_target(); }
+const char* sf_llvm_version(void) { return stepfuse::llvm_version(); }
 
 const char* sf_status_name(sf_status status) {
   switch (enum_value(status)) {
@@ -551,8 +575,7 @@ sf_status sf_optimizer_create(const sf_optimizer_config* config, const sf_param*
   constexpr const char* fn = "sf_optimizer_create";
   return guard(fn, [&] {
     check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
-    if (options != nullptr)
-      check_size(fn, options, "options", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");
+    const sf_optimizer_options full = options != nullptr ? full_options(fn, options) : sf_optimizer_options{};
     need(fn, out, "out");
     if (num_params > 0) need(fn, params, "params");
     stepfuse::OptimizerConfig cfg = to_cpp(fn, *config);
@@ -562,7 +585,7 @@ sf_status sf_optimizer_create(const sf_optimizer_config* config, const sf_param*
       const std::string at = "params[" + std::to_string(i) + "]";
       ps.push_back({to_view(fn, params[i].weight, at + ".weight"), to_view(fn, params[i].grad, at + ".grad")});
     }
-    const stepfuse::OptimizerOptions opts = options != nullptr ? to_cpp(fn, *options) : stepfuse::OptimizerOptions{};
+    const stepfuse::OptimizerOptions opts = options != nullptr ? to_cpp(fn, full) : stepfuse::OptimizerOptions{};
     auto* h = new sf_optimizer{stepfuse::Optimizer(std::move(cfg), std::move(ps), opts), {}};
     try {
       for (std::string_view n : h->opt.state_names()) h->state_names.emplace_back(n);
@@ -623,6 +646,15 @@ sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options
   constexpr const char* fn = "sf_optimizer_get_options";
   return guard(fn, [&] {
     need(fn, opt, "opt");
+    need(fn, out, "out");
+    if (out->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1) {  // an older header's struct: its fields only
+      sf_optimizer_options full;
+      full.struct_size = sizeof full;
+      from_cpp(opt->opt.options(), &full);
+      std::memcpy(static_cast<void*>(out), &full, SF_OPTIMIZER_OPTIONS_SIZE_V1);
+      out->struct_size = SF_OPTIMIZER_OPTIONS_SIZE_V1;
+      return;
+    }
     check_size(fn, out, "out", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");
     from_cpp(opt->opt.options(), out);
   });
@@ -682,6 +714,14 @@ sf_status sf_optimizer_num_threads(const sf_optimizer* opt, int* threads) {
   return guard(fn, [&] {
     need(fn, opt, "opt");
     *need(fn, threads, "threads") = opt->opt.num_threads();
+  });
+}
+
+sf_status sf_optimizer_backend(const sf_optimizer* opt, const char** name) {
+  constexpr const char* fn = "sf_optimizer_backend";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    *need(fn, name, "name") = opt->opt.backend().data();  // string literals: NUL-terminated, static
   });
 }
 

@@ -67,6 +67,8 @@ STEPFUSE_API const char* sf_version(void);
 STEPFUSE_API int sf_version_number(void);
 /* The Highway target the CPU kernels dispatch to on this machine, e.g. "AVX2". */
 STEPFUSE_API const char* sf_cpu_target(void);
+/* The LLVM version of the CPU JIT backend ("14.0.6"), or "" when this build has none. */
+STEPFUSE_API const char* sf_llvm_version(void);
 
 /* One to one with stepfuse::ErrorCode, plus out of memory (std::bad_alloc) and
  * internal (any other exception: a bug in stepfuse). */
@@ -190,6 +192,15 @@ typedef enum sf_fusion {
   SF_FUSION_INTERPRETED = 2 /* fused, with the update program interpreted (CPU only) */
 } sf_fusion;
 
+/* The code that runs a fused step on the CPU (the C++ CpuBackend). Every choice gives
+ * bitwise the same results, unless llvm_contract is set. */
+typedef enum sf_cpu_backend {
+  SF_CPU_BACKEND_DEFAULT = 0, /* STEPFUSE_CPU_BACKEND (auto, highway, llvm), else AUTO */
+  SF_CPU_BACKEND_AUTO = 1,    /* LLVM code once compiled (in the background), Highway meanwhile */
+  SF_CPU_BACKEND_HIGHWAY = 2, /* Highway SIMD kernels (the interpreter for custom programs) */
+  SF_CPU_BACKEND_LLVM = 3     /* LLVM code, compiled at creation; SF_UNSUPPORTED without LLVM */
+} sf_cpu_backend;
+
 /* The norm clipping and the reported gradient norm use. */
 typedef enum sf_norm_type { SF_NORM_L2 = 0, SF_NORM_INF = 1 } sf_norm_type;
 
@@ -212,7 +223,14 @@ typedef struct sf_optimizer_options {
   int num_threads;
   /* Compute the gradient norm on plain steps too (one more read of the gradients). */
   bool track_grad_norm;
+  /* ---- Since 0.1 with the LLVM backend (a struct_size of SF_OPTIMIZER_OPTIONS_SIZE_V1,
+   * from an older stepfuse.h, is read without these: they keep their defaults). */
+  sf_cpu_backend cpu_backend; /* CPU, SF_FUSION_FUSED; default SF_CPU_BACKEND_DEFAULT */
+  /* LLVM: fuse the update's multiply-add pairs into FMAs (results then equal Highway's
+   * within fp32 rounding, not bit for bit). Default false. */
+  bool llvm_contract;
 } sf_optimizer_options;
+#define SF_OPTIMIZER_OPTIONS_SIZE_V1 offsetof(sf_optimizer_options, cpu_backend)
 
 /* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
 STEPFUSE_API void sf_optimizer_options_init(sf_optimizer_options* options);
@@ -285,6 +303,9 @@ STEPFUSE_API sf_status sf_optimizer_last_tensor_grad_norms(const sf_optimizer* o
                                                            size_t* count);
 STEPFUSE_API sf_status sf_optimizer_num_params(const sf_optimizer* opt, size_t* count);
 STEPFUSE_API sf_status sf_optimizer_num_threads(const sf_optimizer* opt, int* threads);
+/* What runs the next step's update (static storage): "llvm", "highway", "interpreter",
+ * "unfused" or "cuda" (Optimizer::backend()). */
+STEPFUSE_API sf_status sf_optimizer_backend(const sf_optimizer* opt, const char** name);
 
 /* Optimizer state by name: sf_optimizer_state_names() gives how many state tensors
  * each param has, sf_optimizer_state_name() the index-th name (e.g. "exp_avg"; static

@@ -1292,6 +1292,64 @@ static void test_emit(void) {
   sf_program_destroy(prog);
 }
 
+/* The CPU backends: the option, the backend query, LLVM vs Highway bit for bit, and an
+ * options struct from an older header (SF_OPTIMIZER_OPTIONS_SIZE_V1). */
+static void test_cpu_backends(void) {
+  enum { kN = 40003 };
+  static float w[3][kN], g[kN];
+  for (int i = 0; i < kN; ++i) {
+    w[0][i] = w[1][i] = w[2][i] = bf16_value(0.5, 1.5);
+    g[i] = bf16_value(0.1, 1.0);
+  }
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_LION);
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  CHECK(o.cpu_backend == SF_CPU_BACKEND_DEFAULT && !o.llvm_contract);
+  o.has_max_grad_norm = true;
+  o.max_grad_norm = 1.0;
+  const bool have_llvm = sf_llvm_version()[0] != '\0';
+  sf_optimizer* opt[3] = {NULL, NULL, NULL};
+  const sf_cpu_backend backends[2] = {SF_CPU_BACKEND_HIGHWAY, SF_CPU_BACKEND_LLVM};
+  for (int k = 0; k < 2; ++k) {
+    const sf_param p = {view_f32(w[k], kN), view_f32(g, kN)};
+    o.cpu_backend = backends[k];
+    if (k == 1 && !have_llvm) {
+      CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &opt[k]), SF_UNSUPPORTED, "llvm-14-dev");
+      continue;
+    }
+    CHECK_OK(sf_optimizer_create(&cfg, &p, 1, &o, &opt[k]));
+    const char* name = NULL;
+    CHECK_OK(sf_optimizer_backend(opt[k], &name));
+    CHECK(name != NULL && strcmp(name, k == 0 ? "highway" : "llvm") == 0);
+    sf_optimizer_options got;
+    got.struct_size = sizeof got;
+    CHECK_OK(sf_optimizer_get_options(opt[k], &got));
+    CHECK(got.cpu_backend == backends[k]);
+    sf_step_result r;
+    sf_step_result_init(&r);
+    CHECK_OK(sf_optimizer_step_scaled(opt[k], 512.0, &r));
+  }
+  if (have_llvm) CHECK(memcmp(w[0], w[1], sizeof w[0]) == 0);
+  /* An older header's struct: no cpu_backend field, read with its defaults. */
+  o.struct_size = (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V1;
+  o.cpu_backend = (sf_cpu_backend)77; /* beyond V1's size: never read */
+  const sf_param p2 = {view_f32(w[2], kN), view_f32(g, kN)};
+  CHECK_OK(sf_optimizer_create(&cfg, &p2, 1, &o, &opt[2]));
+  sf_optimizer_options old;
+  memset(&old, 0xAB, sizeof old);
+  old.struct_size = (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V1;
+  CHECK_OK(sf_optimizer_get_options(opt[2], &old));
+  CHECK(old.struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1 && old.has_max_grad_norm && old.max_grad_norm == 1.0);
+  CHECK(*(const unsigned char*)&old.llvm_contract == 0xAB); /* beyond V1's size: untouched */
+  o.struct_size = sizeof o;
+  o.cpu_backend = (sf_cpu_backend)9;
+  sf_optimizer* none = NULL;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p2, 1, &o, &none), SF_INVALID_ARGUMENT, "is not an sf_cpu_backend");
+  CHECK(none == NULL);
+  for (int k = 0; k < 3; ++k) sf_optimizer_destroy(opt[k]);
+}
+
 int main(void) {
   g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
   printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
@@ -1309,6 +1367,7 @@ int main(void) {
   test_constant_and_convert();
   test_program_errors();
   test_emit();
+  test_cpu_backends();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
