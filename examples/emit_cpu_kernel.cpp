@@ -12,17 +12,19 @@
 // same features); --cpu x86-64-v3 gives code for any AVX2+FMA x86-64.
 #include <stepfuse/stepfuse.hpp>
 
-#include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "emit_support.hpp"  // write_file, c_double, c_program_tables
+
 namespace {
 
 namespace fs = std::filesystem;
+using emit_support::c_double;
+using emit_support::write_file;
 using stepfuse::DType;
 
 // The tensor list: sizes that are not multiples of the chunk (16384) or of any vector
@@ -40,18 +42,6 @@ const std::vector<TensorSpec> kTensors = {
 };
 
 const stepfuse::optim::AdamW kConfig{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
-
-void write_file(const fs::path& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!out) throw std::runtime_error("cannot write " + path.string());
-}
-
-std::string c_double(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
 
 const char* dtype_c(DType t) { return t == DType::f32 ? "0" : t == DType::f16 ? "1" : "2"; }
 
@@ -113,20 +103,11 @@ std::string caller_header(const stepfuse::UpdateProgram& program, const stepfuse
        list([&](std::size_t i) { return k.kernel_names[combo_of[i]]; }) + "};\n";
   h += "static const emitted_reduce_fn emitted_reduce[EMITTED_NUM_TENSORS] = {" +
        list([&](std::size_t i) { return k.kernel_names[combos.size() + grad_of[i]]; }) + "};\n\n";
-  h += "static const char* const emitted_scalar_names[EMITTED_NUM_SCALARS] = {";
-  for (int s = 0; s < p.num_scalars; ++s) h += std::string(s ? ", " : "") + "\"" + std::string(p.scalars[s]) + "\"";
-  h += "};\n/* the scalar stage's rules: {kind, 0, a, b} per scalar (ABI: program.scalars) */\n";
-  h += "static const sf_scalar_rule emitted_rules[EMITTED_NUM_SCALARS] = {\n";
-  for (const stepfuse::ScalarDef& d : program.scalars())
-    h += "  {" + std::to_string(static_cast<int>(d.rule.kind)) + ", 0, " + c_double(d.rule.a) + ", " + c_double(d.rule.b) +
-         "}, /* " + d.name + " */\n";
-  h += "};\n/* per program stream: role (0 grad, 1 param, 2 state) and initial value */\n";
-  h += "static const int emitted_stream_role[EMITTED_NUM_STREAMS] = {";
-  for (int s = 0; s < p.num_streams; ++s) h += std::string(s ? ", " : "") + std::to_string(static_cast<int>(p.streams[s].role));
-  h += "};\nstatic const char* const emitted_stream_names[EMITTED_NUM_STREAMS] = {";
+  // The scalar stage's rules (emitted_rules), the scalar names, the streams' roles and
+  // inits; then the streams' names, which the C program finds its state streams by.
+  h += emit_support::c_program_tables(program);
+  h += "static const char* const emitted_stream_names[EMITTED_NUM_STREAMS] = {";
   for (int s = 0; s < p.num_streams; ++s) h += std::string(s ? ", " : "") + "\"" + std::string(p.streams[s].name) + "\"";
-  h += "};\nstatic const float emitted_stream_init[EMITTED_NUM_STREAMS] = {";
-  for (int s = 0; s < p.num_streams; ++s) h += std::string(s ? ", " : "") + "(float)" + c_double(p.streams[s].init);
   h += "};\n";
   return h;
 }

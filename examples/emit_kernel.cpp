@@ -14,14 +14,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "emit_support.hpp"  // write_file, c_program_tables
+
 namespace {
 
 namespace fs = std::filesystem;
+using emit_support::write_file;
 using stepfuse::ProgramBuilder;
 using stepfuse::Stream;
 using stepfuse::StreamRole;
@@ -55,12 +57,6 @@ UpdateProgram lion_soft_sign() {
                                    UpdateProgram::fixed("beta2", beta2), UpdateProgram::fixed("one_minus_beta2", 1 - beta2)});
 }
 
-void write_file(const fs::path& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!out) throw std::runtime_error("cannot write " + path.string());
-}
-
 std::string c_bytes(const std::string& bytes, bool nul) {
   std::string out;
   char buf[8];
@@ -72,12 +68,6 @@ std::string c_bytes(const std::string& bytes, bool nul) {
   if (nul) out += "0";
   if (out.empty()) out = "0";  // C has no empty arrays
   return out;
-}
-
-std::string c_double(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
 }
 
 // A C header with everything the launcher needs: the binaries, the rules, the tables.
@@ -95,19 +85,9 @@ std::string launcher_header(const UpdateProgram& program, const stepfuse::Emitte
   h += "#define EMITTED_HAVE_BINARY " + std::string(cubin.binary.empty() ? "0" : "1") + "\n";
   h += "#define EMITTED_CUBIN_SM " + std::to_string(sm) + "\n#define EMITTED_PTX_SM " + std::to_string(ptx_sm) + "\n\n";
   h += "static const char emitted_program_name[] = \"" + std::string(p.name) + "\";\n";
-  h += "static const char* const emitted_scalar_names[EMITTED_NUM_SCALARS] = {";
-  for (int s = 0; s < p.num_scalars; ++s) h += std::string(s ? ", " : "") + "\"" + std::string(p.scalars[s]) + "\"";
-  h += "};\n/* sf_hyper.rules: {kind, 0, a, b} per scalar (ABI: program.scalars) */\n";
-  h += "static const sf_scalar_rule emitted_rules[EMITTED_NUM_SCALARS] = {\n";
-  for (const stepfuse::ScalarDef& d : program.scalars())
-    h += "  {" + std::to_string(static_cast<int>(d.rule.kind)) + ", 0, " + c_double(d.rule.a) + ", " + c_double(d.rule.b) +
-         "}, /* " + d.name + " */\n";
-  h += "};\n/* per program stream: role (0 grad, 1 param, 2 state) and initial value */\n";
-  h += "static const int emitted_stream_role[EMITTED_NUM_STREAMS] = {";
-  for (int s = 0; s < p.num_streams; ++s) h += std::string(s ? ", " : "") + std::to_string(static_cast<int>(p.streams[s].role));
-  h += "};\nstatic const float emitted_stream_init[EMITTED_NUM_STREAMS] = {";
-  for (int s = 0; s < p.num_streams; ++s) h += std::string(s ? ", " : "") + "(float)" + c_double(p.streams[s].init);
-  h += "};\n\n/* The tables (stepfuse::plan_kernel_tables): pointers to fill in at run time. */\n";
+  // The scalar names, their rules (the launches' sf_hyper.rules), the streams' roles and inits.
+  h += emit_support::c_program_tables(program);
+  h += "\n/* The tables (stepfuse::plan_kernel_tables): pointers to fill in at run time. */\n";
   h += "static const long long emitted_numel[EMITTED_NUM_TENSORS] = {";
   for (std::size_t i = 0; i < t.tensors.size(); ++i) h += std::string(i ? ", " : "") + std::to_string(t.tensors[i].numel);
   h += "};\nstatic const sf_tensor emitted_tensors[EMITTED_NUM_TENSORS] = {\n";

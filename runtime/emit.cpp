@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <cstdio>
+#include <span>
 #include <string>
-#include <string_view>
 
+#include "jit/abi_json.hpp"
 #include "jit/cuda/emit_cuda.hpp"
 #include "jit/cuda/embedded_headers.hpp"
 #include "jit/cuda/kernel_abi.hpp"
@@ -124,76 +124,6 @@ CpuPlan cpu_plan(const EmitRequest& r, const Combos& c) {
   return plan;
 }
 
-// A small JSON writer (indented, one value a line), the format of the CUDA ABI's
-// (jit/cuda/kernel_abi.cpp). Keys are literals and values our own text.
-class Json {
- public:
-  Json& open(std::string_view key, char bracket) {
-    item(key);
-    out_ += bracket;
-    empty_.push_back(true);
-    return *this;
-  }
-  Json& close(char bracket) {
-    const bool was_empty = empty_.back();
-    empty_.pop_back();
-    if (!was_empty) newline();
-    out_ += bracket;
-    return *this;
-  }
-  Json& obj(std::string_view key = {}) { return open(key, '{'); }
-  Json& end() { return close('}'); }
-  Json& arr(std::string_view key = {}) { return open(key, '['); }
-  Json& end_arr() { return close(']'); }
-  Json& str(std::string_view key, std::string_view v) { return raw(key, quote(v)); }
-  Json& num(std::string_view key, double v) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.17g", v);
-    return raw(key, std::isfinite(v) ? buf : "null");
-  }
-  Json& integer(std::string_view key, long long v) { return raw(key, std::to_string(v)); }
-  Json& boolean(std::string_view key, bool v) { return raw(key, v ? "true" : "false"); }
-  std::string finish() { return out_ + "\n"; }
-
- private:
-  static std::string quote(std::string_view s) {
-    std::string q = "\"";
-    for (const char ch : s) {
-      if (ch == '"' || ch == '\\') q += '\\', q += ch;
-      else if (ch == '\n') q += "\\n";
-      else if (static_cast<unsigned char>(ch) < 0x20) {
-        char buf[8];
-        std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(ch));
-        q += buf;
-      } else q += ch;
-    }
-    return q + "\"";
-  }
-  void newline() {
-    out_ += '\n';
-    out_.append(2 * empty_.size(), ' ');
-  }
-  void item(std::string_view key) {
-    if (!empty_.empty()) {
-      if (!empty_.back()) out_ += ",";
-      empty_.back() = false;
-      newline();
-    }
-    if (!key.empty()) out_ += quote(key) + ": ";
-  }
-  Json& raw(std::string_view key, const std::string& text) {
-    item(key);
-    out_ += text;
-    return *this;
-  }
-  std::string out_;
-  std::vector<bool> empty_;  // per open container: nothing written in it yet
-};
-
-std::string_view role_name(StreamRole r) {
-  return r == StreamRole::grad ? "grad" : r == StreamRole::param ? "param" : "state";
-}
-
 std::string update_declaration(const std::string& name) {
   return "void " + name + "(const sf_cpu_update_args* args, uint64_t begin, uint64_t n);";
 }
@@ -202,139 +132,98 @@ std::string reduce_declaration(const std::string& name, bool inf_norm) {
                   : "float " + name + "(const void* grad, uint64_t n);";
 }
 
-struct CpuField {
-  const char* name;
-  const char* type;
-  std::size_t offset;
-  const char* what;
-};
-
 // The ABI description of a CPU target ("stepfuse.kernel_abi", the CUDA ABI's format
-// family: program, scalar rules, spec, target, constants, types and kernels alike).
+// family: program, scalar rules, spec, target, constants, types and kernels alike;
+// the writer and the shared sections are jit/abi_json.hpp's).
 std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPlan& plan, const jit::CpuTarget& target,
                              const std::vector<std::string>& names) {
-  const Program& p = plan.spec.program;
   const bool inf = plan.spec.inf_norm;
-  Json j;
-  j.obj().str("format", "stepfuse.kernel_abi").integer("format_version", jit::kKernelAbiVersion);
-  j.str("stepfuse_version", version());
-
-  // ---- the program (as the CUDA ABI writes it) ----
-  bool loads[kMaxStreams] = {}, stores[kMaxStreams] = {};
-  for (int i = 0; i < p.num_instrs; ++i) {
-    if (p.code[i].op == Op::load) loads[p.code[i].attr] = true;
-    if (p.code[i].op == Op::store) stores[p.code[i].attr] = true;
-  }
-  j.obj("program").str("name", p.name).str("text", to_string(p)).arr("streams");
-  for (int s = 0; s < p.num_streams; ++s)
-    j.obj().integer("index", s).str("name", p.streams[s].name).str("role", role_name(p.streams[s].role))
-        .num("init", p.streams[s].init).boolean("loaded", loads[s]).boolean("stored", stores[s]).end();
-  j.end_arr().arr("scalars");
-  for (int s = 0; s < p.num_scalars; ++s) {
-    const ScalarDef& d = r.program.scalars()[static_cast<std::size_t>(s)];
-    j.obj().integer("index", s).str("name", d.name).str("rule", scalar_rule_name(d.rule.kind));
-    j.integer("kind", static_cast<int>(d.rule.kind)).num("a", d.rule.a).num("b", d.rule.b).str("value", jit::rule_text(d.rule));
-    j.end();
-  }
-  j.end_arr().end();
-  j.obj("scalar_rule_kinds")
-      .str("0", "SF_RULE_FIXED: a")
-      .str("1", "SF_RULE_GSCALE: a * gscale (gscale = clip_coef / loss_scale)")
-      .str("2", "SF_RULE_FIRST_STEP: step == 1 ? a : b")
-      .str("3", "SF_RULE_DIV_ONE_MINUS_POW: a / (1 - b^step)")
-      .str("4", "SF_RULE_SQRT_ONE_MINUS_POW: sqrt(1 - b^step)")
-      .str("5", "SF_RULE_DIV_LINEAR: a / (1 + (step - 1) * b)")
-      .str("evaluation", "in double with + - * / sqrt only (powers by repeated squaring, sf_powi), step = the 1-based "
-                         "index of the step being applied, then rounded once to fp32; sf_eval_rule in the header")
-      .end();
+  jit::JsonWriter j;
+  jit::begin_kernel_abi(j);
+  jit::write_abi_program(j, r.program);
 
   // ---- the spec ----
-  j.obj("spec").arr("combos");
+  j.begin_object("spec").begin_array("combos");
   for (std::size_t k = 0; k < c.combos.size(); ++k)
-    j.obj().integer("index", static_cast<long long>(k)).str("weight", dtype_name(c.combos[k].weight))
+    j.begin_object().integer("index", static_cast<long long>(k)).str("weight", dtype_name(c.combos[k].weight))
         .str("grad", dtype_name(c.combos[k].grad)).boolean("master", c.combos[k].master)
-        .str("update", names[k]).end();
-  j.end_arr().arr("reduce_grads");
+        .str("update", names[k]).end_object();
+  j.end_array().begin_array("reduce_grads");
   for (std::size_t k = 0; k < plan.spec.reduce_grads.size(); ++k)
-    j.obj().integer("index", static_cast<long long>(k)).str("grad", dtype_name(plan.spec.reduce_grads[k]))
-        .str("reduce", names[c.combos.size() + k]).end();
-  j.end_arr().arr("tensor_combos");
+    j.begin_object().integer("index", static_cast<long long>(k)).str("grad", dtype_name(plan.spec.reduce_grads[k]))
+        .str("reduce", names[c.combos.size() + k]).end_object();
+  j.end_array().begin_array("tensor_combos");
   for (const int k : c.of_tensor) j.integer({}, k);
-  j.end_arr().arr("tensors");
+  j.end_array().begin_array("tensors");
   for (std::size_t i = 0; i < r.tensors.size(); ++i)
-    j.obj().integer("index", static_cast<long long>(i))
+    j.begin_object().integer("index", static_cast<long long>(i))
         .str("update", names[static_cast<std::size_t>(c.of_tensor[i])])
-        .str("reduce", names[c.combos.size() + static_cast<std::size_t>(plan.tensor_reduce[i])]).end();
-  j.end_arr().boolean("flat", r.flat).boolean("aligned16", r.aligned16);
+        .str("reduce", names[c.combos.size() + static_cast<std::size_t>(plan.tensor_reduce[i])]).end_object();
+  j.end_array().boolean("flat", r.flat).boolean("aligned16", r.aligned16);
   j.str("layout", "flat and aligned16 are CUDA layout options: the CPU functions take any element range of one tensor "
                   "and any alignment (unaligned vector accesses), so a CPU target ignores them");
   j.str("norm", inf ? "inf" : "l2").boolean("contract", plan.spec.contract);
-  j.str("canonical_text", jit::cpu_canonical_text(plan.spec)).end();
+  j.str("canonical_text", jit::cpu_canonical_text(plan.spec)).end_object();
 
-  j.obj("target").str("kind", "cpu").str("triple", target.triple).str("cpu", target.cpu).str("features", target.features);
+  j.begin_object("target").str("kind", "cpu").str("triple", target.triple).str("cpu", target.cpu);
+  j.str("features", target.features);
   j.integer("vector_width", target.vector_width).str("llvm_version", jit::llvm_version());
   j.str("source", "LLVM IR text as emitted, before optimization (the binary is the same module after the O3 pipeline)");
   j.str("binary", "ELF relocatable object (position-independent code); defines the kernels' symbols; may reference "
                   "libm's fmaf on CPUs without FMA (link with -lm)");
-  j.end();
+  j.end_object();
 
-  j.obj("constants")
+  j.begin_object("constants")
       .integer("SF_CPU_CHUNK_ELEMS", static_cast<long long>(cpu::kChunkElems))
       .integer("SF_CPU_REDUCE_LANES", 32)
       .integer("SF_CPU_MAX_SCALARS", kMaxScalars)
       .integer("SF_CPU_MAX_STREAMS", kMaxStreams)
-      .end();
+      .end_object();
 
   // ---- types ----
-  j.obj("types");
-  j.obj("sf_cpu_update_args").str("description", "the update functions' argument: one tensor's streams and the step's "
-                                                 "scalars; pointers are base addresses of the tensor (element 0)");
-  j.integer("size", sizeof(cpu::UpdateArgs)).integer("align", alignof(cpu::UpdateArgs)).arr("fields");
-  for (const CpuField& f :
-       {CpuField{"grad", "const void*", offsetof(cpu::UpdateArgs, grad), "the gradients (the combo's grad dtype), read"},
-        CpuField{"weight", "void*", offsetof(cpu::UpdateArgs, weight), "the weights (the combo's weight dtype): read "
-                                                                       "unless the combo has a master, written"},
-        CpuField{"master", "float*", offsetof(cpu::UpdateArgs, master), "fp32 master weights (combos with master): read "
-                                                                        "and written; else unused (null)"},
-        CpuField{"state", "float*[SF_CPU_MAX_STREAMS]", offsetof(cpu::UpdateArgs, state),
-                 "state[k]: the tensor's buffer of state stream k (program stream index; numel floats), read and "
-                 "written; null for grad, param and unused slots"},
-        CpuField{"scalars", "const float*", offsetof(cpu::UpdateArgs, scalars),
-                 "the program's per-step scalars (program.scalars order), from the scalar stage; read"}})
-    j.obj().str("name", f.name).str("type", f.type).integer("offset", static_cast<long long>(f.offset))
-        .str("description", f.what).end();
-  j.end_arr().end();
-  j.obj("sf_scalar_rule").str("description", "how one per-step scalar is computed: sf_eval_rule(rule, step, gscale), "
-                                              "rounded to fp32 (the caller's scalar stage)");
-  j.integer("size", sizeof(sf_scalar_rule)).integer("align", alignof(sf_scalar_rule)).arr("fields");
-  for (const CpuField& f : {CpuField{"kind", "int", offsetof(sf_scalar_rule, kind), "enum sf_rule_kind"},
-                            CpuField{"pad_", "int", offsetof(sf_scalar_rule, pad_), "0"},
-                            CpuField{"a", "double", offsetof(sf_scalar_rule, a), "first parameter"},
-                            CpuField{"b", "double", offsetof(sf_scalar_rule, b), "second parameter"}})
-    j.obj().str("name", f.name).str("type", f.type).integer("offset", static_cast<long long>(f.offset))
-        .str("description", f.what).end();
-  j.end_arr().end().end();
+  j.begin_object("types");
+  jit::write_type(
+      j, "sf_cpu_update_args", sizeof(cpu::UpdateArgs), alignof(cpu::UpdateArgs),
+      "the update functions' argument: one tensor's streams and the step's scalars; pointers are base addresses of the "
+      "tensor (element 0)",
+      {{"grad", "const void*", offsetof(cpu::UpdateArgs, grad), "the gradients (the combo's grad dtype), read"},
+       {"weight", "void*", offsetof(cpu::UpdateArgs, weight),
+        "the weights (the combo's weight dtype): read unless the combo has a master, written"},
+       {"master", "float*", offsetof(cpu::UpdateArgs, master),
+        "fp32 master weights (combos with master): read and written; else unused (null)"},
+       {"state", "float*[SF_CPU_MAX_STREAMS]", offsetof(cpu::UpdateArgs, state),
+        "state[k]: the tensor's buffer of state stream k (program stream index; numel floats), read and written; null "
+        "for grad, param and unused slots"},
+       {"scalars", "const float*", offsetof(cpu::UpdateArgs, scalars),
+        "the program's per-step scalars (program.scalars order), from the scalar stage; read"}});
+  jit::write_type(j, "sf_scalar_rule", sizeof(sf_scalar_rule), alignof(sf_scalar_rule),
+                  "how one per-step scalar is computed: sf_eval_rule(rule, step, gscale), rounded to fp32 (the "
+                  "caller's scalar stage)",
+                  {{"kind", "int", offsetof(sf_scalar_rule, kind), "enum sf_rule_kind"},
+                   {"pad_", "int", offsetof(sf_scalar_rule, pad_), "0"},
+                   {"a", "double", offsetof(sf_scalar_rule, a), "first parameter"},
+                   {"b", "double", offsetof(sf_scalar_rule, b), "second parameter"}});
+  j.end_object();
 
   // ---- the functions ----
-  const auto param = [&](int index, const char* name, const char* type, const char* what) {
-    j.obj().integer("index", index).str("name", name).str("type", type).str("description", what).end();
-  };
-  j.arr("kernels");
+  j.begin_array("kernels");
   for (std::size_t k = 0; k < c.combos.size(); ++k) {
-    j.obj().str("name", names[k]).str("role", "update").integer("combo", static_cast<long long>(k));
+    j.begin_object().str("name", names[k]).str("role", "update").integer("combo", static_cast<long long>(k));
     j.str("c_declaration", update_declaration(names[k])).str("returns", "void");
     j.str("description", "applies the update program to elements [begin, begin + n) of one tensor: reads grad, weight "
                          "(or master) and state, writes weight, master and state. Any range, any split: every element "
                          "gets the same IEEE operations (vector or scalar tail alike)");
-    j.arr("params");
-    param(0, "args", "const sf_cpu_update_args*", "the tensor's base pointers and the step's scalars");
-    param(1, "begin", "uint64_t", "first element (within the tensor)");
-    param(2, "n", "uint64_t", "elements (0 allowed)");
-    j.end_arr().end();
+    const jit::AbiParam params[] = {
+        {"args", "const sf_cpu_update_args*", "the tensor's base pointers and the step's scalars"},
+        {"begin", "uint64_t", "first element (within the tensor)"},
+        {"n", "uint64_t", "elements (0 allowed)"}};
+    jit::write_params(j, params);
+    j.end_object();
   }
   for (std::size_t k = 0; k < plan.spec.reduce_grads.size(); ++k) {
     const std::string& name = names[c.combos.size() + k];
-    j.obj().str("name", name).str("role", inf ? "reduce_inf" : "reduce_l2").str("grad", dtype_name(plan.spec.reduce_grads[k]));
+    j.begin_object().str("name", name).str("role", inf ? "reduce_inf" : "reduce_l2");
+    j.str("grad", dtype_name(plan.spec.reduce_grads[k]));
     j.str("c_declaration", reduce_declaration(name, inf)).str("returns", "float");
     if (inf)
       j.str("description", "max |g| of one chunk's n gradients as stored (still loss-scaled); *nonfinite = 1 when one "
@@ -344,27 +233,26 @@ std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPla
                            "canonical order: element i into lane i mod 32, 32 at a time (the last step zero-padded), "
                            "then lanes[j] += lanes[j + w] for w = 16, 8, 4, 2, 1. Not finite: an element is inf or NaN, "
                            "or the squares overflowed fp32; the caller rescans the chunk (see reduce)");
-    j.arr("params");
-    param(0, "grad", "const void*", "the chunk's first gradient (the grad dtype)");
-    param(1, "n", "uint64_t", "elements: SF_CPU_CHUNK_ELEMS, or fewer for a tensor's last chunk");
-    if (inf) param(2, "nonfinite", "uint32_t*", "out: 1 when an element is inf or NaN, else 0");
-    j.end_arr().end();
+    const jit::AbiParam params[] = {
+        {"grad", "const void*", "the chunk's first gradient (the grad dtype)"},
+        {"n", "uint64_t", "elements: SF_CPU_CHUNK_ELEMS, or fewer for a tensor's last chunk"},
+        {"nonfinite", "uint32_t*", "out: 1 when an element is inf or NaN, else 0"}};
+    jit::write_params(j, std::span(params).first(inf ? 3 : 2));  // nonfinite: the inf-norm reduce only
+    j.end_object();
   }
-  j.end_arr();
+  j.end_array();
 
   // ---- memory, the step, threading ----
-  j.arr("memory");
-  j.obj().str("name", "weights, grads").str("type", "the combo's dtypes").str("count", "numel per tensor (the caller's)")
-      .str("initialize", "the caller's").end();
-  j.obj().str("name", "state").str("type", "float")
-      .str("count", "per tensor, numel floats per state stream (program.streams with role state); any alignment")
-      .str("initialize", "every element to the stream's init, before the first step").end();
-  j.obj().str("name", "masters").str("type", "float").str("count", "per tensor whose combo has a master: numel floats")
-      .str("initialize", "the weights widened to fp32, before the first step").end();
-  j.obj().str("name", "scalars").str("type", "float").str("count", "program.scalars (at most SF_CPU_MAX_SCALARS)")
-      .str("initialize", "written by the scalar stage before every step's updates").end();
-  j.end_arr();
-  j.obj("reduce")
+  jit::write_memory(
+      j, "memory",
+      {{"weights, grads", "the combo's dtypes", "numel per tensor (the caller's)", "the caller's"},
+       {"state", "float", "per tensor, numel floats per state stream (program.streams with role state); any alignment",
+        "every element to the stream's init, before the first step"},
+       {"masters", "float", "per tensor whose combo has a master: numel floats",
+        "the weights widened to fp32, before the first step"},
+       {"scalars", "float", "program.scalars (at most SF_CPU_MAX_SCALARS)",
+        "written by the scalar stage before every step's updates"}});
+  j.begin_object("reduce")
       .str("chunks", "each tensor in chunks of SF_CPU_CHUNK_ELEMS elements from its start (the last shorter): chunk c is "
                      "grad + c * SF_CPU_CHUNK_ELEMS elements, n = min(SF_CPU_CHUNK_ELEMS, numel - c * "
                      "SF_CPU_CHUNK_ELEMS). Part of the numerics: other splits give other roundings")
@@ -378,8 +266,8 @@ std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPla
                               "canonical partial is the same lanes and tree over g * 2^-e (e = ilogb(max |g|) + 1) "
                               "times 2^(2e) in fp64 (any fp64 sum of squares is within rounding of it)")
       .str("bitwise", "with these chunks and this combine order the norm is bitwise stepfuse's own CPU backends'")
-      .end();
-  j.arr("step")
+      .end_object();
+  j.begin_array("step")
       .str({}, "setup (once): allocate and initialize the memory; steps applied so far = 0")
       .str({}, "reduce, on a step that divides by a loss scale S, clips or reports the norm: every chunk of every tensor, "
                "then the combine (reduce.combine); found_inf with loss scaling or clipping skips the step (no update "
@@ -391,7 +279,7 @@ std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPla
       .str({}, "update: for every tensor, args = {grad, weight, master, state bases, scalars}; call its update "
                "function over [0, numel) in any split (the reduce's chunks are a natural one)")
       .str({}, "count the step; new hyperparameters are new rules at the next scalar stage (never recompile)")
-      .end_arr();
+      .end_array();
   j.str("threading", "The functions are reentrant and thread-safe: no global state, no allocation, no locks, no "
                      "syscalls. Chunks are independent: reduce calls may run on any threads in any order, and so may "
                      "update calls on disjoint ranges; the combine then runs in the fixed order above. Every reduce "
@@ -399,7 +287,7 @@ std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPla
   j.str("scalar_stage", "the caller's, in double: see step; sf_eval_rule and sf_scalar_rule are in the header");
   j.str("abi_header", "EmittedKernel::abi_header: SF_CPU_* constants, sf_cpu_update_args, sf_scalar_rule, "
                       "sf_eval_rule and the functions' declarations (C, C++; <stdint.h>, <stddef.h>)");
-  j.end();
+  j.end_object();
   return j.finish();
 }
 

@@ -1,14 +1,11 @@
 // The kernel ABI description (JSON) of a spec's generated step kernels.
 #include "jit/cuda/kernel_abi.hpp"
 
-#include <cmath>
 #include <cstddef>
-#include <cstdio>
-#include <string_view>
 
+#include "jit/abi_json.hpp"
 #include "jit/cuda/embedded_headers.hpp"
-#include "jit/update_program_rules.hpp"
-#include "stepfuse/version.hpp"
+#include "jit/step_scalars.h"  // sf_scalar_rule, which device_abi.h uses
 
 extern "C" {
 #include "jit/cuda/device_abi.h"
@@ -18,98 +15,7 @@ namespace stepfuse::jit {
 
 namespace {
 
-// A small JSON writer: objects and arrays, two-space indentation, one value a line.
-class JsonWriter {
- public:
-  JsonWriter& begin_object(std::string_view key = {}) { return open(key, '{'); }
-  JsonWriter& end_object() { return close('}'); }
-  JsonWriter& begin_array(std::string_view key = {}) { return open(key, '['); }
-  JsonWriter& end_array() { return close(']'); }
-  JsonWriter& str(std::string_view key, std::string_view v) { return raw(key, quote(v)); }
-  JsonWriter& num(std::string_view key, double v) {
-    if (!std::isfinite(v)) return raw(key, "null");  // not reached: rules and inits are finite
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.17g", v);
-    return raw(key, buf);
-  }
-  JsonWriter& integer(std::string_view key, long long v) { return raw(key, std::to_string(v)); }
-  JsonWriter& boolean(std::string_view key, bool v) { return raw(key, v ? "true" : "false"); }
-  std::string finish() { return out_ + "\n"; }
-
- private:
-  static std::string quote(std::string_view s) {
-    std::string q = "\"";
-    for (const char c : s) {
-      switch (c) {
-        case '"': q += "\\\""; break;
-        case '\\': q += "\\\\"; break;
-        case '\n': q += "\\n"; break;
-        case '\t': q += "\\t"; break;
-        case '\r': q += "\\r"; break;
-        default:
-          if (static_cast<unsigned char>(c) < 0x20) {
-            char buf[8];
-            std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-            q += buf;
-          } else {
-            q += c;
-          }
-      }
-    }
-    return q + "\"";
-  }
-  void item(std::string_view key) {
-    if (!first_.empty()) {
-      if (!first_.back()) out_ += ",";
-      first_.back() = false;
-      newline();
-    }
-    if (!key.empty()) out_ += quote(key) + ": ";
-  }
-  void newline() {
-    out_.push_back('\n');
-    out_.append(2 * first_.size(), ' ');
-  }
-  JsonWriter& raw(std::string_view key, const std::string& text) {
-    item(key);
-    out_ += text;
-    return *this;
-  }
-  JsonWriter& open(std::string_view key, char bracket) {
-    item(key);
-    out_ += bracket;
-    first_.push_back(true);
-    return *this;
-  }
-  JsonWriter& close(char bracket) {
-    const bool empty = first_.back();
-    first_.pop_back();
-    if (!empty) newline();
-    out_ += bracket;
-    return *this;
-  }
-  std::string out_;
-  std::vector<bool> first_;  // per open container: nothing written in it yet
-};
-
-struct Field {
-  const char* name;
-  const char* type;
-  std::size_t offset;
-  const char* what;
-};
-
-void write_type(JsonWriter& j, const char* name, std::size_t size, std::size_t align, const char* what,
-                std::initializer_list<Field> fields) {
-  j.begin_object(name).str("description", what).integer("size", static_cast<long long>(size));
-  j.integer("align", static_cast<long long>(align)).begin_array("fields");
-  for (const Field& f : fields)
-    j.begin_object().str("name", f.name).str("type", f.type).integer("offset", static_cast<long long>(f.offset))
-        .str("description", f.what).end_object();
-  j.end_array().end_object();
-}
-
-#define SF_FIELD(T, f, type, what) Field{#f, type, offsetof(T, f), what}
+#define SF_FIELD(T, f, type, what) AbiField{#f, type, offsetof(T, f), what}
 
 void write_types(JsonWriter& j) {
   j.begin_object("types");
@@ -171,24 +77,12 @@ void write_types(JsonWriter& j) {
 
 #undef SF_FIELD
 
-struct Param {
-  const char* name;
-  const char* type;
-  const char* what;
-};
-
 void write_kernel(JsonWriter& j, const char* name, const char* grid, const char* block, long long block_threads,
-                  const char* when, std::initializer_list<Param> params) {
+                  const char* when, std::initializer_list<AbiParam> params) {
   j.begin_object().str("name", name).str("grid", grid).str("block", block).integer("block_threads", block_threads);
-  j.integer("dynamic_shared_bytes", 0).str("launch", when).begin_array("params");
-  int k = 0;
-  for (const Param& p : params)
-    j.begin_object().integer("index", k++).str("name", p.name).str("type", p.type).str("description", p.what).end_object();
-  j.end_array().end_object();
-}
-
-std::string_view role_name(StreamRole r) {
-  return r == StreamRole::grad ? "grad" : r == StreamRole::param ? "param" : "state";
+  j.integer("dynamic_shared_bytes", 0).str("launch", when);
+  write_params(j, {params.begin(), params.size()});
+  j.end_object();
 }
 
 }  // namespace
@@ -197,39 +91,9 @@ std::string cuda_abi_header() { return std::string(kEmbeddedPublicDeviceAbi); }
 
 std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program, const std::vector<int>& tensor_combos,
                               const CudaTarget& target, const std::string& nvrtc_version) {
-  const Program& p = spec.program;
   JsonWriter j;
-  j.begin_object().str("format", "stepfuse.kernel_abi").integer("format_version", kKernelAbiVersion);
-  j.str("stepfuse_version", version());
-
-  // ---- the program: streams and per-step scalars ----
-  bool loads[kMaxStreams] = {}, stores[kMaxStreams] = {};
-  for (int i = 0; i < p.num_instrs; ++i) {
-    if (p.code[i].op == Op::load) loads[p.code[i].attr] = true;
-    if (p.code[i].op == Op::store) stores[p.code[i].attr] = true;
-  }
-  j.begin_object("program").str("name", p.name).str("text", to_string(p)).begin_array("streams");
-  for (int s = 0; s < p.num_streams; ++s)
-    j.begin_object().integer("index", s).str("name", p.streams[s].name).str("role", role_name(p.streams[s].role))
-        .num("init", p.streams[s].init).boolean("loaded", loads[s]).boolean("stored", stores[s]).end_object();
-  j.end_array().begin_array("scalars");
-  for (int s = 0; s < p.num_scalars; ++s) {
-    const ScalarDef& d = program.scalars()[static_cast<std::size_t>(s)];
-    j.begin_object().integer("index", s).str("name", d.name).str("rule", scalar_rule_name(d.rule.kind));
-    j.integer("kind", static_cast<int>(d.rule.kind)).num("a", d.rule.a).num("b", d.rule.b).str("value", rule_text(d.rule));
-    j.end_object();
-  }
-  j.end_array().end_object();
-  j.begin_object("scalar_rule_kinds")
-      .str("0", "SF_RULE_FIXED: a")
-      .str("1", "SF_RULE_GSCALE: a * gscale (gscale = clip_coef / loss_scale)")
-      .str("2", "SF_RULE_FIRST_STEP: step == 1 ? a : b")
-      .str("3", "SF_RULE_DIV_ONE_MINUS_POW: a / (1 - b^step)")
-      .str("4", "SF_RULE_SQRT_ONE_MINUS_POW: sqrt(1 - b^step)")
-      .str("5", "SF_RULE_DIV_LINEAR: a / (1 + (step - 1) * b)")
-      .str("evaluation", "in double with + - * / sqrt only (powers by repeated squaring, sf_powi), step = the 1-based "
-                         "index of the step being applied, then rounded once to fp32; sf_eval_rule in the header")
-      .end_object();
+  begin_kernel_abi(j);
+  write_abi_program(j, program);
 
   // ---- the spec ----
   j.begin_object("spec").begin_array("combos");
@@ -286,22 +150,18 @@ std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program
   j.end_array();
 
   // ---- memory and tables ----
-  j.begin_array("device_memory");
-  j.begin_object().str("name", "state").str("type", "float")
-      .str("count", "one buffer of state_elems floats per state stream (program.streams with role state)")
-      .str("initialize", "every element to the stream's init, before the first step").end_object();
-  j.begin_object().str("name", "masters").str("type", "float")
-      .str("count", "master_elems floats: tensor i at master_offsets[i] (combos with master only)")
-      .str("initialize", "the weights widened to fp32, before the first step").end_object();
-  j.begin_object().str("name", "partials").str("type", "sf_partial").str("count", "max(num_chunks, 1)")
-      .str("initialize", "no").end_object();
-  j.begin_object().str("name", "tensor_sums").str("type", "double").str("count", "num_tensors").str("initialize", "no").end_object();
-  j.begin_object().str("name", "step_state").str("type", "sf_step_state").str("count", "1")
-      .str("initialize", "zero, once; the kernels keep the step count and the last step's results in it").end_object();
-  j.begin_object().str("name", "tables").str("type", "sf_tensor, sf_span")
-      .str("count", "the tensor table, the chunk table and (table layout) the block table").str("initialize", "copied from the host")
-      .end_object();
-  j.end_array();
+  write_memory(
+      j, "device_memory",
+      {{"state", "float", "one buffer of state_elems floats per state stream (program.streams with role state)",
+        "every element to the stream's init, before the first step"},
+       {"masters", "float", "master_elems floats: tensor i at master_offsets[i] (combos with master only)",
+        "the weights widened to fp32, before the first step"},
+       {"partials", "sf_partial", "max(num_chunks, 1)", "no"},
+       {"tensor_sums", "double", "num_tensors", "no"},
+       {"step_state", "sf_step_state", "1",
+        "zero, once; the kernels keep the step count and the last step's results in it"},
+       {"tables", "sf_tensor, sf_span", "the tensor table, the chunk table and (table layout) the block table",
+        "copied from the host"}});
   j.begin_object("tables")
       .str("state_elems", spec.flat ? "sum of numel (the flat layout concatenates exactly)"
                                     : "sum over tensors of numel rounded up to a multiple of 16")

@@ -1,0 +1,147 @@
+// The JSON writer and the sections the CUDA and CPU kernel ABI descriptions share.
+#include "jit/abi_json.hpp"
+
+#include <cmath>
+#include <cstdio>
+
+#include "jit/update_program_rules.hpp"
+#include "stepfuse/version.hpp"
+
+namespace stepfuse::jit {
+
+JsonWriter& JsonWriter::num(std::string_view key, double v) {
+  if (!std::isfinite(v)) return raw(key, "null");
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return raw(key, buf);
+}
+
+std::string JsonWriter::quote(std::string_view s) {
+  std::string q = "\"";
+  for (const char c : s) {
+    switch (c) {
+      case '"': q += "\\\""; break;
+      case '\\': q += "\\\\"; break;
+      case '\n': q += "\\n"; break;
+      case '\t': q += "\\t"; break;
+      case '\r': q += "\\r"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+          q += buf;
+        } else {
+          q += c;
+        }
+    }
+  }
+  return q + "\"";
+}
+
+void JsonWriter::item(std::string_view key) {
+  if (!first_.empty()) {
+    if (!first_.back()) out_ += ",";
+    first_.back() = false;
+    newline();
+  }
+  if (!key.empty()) out_ += quote(key) + ": ";
+}
+
+void JsonWriter::newline() {
+  out_.push_back('\n');
+  out_.append(2 * first_.size(), ' ');
+}
+
+JsonWriter& JsonWriter::raw(std::string_view key, const std::string& text) {
+  item(key);
+  out_ += text;
+  return *this;
+}
+
+JsonWriter& JsonWriter::open(std::string_view key, char bracket) {
+  item(key);
+  out_ += bracket;
+  first_.push_back(true);
+  return *this;
+}
+
+JsonWriter& JsonWriter::close(char bracket) {
+  const bool empty = first_.back();
+  first_.pop_back();
+  if (!empty) newline();
+  out_ += bracket;
+  return *this;
+}
+
+namespace {
+
+std::string_view role_name(StreamRole r) {
+  return r == StreamRole::grad ? "grad" : r == StreamRole::param ? "param" : "state";
+}
+
+}  // namespace
+
+void begin_kernel_abi(JsonWriter& j) {
+  j.begin_object().str("format", "stepfuse.kernel_abi").integer("format_version", kKernelAbiVersion);
+  j.str("stepfuse_version", version());
+}
+
+void write_abi_program(JsonWriter& j, const UpdateProgram& program) {
+  const Program& p = program.program();
+  bool loads[kMaxStreams] = {}, stores[kMaxStreams] = {};
+  for (int i = 0; i < p.num_instrs; ++i) {
+    if (p.code[i].op == Op::load) loads[p.code[i].attr] = true;
+    if (p.code[i].op == Op::store) stores[p.code[i].attr] = true;
+  }
+  j.begin_object("program").str("name", p.name).str("text", to_string(p)).begin_array("streams");
+  for (int s = 0; s < p.num_streams; ++s)
+    j.begin_object().integer("index", s).str("name", p.streams[s].name).str("role", role_name(p.streams[s].role))
+        .num("init", p.streams[s].init).boolean("loaded", loads[s]).boolean("stored", stores[s]).end_object();
+  j.end_array().begin_array("scalars");
+  for (int s = 0; s < p.num_scalars; ++s) {
+    const ScalarDef& d = program.scalars()[static_cast<std::size_t>(s)];
+    j.begin_object().integer("index", s).str("name", d.name).str("rule", scalar_rule_name(d.rule.kind));
+    j.integer("kind", static_cast<int>(d.rule.kind)).num("a", d.rule.a).num("b", d.rule.b).str("value", rule_text(d.rule));
+    j.end_object();
+  }
+  j.end_array().end_object();
+  // Must match enum sf_rule_kind and sf_eval_rule (jit/step_scalars.h).
+  j.begin_object("scalar_rule_kinds")
+      .str("0", "SF_RULE_FIXED: a")
+      .str("1", "SF_RULE_GSCALE: a * gscale (gscale = clip_coef / loss_scale)")
+      .str("2", "SF_RULE_FIRST_STEP: step == 1 ? a : b")
+      .str("3", "SF_RULE_DIV_ONE_MINUS_POW: a / (1 - b^step)")
+      .str("4", "SF_RULE_SQRT_ONE_MINUS_POW: sqrt(1 - b^step)")
+      .str("5", "SF_RULE_DIV_LINEAR: a / (1 + (step - 1) * b)")
+      .str("evaluation", "in double with + - * / sqrt only (powers by repeated squaring, sf_powi), step = the 1-based "
+                         "index of the step being applied, then rounded once to fp32; sf_eval_rule in the header")
+      .end_object();
+}
+
+void write_type(JsonWriter& j, const char* name, std::size_t size, std::size_t align, const char* what,
+                std::initializer_list<AbiField> fields) {
+  j.begin_object(name).str("description", what).integer("size", static_cast<long long>(size));
+  j.integer("align", static_cast<long long>(align)).begin_array("fields");
+  for (const AbiField& f : fields)
+    j.begin_object().str("name", f.name).str("type", f.type).integer("offset", static_cast<long long>(f.offset))
+        .str("description", f.what).end_object();
+  j.end_array().end_object();
+}
+
+void write_params(JsonWriter& j, std::span<const AbiParam> params) {
+  j.begin_array("params");
+  int k = 0;
+  for (const AbiParam& p : params)
+    j.begin_object().integer("index", k++).str("name", p.name).str("type", p.type).str("description", p.what).end_object();
+  j.end_array();
+}
+
+void write_memory(JsonWriter& j, const char* key, std::initializer_list<AbiMemory> buffers) {
+  j.begin_array(key);
+  for (const AbiMemory& m : buffers)
+    j.begin_object().str("name", m.name).str("type", m.type).str("count", m.count).str("initialize", m.initialize)
+        .end_object();
+  j.end_array();
+}
+
+}  // namespace stepfuse::jit
