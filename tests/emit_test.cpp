@@ -165,17 +165,19 @@ TEST(Emit, BuiltinsEmitFromTheirConfig) {
   EXPECT_TRUE(found);
 }
 
+// The message of the Error emit(r) throws, checking its code ("" and a failure if none).
+std::string message(const EmitRequest& r, ErrorCode code) {
+  try {
+    (void)emit(r);
+  } catch (const Error& e) {
+    EXPECT_EQ(error_code_name(e.code()), error_code_name(code)) << e.what();
+    return std::string(e.what());
+  }
+  ADD_FAILURE() << "no Error";
+  return std::string();
+}
+
 TEST(Emit, BadRequestsSayWhy) {
-  const auto message = [](const EmitRequest& r, ErrorCode code) {
-    try {
-      (void)emit(r);
-    } catch (const Error& e) {
-      EXPECT_EQ(error_code_name(e.code()), error_code_name(code)) << e.what();
-      return std::string(e.what());
-    }
-    ADD_FAILURE() << "no Error";
-    return std::string();
-  };
   EmitRequest r = request();
   r.flat = true;
   EXPECT_THAT(message(r, ErrorCode::invalid_argument), HasSubstr("flat = true needs every tensor"));
@@ -411,16 +413,6 @@ TEST(EmitCpu, NamedCpusAndFeaturesSetTheVectorWidth) {
 }
 
 TEST(EmitCpu, BadTargetsSayWhy) {
-  const auto message = [](const EmitRequest& r, ErrorCode code) {
-    try {
-      (void)emit(r);
-    } catch (const Error& e) {
-      EXPECT_EQ(error_code_name(e.code()), error_code_name(code)) << e.what();
-      return std::string(e.what());
-    }
-    ADD_FAILURE() << "no Error";
-    return std::string();
-  };
   EmitRequest r = cpu_request();
   if (!have_llvm()) {
     const std::string m = message(r, ErrorCode::unsupported);

@@ -297,23 +297,21 @@ void Emitter::update_function(const Program& p, const CpuCombo& c) {
   llvm::Value* vend = b_.CreateAdd(begin, b_.CreateAnd(n, ~std::uint64_t{W - 1}), "vend");
   b_.CreateBr(vhead);
 
-  b_.SetInsertPoint(vhead);
-  llvm::PHINode* vi = b_.CreatePHI(i64(), 2, "i");
-  vi->addIncoming(begin, entry);
-  b_.CreateCondBr(b_.CreateICmpULT(vi, vend), vbody, shead);
-  b_.SetInsertPoint(vbody);
-  body(p, c, s, vi, W);
-  vi->addIncoming(b_.CreateAdd(vi, b_.getInt64(W)), vbody);
-  b_.CreateBr(vhead);
-
-  b_.SetInsertPoint(shead);
-  llvm::PHINode* si = b_.CreatePHI(i64(), 2, "j");
-  si->addIncoming(vi, vhead);
-  b_.CreateCondBr(b_.CreateICmpULT(si, end), sbody, done);
-  b_.SetInsertPoint(sbody);
-  body(p, c, s, si, 1);
-  si->addIncoming(b_.CreateAdd(si, b_.getInt64(1)), sbody);
-  b_.CreateBr(shead);
+  // for (i = from; i < to; i += w) body(i): `head` tests, `loop` runs the body; exits to `exit`.
+  const auto counted_loop = [&](llvm::BasicBlock* head, llvm::BasicBlock* loop, llvm::BasicBlock* exit,
+                                llvm::BasicBlock* pred, llvm::Value* from, llvm::Value* to, unsigned w) {
+    b_.SetInsertPoint(head);
+    llvm::PHINode* i = b_.CreatePHI(i64(), 2, w == 1 ? "j" : "i");
+    i->addIncoming(from, pred);
+    b_.CreateCondBr(b_.CreateICmpULT(i, to), loop, exit);
+    b_.SetInsertPoint(loop);
+    body(p, c, s, i, w);
+    i->addIncoming(b_.CreateAdd(i, b_.getInt64(w)), b_.GetInsertBlock());
+    b_.CreateBr(head);
+    return i;
+  };
+  llvm::PHINode* vi = counted_loop(vhead, vbody, shead, entry, begin, vend, W);
+  counted_loop(shead, sbody, done, vhead, vi, end, 1);
 
   b_.SetInsertPoint(done);
   b_.CreateRetVoid();
@@ -467,7 +465,11 @@ std::string module_text(const llvm::Module& m) {
 
 std::string feature_string(const llvm::StringMap<bool>& features) {
   std::vector<std::string> list;
-  for (const auto& f : features) list.push_back((f.getValue() ? "+" : "-") + f.getKey().str());
+  for (const auto& f : features) {
+    std::string item(1, f.getValue() ? '+' : '-');
+    item.append(f.getKey().data(), f.getKey().size());
+    list.push_back(std::move(item));
+  }
   std::sort(list.begin(), list.end());  // a stable order: part of the cache key
   std::string out;
   for (const std::string& f : list) {
