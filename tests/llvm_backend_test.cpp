@@ -13,8 +13,10 @@
 //  - llvm_contract stays within fp32 rounding of Highway; the object code is deterministic,
 //    cached on disk, and keys tell specs apart.
 // Without LLVM in the build, the tests that need it skip, and CpuBackend::llvm is an Error.
+#include <elf.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -605,6 +607,45 @@ TEST(LlvmBackend, ObjectCodeIsDeterministicAndKeysTellSpecsApart) {
   EXPECT_THROW(jit::CpuTarget::named(host.triple, "no-such-cpu"), Error);
 }
 
+// The relocation types of an ELF64 object's RELA sections.
+std::vector<std::uint32_t> relocation_types(const std::string& object) {
+  std::vector<std::uint32_t> types;
+  Elf64_Ehdr eh;
+  if (object.size() < sizeof eh) return types;
+  std::memcpy(&eh, object.data(), sizeof eh);
+  for (unsigned i = 0; i < eh.e_shnum; ++i) {
+    Elf64_Shdr sh;
+    std::memcpy(&sh, object.data() + eh.e_shoff + i * sizeof sh, sizeof sh);
+    if (sh.sh_type != SHT_RELA) continue;
+    for (std::size_t k = 0; k < sh.sh_size / sizeof(Elf64_Rela); ++k) {
+      Elf64_Rela r;
+      std::memcpy(&r, object.data() + sh.sh_offset + k * sizeof r, sizeof r);
+      types.push_back(static_cast<std::uint32_t>(ELF64_R_TYPE(r.r_info)));
+    }
+  }
+  return types;
+}
+
+// ORC's RuntimeDyld may put an object's code and its constants more than 2 GiB apart (it
+// did under ASan, and a 32-bit PC-relative constant load then read the wrong address):
+// the objects the JIT links must reach constants through absolute 64-bit addresses.
+TEST(LlvmBackend, JitObjectsUseOnlyAbsoluteRelocations) {
+  REQUIRE_LLVM();
+  const jit::CpuTarget host = jit::CpuTarget::host();
+  if (host.triple.rfind("x86_64", 0) != 0) GTEST_SKIP() << "x86-64 relocation types";
+  jit::CpuSpec spec = adamw_spec();
+  spec.inf_norm = true;  // the inf reduce's constants were the ones that crashed
+  for (const jit::CpuSpec& s : {adamw_spec(), spec}) {
+    const std::vector<std::uint32_t> jit_types =
+        relocation_types(jit::cpu_compile_object(s, host, jit::CpuObjectKind::jit));
+    ASSERT_FALSE(jit_types.empty());
+    for (std::uint32_t t : jit_types) EXPECT_EQ(t, static_cast<std::uint32_t>(R_X86_64_64)) << "relocation type " << t;
+    // The emit API's objects are position-independent, for a normal link.
+    const std::vector<std::uint32_t> pic = relocation_types(jit::cpu_compile_object(s, host));
+    EXPECT_NE(std::find(pic.begin(), pic.end(), static_cast<std::uint32_t>(R_X86_64_PC32)), pic.end());
+  }
+}
+
 TEST(LlvmBackend, CompiledObjectsAreCachedOnDisk) {
   REQUIRE_LLVM();
   jit::CpuSpec spec = adamw_spec();
@@ -626,7 +667,7 @@ TEST(LlvmBackend, CompiledObjectsAreCachedOnDisk) {
   jit::KernelCache fresh(CacheDir::dir_);
   const auto bytes = fresh.find_or_load(key);
   ASSERT_NE(bytes, nullptr);
-  EXPECT_EQ(*bytes, jit::cpu_compile_object(spec, jit::CpuTarget::host()));
+  EXPECT_EQ(*bytes, jit::cpu_compile_object(spec, jit::CpuTarget::host(), jit::CpuObjectKind::jit));
 }
 
 }  // namespace

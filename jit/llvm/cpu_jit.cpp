@@ -108,7 +108,7 @@ std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& 
     bool compiled = false;
     object = cache.get(key, [&] {
       compiled = true;
-      return cpu_compile_object(spec, target);
+      return cpu_compile_object(spec, target, CpuObjectKind::jit);
     });
     source = compiled ? CpuKernels::Source::compiled : CpuKernels::Source::memory_cache;
   }

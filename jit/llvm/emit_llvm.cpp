@@ -39,7 +39,7 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes for the same spec (the cache key has it).
-constexpr int kEmitterVersion = 1;
+constexpr int kEmitterVersion = 2;
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
 // Byte offsets in cpu::UpdateArgs (runtime/cpu/kernels.hpp checks them).
@@ -59,7 +59,11 @@ void init_llvm() {
   throw Error(ErrorCode::compile_failed, "LLVM: " + what);
 }
 
-std::unique_ptr<llvm::TargetMachine> target_machine(const CpuTarget& t) {
+// `for_jit`: code that ORC links into this process, whose sections RuntimeDyld may place
+// more than 2 GiB apart: the large code model with static relocations (absolute 64-bit
+// addresses for constants and calls). Otherwise: position-independent code, small model,
+// for a program's own link.
+std::unique_ptr<llvm::TargetMachine> target_machine(const CpuTarget& t, bool for_jit = false) {
   init_llvm();
   std::string err;
   const llvm::Target* target = llvm::TargetRegistry::lookupTarget(t.triple, err);
@@ -67,7 +71,9 @@ std::unique_ptr<llvm::TargetMachine> target_machine(const CpuTarget& t) {
   llvm::TargetOptions options;  // IEEE: no unsafe math; fusing only what the IR marks `contract`
   options.AllowFPOpFusion = llvm::FPOpFusion::Standard;
   std::unique_ptr<llvm::TargetMachine> tm(target->createTargetMachine(
-      t.triple, t.cpu, t.features, options, llvm::Reloc::PIC_, llvm::None, llvm::CodeGenOpt::Aggressive));
+      t.triple, t.cpu, t.features, options, for_jit ? llvm::Reloc::Static : llvm::Reloc::PIC_,
+      for_jit ? llvm::Optional<llvm::CodeModel::Model>(llvm::CodeModel::Large) : llvm::None,
+      llvm::CodeGenOpt::Aggressive));
   if (!tm) llvm_failed("cannot create a target machine for " + t.describe());
   return tm;
 }
@@ -539,7 +545,8 @@ std::string cpu_canonical_text(const CpuSpec& spec) {
 }
 
 std::string cpu_cache_key(const CpuSpec& spec, const CpuTarget& target) {
-  return "stepfuse cpu object\nllvm " + llvm_version() + "\ntarget " + target.triple + "\ncpu " + target.cpu +
+  return "stepfuse cpu object for the jit (large code model, static relocations)\nllvm " + llvm_version() +
+         "\ntarget " + target.triple + "\ncpu " + target.cpu +
          "\nfeatures " + target.features + "\nlanes " + std::to_string(target.vector_width) + "\n" +
          cpu_canonical_text(spec);
 }
@@ -561,8 +568,8 @@ std::string cpu_module_ir(const CpuSpec& spec, const CpuTarget& target, bool opt
   return module_text(*m);
 }
 
-std::string cpu_compile_object(const CpuSpec& spec, const CpuTarget& target) {
-  const auto tm = target_machine(target);
+std::string cpu_compile_object(const CpuSpec& spec, const CpuTarget& target, CpuObjectKind kind) {
+  const auto tm = target_machine(target, kind == CpuObjectKind::jit);
   llvm::LLVMContext ctx;
   const auto m = build_module(ctx, spec, target, *tm);
   optimize(*m, *tm);

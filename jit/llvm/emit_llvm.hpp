@@ -75,7 +75,7 @@ std::string cpu_reduce_symbol(DType grad, bool inf_norm);
 
 // Stable across runs and compilers; with the target and versions, the cache key.
 std::string cpu_canonical_text(const CpuSpec& spec);
-std::string cpu_cache_key(const CpuSpec& spec, const CpuTarget& target);
+std::string cpu_cache_key(const CpuSpec& spec, const CpuTarget& target);  // of the jit object
 
 // The module as LLVM IR text: before optimization (what the emitter wrote) or
 // after the O3 pipeline for the target.
@@ -83,6 +83,11 @@ std::string cpu_module_ir(const CpuSpec& spec, const CpuTarget& target, bool opt
 // The optimized module compiled to a relocatable object file (ELF on Linux).
 // Error(invalid_argument) for a spec the emitter cannot handle, Error(compile_failed)
 // when LLVM fails (the target is unknown, say).
-std::string cpu_compile_object(const CpuSpec& spec, const CpuTarget& target);
+// relocatable: position-independent, small code model, for a program's own link (the
+// emit API). jit: the large code model with static relocations, for ORC to link into this
+// process wherever its memory manager puts the sections (what the kernel cache holds).
+enum class CpuObjectKind { relocatable, jit };
+std::string cpu_compile_object(const CpuSpec& spec, const CpuTarget& target,
+                               CpuObjectKind kind = CpuObjectKind::relocatable);
 
 }  // namespace stepfuse::jit

@@ -23,7 +23,7 @@ std::string cpu_reduce_symbol(DType, bool) { absent(); }
 std::string cpu_canonical_text(const CpuSpec&) { absent(); }
 std::string cpu_cache_key(const CpuSpec&, const CpuTarget&) { absent(); }
 std::string cpu_module_ir(const CpuSpec&, const CpuTarget&, bool) { absent(); }
-std::string cpu_compile_object(const CpuSpec&, const CpuTarget&) { absent(); }
+std::string cpu_compile_object(const CpuSpec&, const CpuTarget&, CpuObjectKind) { absent(); }
 std::shared_ptr<const CpuKernels> cpu_kernels(const CpuSpec&) { absent(); }
 std::shared_ptr<const CpuKernels> cpu_kernels_if_cached(const CpuSpec&) { absent(); }
 std::shared_ptr<const CpuKernels> cpu_kernels_for(const CpuSpec&, const CpuTarget&) { absent(); }
