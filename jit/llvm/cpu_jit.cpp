@@ -9,7 +9,6 @@
 #include <llvm/Support/Error.h>
 #include <llvm/Support/MemoryBuffer.h>
 
-#include <chrono>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -73,10 +72,6 @@ std::vector<std::string> symbols_of(const CpuSpec& spec) {
   return out;
 }
 
-double ms_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
-}
-
 // Linked specs by cache key. A spec is linked once; later calls share it.
 std::mutex linked_mu;
 std::unordered_map<std::string, std::shared_ptr<const CpuKernels>>& linked() {
@@ -91,11 +86,9 @@ std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& 
     if (auto it = linked().find(key); it != linked().end()) {
       auto out = std::make_shared<CpuKernels>(*it->second);
       out->source = CpuKernels::Source::linked;
-      out->ms = 0;
       return out;
     }
   }
-  const auto start = std::chrono::steady_clock::now();
   KernelCache& cache = KernelCache::shared();
   CpuKernels::Source source = CpuKernels::Source::memory_cache;
   std::shared_ptr<const std::string> object = cache.find(key);
@@ -120,7 +113,6 @@ std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& 
   out->update.assign(fns.begin(), fns.begin() + static_cast<std::ptrdiff_t>(spec.combos.size()));
   out->reduce.assign(fns.begin() + static_cast<std::ptrdiff_t>(spec.combos.size()), fns.end());
   out->source = source;
-  out->ms = ms_since(start);
   linked().emplace(key, out);
   return out;
 }

@@ -18,7 +18,6 @@ struct CpuKernels {
   std::vector<void*> reduce;  // sf_cpu_reduce_* per spec.reduce_grads, in order
   enum class Source { linked, memory_cache, disk_cache, compiled };
   Source source = Source::compiled;  // how this call got them (linked: this process had them)
-  double ms = 0;                     // what this call spent: loading or compiling, and linking
 };
 
 // The kernels of `spec` for this machine (CpuTarget::host()): already linked,
