@@ -3,14 +3,43 @@
 // as double&, in declaration order.
 #pragma once
 
+#include <cstddef>
+#include <type_traits>
+#include <utility>
 #include <variant>
 
 #include "stepfuse/optim.hpp"
 
 namespace stepfuse::jit {
 
+// The built-in optimizer kinds are the alternatives of OptimizerConfig, in order:
+// sf_optimizer_kind and the checkpoints' kinds are these indices.
+inline constexpr std::size_t kNumOptimizers = std::variant_size_v<OptimizerConfig>;
+
+// The kind-th config with PyTorch's defaults; kind < kNumOptimizers.
+inline OptimizerConfig default_config(std::size_t kind) {
+  return [&]<std::size_t... K>(std::index_sequence<K...>) {
+    static constexpr OptimizerConfig (*kMake[])() = {[] { return OptimizerConfig(std::in_place_index<K>); }...};
+    return kMake[kind]();
+  }(std::make_index_sequence<kNumOptimizers>{});
+}
+
+// The number of members of a flat aggregate (no bases, no arrays): how many
+// initializers T{...} accepts. Checks that a field list names every member.
+struct AnyMember {
+  template <class T>
+  constexpr operator T() const { return T{}; }
+};
+template <class T, class... Inits>
+constexpr std::size_t aggregate_members() {
+  if constexpr (requires { T{Inits{}..., AnyMember{}}; })
+    return aggregate_members<T, Inits..., AnyMember>();
+  else
+    return sizeof...(Inits);
+}
+
 template <class Config, class F>
-void for_each_field(Config& c, F&& f) {
+constexpr void for_each_field(Config& c, F&& f) {
   using T = std::remove_const_t<Config>;
   f("lr", c.lr);
   if constexpr (std::is_same_v<T, optim::SGD>) {

@@ -52,16 +52,10 @@ static_assert(SF_DEVICE_CPU == static_cast<int>(stepfuse::Device::Kind::cpu) &&
 static_assert(SF_FUSION_FUSED == static_cast<int>(stepfuse::Fusion::fused) &&
               SF_FUSION_UNFUSED == static_cast<int>(stepfuse::Fusion::unfused) &&
               SF_FUSION_INTERPRETED == static_cast<int>(stepfuse::Fusion::interpreted));
-// sf_optimizer_kind is the index of the config type in stepfuse::OptimizerConfig.
-template <int Kind>
-using ConfigOf = std::variant_alternative_t<Kind, stepfuse::OptimizerConfig>;
-static_assert(std::is_same_v<ConfigOf<SF_SGD>, stepfuse::optim::SGD> &&
-              std::is_same_v<ConfigOf<SF_ADAM>, stepfuse::optim::Adam> &&
-              std::is_same_v<ConfigOf<SF_ADAMW>, stepfuse::optim::AdamW> &&
-              std::is_same_v<ConfigOf<SF_ADAGRAD>, stepfuse::optim::Adagrad> &&
-              std::is_same_v<ConfigOf<SF_RMSPROP>, stepfuse::optim::RMSprop> &&
-              std::is_same_v<ConfigOf<SF_LION>, stepfuse::optim::Lion> &&
-              std::variant_size_v<stepfuse::OptimizerConfig> == SF_LION + 1);
+// sf_optimizer_kind is the index of the config type in stepfuse::OptimizerConfig, the
+// registry of built-in optimizers: a kind added there needs its line in the C enum.
+static_assert(stepfuse::jit::kNumOptimizers == SF_NUM_OPTIMIZER_KINDS,
+              "stepfuse::OptimizerConfig and sf_optimizer_kind disagree: give every optimizer its SF_ kind");
 
 // The handles. Each owns its C++ object; what the C side reads by pointer (names)
 // is kept here so it lives as long as the handle.
@@ -216,11 +210,37 @@ constexpr ConfigField kConfigFields[] = {
 };
 #undef SF_FIELD
 
+// Every field of every kind has its sf_optimizer_config field, of the same type, and
+// every sf_optimizer_config field belongs to some kind, so a hyperparameter added to a
+// config without its C field, or a C field without its row above, fails to build.
+template <class Config>
+constexpr bool config_fields_match(bool* used) {
+  Config config{};
+  bool ok = true;
+  stepfuse::jit::for_each_field(config, [&](std::string_view name, const auto& v) {
+    const bool is_bool = std::is_same_v<std::remove_cvref_t<decltype(v)>, bool>;
+    bool found = false;
+    for (std::size_t i = 0; i < std::size(kConfigFields); ++i)
+      if (name == kConfigFields[i].name && is_bool == kConfigFields[i].is_bool) found = used[i] = true;
+    ok = ok && found;
+  });
+  return ok;
+}
+template <std::size_t... K>
+constexpr bool config_fields_match(std::index_sequence<K...>) {
+  bool used[std::size(kConfigFields)] = {};
+  bool ok = (config_fields_match<std::variant_alternative_t<K, stepfuse::OptimizerConfig>>(used) && ...);
+  for (const bool u : used) ok = ok && u;
+  return ok;
+}
+static_assert(config_fields_match(std::make_index_sequence<stepfuse::jit::kNumOptimizers>{}), "kConfigFields, sf_optimizer_config and the optimizers' fields disagree");
+static_assert(stepfuse::jit::aggregate_members<sf_optimizer_config>() == 2 + std::size(kConfigFields),
+              "an sf_optimizer_config field without its kConfigFields row");
+
 const ConfigField& config_field(std::string_view name) {
   for (const ConfigField& f : kConfigFields)
     if (name == f.name) return f;
-  // A field added to a C++ config must be added to sf_optimizer_config and kConfigFields.
-  throw std::logic_error("sf_optimizer_config has no field '" + std::string(name) + "'");
+  throw std::logic_error("sf_optimizer_config has no field '" + std::string(name) + "'");  // see config_fields_match
 }
 template <class T>
 T& field_ref(sf_optimizer_config& c, const ConfigField& f) {
@@ -231,19 +251,9 @@ const T& field_ref(const sf_optimizer_config& c, const ConfigField& f) {
   return *reinterpret_cast<const T*>(reinterpret_cast<const char*>(&c) + f.offset);
 }
 
-stepfuse::OptimizerConfig default_config(int kind) {
-  switch (kind) {
-    case SF_SGD: return stepfuse::optim::SGD{};
-    case SF_ADAM: return stepfuse::optim::Adam{};
-    case SF_ADAMW: return stepfuse::optim::AdamW{};
-    case SF_ADAGRAD: return stepfuse::optim::Adagrad{};
-    case SF_RMSPROP: return stepfuse::optim::RMSprop{};
-    case SF_LION: return stepfuse::optim::Lion{};
-  }
-  throw std::logic_error("not an sf_optimizer_kind");
-}
+stepfuse::OptimizerConfig default_config(int kind) { return stepfuse::jit::default_config(static_cast<std::size_t>(kind)); }
 
-bool valid_kind(int kind) { return kind >= SF_SGD && kind <= SF_LION; }
+bool valid_kind(int kind) { return kind >= 0 && kind < SF_NUM_OPTIMIZER_KINDS; }
 
 // Fills every field of `out` (except struct_size) from a C++ config.
 void from_cpp(const stepfuse::OptimizerConfig& config, sf_optimizer_config* out) {
@@ -264,7 +274,8 @@ void from_cpp(const stepfuse::OptimizerConfig& config, sf_optimizer_config* out)
 stepfuse::OptimizerConfig to_cpp(const char* fn, const sf_optimizer_config& c) {
   const int kind_value = enum_value(c.kind);
   if (!valid_kind(kind_value))
-    bad(fn, "config->kind = " + std::to_string(kind_value) + " is not an sf_optimizer_kind (SF_SGD .. SF_LION)");
+    bad(fn, "config->kind = " + std::to_string(kind_value) + " is not an sf_optimizer_kind (0 .. " +
+                std::to_string(SF_NUM_OPTIMIZER_KINDS - 1) + ")");
   stepfuse::OptimizerConfig config = default_config(kind_value);
   bool used[std::size(kConfigFields)] = {};
   std::visit(

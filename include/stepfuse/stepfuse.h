@@ -153,7 +153,10 @@ typedef enum sf_optimizer_kind {
   SF_ADAMW = 2,
   SF_ADAGRAD = 3,
   SF_RMSPROP = 4,
-  SF_LION = 5
+  SF_LION = 5,
+  /* Not a kind: one more than the last kind of this header. A new kind goes on a line
+   * above it; the library fails to build if this count and its optimizers disagree. */
+  SF_NUM_OPTIMIZER_KINDS
 } sf_optimizer_kind;
 
 /* "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion"; NULL for other values. */
