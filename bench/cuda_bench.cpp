@@ -9,7 +9,7 @@
 //      disk-cache hit), then a disk-cache hit and a memory-cache hit of its step modules;
 //   3. verify: its first step against one CPU fused step over the same values (every
 //      weight, master and state value within fp32 rounding, exit code 2 otherwise; the
-//      share that is bitwise equal is reported: DESIGN §5 promises all of it);
+//      share that is bitwise equal is reported: docs/architecture.md §5 promises all of it);
 //   4. measure: one step captured into a CUDA graph (not run) counts the kernels a step
 //      launches; then, per iteration, a 1 GiB device-to-device copy, the fused step and
 //      (unless --no-breakdown) the update pass alone, each between two CUDA events on the
@@ -34,7 +34,7 @@
 #include "jit/cuda/cuda_kernels.hpp"
 #include "jit/kernel_cache.hpp"
 #include "model_buffers.hpp"
-#include "runtime/cuda/cuda_api.hpp"
+#include "jit/base/cuda_api.hpp"
 #include "runtime/cuda/cuda_backend.hpp"
 #include "runtime/detail_access.hpp"
 #include "stats.hpp"

@@ -18,7 +18,8 @@
 #include <future>
 #include <utility>
 
-#include "runtime/warning.hpp"
+#include "jit/base/atomic_file.hpp"
+#include "jit/base/warning.hpp"
 
 #if !defined(XXH_VERSION_NUMBER) || XXH_VERSION_NUMBER < 800
 #error "the kernel cache needs xxHash 0.8 or newer (XXH3); install a newer libxxhash-dev"
@@ -132,22 +133,6 @@ bool read_all(int fd, void* data, std::size_t size) {
   return true;
 }
 
-bool write_all(int fd, const void* data, std::size_t size) {
-  const auto* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::write(fd, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return false;
-    if (n == 0) {  // not expected from a regular file; avoid spinning on it
-      errno = EIO;
-      return false;
-    }
-    p += n;
-    size -= static_cast<std::size_t>(n);
-  }
-  return true;
-}
-
 // mkdir -p with mode 0700 for every directory it creates: the parents too, since a
 // fresh ~/.cache is as private as the cache itself. Returns 0 or an errno.
 int make_directories(const std::filesystem::path& dir) {
@@ -162,7 +147,7 @@ int make_directories(const std::filesystem::path& dir) {
 
 // Why `dir` cannot hold the cache (after creating it if missing), or nothing. The
 // entries are machine code this process will run, so the directory must be private:
-// owned by us and writable by no one else (DESIGN §3). Only the directory itself is
+// owned by us and writable by no one else (docs/architecture.md §6). Only the directory itself is
 // checked, not its parents.
 std::optional<std::string> check_directory(const std::filesystem::path& dir) {
   const std::string shown = dir.string();
@@ -208,10 +193,6 @@ std::optional<std::string> check_directory(const std::filesystem::path& dir) {
   }
   return std::nullopt;
 }
-
-// Distinguishes the temp files of the threads of one process; with the pid, of all
-// writers (O_EXCL catches the rest, e.g. equal pids in two PID namespaces).
-std::atomic<std::uint64_t> g_temp_counter{0};
 
 }  // namespace
 
@@ -442,21 +423,13 @@ std::optional<std::string> KernelCache::load_from_disk(const std::string& key) {
   }
 }
 
-// Writes the entry to a temp file in the cache directory and renames it over the
-// entry's name, so a reader sees the old entry, no entry or the whole new one,
-// never a part; two processes writing one key both rename complete files. A
-// failure warns once and turns the disk cache off. Never throws.
+// Writes the entry atomically (jit/base/atomic_file.hpp), so a reader sees the old
+// entry, no entry or the whole new one, never a part; two processes writing one key
+// both rename complete files. A failure warns once and turns the disk cache off.
+// Never throws.
 void KernelCache::store_to_disk(const std::string& key, const std::string& bytes) {
-  const std::filesystem::path final_path = entry_path(key);
-  std::filesystem::path temp_path;
-  const auto fail = [&](const std::string& what, int err) {
-    if (!temp_path.empty()) ::unlink(temp_path.c_str());
-    disable_disk("writing kernel cache entry " + final_path.string() + " failed (" + what + ": " +
-                 errno_text(err) + "); the disk cache is off for the rest of this process and kernels are "
-                 "compiled in memory only (free space in, or fix, " + dir_->string() +
-                 ", or set STEPFUSE_CACHE_DIR)");
-  };
   try {
+    const std::filesystem::path final_path = entry_path(key);
     std::array<unsigned char, kHeaderSize> header;
     std::memcpy(header.data(), kMagic, sizeof kMagic);
     put_u32(header.data() + 8, kFormatVersion);
@@ -466,41 +439,25 @@ void KernelCache::store_to_disk(const std::string& key, const std::string& bytes
     std::array<unsigned char, kTrailerSize> trailer;
     put_u64(trailer.data(), entry_checksum(header.data(), key, bytes));
 
-    // ".tmp-<hash>-<pid>-<n>": a dot name, so it never looks like an entry. (Appended
-    // piece by piece: g++ 12 warns falsely (-Wrestrict, GCC bug 105329) on
-    // "literal" + std::string&&.)
-    std::string temp_prefix = ".tmp-";
-    temp_prefix += final_path.stem().string();
-    temp_prefix += '-';
-    temp_prefix += std::to_string(::getpid());
-    temp_prefix += '-';
-    int fd = -1;
-    for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
-      temp_path = *dir_ / (temp_prefix + std::to_string(g_temp_counter.fetch_add(1)));
-      fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-      if (fd < 0 && errno != EEXIST) break;
+    // Mode 0600: the entries are code this process runs, for this user only.
+    const auto failure = detail::write_file_atomically(final_path, 0600, [&](detail::AtomicFileSink& out) {
+      out.write(header.data(), header.size());
+      out.write(key.data(), key.size());
+      out.write(bytes.data(), bytes.size());
+      out.write(trailer.data(), trailer.size());
+    });
+    if (failure) {
+      disable_disk("writing kernel cache entry " + final_path.string() + " failed (" + failure->step + ": " +
+                   errno_text(failure->error) + "); the disk cache is off for the rest of this process and kernels "
+                   "are compiled in memory only (free space in, or fix, " + dir_->string() +
+                   ", or set STEPFUSE_CACHE_DIR)");
+      return;
     }
-    if (fd < 0) {
-      const int err = errno;
-      temp_path.clear();  // not ours to remove
-      return fail("creating a temporary file", err);
-    }
-    Fd file(fd);
-    if (!write_all(fd, header.data(), header.size()) || !write_all(fd, key.data(), key.size()) ||
-        !write_all(fd, bytes.data(), bytes.size()) || !write_all(fd, trailer.data(), trailer.size())) {
-      return fail("writing", errno);
-    }
-    // Data on disk before the rename makes it visible: otherwise a crash could leave
-    // a complete-looking name over incomplete data. (The directory is not fsynced:
-    // losing the rename itself in a crash only costs a recompile.)
-    if (::fsync(fd) != 0) return fail("syncing", errno);
-    if (!file.close()) return fail("closing", errno);
-    if (::rename(temp_path.c_str(), final_path.c_str()) != 0) return fail("renaming", errno);
     std::lock_guard lock(mu_);
     ++stats_.disk_writes;
   } catch (const std::exception&) {
-    // Out of memory building a path: skip this write, keep the entry in memory.
-    if (!temp_path.empty()) ::unlink(temp_path.c_str());
+    // Out of memory building a path: skip this write, keep the entry in memory (the
+    // helper has removed its temporary file).
   }
 }
 

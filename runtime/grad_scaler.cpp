@@ -9,7 +9,7 @@
 #include "runtime/detail_access.hpp"
 #include "runtime/scale_tensors.hpp"
 #include "runtime/thread_pool.hpp"
-#include "runtime/warning.hpp"
+#include "jit/base/warning.hpp"
 #include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
 

@@ -8,7 +8,7 @@
 #include <unordered_set>
 
 #include "jit/update_program_rules.hpp"
-#include "runtime/warning.hpp"
+#include "jit/base/warning.hpp"
 #include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
 

@@ -2,7 +2,7 @@
 //  - every built-in optimizer x dtype combination x {plain, loss-scaled, clipped} step, in
 //    separate, flat, misaligned and mixed-dtype tensor lists with odd and zero sizes, is bit
 //    for bit the CPU backend after 1 and 4 steps: weights, gradients (never written), state,
-//    masters, step count, the step's result and the per-tensor norms (DESIGN §5);
+//    masters, step count, the step's result and the per-tensor norms (docs/architecture.md §5);
 //  - inf/NaN gradients skip the step and write nothing; the next finite step proceeds;
 //  - GradScaler("cuda").step + update captured in a CUDA graph and replayed over changing
 //    gradients (some not finite) equals the same iterations run eagerly, and the capture
@@ -45,7 +45,7 @@
 #include "jit/cuda/emit_cuda.hpp"
 #include "jit/cuda/nvrtc_compile.hpp"
 #include "jit/kernel_cache.hpp"
-#include "runtime/cuda/cuda_api.hpp"
+#include "jit/base/cuda_api.hpp"
 #include "runtime/cuda/cuda_backend.hpp"
 #include "runtime/cuda/cuda_layout.hpp"
 #include "reference/builtin_configs.hpp"

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "jit/cuda/nvrtc_compile.hpp"
-#include "runtime/cuda/cuda_api.hpp"
+#include "jit/base/cuda_api.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/stepfuse.hpp"
 

@@ -24,7 +24,7 @@
 
 #include "jit/kernel_cache.hpp"
 #include "reference/test_data.hpp"
-#include "runtime/cuda/cuda_api.hpp"
+#include "jit/base/cuda_api.hpp"
 #include "runtime/cuda/cuda_backend.hpp"
 #include "stepfuse/stepfuse.hpp"
 

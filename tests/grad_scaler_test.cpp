@@ -1,6 +1,6 @@
-// GradScaler: one test per requirement of the tensorplay.GradScaler document
-// (the PyTorch-style API document stepfuse::GradScaler implements), of DESIGN §4 and of include/stepfuse/grad_scaler.hpp
-// (the header's comments fix what the document leaves open: PyTorch's fp32 scale
+// GradScaler: one test per documented behaviour of PyTorch's torch.amp.GradScaler (the API
+// stepfuse::GradScaler implements), of docs/architecture.md §4 and of include/stepfuse/grad_scaler.hpp
+// (the header's comments fix what PyTorch's documentation leaves open: PyTorch's fp32 scale
 // arithmetic, the int32 growth tracker, update(new_scale) keeping the tracker, ...).
 // Each test quotes the sentence it pins.
 #include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr
@@ -21,7 +21,7 @@
 #include "reference/harness.hpp"
 #include "reference/test_data.hpp"
 #include "reference/test_util.hpp"
-#include "runtime/warning.hpp"
+#include "jit/base/warning.hpp"
 #include "stepfuse/stepfuse.hpp"
 
 namespace stepfuse::ref {
@@ -126,8 +126,8 @@ TEST(GradScalerDoc, DeviceCpuAcceptedWithoutWarning) {
   EXPECT_EQ(g_warnings, 0) << g_last_warning;
 }
 
-// DESIGN §4: ""cuda" on a machine without a GPU falls back to the CPU with a one-time
-// warning, so the document's default works everywhere." error.hpp: "Each goes to the
+// Header: ""cuda" where no GPU is usable keeps the scale on the CPU and warns once per
+// process (see set_warning_handler), so the default works everywhere." error.hpp: "Each goes to the
 // handler, once per process per cause." This build has no CUDA backend, so "cuda"
 // always falls back: exactly one warning for three scalers.
 TEST(GradScalerDoc, DeviceCudaAcceptedWarnsOnce) {
@@ -154,7 +154,7 @@ TEST(GradScalerDoc, DeviceCudaAcceptedWarnsOnce) {
   EXPECT_THAT(lower(g_last_warning), HasSubstr("cpu"));
 }
 
-// Header: "Any other string is an Error." (the type of a tensorplay.device: "cuda" or "cpu").
+// Header: "Any other string is an Error." (a torch.device type: "cuda" or "cpu").
 TEST(GradScalerDoc, DeviceOtherStringsRejected) {
   for (const char* d : {"tpu", "", "CUDA:0", "cuda:0", "CPU", "gpu"}) {
     SCOPED_TRACE(d);
@@ -165,7 +165,7 @@ TEST(GradScalerDoc, DeviceOtherStringsRejected) {
 // ---------------------------------------------------------------------------
 // Constructor
 
-// "class tensorplay.GradScaler(device: str = 'cuda', init_scale: float = 65536.0,
+// "class torch.amp.GradScaler(device: str = 'cuda', init_scale: float = 65536.0,
 //  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
 //  enabled: bool = True)"
 TEST(GradScalerDoc, ConstructorDefaults) {
@@ -463,8 +463,8 @@ TEST(GradScalerDoc, UnscaleDividesGradsInPlace) {
   }
 }
 
-// Header: "multiplies by the fp32 reciprocal, as PyTorch does" (DESIGN §4: "Unscale
-// multiplies by the reciprocal computed in double and rounded to float"), then rounds to
+// Header: "multiplies by the fp32 reciprocal, as PyTorch does" (docs/architecture.md §5:
+// the reciprocal computed in double and rounded to fp32), then rounds to
 // the grad dtype.
 TEST(GradScalerDoc, UnscaleMultipliesByFp32Reciprocal) {
   for (DType gd : {DType::f32, DType::f16, DType::bf16}) {

@@ -1,4 +1,4 @@
-// The kernel cache (DESIGN §3): compile once per key, entries on disk that survive a new cache
+// The kernel cache (docs/architecture.md §6): compile once per key, entries on disk that survive a new cache
 // and are rejected when torn, corrupt, stale or another key's, and a directory that is refused
 // with one warning unless it is private.
 #include <fcntl.h>
@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "jit/kernel_cache.hpp"
-#include "runtime/warning.hpp"
+#include "jit/base/warning.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::jit {

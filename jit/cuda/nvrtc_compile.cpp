@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/cuda/cuda_api.hpp"
+#include "jit/base/cuda_api.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::jit {
@@ -50,7 +50,7 @@ std::string arch_name(const CudaTarget& t) {
 std::vector<std::string> nvrtc_options(const CudaTarget& t) {
   return {
       "-arch=" + arch_name(t),
-      // Bitwise agreement with the CPU backends (DESIGN §5): a multiply-add is
+      // Bitwise agreement with the CPU backends (docs/architecture.md §5): a multiply-add is
       // fused only where the program says fma (the emitter writes __fmaf_rn then).
       "--fmad=false",
       "-ftz=false",

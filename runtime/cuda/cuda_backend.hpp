@@ -9,7 +9,7 @@
 
 #include "jit/cuda/emit_cuda.hpp"
 #include "jit/step_scalars.h"
-#include "runtime/cuda/cuda_api.hpp"
+#include "jit/base/cuda_api.hpp"
 #include "stepfuse/optimizer.hpp"
 #include "stepfuse/program.hpp"
 

@@ -3,7 +3,7 @@
 #include <string>
 #include <string_view>
 
-#include "runtime/cuda/cuda_api.hpp"
+#include "jit/base/cuda_api.hpp"
 #include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
 

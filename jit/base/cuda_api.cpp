@@ -1,6 +1,6 @@
 // Lazy loading of the CUDA driver (libcuda.so.1) and NVRTC with dlopen: the two
 // function tables of cuda_api.hpp, and the error checks that name CUresults.
-#include "runtime/cuda/cuda_api.hpp"
+#include "jit/base/cuda_api.hpp"
 
 #include <dlfcn.h>
 #include <sys/stat.h>

@@ -1,5 +1,5 @@
 // Warnings: the user-replaceable handler and the once-per-cause rule.
-#include "runtime/warning.hpp"
+#include "jit/base/warning.hpp"
 
 #include <atomic>
 #include <cstdio>
