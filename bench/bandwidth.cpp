@@ -1,4 +1,4 @@
-// Measures the machine's memory bandwidth in the benchmark's own process (DESIGN §7).
+// Measures the machine's memory bandwidth in the benchmark's own process (docs/architecture.md §8).
 #include "bandwidth.hpp"
 
 #include <chrono>
@@ -36,7 +36,7 @@ void triad_kernel(float* __restrict a, const float* __restrict b, const float* _
 }
 
 // Integer xor so the reduction vectorizes without -ffast-math (a float sum would not), into
-// 32 interleaved accumulators like the library's reduce pass (DESIGN §5): measured here
+// 32 interleaved accumulators like the library's reduce pass (docs/architecture.md §5): measured here
 // ~20% faster than a single vector accumulator.
 STEPFUSE_BENCH_CLONES
 std::uint32_t read_kernel(const std::uint32_t* __restrict a, std::int64_t n) {

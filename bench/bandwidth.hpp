@@ -1,4 +1,4 @@
-// Measures the machine's memory bandwidth in the benchmark's own process (DESIGN §7).
+// Measures the machine's memory bandwidth in the benchmark's own process (docs/architecture.md §8).
 #pragma once
 
 #include <cstdint>

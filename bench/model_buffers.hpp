@@ -15,7 +15,7 @@
 
 namespace stepfuse::bench {
 
-// Storage conversions, round to nearest even (what the library promises, DESIGN §5).
+// Storage conversions, round to nearest even (what the library promises, docs/architecture.md §5).
 inline std::uint16_t f32_to_bf16(float f) {
   const auto u = std::bit_cast<std::uint32_t>(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN

@@ -1,4 +1,4 @@
-// The bytes an optimizer step must move: the figure of merit's numerator (DESIGN §1, §7).
+// The bytes an optimizer step must move: the figure of merit's numerator (docs/architecture.md §1, §8).
 #include "step_bytes.hpp"
 
 #include <cstdio>

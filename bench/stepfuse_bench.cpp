@@ -124,7 +124,7 @@ sf::CpuBackend cpu_backend_of(Variant v) {
 }
 bool have_llvm() { return sf::llvm_version()[0] != '\0'; }
 
-// PyTorch's defaults for each optimizer (DESIGN §4).
+// PyTorch's defaults for each optimizer.
 sf::OptimizerConfig make_config(const std::string& name) {
   if (name == "adamw") return sf::optim::AdamW{};
   if (name == "adam") return sf::optim::Adam{};

@@ -29,7 +29,7 @@ struct VerifyReport {
 // `unfused` (interpreted against unfused, say); the names only label the messages. Values agree when
 //   |fused - unfused| <= rel * |unfused - initial| + k ulp(max(|fused|, |unfused|))
 // (k = 4 in fp32, 1 in a 16-bit weight format; states use 2 * rel * |value|), where rel is
-// 1e-5 for fp32 gradients (DESIGN §5) and the gradient format's rounding for 16-bit ones:
+// 1e-5 for fp32 gradients (docs/architecture.md §8) and the gradient format's rounding for 16-bit ones:
 // the unfused baseline writes the unscaled, clipped gradients back in their own dtype, as
 // eager PyTorch does. Reads everything with `threads` threads; allocates nothing large.
 VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, const StepResult& rf,

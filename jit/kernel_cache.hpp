@@ -1,5 +1,5 @@
 // The kernel cache: compiled kernels (CUBIN, PTX, object code) by spec, in
-// memory and on disk (DESIGN §3).
+// memory and on disk (docs/architecture.md §6).
 //
 // A key is the canonical text of everything the compiled bytes depend on: the
 // spec, the compiler and its version, the options, the target, and our format

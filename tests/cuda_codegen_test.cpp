@@ -8,7 +8,7 @@
 //    error reports cleanly;
 //  - the element functions, compiled here as host C++ (emitted at build time by
 //    tests/tools/emit_elements.cpp), wrapped in the loads and stores sf_update does,
-//    are bitwise the CPU backend's fused kernels and within the DESIGN §5 tolerances
+//    are bitwise the CPU backend's fused kernels and within the tolerances (docs/architecture.md §8)
 //    of the float64 reference;
 //  - the scalar rules evaluate to PyTorch's formulas (std::pow bias corrections)
 //    within one fp32 ulp.
@@ -1001,7 +1001,7 @@ TEST(CudaElementFunctions, BitwiseEqualToTheCpuFusedKernels) {
 }
 
 // (ii) The generated element math against the float64 reference (tests/reference), with
-// the tolerances of reference/harness.hpp (DESIGN §5): fp32 values within 1e-5 relative
+// the tolerances of reference/harness.hpp (docs/architecture.md §8): fp32 values within 1e-5 relative
 // plus the floors and the reference's own sensitivity to a 1e-6 change of the gradient;
 // f16/bf16 weights within one unit in the last place of the correctly rounded
 // reference (more only where the fp32 tolerance spans more), and with masters exactly

@@ -1,7 +1,7 @@
 // The generated CUDA kernels, compiled as host C++ and run on the CPU with one
 // std::thread per CUDA thread (tests/cuda_emulation), against the CPU backend:
 // weights, every state tensor, masters, the step count and the step's result must
-// be bit for bit the same, step after step (DESIGN §5). No GPU needed: this is
+// be bit for bit the same, step after step (docs/architecture.md §5). No GPU needed: this is
 // the CI guard on the kernels' logic (reduce order, last-block finalize, skip
 // rules, update dispatch, vector paths, GradScaler kernels).
 //

@@ -1,4 +1,4 @@
-// Bad input (DESIGN §4) throws stepfuse::Error naming the argument and the value, before anything is written.
+// Bad input (docs/architecture.md §4) throws stepfuse::Error naming the argument and the value, before anything is written.
 #include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr, AnyOf
 #include <gtest/gtest.h>
 
@@ -58,7 +58,7 @@ Matcher<const std::string&> beta(int i) {
 std::vector<BadConfig> bad_configs() {
   std::vector<BadConfig> bad;
   // Values PyTorch's __init__ checks reject (negative, NaN, betas outside [0, 1)),
-  // and infinities (DESIGN §4: non-finite hyperparameters).
+  // and infinities (docs/architecture.md §4: non-finite hyperparameters).
   for (double v : {-0.5, kNaN, kInf}) {
     {
       optim::SGD c;

@@ -3,7 +3,7 @@
 // the skip decision, the gradient norm, the clip coefficient, the parameters and every
 // optimizer state tensor. One test per trace and fusion mode (fused, unfused).
 //
-// Tolerance (DESIGN §5: fp32 paths within 1e-5 relative of the reference per step, with an
+// Tolerance (docs/architecture.md §8: fp32 paths within 1e-5 relative of the reference per step, with an
 // absolute floor tied to the magnitude of each tensor), the check of the parameters by the
 // change each step made, and why they are what they are: see tests/reference/golden.hpp,
 // which holds the comparison helpers shared with grad_scaler_golden_test.cpp.

@@ -121,7 +121,7 @@ TEST(Conversions, WideningIsExactForEvery16BitPattern) {
   }
 }
 
-// The canonical order of DESIGN §5, written plainly: element i of a chunk into
+// The canonical order of docs/architecture.md §5, written plainly: element i of a chunk into
 // fp32 lane i mod 32, lanes combined by the pairwise tree.
 double canonical_sumsq(const float* g, std::size_t n) {
   float lanes[32] = {};

@@ -269,7 +269,7 @@ TEST(LlvmBackend, NonFiniteGradientsSkipAlike) {
 
 TEST(LlvmBackend, OverflowingSquaresTakeTheSameRescaledPath) {
   REQUIRE_LLVM();
-  // |g| ~ 1e20 at S = 2^70: the fp32 squares overflow, the norm is finite (DESIGN §5).
+  // |g| ~ 1e20 at S = 2^70: the fp32 squares overflow, the norm is finite (docs/architecture.md §5).
   for (DType g : {DType::f32, DType::bf16}) {
     List lh({{DType::f32, g}}, {40000, 33}, 9, 1e21f), ll({{DType::f32, g}}, {40000, 33}, 9, 1e21f);
     OptimizerOptions oh = options_for(StepKind::clipped, true, CpuBackend::highway), ol = oh;

@@ -1,5 +1,5 @@
 // LossScaleOptimizer: the tf.keras.mixed_precision.LossScaleOptimizer document
-// (as published in Russian; quoted below), its examples exactly, DESIGN §4 and
+// (as published in Russian; quoted below), its examples exactly, and
 // include/stepfuse/loss_scale_optimizer.hpp. Each test quotes the sentence it pins
 // (translated from the document's Russian where it quotes prose).
 //
@@ -463,7 +463,8 @@ TEST(LossScaleOptimizerDoc, ConstructorRejectsInvalidValues) {
 // ---------------------------------------------------------------------------
 // Dynamic loss scale
 
-// DESIGN §4: the scale "halves on a non-finite step (not below 1) and resets the counter".
+// Header: the scale "halves (never below 1) when a step's gradients are not finite, and
+// resets the counter".
 // Document: "пропускает применение градиентов, если какой-либо градиент имеет бесконечное
 // значение" (skips applying the gradients if any gradient is not finite) — inf, -inf, NaN.
 TEST(LossScaleOptimizerDoc, DynamicHalvesOnEveryKindOfNonFinite) {
@@ -511,7 +512,7 @@ TEST(LossScaleOptimizerDoc, DynamicNeverBelowOne) {
   EXPECT_EQ(lso.loss_scale(), 2.0);
 }
 
-// DESIGN §4: "doubles after dynamic_growth_steps finite steps"; Keras: counter + 1 >=
+// Header: "doubles after dynamic_growth_steps finite steps in a row"; Keras: counter + 1 >=
 // growth_steps -> double and counter = 0, else counter += 1.
 TEST(LossScaleOptimizerDoc, DynamicDoublesAfterGrowthSteps) {
   Net n(sgd(0.01), DType::f32, DType::f32, kSizes);
@@ -557,7 +558,7 @@ TEST(LossScaleOptimizerDoc, DynamicGrowthToInfIsNotKept) {
   EXPECT_EQ(m.dynamic_counter(), 0);
 }
 
-// DESIGN §4: "dynamic=false keeps a fixed scale" — through skipped and finite steps.
+// README: "`dynamic = false` keeps it fixed" — through skipped and finite steps.
 TEST(LossScaleOptimizerDoc, FixedScaleStaysThroughSkipsAndFiniteSteps) {
   Net n(adam(), DType::f32, DType::f32, kSizes);
   LossScaleOptimizer lso(n.opt, false, 256.0, 2);

@@ -411,7 +411,7 @@ TEST(Dtypes, SubnormalsAndOverflow) {
 // ---- thread counts ----------------------------------------------------------------
 
 // 1, 2 and 3 threads give bitwise identical weights, masters, state and norms over
-// tensors spanning many chunks (DESIGN §5: fixed chunks, fixed combination order).
+// tensors spanning many chunks (docs/architecture.md §5: fixed chunks, fixed combination order).
 TEST(Threads, ResultsAreBitwiseIdenticalForAnyThreadCount) {
   struct Case {
     int config;  // index into stateful_configs()
@@ -575,7 +575,7 @@ TEST(Unfused, MatchesFusedWithinFp32Rounding) {
 // Fusion::interpreted (the fused pipeline with the update program run by the blocked
 // interpreter, the path of run-time programs) agrees with the reference for every
 // optimizer option, and is bitwise identical to the compile-time fused loop: the same
-// program, the same IEEE operations in the same order (DESIGN §5).
+// program, the same IEEE operations in the same order (docs/architecture.md §5).
 TEST(Interpreted, MatchesReferenceAndFusedBitwise) {
   const DtypeCase dtypes[] = {{DType::f32, DType::f32, true}, {DType::bf16, DType::f16, true},
                               {DType::f16, DType::bf16, false}, {DType::bf16, DType::bf16, false}};

@@ -1,5 +1,5 @@
-// GradScaler: dynamic loss scaling with PyTorch's GradScaler semantics, over the
-// fused step (the tensorplay.GradScaler document, every sentence of it).
+// GradScaler: dynamic loss scaling with the semantics of PyTorch's torch.amp.GradScaler,
+// over the fused step.
 #pragma once
 
 #include <cstdint>

@@ -16,7 +16,7 @@ struct CudaTarget {
 
 // The NVRTC options for `t`: "-arch=sm_XY" (CUBIN) or "-arch=compute_XY" (PTX),
 // then IEEE-exact float math (no fused multiply-add, no flush to zero, correctly
-// rounded division and square root: DESIGN §5), C++17 and -minimal. Part of the
+// rounded division and square root: docs/architecture.md §5), C++17 and -minimal. Part of the
 // kernel cache key: a change here must bump the cache format version.
 std::vector<std::string> nvrtc_options(const CudaTarget& t);
 

@@ -1,7 +1,7 @@
 // The LLVM emitter and compiler for the CPU: (update program, spec) -> one LLVM
 // module with the spec's fused update loops (one per dtype combination) and
 // reduce loops (one per grad dtype), vectorized for a target CPU, optimized and
-// compiled to object code (DESIGN §3, §5).
+// compiled to object code (docs/architecture.md §3, §5).
 //
 // The generated code computes bitwise what the Highway kernels compute: every op
 // is written with the same IEEE operations (no fast-math; max/min/sign/select

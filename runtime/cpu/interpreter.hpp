@@ -32,7 +32,7 @@ using ExecFn = void (*)(const ExecCall& call, std::size_t n);
 class Interpreter {
  public:
   // Elements per block in blocked mode: ~1024 keeps all temporaries in L1/L2
-  // (measured best on the machines this was tuned on, DESIGN §6).
+  // (measured best on the machines this was tuned on).
   static constexpr std::size_t kBlock = 1024;
 
   Interpreter(const Program& program, DType weight, DType grad, bool masters);

@@ -11,7 +11,7 @@
 
 namespace stepfuse::cpu {
 
-// Elements per reduce/update chunk. Reduction order is fixed per chunk (DESIGN §5),
+// Elements per reduce/update chunk. Reduction order is fixed per chunk (docs/architecture.md §5),
 // so this is part of the numerics: changing it changes norms in the last bits.
 // Must be a multiple of 32 (the interleaved accumulator lanes).
 inline constexpr std::size_t kChunkElems = 16384;

@@ -1,5 +1,5 @@
 // The reduce pass: non-finite flag and sum of squares (or max |g|) of one chunk
-// of gradients, in the canonical order of DESIGN §5 on every target.
+// of gradients, in the canonical order of docs/architecture.md §5 on every target.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "runtime/cpu/reduce.cpp"
 #include <algorithm>

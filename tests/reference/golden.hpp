@@ -2,7 +2,7 @@
 // reading them and comparing what stepfuse computes with them, step by step. Used by
 // tests/golden_test.cpp and tests/grad_scaler_golden_test.cpp (which link nlohmann_json).
 //
-// Tolerance (DESIGN §5: fp32 paths within 1e-5 relative of the reference per step).
+// Tolerance (docs/architecture.md §8: fp32 paths within 1e-5 relative of the reference per step).
 // An element passes when |got - want| <= 1e-5 * |want| + atol, where atol is an absolute
 // floor tied to the magnitude of the tensor: atol = 1e-6 * max(max|want| over the tensor, 1e-3).
 // Why a floor at all: torch and stepfuse legitimately round differently (torch multiplies
@@ -59,7 +59,7 @@ namespace stepfuse::ref::golden {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-inline constexpr double kRtol = 1e-5;        // DESIGN §5, per step
+inline constexpr double kRtol = 1e-5;        // docs/architecture.md §8, per step
 inline constexpr double kAtolFactor = 1e-6;  // times max(max|tensor|, kAtolMinScale)
 inline constexpr double kAtolMinScale = 1e-3;
 inline constexpr double kNormRtol = 1e-5;

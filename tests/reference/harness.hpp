@@ -5,7 +5,7 @@
 // so every step is judged on its own and errors do not accumulate; then it checks
 // every element written, the StepResult and the counters.
 //
-// Tolerances (DESIGN §5):
+// Tolerances (docs/architecture.md §8):
 //  - fp32 values (f32 weights, masters, all state): |lib - ref| <= 1e-5 * |ref| + floor + sens.
 //    floor: elements where a sum cancels to near zero carry fp32 errors of a few ulps of
 //      the terms, not of the result:
