@@ -7,7 +7,7 @@
 // format and 128 MiB in fp32, beyond the 32 MiB L3 of the machines this runs on.
 //
 //   reduce/<grad dtype>/<l2|inf>/chunk_loop          every chunk in order on this thread
-//   reduce/<grad dtype>/<l2|inf>/plan/threads:<n>    the engine's way: make_plan's per-thread
+//   reduce/<grad dtype>/<l2|inf>/plan/threads:<n>    the engine's way: split_chunks' per-thread
 //                                                    chunk ranges on the shared ThreadPool
 //
 // Both combine the per-chunk partials as StepEngine::reduce does (fp64, chunks in order
@@ -31,7 +31,7 @@
 #include "model_buffers.hpp"
 #include "parallel.hpp"
 #include "runtime/cpu/kernels.hpp"
-#include "runtime/plan.hpp"
+#include "jit/layout.hpp"
 #include "runtime/thread_pool.hpp"
 #include "step_case.hpp"
 
@@ -104,10 +104,10 @@ const Fixture& fixture(sf::DType g) {
 }
 
 // Partials of chunks [first, last) of the plan, as StepEngine::reduce computes them.
-void reduce_chunks(const Fixture& f, const detail::Plan& plan, cpu::ReduceFn fn, std::size_t first,
+void reduce_chunks(const Fixture& f, const jit::Layout& plan, cpu::ReduceFn fn, std::size_t first,
                    std::size_t last, std::vector<cpu::ReducePartial>& partials) {
   for (std::size_t c = first; c < last; ++c) {
-    const detail::Chunk& ch = plan.chunks[c];
+    const jit::Chunk& ch = plan.chunks[c];
     const sf::TensorView g = f.buf.grad(ch.tensor);
     partials[c] = fn(static_cast<const char*>(g.data) + ch.begin * static_cast<std::int64_t>(sf::dtype_size(g.dtype)),
                      static_cast<std::size_t>(ch.len));
@@ -116,7 +116,7 @@ void reduce_chunks(const Fixture& f, const detail::Plan& plan, cpu::ReduceFn fn,
 
 // Combines the partials in StepEngine::reduce's fixed order: fp64, chunks in order within
 // a tensor, then tensors in order.
-Totals combine(const detail::Plan& plan, const std::vector<cpu::ReducePartial>& partials) {
+Totals combine(const jit::Layout& plan, const std::vector<cpu::ReducePartial>& partials) {
   Totals total;
   for (std::size_t t = 0; t + 1 < plan.tensor_chunks.size(); ++t) {
     double acc = 0;
@@ -149,9 +149,10 @@ std::string check_against_reference(const Totals& got, const Totals& ref, cpu::N
 void run_reduce(benchmark::State& state, sf::DType g, cpu::NormKind kind, int threads) {
   const Fixture& f = fixture(g);
   const cpu::ReduceFn fn = cpu::reduce_kernel(g, kind);
-  std::vector<std::int64_t> numels;
-  for (std::size_t t = 0; t < f.buf.num_tensors(); ++t) numels.push_back(f.buf.numel(t));
-  const detail::Plan plan = detail::make_plan(numels, static_cast<std::int64_t>(cpu::kChunkElems), std::max(threads, 1));
+  std::vector<jit::TensorShape> shapes;
+  for (std::size_t t = 0; t < f.buf.num_tensors(); ++t) shapes.push_back({f.buf.numel(t), {sf::DType::f32, g, false}});
+  const jit::Layout plan = jit::plan_layout(shapes);
+  const std::vector<std::size_t> thread_chunks = jit::split_chunks(plan.chunks, std::max(threads, 1));
   std::vector<cpu::ReducePartial> partials(plan.chunks.size());
   detail::ThreadPool* pool = threads > 0 ? &detail::ThreadPool::shared(threads) : nullptr;
   const auto chunk_loop = [&] {
@@ -160,7 +161,7 @@ void run_reduce(benchmark::State& state, sf::DType g, cpu::NormKind kind, int th
   };
   const auto pass = [&] {
     if (pool == nullptr) return chunk_loop();
-    pool->run([&](int t) { reduce_chunks(f, plan, fn, plan.thread_chunks[t], plan.thread_chunks[t + 1], partials); });
+    pool->run([&](int t) { reduce_chunks(f, plan, fn, thread_chunks[t], thread_chunks[t + 1], partials); });
     return combine(plan, partials);
   };
 

@@ -57,4 +57,11 @@ SF_HD static inline double sf_eval_rule(const sf_scalar_rule* r, long long step,
   }
 }
 
+/* The update pass's per-step scalars: rule k evaluated for applying step `step`
+ * (1-based) with the gradient multiplier `gscale`, each rounded to fp32 once. */
+SF_HD static inline void sf_eval_scalars(const sf_scalar_rule* rules, int n, long long step, double gscale,
+                                         float* out) {
+  for (int k = 0; k < n; ++k) out[k] = (float)sf_eval_rule(&rules[k], step, gscale);
+}
+
 #endif /* STEPFUSE_JIT_STEP_SCALARS_H_ */

@@ -12,13 +12,13 @@
 
 #include "jit/abi_json.hpp"
 #include "jit/cuda/emit_cuda.hpp"
-#include "jit/cuda/embedded_headers.hpp"
+#include "jit/cuda/embedded_files.hpp"
 #include "jit/cuda/kernel_abi.hpp"
 #include "jit/cuda/nvrtc_compile.hpp"
 #include "jit/llvm/emit_llvm.hpp"
 #include "jit/update_program_rules.hpp"
 #include "runtime/cpu/kernels.hpp"
-#include "runtime/cuda/cuda_layout.hpp"
+#include "jit/cuda/cuda_layout.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/version.hpp"
 
@@ -32,13 +32,9 @@ namespace {
 
 bool valid_dtype(DType t) { return static_cast<unsigned>(t) <= static_cast<unsigned>(DType::bf16); }
 
-// The spec's combinations (first-use order, as the runtime plans them) and each tensor's.
-struct Combos {
-  std::vector<jit::CudaCombo> combos;
-  std::vector<int> of_tensor;
-};
-
-Combos check_request(const char* fn, const EmitRequest& r) {
+// Validates a request; returns its layout plan (combinations and grad dtypes in
+// first-use order, and each tensor's), as the runtime plans it.
+jit::Layout check_request(const char* fn, const EmitRequest& r) {
   if (r.target.kind == EmitTarget::Kind::cpu) {
     if (!jit::llvm_built())
       throw Error(ErrorCode::unsupported,
@@ -58,7 +54,7 @@ Combos check_request(const char* fn, const EmitRequest& r) {
   if (r.tensors.empty()) bad(fn, "tensors is empty (describe at least one tensor)");
   if (r.norm_type != 2.0 && r.norm_type != INFINITY)
     bad(fn, "norm_type = " + std::to_string(r.norm_type) + " (use 2.0 or INFINITY)");
-  Combos c;
+  std::vector<jit::TensorShape> shapes;
   for (std::size_t i = 0; i < r.tensors.size(); ++i) {
     const EmitTensor& t = r.tensors[i];
     const std::string at = "tensors[" + std::to_string(i) + "]";
@@ -66,11 +62,9 @@ Combos check_request(const char* fn, const EmitRequest& r) {
     if (!valid_dtype(t.grad)) bad(fn, at + ".grad = " + std::to_string(static_cast<int>(t.grad)) + " is not a DType");
     if (t.master && t.weight == DType::f32)
       bad(fn, at + ".master is set with f32 weights (fp32 masters are kept for f16/bf16 weights only)");
-    const jit::CudaCombo combo{t.weight, t.grad, t.master};
-    auto it = std::find(c.combos.begin(), c.combos.end(), combo);
-    if (it == c.combos.end()) it = c.combos.insert(c.combos.end(), combo);
-    c.of_tensor.push_back(static_cast<int>(it - c.combos.begin()));
+    shapes.push_back({0, {t.weight, t.grad, t.master}});  // sizes come later (plan_kernel_tables)
   }
+  jit::Layout c = jit::plan_layout(shapes, r.flat);
   if (r.flat && c.combos.size() != 1)
     bad(fn, "flat = true needs every tensor to have the same weight/grad dtypes and master setting (it has " +
                 std::to_string(c.combos.size()) + " combinations): one flat range has one storage");
@@ -103,25 +97,15 @@ jit::CpuTarget cpu_target(const EmitTarget& t) {
 }
 
 // The CPU spec of a request: update functions per combination, reduce functions
-// per grad dtype, both in first-use order (as the runtime's StepEngine::setup_llvm).
-struct CpuPlan {
+// per grad dtype, both in the layout's first-use order (as StepEngine::setup_llvm).
+jit::CpuSpec cpu_spec(const EmitRequest& r, const jit::Layout& c) {
   jit::CpuSpec spec;
-  std::vector<int> tensor_reduce;  // per tensor: index into spec.reduce_grads
-};
-
-CpuPlan cpu_plan(const EmitRequest& r, const Combos& c) {
-  CpuPlan plan;
-  plan.spec.program = r.program.program();
-  for (const jit::CudaCombo& k : c.combos) plan.spec.combos.push_back({k.weight, k.grad, k.master});
-  for (const EmitTensor& t : r.tensors) {
-    auto& grads = plan.spec.reduce_grads;
-    auto it = std::find(grads.begin(), grads.end(), t.grad);
-    if (it == grads.end()) it = grads.insert(grads.end(), t.grad);
-    plan.tensor_reduce.push_back(static_cast<int>(it - grads.begin()));
-  }
-  plan.spec.inf_norm = r.norm_type == INFINITY;
-  plan.spec.contract = false;  // bitwise the stepfuse CPU backends' results
-  return plan;
+  spec.program = r.program.program();
+  spec.combos = c.combos;
+  spec.reduce_grads = c.reduce_grads;
+  spec.inf_norm = r.norm_type == INFINITY;
+  spec.contract = false;  // bitwise the stepfuse CPU backends' results
+  return spec;
 }
 
 std::string update_declaration(const std::string& name) {
@@ -135,9 +119,9 @@ std::string reduce_declaration(const std::string& name, bool inf_norm) {
 // The ABI description of a CPU target ("stepfuse.kernel_abi", the CUDA ABI's format
 // family: program, scalar rules, spec, target, constants, types and kernels alike;
 // the writer and the shared sections are jit/abi_json.hpp's).
-std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPlan& plan, const jit::CpuTarget& target,
+std::string describe_cpu_abi(const EmitRequest& r, const jit::Layout& c, const jit::CpuSpec& spec, const jit::CpuTarget& target,
                              const std::vector<std::string>& names) {
-  const bool inf = plan.spec.inf_norm;
+  const bool inf = spec.inf_norm;
   jit::JsonWriter j;
   jit::begin_kernel_abi(j);
   jit::write_abi_program(j, r.program);
@@ -149,21 +133,21 @@ std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPla
         .str("grad", dtype_name(c.combos[k].grad)).boolean("master", c.combos[k].master)
         .str("update", names[k]).end_object();
   j.end_array().begin_array("reduce_grads");
-  for (std::size_t k = 0; k < plan.spec.reduce_grads.size(); ++k)
-    j.begin_object().integer("index", static_cast<long long>(k)).str("grad", dtype_name(plan.spec.reduce_grads[k]))
+  for (std::size_t k = 0; k < spec.reduce_grads.size(); ++k)
+    j.begin_object().integer("index", static_cast<long long>(k)).str("grad", dtype_name(spec.reduce_grads[k]))
         .str("reduce", names[c.combos.size() + k]).end_object();
   j.end_array().begin_array("tensor_combos");
-  for (const int k : c.of_tensor) j.integer({}, k);
+  for (const int k : c.tensor_combo) j.integer({}, k);
   j.end_array().begin_array("tensors");
   for (std::size_t i = 0; i < r.tensors.size(); ++i)
     j.begin_object().integer("index", static_cast<long long>(i))
-        .str("update", names[static_cast<std::size_t>(c.of_tensor[i])])
-        .str("reduce", names[c.combos.size() + static_cast<std::size_t>(plan.tensor_reduce[i])]).end_object();
+        .str("update", names[static_cast<std::size_t>(c.tensor_combo[i])])
+        .str("reduce", names[c.combos.size() + static_cast<std::size_t>(c.tensor_reduce[i])]).end_object();
   j.end_array().boolean("flat", r.flat).boolean("aligned16", r.aligned16);
   j.str("layout", "flat and aligned16 are CUDA layout options: the CPU functions take any element range of one tensor "
                   "and any alignment (unaligned vector accesses), so a CPU target ignores them");
-  j.str("norm", inf ? "inf" : "l2").boolean("contract", plan.spec.contract);
-  j.str("canonical_text", jit::cpu_canonical_text(plan.spec)).end_object();
+  j.str("norm", inf ? "inf" : "l2").boolean("contract", spec.contract);
+  j.str("canonical_text", jit::cpu_canonical_text(spec)).end_object();
 
   j.begin_object("target").str("kind", "cpu").str("triple", target.triple).str("cpu", target.cpu);
   j.str("features", target.features);
@@ -220,10 +204,10 @@ std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPla
     jit::write_params(j, params);
     j.end_object();
   }
-  for (std::size_t k = 0; k < plan.spec.reduce_grads.size(); ++k) {
+  for (std::size_t k = 0; k < spec.reduce_grads.size(); ++k) {
     const std::string& name = names[c.combos.size() + k];
     j.begin_object().str("name", name).str("role", inf ? "reduce_inf" : "reduce_l2");
-    j.str("grad", dtype_name(plan.spec.reduce_grads[k]));
+    j.str("grad", dtype_name(spec.reduce_grads[k]));
     j.str("c_declaration", reduce_declaration(name, inf)).str("returns", "float");
     if (inf)
       j.str("description", "max |g| of one chunk's n gradients as stored (still loss-scaled); *nonfinite = 1 when one "
@@ -272,26 +256,29 @@ std::string describe_cpu_abi(const EmitRequest& r, const Combos& c, const CpuPla
       .str({}, "reduce, on a step that divides by a loss scale S, clips or reports the norm: every chunk of every tensor, "
                "then the combine (reduce.combine); found_inf with loss scaling or clipping skips the step (no update "
                "calls; the step count is unchanged)")
-      .str({}, "scalar stage (reduce is skipped on a plain step: S = 1, clip = 1): step = steps applied so far + 1; "
-               "clip = max_grad_norm > 0 ? min(1, max_grad_norm / (norm + 1e-6)) : 1; gscale = clip / S; "
-               "scalars[k] = (float)sf_eval_rule(&rules[k], step, gscale) with rules[k] = {kind, 0, a, b} of "
-               "program.scalars[k]")
+      .str({}, "scalar stage: stage = sf_step_stage(found_inf, check_finite, norm, S, max_grad_norm or 0, steps "
+               "applied so far), with check_finite = 1 when the step is loss-scaled or clips (a plain step passes "
+               "found_inf = 0, norm = NaN, S = 1); when stage.applied, sf_eval_scalars(rules, num_scalars, stage.step, "
+               "stage.gscale, scalars) with rules[k] = {kind, 0, a, b} of program.scalars[k]")
       .str({}, "update: for every tensor, args = {grad, weight, master, state bases, scalars}; call its update "
                "function over [0, numel) in any split (the reduce's chunks are a natural one)")
-      .str({}, "count the step; new hyperparameters are new rules at the next scalar stage (never recompile)")
+      .str({}, "steps applied so far = stage.step; new hyperparameters are new rules at the next scalar stage (never "
+               "recompile)")
       .end_array();
   j.str("threading", "The functions are reentrant and thread-safe: no global state, no allocation, no locks, no "
                      "syscalls. Chunks are independent: reduce calls may run on any threads in any order, and so may "
                      "update calls on disjoint ranges; the combine then runs in the fixed order above. Every reduce "
                      "call of a step finishes before its scalar stage, and every update call starts after it");
-  j.str("scalar_stage", "the caller's, in double: see step; sf_eval_rule and sf_scalar_rule are in the header");
-  j.str("abi_header", "EmittedKernel::abi_header: SF_CPU_* constants, sf_cpu_update_args, sf_scalar_rule, "
-                      "sf_eval_rule and the functions' declarations (C, C++; <stdint.h>, <stddef.h>)");
+  j.str("scalar_stage", "the caller's: see step; sf_step_stage, sf_eval_scalars and sf_grad_scaler_update are in the "
+                        "header");
+  j.str("abi_header", "EmittedKernel::abi_header: SF_CPU_* constants, sf_cpu_update_args, the scalar rules "
+                      "(sf_scalar_rule, sf_eval_rule, sf_eval_scalars), the step stage (sf_step_stage, "
+                      "sf_grad_scaler_update) and the functions' declarations (C, C++; <stdint.h>, <stddef.h>)");
   j.end_object();
   return j.finish();
 }
 
-std::string cpu_abi_header(const EmitRequest& r, const jit::CpuTarget& target, const CpuPlan& plan,
+std::string cpu_abi_header(const EmitRequest& r, const jit::CpuTarget& target, const jit::CpuSpec& spec,
                            const std::vector<std::string>& names) {
   std::string h =
       "/* The C ABI of a fused optimizer step emitted for a CPU by stepfuse " + std::string(version()) +
@@ -300,7 +287,8 @@ std::string cpu_abi_header(const EmitRequest& r, const jit::CpuTarget& target, c
       " * description (JSON) says how to call them. C and C++. Generated: do not edit. */\n"
       "#ifndef STEPFUSE_CPU_ABI_H_\n#define STEPFUSE_CPU_ABI_H_\n\n#include <stddef.h>\n#include <stdint.h>\n\n"
       "#ifdef __cplusplus\nextern \"C\" {\n#endif\n\n";
-  h += std::string(jit::kEmbeddedStepScalars);
+  h += std::string(jit::embedded_file("jit/step_scalars.h"));
+  h += std::string(jit::embedded_file("jit/step_stage.h"));
   h += "\n/* Elements per reduce chunk: part of the numerics (the canonical order). */\n"
        "#define SF_CPU_CHUNK_ELEMS " + std::to_string(cpu::kChunkElems) +
        "\n#define SF_CPU_REDUCE_LANES 32\n#define SF_CPU_MAX_STREAMS " + std::to_string(kMaxStreams) +
@@ -320,24 +308,24 @@ std::string cpu_abi_header(const EmitRequest& r, const jit::CpuTarget& target, c
        "#ifdef __cplusplus\n} /* extern \"C\" */\n#endif\n#endif /* STEPFUSE_CPU_ABI_H_ */\n\n"
        "/* The functions of this spec. */\n#ifdef __cplusplus\nextern \"C\" {\n#endif\n";
   for (std::size_t k = 0; k < names.size(); ++k)
-    h += k < plan.spec.combos.size() ? update_declaration(names[k]) + "\n"
-                                     : reduce_declaration(names[k], plan.spec.inf_norm) + "\n";
+    h += k < spec.combos.size() ? update_declaration(names[k]) + "\n"
+                                     : reduce_declaration(names[k], spec.inf_norm) + "\n";
   h += "#ifdef __cplusplus\n} /* extern \"C\" */\n#endif\n";
   return h;
 }
 
-EmittedKernel emit_cpu(const EmitRequest& request, const Combos& c) {
+EmittedKernel emit_cpu(const EmitRequest& request, const jit::Layout& c) {
   const jit::CpuTarget target = cpu_target(request.target);
-  const CpuPlan plan = cpu_plan(request, c);
+  const jit::CpuSpec spec = cpu_spec(request, c);
   std::vector<std::string> names;
-  for (const jit::CpuCombo& k : plan.spec.combos) names.push_back(jit::cpu_update_symbol(k));
-  for (const DType g : plan.spec.reduce_grads) names.push_back(jit::cpu_reduce_symbol(g, plan.spec.inf_norm));
+  for (const jit::DtypeCombo& k : spec.combos) names.push_back(jit::cpu_update_symbol(k));
+  for (const DType g : spec.reduce_grads) names.push_back(jit::cpu_reduce_symbol(g, spec.inf_norm));
   EmittedKernel k;
-  k.source = jit::cpu_module_ir(plan.spec, target, /*optimized=*/false);
-  if (request.compile) k.binary = jit::cpu_compile_object(plan.spec, target);
+  k.source = jit::cpu_module_ir(spec, target, /*optimized=*/false);
+  if (request.compile) k.binary = jit::cpu_compile_object(spec, target);
   k.arch = target.cpu;
-  k.abi = describe_cpu_abi(request, c, plan, target, names);
-  k.abi_header = cpu_abi_header(request, target, plan, names);
+  k.abi = describe_cpu_abi(request, c, spec, target, names);
+  k.abi_header = cpu_abi_header(request, target, spec, names);
   k.kernel_names = std::move(names);
   return k;
 }
@@ -345,7 +333,7 @@ EmittedKernel emit_cpu(const EmitRequest& request, const Combos& c) {
 }  // namespace
 
 EmittedKernel emit(const EmitRequest& request) {
-  const Combos c = check_request("emit", request);
+  const jit::Layout c = check_request("emit", request);
   if (request.target.kind == EmitTarget::Kind::cpu) return emit_cpu(request, c);
   jit::CudaSpec spec;
   spec.program = request.program.program();
@@ -364,7 +352,7 @@ EmittedKernel emit(const EmitRequest& request) {
     k.binary = jit::nvrtc_compile(k.source, std::string(request.program.name()) + "_step.cu", target);
     nvrtc_version = jit::nvrtc_version_string();
   }
-  k.abi = jit::describe_cuda_abi(spec, request.program, c.of_tensor, target, nvrtc_version);
+  k.abi = jit::describe_cuda_abi(spec, request.program, c.tensor_combo, target, nvrtc_version);
   k.abi_header = jit::cuda_abi_header();
   return k;
 }
@@ -373,28 +361,28 @@ KernelTables plan_kernel_tables(const EmitRequest& request, std::span<const std:
   constexpr const char* fn = "plan_kernel_tables";
   EmitRequest any_target = request;  // the tables do not depend on the target
   any_target.target = EmitTarget::cubin(90);
-  const Combos c = check_request(fn, any_target);
+  const jit::Layout c = check_request(fn, any_target);
   if (numels.size() != request.tensors.size())
     bad(fn, "numels has " + std::to_string(numels.size()) + " entries but the request describes " +
                 std::to_string(request.tensors.size()) + " tensors");
-  std::vector<detail::CudaTensorShape> shapes;
+  std::vector<jit::TensorShape> shapes;
   for (std::size_t i = 0; i < numels.size(); ++i) {
     if (numels[i] < 0) bad(fn, "numels[" + std::to_string(i) + "] = " + std::to_string(numels[i]) + " is negative");
     const EmitTensor& t = request.tensors[i];
     shapes.push_back({numels[i], {t.weight, t.grad, t.master}});
   }
-  const detail::CudaLayout l =
-      detail::plan_cuda_layout(request.program.program(), shapes,
-                               request.norm_type == INFINITY ? jit::CudaNorm::inf : jit::CudaNorm::l2, request.flat,
-                               request.aligned16);
+  const jit::CudaLayout l =
+      jit::plan_cuda_layout(request.program.program(), shapes,
+                            request.norm_type == INFINITY ? jit::CudaNorm::inf : jit::CudaNorm::l2, request.flat,
+                            request.aligned16);
   KernelTables t;
   t.tensors = l.tensors;
-  t.master_offsets = l.master_offsets;
+  t.master_offsets = l.layout.master_offsets;
   t.chunks = l.chunks;
   t.blocks = l.blocks;
-  t.state_elems = l.state_elems;
-  t.master_elems = l.master_elems;
-  t.flat_numel = l.flat_numel;
+  t.state_elems = l.layout.state_elems;
+  t.master_elems = l.layout.master_elems;
+  t.flat_numel = l.flat_numel();
   t.reduce_grid = static_cast<unsigned>(l.reduce_grid());
   t.reduce_block = 32 * SF_REDUCE_WARPS;
   t.update_grid = static_cast<unsigned>(l.num_update_blocks);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <string>
 
+#include "jit/step_stage.h"
 #include "runtime/cuda/cuda_scaler.hpp"
 #include "runtime/detail_access.hpp"
 #include "runtime/scale_tensors.hpp"
@@ -241,17 +242,11 @@ void GradScaler::update(std::optional<double> new_scale) {
       throw Error(ErrorCode::invalid_state,
                   "GradScaler::update: no inf checks were recorded prior to update() (call step() or unscale_() for "
                   "each optimizer first)");
-    // torch._amp_update_scale_: fp32 scale, products computed in double and rounded once.
-    if (found_inf) {
-      current_scale_ = static_cast<float>(static_cast<double>(current_scale_) * backoff_factor_);
-      growth_tracker_ = 0;
-    } else if (growth_tracker_ + 1 >= growth_interval_) {
-      const float grown = static_cast<float>(static_cast<double>(current_scale_) * growth_factor_);
-      if (std::isfinite(grown)) current_scale_ = grown;
-      growth_tracker_ = 0;
-    } else {
-      ++growth_tracker_;
-    }
+    // The same rule as the device's sf_update_scale kernel (jit/step_stage.h).
+    const sf_loss_scale next = sf_grad_scaler_update({current_scale_, growth_tracker_}, found_inf, growth_factor_,
+                                                     backoff_factor_, growth_interval_);
+    current_scale_ = next.scale;
+    growth_tracker_ = static_cast<std::int32_t>(next.growth_tracker);
   }
   per_optimizer_.clear();
 }

@@ -5,7 +5,9 @@
 #include <cmath>
 #include <string>
 
+#include "jit/base/format.hpp"
 #include "jit/config_fields.hpp"
+#include "jit/step_stage.h"
 #include "runtime/detail_access.hpp"
 #include "runtime/scale_tensors.hpp"
 #include "runtime/thread_pool.hpp"
@@ -24,21 +26,14 @@ struct Hyper {
   std::string_view field;  // the stepfuse (PyTorch) config field
 };
 
-// The hyperparameters each Keras optimizer registers with _set_hyper.
+// The hyperparameters each Keras optimizer registers with _set_hyper (the optimizer's
+// traits, jit/builtin/<name>.hpp, list those besides learning_rate).
 std::vector<Hyper> hypers_of(const OptimizerConfig& config) {
   std::vector<Hyper> h = {{"learning_rate", "lr"}};
   std::visit(
       [&](const auto& c) {
-        using T = std::decay_t<decltype(c)>;
-        if constexpr (std::is_same_v<T, optim::SGD>) {
-          h.push_back({"momentum", "momentum"});
-        } else if constexpr (std::is_same_v<T, optim::RMSprop>) {
-          h.push_back({"rho", "alpha"});
-          h.push_back({"momentum", "momentum"});
-        } else if constexpr (!std::is_same_v<T, optim::Adagrad>) {  // Adam, AdamW, Lion
-          h.push_back({"beta_1", "beta1"});
-          h.push_back({"beta_2", "beta2"});
-        }
+        for (const jit::KerasHyper& k : jit::OptimizerTraits<std::decay_t<decltype(c)>>::keras_hypers)
+          h.push_back({k.keras, k.field});
       },
       config);
   return h;
@@ -62,7 +57,7 @@ LossScaleOptimizer::LossScaleOptimizer(Optimizer& inner, bool dynamic, double in
     : inner_(&inner), dynamic_(dynamic), growth_steps_(dynamic_growth_steps) {
   if (!(std::isfinite(initial_scale) && initial_scale > 0) || !std::isfinite(static_cast<float>(initial_scale)) ||
       static_cast<float>(initial_scale) == 0.0f)
-    bad("initial_scale = " + std::to_string(initial_scale) + " (must be finite, > 0 and within fp32 range)");
+    bad("initial_scale = " + detail::format_number(initial_scale) + " (must be finite, > 0 and within fp32 range)");
   if (dynamic_growth_steps < 1)
     bad("dynamic_growth_steps = " + std::to_string(dynamic_growth_steps) + " (must be >= 1)");
   scale_ = static_cast<float>(initial_scale);
@@ -82,16 +77,9 @@ void LossScaleOptimizer::get_unscaled_gradients(const std::vector<TensorView>& g
 
 void LossScaleOptimizer::update_scale(bool finite) {
   if (!dynamic_) return;
-  if (!finite) {
-    scale_ = std::max(scale_ / 2.0f, 1.0f);
-    counter_ = 0;
-  } else if (counter_ + 1 >= growth_steps_) {
-    const float grown = scale_ * 2.0f;
-    if (std::isfinite(grown)) scale_ = grown;
-    counter_ = 0;
-  } else {
-    ++counter_;
-  }
+  const sf_loss_scale next = sf_keras_loss_scale_update({scale_, counter_}, !finite, growth_steps_);
+  scale_ = next.scale;
+  counter_ = next.growth_tracker;
 }
 
 bool LossScaleOptimizer::apply_gradients() {

@@ -7,6 +7,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "jit/step_stage.h"
 #include "jit/update_program_rules.hpp"
 #include "jit/base/warning.hpp"
 #include "stepfuse/cuda.hpp"
@@ -72,19 +73,6 @@ void validate_options(const OptimizerOptions& o) {
     bad_argument("OptimizerOptions::fusion = " + std::to_string(static_cast<int>(o.fusion)) + " is not a Fusion value");
 }
 
-// Per-tensor offsets in the state/master/slot buffers, each tensor starting on
-// a 64-byte boundary.
-std::vector<std::int64_t> tensor_offsets(const std::vector<Param>& params, std::int64_t* total) {
-  std::vector<std::int64_t> offsets;
-  std::int64_t at = 0;
-  for (const Param& p : params) {
-    offsets.push_back(at);
-    at += (p.weight.numel + 15) / 16 * 16;
-  }
-  *total = at;
-  return offsets;
-}
-
 }  // namespace
 
 StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options)
@@ -128,15 +116,12 @@ void StepEngine::set_custom_rules(const UpdateProgram& program) {
 }
 
 void StepEngine::setup(const float* state_init) {
-  std::vector<std::int64_t> numels;
   std::int64_t elements = 0;
-  for (const Param& p : params_) numels.push_back(p.weight.numel), elements += p.weight.numel;
+  for (const Param& p : params_) elements += p.weight.numel;
   if (options_.device.kind == Device::Kind::cuda) {
     // The device does the work; the host keeps only a copy of the state made on demand.
     cuda_ = std::make_unique<CudaBackend>(*program_, params_, options_, state_init);
-    offsets_ = cuda_->offsets();
-    master_offsets_ = cuda_->master_offsets();
-    total_ = cuda_->state_elems();
+    layout_ = cuda_->layout();
     pool_ = &ThreadPool::shared(1);
     tensor_norms_.assign(params_.size(), NAN);
     return;
@@ -149,29 +134,27 @@ void StepEngine::setup(const float* state_init) {
     threads = static_cast<int>(std::clamp<std::int64_t>(elements / kMinElementsPerThread, 1, threads));
   }
   pool_ = &ThreadPool::shared(threads);
-  plan_ = make_plan(numels, static_cast<std::int64_t>(cpu::kChunkElems), threads);
-  offsets_ = tensor_offsets(params_, &total_);
+  std::vector<jit::TensorShape> shapes;
+  for (const Param& p : params_)
+    shapes.push_back({p.weight.numel, {p.weight.dtype, p.grad.dtype, options_.master_weights && p.weight.dtype != DType::f32}});
+  layout_ = jit::plan_layout(shapes);
+  thread_chunks_ = jit::split_chunks(layout_.chunks, threads);
 
   // State and masters, allocated once; filled by the threads that will use them.
   for (int s = 0; s < program_->num_streams; ++s)
-    if (program_->streams[s].role == StreamRole::state) state_[s] = AlignedBuffer(static_cast<std::size_t>(total_));
-  std::int64_t master_total = 0;
-  for (const Param& p : params_) {
-    const bool has = options_.master_weights && p.weight.dtype != DType::f32;
-    master_offsets_.push_back(has ? master_total : -1);
-    if (has) master_total += (p.weight.numel + 15) / 16 * 16;
-  }
-  if (master_total > 0) masters_ = AlignedBuffer(static_cast<std::size_t>(master_total));
+    if (program_->streams[s].role == StreamRole::state)
+      state_[s] = AlignedBuffer(static_cast<std::size_t>(layout_.state_elems));
+  if (layout_.master_elems > 0) masters_ = AlignedBuffer(static_cast<std::size_t>(layout_.master_elems));
   pool_->run([&](int t) {
-    for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
-      const Chunk& ch = plan_.chunks[c];
-      const std::int64_t at = offsets_[ch.tensor] + ch.begin;
+    for (std::size_t c = thread_chunks_[t]; c < thread_chunks_[t + 1]; ++c) {
+      const jit::Chunk& ch = layout_.chunks[c];
+      const std::int64_t at = layout_.offsets[ch.tensor] + ch.begin;
       for (int s = 0; s < program_->num_streams; ++s)
         if (state_[s].size()) std::fill_n(state_[s].data() + at, ch.len, state_init[s]);
-      if (master_offsets_[ch.tensor] >= 0) {
+      if (layout_.master_offsets[ch.tensor] >= 0) {
         const Param& p = params_[ch.tensor];
         cpu::widen(p.weight.dtype, static_cast<const char*>(p.weight.data) + ch.begin * dtype_size(p.weight.dtype),
-                   masters_.data() + master_offsets_[ch.tensor] + ch.begin, static_cast<std::size_t>(ch.len));
+                   masters_.data() + layout_.master_offsets[ch.tensor] + ch.begin, static_cast<std::size_t>(ch.len));
       }
     }
   });
@@ -183,20 +166,20 @@ void StepEngine::setup(const float* state_init) {
     a.weight = params_[i].weight.data;
     a.master = master_data(i);
     for (int s = 0; s < program_->num_streams; ++s)
-      a.state[s] = state_[s].size() ? state_[s].data() + offsets_[i] : nullptr;
+      a.state[s] = state_[s].size() ? state_[s].data() + layout_.offsets[i] : nullptr;
     a.scalars = scalars_;
   }
-  partials_.resize(plan_.chunks.size());
+  partials_.resize(layout_.chunks.size());
   tensor_norms_.assign(params_.size(), NAN);
   // One kernel (or interpreter) per dtype combination present in the list.
   const cpu::NormKind norm_kind = options_.norm_type == INFINITY ? cpu::NormKind::inf : cpu::NormKind::l2;
-  std::vector<int> group_of_combo(cpu::kNumUpdateCombos, -1);
+  std::vector<int> group_of_combo(jit::kNumComboIndices, -1);
   kernels_.resize(params_.size());
   // Custom programs have no compile-time fused kernel: the interpreter runs them in the fused pipeline.
   fused_kernels_ = options_.fusion == Fusion::fused && !custom_;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const DType w = params_[i].weight.dtype, g = params_[i].grad.dtype;
-    const bool m = master_offsets_[i] >= 0;
+    const bool m = layout_.master_offsets[i] >= 0;
     TensorKernels& k = kernels_[i];
     k.reduce = cpu::reduce_kernel(g, norm_kind);
     if (fused_kernels_) {
@@ -209,7 +192,7 @@ void StepEngine::setup(const float* state_init) {
     }
     // The unfused update reads fp32 gradients: the caller's (f32, plain step) or the temporary.
     const DType lowered_grad = options_.fusion == Fusion::unfused ? DType::f32 : g;
-    int& group = group_of_combo[cpu::update_combo(w, lowered_grad, m)];
+    int& group = group_of_combo[static_cast<std::size_t>(jit::DtypeCombo{w, lowered_grad, m}.index())];
     if (group < 0) {
       group = static_cast<int>(interpreters_.size());
       interpreters_.push_back(std::make_unique<cpu::Interpreter>(*program_, w, lowered_grad, m));
@@ -222,10 +205,10 @@ void StepEngine::setup(const float* state_init) {
   if (options_.fusion != Fusion::unfused && !fused_kernels_) {  // interpreted (or a custom program, fused)
     scratch_ = AlignedBuffer(static_cast<std::size_t>(max_slots_) * cpu::Interpreter::kBlock * threads);
   } else if (options_.fusion == Fusion::unfused) {
-    scratch_ = AlignedBuffer(static_cast<std::size_t>(max_slots_) * static_cast<std::size_t>(total_));
-    grad_tmp_ = AlignedBuffer(static_cast<std::size_t>(total_));
+    scratch_ = AlignedBuffer(static_cast<std::size_t>(max_slots_) * static_cast<std::size_t>(layout_.state_elems));
+    grad_tmp_ = AlignedBuffer(static_cast<std::size_t>(layout_.state_elems));
     tmp_args_ = args_;
-    for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + offsets_[i];
+    for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + layout_.offsets[i];
   }
 }
 
@@ -235,14 +218,8 @@ void StepEngine::setup_llvm() {
   llvm_spec_.program = *program_;
   llvm_spec_.inf_norm = options_.norm_type == INFINITY;
   llvm_spec_.contract = options_.llvm_contract;
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    const jit::CpuCombo c{params_[i].weight.dtype, params_[i].grad.dtype, master_offsets_[i] >= 0};
-    if (std::find(llvm_spec_.combos.begin(), llvm_spec_.combos.end(), c) == llvm_spec_.combos.end())
-      llvm_spec_.combos.push_back(c);
-    const DType g = params_[i].grad.dtype;
-    if (std::find(llvm_spec_.reduce_grads.begin(), llvm_spec_.reduce_grads.end(), g) == llvm_spec_.reduce_grads.end())
-      llvm_spec_.reduce_grads.push_back(g);
-  }
+  llvm_spec_.combos = layout_.combos;
+  llvm_spec_.reduce_grads = layout_.reduce_grads;
   if (choice == CpuBackend::llvm) {
     install_llvm(*jit::cpu_kernels(llvm_spec_));  // compiles now; throws what LLVM reports
     return;
@@ -261,15 +238,13 @@ void StepEngine::setup_llvm() {
 }
 
 void StepEngine::install_llvm(const jit::CpuKernels& k) {
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    const jit::CpuCombo c{params_[i].weight.dtype, params_[i].grad.dtype, master_offsets_[i] >= 0};
-    const auto ci = std::find(llvm_spec_.combos.begin(), llvm_spec_.combos.end(), c) - llvm_spec_.combos.begin();
-    const auto gi = std::find(llvm_spec_.reduce_grads.begin(), llvm_spec_.reduce_grads.end(), c.grad) -
-                    llvm_spec_.reduce_grads.begin();
+  for (std::size_t i = 0; i < params_.size(); ++i) {  // the spec's combos and grads are the layout's
+    const auto ci = static_cast<std::size_t>(layout_.tensor_combo[i]);
+    const auto gi = static_cast<std::size_t>(layout_.tensor_reduce[i]);
     TensorKernels& t = kernels_[i];
-    t.update = reinterpret_cast<cpu::UpdateFn>(k.update[static_cast<std::size_t>(ci)]);
-    if (llvm_spec_.inf_norm) t.llvm_inf = reinterpret_cast<cpu::JitInfFn>(k.reduce[static_cast<std::size_t>(gi)]);
-    else t.llvm_l2 = reinterpret_cast<cpu::JitL2Fn>(k.reduce[static_cast<std::size_t>(gi)]);
+    t.update = reinterpret_cast<cpu::UpdateFn>(k.update[ci]);
+    if (llvm_spec_.inf_norm) t.llvm_inf = reinterpret_cast<cpu::JitInfFn>(k.reduce[gi]);
+    else t.llvm_l2 = reinterpret_cast<cpu::JitL2Fn>(k.reduce[gi]);
   }
   llvm_active_ = true;
   llvm_build_.reset();
@@ -318,12 +293,6 @@ void StepEngine::check_config(const OptimizerConfig& config) const {
                  "' (amsgrad, nesterov, centered and momentum on/off change the state; build a new Optimizer)");
 }
 
-double StepEngine::clip_coef(double norm) const {
-  if (!options_.max_grad_norm) return 1.0;
-  // torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1.
-  return std::min(1.0, *options_.max_grad_norm / (norm + 1e-6));
-}
-
 // One chunk's partial: the LLVM kernel's when there is one (its rare cases, a
 // non-finite sum of squares, rescanned by the Highway kernel, as Highway itself
 // does), else the Highway kernel's. Bitwise the same either way.
@@ -343,11 +312,11 @@ StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
   const bool inf_norm = options_.norm_type == INFINITY;
   const cpu::ReduceFn tmp_fn = cpu::reduce_kernel(DType::f32, inf_norm ? cpu::NormKind::inf : cpu::NormKind::l2);
   pool_->run([&](int t) {
-    for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
-      const Chunk& ch = plan_.chunks[c];
+    for (std::size_t c = thread_chunks_[t]; c < thread_chunks_[t + 1]; ++c) {
+      const jit::Chunk& ch = layout_.chunks[c];
       const Param& p = params_[ch.tensor];
       if (from_grad_tmp)
-        partials_[c] = tmp_fn(grad_tmp_.data() + offsets_[ch.tensor] + ch.begin, static_cast<std::size_t>(ch.len));
+        partials_[c] = tmp_fn(grad_tmp_.data() + layout_.offsets[ch.tensor] + ch.begin, static_cast<std::size_t>(ch.len));
       else
         partials_[c] = reduce_chunk(kernels_[ch.tensor],
                                     static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype),
@@ -359,7 +328,7 @@ StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
   double total = 0;
   for (std::size_t t = 0; t < params_.size(); ++t) {
     double acc = 0;
-    for (std::size_t c = plan_.tensor_chunks[t]; c < plan_.tensor_chunks[t + 1]; ++c) {
+    for (std::size_t c = layout_.tensor_chunks[t]; c < layout_.tensor_chunks[t + 1]; ++c) {
       r.found_inf |= partials_[c].nonfinite;
       acc = inf_norm ? std::max(acc, static_cast<double>(partials_[c].maxabs)) : acc + partials_[c].sumsq;
     }
@@ -373,8 +342,8 @@ StepEngine::Reduction StepEngine::reduce(bool from_grad_tmp) {
 void StepEngine::update_fused() {
   if (fused_kernels_ || llvm_active_) {
     pool_->run([&](int t) {
-      for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
-        const Chunk& ch = plan_.chunks[c];
+      for (std::size_t c = thread_chunks_[t]; c < thread_chunks_[t + 1]; ++c) {
+        const jit::Chunk& ch = layout_.chunks[c];
         kernels_[ch.tensor].update(args_[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len));
       }
     });
@@ -383,8 +352,8 @@ void StepEngine::update_fused() {
   const std::size_t per_thread = static_cast<std::size_t>(max_slots_) * cpu::Interpreter::kBlock;
   pool_->run([&](int t) {
     float* scratch = scratch_.data() + per_thread * static_cast<std::size_t>(t);
-    for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) {
-      const Chunk& ch = plan_.chunks[c];
+    for (std::size_t c = thread_chunks_[t]; c < thread_chunks_[t + 1]; ++c) {
+      const jit::Chunk& ch = layout_.chunks[c];
       kernels_[ch.tensor].interp->run_blocked(args_[ch.tensor], static_cast<std::size_t>(ch.begin),
                                               static_cast<std::size_t>(ch.len), scratch);
     }
@@ -406,9 +375,9 @@ void StepEngine::host_view() const {
   if (!host_current_) {
     for (int s = 0; s < program_->num_streams; ++s)
       if (program_->streams[s].role == StreamRole::state && state_[s].size() == 0)
-        state_[s] = AlignedBuffer(static_cast<std::size_t>(std::max<std::int64_t>(total_, 1)));
-    if (cuda_->master_elems() > 0 && masters_.size() == 0)
-      masters_ = AlignedBuffer(static_cast<std::size_t>(cuda_->master_elems()));
+        state_[s] = AlignedBuffer(static_cast<std::size_t>(std::max<std::int64_t>(layout_.state_elems, 1)));
+    if (layout_.master_elems > 0 && masters_.size() == 0)
+      masters_ = AlignedBuffer(static_cast<std::size_t>(layout_.master_elems));
     float* state[kMaxStreams] = {};
     for (int s = 0; s < program_->num_streams; ++s) state[s] = state_[s].data();
     cuda_->download(state, masters_.data());
@@ -459,26 +428,25 @@ const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   }
   StepResult r;
   const bool clip = options_.max_grad_norm.has_value();
+  Reduction red{false, NAN};
   if (scaled || clip || options_.track_grad_norm) {
-    const Reduction red = reduce();
+    red = reduce();
     for (double& n : tensor_norms_) n /= loss_scale;
-    r.found_inf = red.found_inf;
-    if (red.found_inf && (scaled || clip)) {  // a plain step without clipping does not check (PyTorch)
-      r.grad_norm = INFINITY;
-      last_ = r;
-      return last_;
-    }
-    r.grad_norm = red.norm / loss_scale;
-    r.clip_coef = clip_coef(r.grad_norm);
   } else {
     std::fill(tensor_norms_.begin(), tensor_norms_.end(), NAN);
   }
-  // Scalar stage: one multiplier for unscale and clip (1/S exactly when S is a power of two).
-  const double gscale = r.clip_coef / loss_scale;
-  jit::eval_scalars(rules_, program_->num_scalars, step_count_ + 1, gscale, scalars_);
-  update_fused();
-  ++step_count_;
-  r.applied = true;
+  // The scalar stage (jit/step_stage.h), as the CUDA reduce kernel runs it.
+  const sf_stage stage =
+      sf_step_stage(red.found_inf, scaled || clip, red.norm, loss_scale, max_grad_norm(), step_count_);
+  r.found_inf = red.found_inf;
+  r.grad_norm = stage.grad_norm;
+  r.clip_coef = stage.clip_coef;
+  if (stage.applied) {
+    sf_eval_scalars(rules_, program_->num_scalars, stage.step, stage.gscale, scalars_);
+    update_fused();
+    step_count_ = stage.step;
+    r.applied = true;
+  }
   last_ = r;
   return last_;
 }
@@ -490,17 +458,17 @@ StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
   // no precision lost to f16/bf16 storage). Every pass is vectorized and threaded.
   const auto for_chunks = [&](auto&& body) {
     pool_->run([&](int t) {
-      for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c) body(plan_.chunks[c]);
+      for (std::size_t c = thread_chunks_[t]; c < thread_chunks_[t + 1]; ++c) body(layout_.chunks[c]);
     });
   };
-  const auto tmp_at = [&](const Chunk& ch) { return grad_tmp_.data() + offsets_[ch.tensor] + ch.begin; };
+  const auto tmp_at = [&](const jit::Chunk& ch) { return grad_tmp_.data() + layout_.offsets[ch.tensor] + ch.begin; };
   const bool clip = options_.max_grad_norm.has_value();
   bool use_tmp = scaled || clip;
   for (const Param& p : params_) use_tmp |= p.grad.dtype != DType::f32;
   StepResult r;
   if (use_tmp) {  // unscale pass: tmp = g * (1/S), the reciprocal rounded to fp32 as GradScaler does
     const float inv = static_cast<float>(1.0 / loss_scale);
-    for_chunks([&](const Chunk& ch) {
+    for_chunks([&](const jit::Chunk& ch) {
       const Param& p = params_[ch.tensor];
       cpu::widen_scaled(p.grad.dtype, static_cast<const char*>(p.grad.data) + ch.begin * dtype_size(p.grad.dtype), tmp_at(ch),
                         static_cast<std::size_t>(ch.len), scaled ? inv : 1.0f);
@@ -509,8 +477,8 @@ StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
   if (scaled || clip) {  // finite-check pass
     const cpu::ReduceFn check = cpu::reduce_kernel(DType::f32, cpu::NormKind::l2);
     pool_->run([&](int t) {
-      for (std::size_t c = plan_.thread_chunks[t]; c < plan_.thread_chunks[t + 1]; ++c)
-        partials_[c] = check(tmp_at(plan_.chunks[c]), static_cast<std::size_t>(plan_.chunks[c].len));
+      for (std::size_t c = thread_chunks_[t]; c < thread_chunks_[t + 1]; ++c)
+        partials_[c] = check(tmp_at(layout_.chunks[c]), static_cast<std::size_t>(layout_.chunks[c].len));
     });
     for (const auto& p : partials_) r.found_inf |= p.nonfinite;
     if (r.found_inf) {
@@ -521,27 +489,27 @@ StepResult StepEngine::step_unfused(double loss_scale, bool scaled) {
   }
   if (clip || options_.track_grad_norm) {  // norm pass over the unscaled gradients
     r.grad_norm = reduce(use_tmp).norm;
-    r.clip_coef = clip_coef(r.grad_norm);
+    r.clip_coef = sf_clip_coef(max_grad_norm(), r.grad_norm);
   } else {
     std::fill(tensor_norms_.begin(), tensor_norms_.end(), NAN);
   }
   if (clip) {  // clip pass: g *= coef (always, as clip_grad_norm_ does)
     const float coef = static_cast<float>(r.clip_coef);
-    for_chunks([&](const Chunk& ch) { cpu::scale_inplace(DType::f32, tmp_at(ch), static_cast<std::size_t>(ch.len), coef); });
+    for_chunks([&](const jit::Chunk& ch) { cpu::scale_inplace(DType::f32, tmp_at(ch), static_cast<std::size_t>(ch.len), coef); });
   }
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
-  jit::eval_scalars(rules_, program_->num_scalars, step_count_ + 1, 1.0, scalars_);
+  sf_eval_scalars(rules_, program_->num_scalars, step_count_ + 1, 1.0, scalars_);
   const std::vector<cpu::UpdateArgs>& args = use_tmp ? tmp_args_ : args_;
   // Tensors with different dtypes run different lowered programs: one group after another.
   for (std::size_t group = 0; group < interpreters_.size(); ++group) {
     const cpu::Interpreter& interp = *interpreters_[group];
     for (int k = 0; k < interp.num_ops(); ++k) {
-      for_chunks([&](const Chunk& ch) {
+      for_chunks([&](const jit::Chunk& ch) {
         if (kernels_[ch.tensor].group != static_cast<int>(group)) return;
         float* slot_ptrs[kMaxInstrs];
         for (int s = 0; s < interp.num_slots(); ++s)
-          slot_ptrs[s] = scratch_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(total_) +
-                         offsets_[ch.tensor] + ch.begin;
+          slot_ptrs[s] = scratch_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(layout_.state_elems) +
+                         layout_.offsets[ch.tensor] + ch.begin;
         interp.run_op(k, args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len), slot_ptrs);
       });
     }

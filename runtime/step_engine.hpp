@@ -7,12 +7,12 @@
 #include <vector>
 
 #include "jit/builtins.hpp"
+#include "jit/layout.hpp"
 #include "runtime/aligned_buffer.hpp"
 #include "runtime/cuda/cuda_backend.hpp"
 #include "runtime/cpu/interpreter.hpp"
 #include "runtime/cpu/kernels.hpp"
 #include "runtime/cpu/llvm_backend.hpp"
-#include "runtime/plan.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/optimizer.hpp"
 #include "stepfuse/update_program.hpp"
@@ -71,13 +71,13 @@ class StepEngine {
   // the device has changed since; the next step copies it back.
   float* state_data(std::size_t param, int stream) const {
     host_view();
-    return state_[stream].data() + offsets_[param];
+    return state_[stream].data() + layout_.offsets[param];
   }
   // fp32 master copy of a parameter, or null (f32 weights, or masters off).
   float* master_data(std::size_t param) const {
-    if (master_offsets_[param] < 0) return nullptr;
+    if (layout_.master_offsets[param] < 0) return nullptr;
     host_view();
-    return masters_.data() + master_offsets_[param];
+    return masters_.data() + layout_.master_offsets[param];
   }
 
  private:
@@ -89,7 +89,7 @@ class StepEngine {
   Reduction reduce(bool from_grad_tmp = false);
   void update_fused();
   StepResult step_unfused(double loss_scale, bool scaled);
-  double clip_coef(double norm) const;
+  double max_grad_norm() const { return options_.max_grad_norm.value_or(0.0); }  // 0: no clipping
   void setup(const float* state_init);  // everything after the program and its rules are known
   [[noreturn]] static void no_config(const char* what);
   void host_view() const;       // CUDA: makes the host copy of state and masters current
@@ -101,15 +101,13 @@ class StepEngine {
   OptimizerConfig config_;                // built-ins
   std::unique_ptr<UpdateProgram> custom_;  // custom programs (then config_ is unused)
   bool fused_kernels_ = false;            // CPU: the compile-time fused kernels (built-ins, Fusion::fused)
-  jit::Builtin builtin_ = jit::Builtin::count;
+  jit::Builtin builtin_ = jit::Builtin::none;
   const Program* program_;
   std::vector<Param> params_;
   OptimizerOptions options_;
   ThreadPool* pool_;
-  Plan plan_;
-  std::vector<std::int64_t> offsets_;         // element offset of each tensor in state/slot buffers
-  std::vector<std::int64_t> master_offsets_;  // offset in masters_, or -1 when the tensor has no master
-  std::int64_t total_ = 0;             // padded total
+  jit::Layout layout_;                      // offsets of state, masters and slots; combinations; chunks
+  std::vector<std::size_t> thread_chunks_;  // thread t runs chunks [thread_chunks_[t], thread_chunks_[t + 1])
   mutable AlignedBuffer state_[kMaxStreams];  // CUDA: the host copy, allocated on first use
   mutable AlignedBuffer masters_;
   std::unique_ptr<CudaBackend> cuda_;

@@ -39,10 +39,12 @@
 #include <vector>
 
 #include "jit/builtin/adam.hpp"
+#include "jit/builtin/registry.hpp"
 #include "jit/builtins.hpp"
 #include "jit/cuda/emit_cuda.hpp"
 #include "jit/cuda/nvrtc_compile.hpp"
 #include "reference/dtypes.hpp"
+#include "reference/elf_reader.hpp"
 #include "reference/harness.hpp"
 #include "reference/reference.hpp"
 #include "runtime/cpu/kernels.hpp"
@@ -58,7 +60,7 @@ namespace stepfuse {
 namespace {
 
 using jit::Builtin;
-using jit::CudaCombo;
+using jit::DtypeCombo;
 using jit::CudaNorm;
 using jit::CudaOutput;
 using jit::CudaSpec;
@@ -74,8 +76,8 @@ using jit::CudaTarget;
 // Specs
 
 // Every valid dtype combination, weight-major (15): masters only for f16/bf16 weights.
-std::vector<CudaCombo> all_combos() {
-  std::vector<CudaCombo> out;
+std::vector<DtypeCombo> all_combos() {
+  std::vector<DtypeCombo> out;
   for (DType w : {DType::f32, DType::f16, DType::bf16})
     for (DType g : {DType::f32, DType::f16, DType::bf16})
       for (bool m : {false, true})
@@ -83,7 +85,7 @@ std::vector<CudaCombo> all_combos() {
   return out;
 }
 
-std::string combo_name(const CudaCombo& c) {
+std::string combo_name(const DtypeCombo& c) {
   return std::string(dtype_name(c.weight)) + "/" + std::string(dtype_name(c.grad)) + (c.master ? "/master" : "");
 }
 
@@ -204,61 +206,6 @@ void print_times(const std::vector<CompileJob>& jobs, const char* what, double w
               total / n, total_cpu / n);
 }
 
-// What an ELF64 image (a CUBIN) declares: its machine and its global functions.
-struct ElfInfo {
-  std::string problem;  // empty when the image parsed
-  int machine = 0;
-  std::uint32_t flags = 0;
-  std::set<std::string> global_functions;
-};
-
-ElfInfo read_elf(const std::string& img) {
-  ElfInfo info;
-  auto in_bounds = [&](std::uint64_t off, std::uint64_t size) { return off <= img.size() && size <= img.size() - off; };
-  if (img.size() < sizeof(Elf64_Ehdr) || img.compare(0, 4, "\x7f" "ELF") != 0) {
-    info.problem = "no ELF magic";
-    return info;
-  }
-  if (img[EI_CLASS] != ELFCLASS64) {
-    info.problem = "not ELF64";
-    return info;
-  }
-  Elf64_Ehdr eh;
-  std::memcpy(&eh, img.data(), sizeof eh);
-  info.machine = eh.e_machine;
-  info.flags = eh.e_flags;
-  if (eh.e_shentsize != sizeof(Elf64_Shdr) || !in_bounds(eh.e_shoff, std::uint64_t{eh.e_shnum} * sizeof(Elf64_Shdr))) {
-    info.problem = "bad section header table";
-    return info;
-  }
-  std::vector<Elf64_Shdr> sections(eh.e_shnum);
-  if (!sections.empty()) std::memcpy(sections.data(), img.data() + eh.e_shoff, sections.size() * sizeof(Elf64_Shdr));
-  for (const Elf64_Shdr& s : sections) {
-    if (s.sh_type != SHT_SYMTAB) continue;
-    if (s.sh_entsize != sizeof(Elf64_Sym) || s.sh_link >= sections.size() || !in_bounds(s.sh_offset, s.sh_size)) {
-      info.problem = "bad symbol table";
-      return info;
-    }
-    const Elf64_Shdr& strtab = sections[s.sh_link];
-    if (!in_bounds(strtab.sh_offset, strtab.sh_size)) {
-      info.problem = "bad string table";
-      return info;
-    }
-    for (std::uint64_t k = 0; k < s.sh_size / sizeof(Elf64_Sym); ++k) {
-      Elf64_Sym sym;
-      std::memcpy(&sym, img.data() + s.sh_offset + k * sizeof sym, sizeof sym);
-      if (ELF64_ST_BIND(sym.st_info) != STB_GLOBAL || ELF64_ST_TYPE(sym.st_info) != STT_FUNC) continue;
-      if (sym.st_name >= strtab.sh_size) {
-        info.problem = "symbol name out of range";
-        return info;
-      }
-      const char* name = img.data() + strtab.sh_offset + sym.st_name;
-      info.global_functions.insert(std::string(name, strnlen(name, strtab.sh_size - sym.st_name)));
-    }
-  }
-  return info;
-}
-
 // The compile log part of an nvrtc_compile error (without the numbered source).
 std::string log_part(const std::string& error) {
   const std::size_t at = error.find("--- source ---");
@@ -272,11 +219,13 @@ void check_image(const CompileJob& j) {
     return;
   }
   if (j.target.output == CudaOutput::cubin) {
-    const ElfInfo elf = read_elf(j.image);
+    const ref::ElfImage elf = ref::read_elf(j.image);
     ASSERT_TRUE(elf.problem.empty()) << j.label << ": " << elf.problem << " (" << j.image.size() << " bytes)";
     EXPECT_EQ(elf.machine, EM_CUDA);
+    const std::vector<std::string> functions = elf.global_functions();
     for (const std::string& e : j.entries) {
-      EXPECT_TRUE(elf.global_functions.count(e)) << j.label << ": kernel " << e << " is not a global function of the CUBIN";
+      EXPECT_NE(std::find(functions.begin(), functions.end(), e), functions.end())
+          << j.label << ": kernel " << e << " is not a global function of the CUBIN";
       EXPECT_NE(j.image.find(e), std::string::npos) << e;
     }
   } else {
@@ -354,13 +303,13 @@ TEST(CudaCodegenCompile, EveryBuiltinInEveryLayoutForCubinAndPtx) {
   }
   // The table's update kernel once as PTX too, for the program with the most streams;
   // and both kernels in one source (emit_cuda) once.
-  const int biggest = static_cast<int>(Builtin::rmsprop_centered_momentum);
+  const int biggest = static_cast<int>(jit::builtin_named("rmsprop_centered_momentum"));
   covered.insert({biggest, static_cast<int>(Layout::table), CudaOutput::ptx});
   updates.push_back(make_job(std::string(program_of(biggest).name) + " " + layout_name(Layout::table) +
                                  " update compute_90",
                              jit::emit_cuda_update(make_spec(biggest, Layout::table)), "big_update.cu",
                              {90, CudaOutput::ptx}, {"sf_update"}, has_op(program_of(biggest), Op::fma)));
-  const int adam = static_cast<int>(Builtin::adam);
+  const int adam = static_cast<int>(jit::builtin_named("adam"));
   updates.push_back(make_job("adam unaligned step kernels (emit_cuda) sm_90", jit::emit_cuda(make_spec(adam, Layout::unaligned)),
                              "adam_step.cu", {90, CudaOutput::cubin}, {"sf_reduce", "sf_update"}, false));
 
@@ -435,7 +384,7 @@ TEST(CudaCodegenCompile, TypicalSpecColdCompileTime) {
     const double c0 = thread_cpu_ms();
     const std::string cubin = jit::nvrtc_compile(source, name, sm90);
     *cpu_ms += thread_cpu_ms() - c0;
-    EXPECT_TRUE(read_elf(cubin).problem.empty());
+    EXPECT_TRUE(ref::read_elf(cubin).problem.empty());
   };
   auto wall_since = [](std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -469,7 +418,7 @@ TEST(CudaCodegenCompile, TypicalSpecColdCompileTime) {
 
 TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
   CudaSpec base;
-  base.program = jit::builtin_program(Builtin::adam);
+  base.program = jit::builtin_program(jit::builtin_named("adam"));
   base.combos = {{DType::f32, DType::f32, false}, {DType::bf16, DType::bf16, true}};
 
   std::vector<std::pair<std::string, CudaSpec>> specs = {{"base", base}};
@@ -479,7 +428,7 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
     specs.emplace_back(what, std::move(s));
   };
   for (int b = 0; b < jit::kNumBuiltins; ++b)
-    if (static_cast<Builtin>(b) != Builtin::adam)
+    if (static_cast<Builtin>(b) != jit::builtin_named("adam"))
       variant(std::string("program ") + std::string(program_of(b).name), [&](CudaSpec& s) { s.program = program_of(b); });
   variant("combo weight", [](CudaSpec& s) { s.combos[1].weight = DType::f16; });
   variant("combo grad", [](CudaSpec& s) { s.combos[1].grad = DType::f32; });
@@ -569,7 +518,7 @@ TEST(CudaCodegenSpec, EqualSpecsHaveEqualTextAndTheEmitterIsDeterministic) {
   // orders them differently at run time, which gives the same math in another order).
   static constexpr Program kRebuilt = jit::make_adam(/*amsgrad=*/true);
   CudaSpec a, b;
-  a.program = jit::builtin_program(Builtin::adam_amsgrad);
+  a.program = jit::builtin_program(jit::builtin_named("adam_amsgrad"));
   b.program = kRebuilt;
   a.combos = b.combos = all_combos();
   a.aligned16 = b.aligned16 = true;
@@ -606,7 +555,7 @@ TEST(CudaCodegenSpec, EqualSpecsHaveEqualTextAndTheEmitterIsDeterministic) {
 
 TEST(CudaCodegenCompile, BrokenSourceFailsWithLogAndNumberedSource) {
   REQUIRE_NVRTC();
-  const std::string good = jit::emit_cuda_update(make_spec(static_cast<int>(Builtin::adam), Layout::flat));
+  const std::string good = jit::emit_cuda_update(make_spec(static_cast<int>(jit::builtin_named("adam")), Layout::flat));
   const std::size_t garbage_line = static_cast<std::size_t>(std::count(good.begin(), good.end(), '\n')) + 2;
   const std::string bad = good + "\nsf_not_a_type garbage_here = ;\n";
   try {
@@ -635,7 +584,7 @@ const sf_gen::GenProgram* generated(const Program& p) {
 
 TEST(CudaElementFunctions, OneGeneratedSetPerBuiltinWithEveryCombo) {
   ASSERT_EQ(std::size(sf_gen::kPrograms), static_cast<std::size_t>(jit::kNumBuiltins));
-  const std::vector<CudaCombo> combos = all_combos();
+  const std::vector<DtypeCombo> combos = all_combos();
   for (int b = 0; b < jit::kNumBuiltins; ++b) {
     const sf_gen::GenProgram* g = generated(program_of(b));
     ASSERT_NE(g, nullptr) << program_of(b).name;
@@ -668,13 +617,13 @@ std::uint16_t narrow16(double x, DType t) { return ref::bits16(x, t); }
 
 // One tensor's streams in host memory, as a kernel sees them.
 struct Tensor {
-  CudaCombo combo;
+  DtypeCombo combo;
   std::size_t n = 0;
   std::vector<std::uint8_t> grad, weight;
   std::vector<float> master;
   std::vector<float> state[kMaxStreams];
 
-  Tensor(const CudaCombo& c, std::size_t count) : combo(c), n(count) {
+  Tensor(const DtypeCombo& c, std::size_t count) : combo(c), n(count) {
     grad.resize(n * dtype_size(c.grad));
     weight.resize(n * dtype_size(c.weight));
     if (c.master) master.resize(n);
@@ -775,53 +724,50 @@ struct NamedConfig {
 // variants' own options, and lr = 0 (the parameter passes through unchanged, so
 // master values on a rounding tie reach the weight's rounding).
 std::vector<NamedConfig> configs_for(Builtin b) {
-  switch (b) {
-    case Builtin::sgd:
-      return {{"SGD lr=0.1", optim::SGD{.lr = 0.1}},
-              {"SGD wd maximize", optim::SGD{.lr = 0.05, .weight_decay = 0.01, .maximize = true}},
-              {"SGD lr=0", optim::SGD{.lr = 0}}};
-    case Builtin::sgd_momentum:
-      return {{"SGD momentum dampening", optim::SGD{.lr = 0.1, .momentum = 0.9, .dampening = 0.1}},
-              {"SGD momentum wd maximize", optim::SGD{.lr = 0.01, .momentum = 0.5, .weight_decay = 0.01, .maximize = true}}};
-    case Builtin::sgd_nesterov:
-      return {{"SGD nesterov", optim::SGD{.lr = 0.1, .momentum = 0.9, .nesterov = true}},
-              {"SGD nesterov wd maximize",
-               optim::SGD{.lr = 0.01, .momentum = 0.99, .weight_decay = 0.1, .nesterov = true, .maximize = true}}};
-    case Builtin::adam:
-      return {{"Adam", optim::Adam{}},
-              {"Adam wd maximize", optim::Adam{.lr = 1e-2, .weight_decay = 0.1, .maximize = true}},
-              {"AdamW", optim::AdamW{}},
-              {"AdamW lr=0", optim::AdamW{.lr = 0}}};
-    case Builtin::adam_amsgrad:
-      return {{"Adam amsgrad", optim::Adam{.amsgrad = true}},
-              {"AdamW amsgrad wd maximize",
-               optim::AdamW{.lr = 3e-3, .weight_decay = 0.1, .amsgrad = true, .maximize = true}}};
-    case Builtin::adagrad:
-      return {{"Adagrad", optim::Adagrad{}},
-              {"Adagrad lr_decay wd init maximize",
-               optim::Adagrad{.lr = 0.1, .lr_decay = 0.01, .weight_decay = 0.1, .initial_accumulator_value = 0.1,
-                              .maximize = true}}};
-    case Builtin::rmsprop:
-      return {{"RMSprop", optim::RMSprop{}}, {"RMSprop wd maximize", optim::RMSprop{.weight_decay = 0.1, .maximize = true}}};
-    case Builtin::rmsprop_centered:
-      return {{"RMSprop centered", optim::RMSprop{.centered = true}},
-              {"RMSprop centered wd maximize",
-               optim::RMSprop{.alpha = 0.9, .weight_decay = 0.01, .centered = true, .maximize = true}}};
-    case Builtin::rmsprop_momentum:
-      return {{"RMSprop momentum", optim::RMSprop{.momentum = 0.9}},
-              {"RMSprop momentum wd maximize",
-               optim::RMSprop{.lr = 1e-3, .weight_decay = 0.01, .momentum = 0.5, .maximize = true}}};
-    case Builtin::rmsprop_centered_momentum:
-      return {{"RMSprop centered momentum", optim::RMSprop{.momentum = 0.9, .centered = true}},
-              {"RMSprop centered momentum eps wd maximize",
-               optim::RMSprop{.alpha = 0.95, .eps = 1e-6, .weight_decay = 0.1, .momentum = 0.5, .centered = true,
-                              .maximize = true}}};
-    case Builtin::lion:
-      return {{"Lion", optim::Lion{}},
-              {"Lion wd maximize", optim::Lion{.lr = 1e-3, .weight_decay = 0.1, .maximize = true}},
-              {"Lion lr=0", optim::Lion{.lr = 0}}};
-    case Builtin::count: break;
-  }
+  if (b == jit::builtin_named("sgd"))
+    return {{"SGD lr=0.1", optim::SGD{.lr = 0.1}},
+            {"SGD wd maximize", optim::SGD{.lr = 0.05, .weight_decay = 0.01, .maximize = true}},
+            {"SGD lr=0", optim::SGD{.lr = 0}}};
+  if (b == jit::builtin_named("sgd_momentum"))
+    return {{"SGD momentum dampening", optim::SGD{.lr = 0.1, .momentum = 0.9, .dampening = 0.1}},
+            {"SGD momentum wd maximize", optim::SGD{.lr = 0.01, .momentum = 0.5, .weight_decay = 0.01, .maximize = true}}};
+  if (b == jit::builtin_named("sgd_nesterov"))
+    return {{"SGD nesterov", optim::SGD{.lr = 0.1, .momentum = 0.9, .nesterov = true}},
+            {"SGD nesterov wd maximize",
+             optim::SGD{.lr = 0.01, .momentum = 0.99, .weight_decay = 0.1, .nesterov = true, .maximize = true}}};
+  if (b == jit::builtin_named("adam"))
+    return {{"Adam", optim::Adam{}},
+            {"Adam wd maximize", optim::Adam{.lr = 1e-2, .weight_decay = 0.1, .maximize = true}},
+            {"AdamW", optim::AdamW{}},
+            {"AdamW lr=0", optim::AdamW{.lr = 0}}};
+  if (b == jit::builtin_named("adam_amsgrad"))
+    return {{"Adam amsgrad", optim::Adam{.amsgrad = true}},
+            {"AdamW amsgrad wd maximize",
+             optim::AdamW{.lr = 3e-3, .weight_decay = 0.1, .amsgrad = true, .maximize = true}}};
+  if (b == jit::builtin_named("adagrad"))
+    return {{"Adagrad", optim::Adagrad{}},
+            {"Adagrad lr_decay wd init maximize",
+             optim::Adagrad{.lr = 0.1, .lr_decay = 0.01, .weight_decay = 0.1, .initial_accumulator_value = 0.1,
+                            .maximize = true}}};
+  if (b == jit::builtin_named("rmsprop"))
+    return {{"RMSprop", optim::RMSprop{}}, {"RMSprop wd maximize", optim::RMSprop{.weight_decay = 0.1, .maximize = true}}};
+  if (b == jit::builtin_named("rmsprop_centered"))
+    return {{"RMSprop centered", optim::RMSprop{.centered = true}},
+            {"RMSprop centered wd maximize",
+             optim::RMSprop{.alpha = 0.9, .weight_decay = 0.01, .centered = true, .maximize = true}}};
+  if (b == jit::builtin_named("rmsprop_momentum"))
+    return {{"RMSprop momentum", optim::RMSprop{.momentum = 0.9}},
+            {"RMSprop momentum wd maximize",
+             optim::RMSprop{.lr = 1e-3, .weight_decay = 0.01, .momentum = 0.5, .maximize = true}}};
+  if (b == jit::builtin_named("rmsprop_centered_momentum"))
+    return {{"RMSprop centered momentum", optim::RMSprop{.momentum = 0.9, .centered = true}},
+            {"RMSprop centered momentum eps wd maximize",
+             optim::RMSprop{.alpha = 0.95, .eps = 1e-6, .weight_decay = 0.1, .momentum = 0.5, .centered = true,
+                            .maximize = true}}};
+  if (b == jit::builtin_named("lion"))
+    return {{"Lion", optim::Lion{}},
+            {"Lion wd maximize", optim::Lion{.lr = 1e-3, .weight_decay = 0.1, .maximize = true}},
+            {"Lion lr=0", optim::Lion{.lr = 0}}};
   return {};
 }
 
@@ -919,7 +865,7 @@ TEST(CudaElementFunctions, BitwiseEqualToTheCpuFusedKernels) {
         float sc[kMaxScalars];
         jit::fill_scalars(nc.config, prog, sp.step, sp.gscale, sc);
         for (int k = 0; k < gen->num_combos; ++k) {
-          const CudaCombo combo{gen->combos[k].weight, gen->combos[k].grad, gen->combos[k].master};
+          const DtypeCombo combo{gen->combos[k].weight, gen->combos[k].grad, gen->combos[k].master};
           const std::string what = std::string(prog.name) + " [" + nc.label + "] step " + std::to_string(sp.step) +
                                    " " + combo_name(combo);
           SCOPED_TRACE(what);
@@ -1015,7 +961,7 @@ void check_against_reference(const Program& prog, const sf_gen::GenProgram& gen,
                              const StepPoint& sp, std::uint32_t seed, RefTally& tally) {
   constexpr std::size_t kElems = 1000;
   constexpr double kLossScale = 64;
-  const CudaCombo combo{gen.combos[k].weight, gen.combos[k].grad, gen.combos[k].master};
+  const DtypeCombo combo{gen.combos[k].weight, gen.combos[k].grad, gen.combos[k].master};
   const std::string what = std::string(prog.name) + " [" + nc.label + "] step " + std::to_string(sp.step) + " " +
                            combo_name(combo);
   SCOPED_TRACE(what);
@@ -1246,7 +1192,7 @@ TEST(CudaScalarRules, EvaluateToPyTorchFormulasWithinOneUlp) {
     const Program& prog = program_of(b);
     std::vector<NamedConfig> configs = configs_for(builtin);
     // Betas near 1, where the bias corrections cancel most.
-    if (builtin == Builtin::adam) configs.push_back({"Adam betas near 1", optim::Adam{.beta1 = 0.99, .beta2 = 0.99999}});
+    if (builtin == jit::builtin_named("adam")) configs.push_back({"Adam betas near 1", optim::Adam{.beta1 = 0.99, .beta2 = 0.99999}});
     for (const NamedConfig& nc : configs) {
       sf_scalar_rule rules[kMaxScalars];
       jit::scalar_rules(nc.config, prog, rules);

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "jit/builtins.hpp"
-#include "runtime/cuda/cuda_layout.hpp"
+#include "jit/cuda/cuda_layout.hpp"
 #include "runtime/scale_tensors.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/stepfuse.hpp"
@@ -151,7 +151,7 @@ class Model {
 };
 
 // Tensor t of a mixed list takes combination t % combos.size() of the spec.
-std::vector<TensorShape> shapes_for(const std::vector<std::int64_t>& sizes, const std::vector<jit::CudaCombo>& combos) {
+std::vector<TensorShape> shapes_for(const std::vector<std::int64_t>& sizes, const std::vector<jit::DtypeCombo>& combos) {
   std::vector<TensorShape> out;
   for (std::size_t t = 0; t < sizes.size(); ++t) out.push_back({sizes[t], combos[t % combos.size()].weight, combos[t % combos.size()].grad});
   return out;
@@ -176,7 +176,7 @@ class EmulatedOptimizer {
       : params_(std::move(params)), options_(options), seed_(order_seed) {
     program_ = &jit::builtin_program(jit::select_builtin(config));
     jit::scalar_rules(config, *program_, rules_);
-    layout_ = detail::plan_cuda_layout(*program_, params_, options_);
+    layout_ = jit::plan_cuda_layout(*program_, params_, options_);
     const std::string canonical = jit::canonical_text(layout_.spec);
     for (const sf_emu::StepKernels* k : sf_emu::step_kernels())
       if (canonical == k->canonical) kernels_ = k;
@@ -186,17 +186,17 @@ class EmulatedOptimizer {
     const sf_emu::UtilityKernels& util = sf_emu::utility_kernels();
 
     // State (sf_fill) and masters (sf_widen), on poisoned memory.
-    const long long total = layout_.state_elems;
+    const long long total = layout_.layout.state_elems;
     for (int s = 0; s < program_->num_streams; ++s) {
       if (program_->streams[s].role != StreamRole::state) continue;
       state_[s].assign(static_cast<std::size_t>(std::max<long long>(total, 1)) + kSlack, kPoison);
       emulate(util.fill, launch(grid_for(total, 256), 256, true), state_[s].data(), total,
               jit::initial_state_value(config, *program_, s));
     }
-    masters_.assign(static_cast<std::size_t>(layout_.master_elems) + kSlack, kPoison);
+    masters_.assign(static_cast<std::size_t>(layout_.layout.master_elems) + kSlack, kPoison);
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (layout_.master_offsets[i] < 0) continue;
-      layout_.tensors[i].master = masters_.data() + layout_.master_offsets[i];
+      if (layout_.layout.master_offsets[i] < 0) continue;
+      layout_.tensors[i].master = masters_.data() + layout_.layout.master_offsets[i];
       const long long n = params_[i].weight.numel;
       emulate(util.widen[static_cast<int>(params_[i].weight.dtype)], launch(grid_for(n, 256), 256, true),
               static_cast<const void*>(params_[i].weight.data), layout_.tensors[i].master, n);
@@ -232,12 +232,12 @@ class EmulatedOptimizer {
   std::int64_t step_count() const { return st_.step; }
   const sf_step_state& step_state() const { return st_; }
   std::string spec_name() const { return kernels_->name; }
-  const detail::CudaLayout& layout() const { return layout_; }
+  const jit::CudaLayout& layout() const { return layout_; }
   const float* state(std::size_t t, std::string_view name) const {
-    return state_[program_->find_stream(name)].data() + layout_.offsets[t];
+    return state_[program_->find_stream(name)].data() + layout_.layout.offsets[t];
   }
   const float* master(std::size_t t) const {
-    return layout_.master_offsets[t] < 0 ? nullptr : masters_.data() + layout_.master_offsets[t];
+    return layout_.layout.master_offsets[t] < 0 ? nullptr : masters_.data() + layout_.layout.master_offsets[t];
   }
   // Adds a failure if a kernel wrote past the end of the state or master buffer.
   void expect_slack_untouched() const {
@@ -273,7 +273,7 @@ class EmulatedOptimizer {
     sf_streams streams{};
     for (int s = 0; s < program_->num_streams; ++s) streams.s[s] = state_[s].empty() ? nullptr : state_[s].data();
     emulate(kernels_->update, launch(static_cast<unsigned>(layout_.num_update_blocks), SF_UPDATE_THREADS),
-            layout_.tensors.data(), layout_.blocks.data(), static_cast<long long>(layout_.flat_numel), streams, &st_, hyper,
+            layout_.tensors.data(), layout_.blocks.data(), static_cast<long long>(layout_.flat_numel()), streams, &st_, hyper,
             reduce ? 0 : 1);
   }
 
@@ -284,7 +284,7 @@ class EmulatedOptimizer {
   int num_chunks_ = 0;
   const Program* program_;
   sf_scalar_rule rules_[kMaxScalars] = {};
-  detail::CudaLayout layout_;
+  jit::CudaLayout layout_;
   const sf_emu::StepKernels* kernels_ = nullptr;
   std::vector<float> state_[kMaxStreams], masters_;
   std::vector<sf_partial> partials_;

@@ -47,7 +47,7 @@
 #include "jit/kernel_cache.hpp"
 #include "jit/base/cuda_api.hpp"
 #include "runtime/cuda/cuda_backend.hpp"
-#include "runtime/cuda/cuda_layout.hpp"
+#include "jit/cuda/cuda_layout.hpp"
 #include "reference/builtin_configs.hpp"
 #include "runtime/detail_access.hpp"
 #include "stepfuse/stepfuse.hpp"
@@ -576,8 +576,8 @@ void prewarm_kernel_cache(int sm) {
     const OptimizerConfig& config = config_named(c.config);
     const ListLayout L = case_layout(c);
     const OptimizerOptions o = options_for(c.kind, dtype_set(c.dtypes).masters, Device::cuda(0));
-    const detail::CudaLayout layout =
-        detail::plan_cuda_layout(jit::builtin_program(jit::select_builtin(config)), L.params(w, g), o);
+    const jit::CudaLayout layout =
+        jit::plan_cuda_layout(jit::builtin_program(jit::select_builtin(config)), L.params(w, g), o);
     specs.emplace(jit::canonical_text(layout.spec), layout.spec);
   }
   std::vector<const jit::CudaSpec*> list;

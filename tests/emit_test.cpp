@@ -34,7 +34,8 @@
 #include <vector>
 
 #include "runtime/cpu/kernels.hpp"
-#include "runtime/cuda/cuda_layout.hpp"
+#include "reference/elf_reader.hpp"
+#include "jit/cuda/cuda_layout.hpp"
 #include "stepfuse/stepfuse.h"
 #include "stepfuse/stepfuse.hpp"
 
@@ -210,7 +211,7 @@ TEST(Emit, TablesAreTheRuntimesLayout) {
   o.master_weights = true;  // bf16 tensors have masters, f16 (index 3) would too: set it off by storage
   r.tensors[3].master = true;
   const KernelTables with_master = plan_kernel_tables(r, numels);
-  const detail::CudaLayout l = detail::plan_cuda_layout(user_program().program(), params, o);
+  const jit::CudaLayout l = jit::plan_cuda_layout(user_program().program(), params, o);
   ASSERT_EQ(with_master.tensors.size(), l.tensors.size());
   for (std::size_t i = 0; i < l.tensors.size(); ++i) {
     EXPECT_EQ(with_master.tensors[i].state_offset, l.tensors[i].state_offset) << i;
@@ -219,13 +220,13 @@ TEST(Emit, TablesAreTheRuntimesLayout) {
     EXPECT_EQ(with_master.tensors[i].combo, l.tensors[i].combo) << i;
     EXPECT_EQ(with_master.tensors[i].grad, nullptr);
   }
-  EXPECT_EQ(with_master.master_offsets, l.master_offsets);
+  EXPECT_EQ(with_master.master_offsets, l.layout.master_offsets);
   ASSERT_EQ(with_master.chunks.size(), l.chunks.size());
   for (std::size_t c = 0; c < l.chunks.size(); ++c)
     EXPECT_TRUE(with_master.chunks[c].begin == l.chunks[c].begin && with_master.chunks[c].len == l.chunks[c].len &&
                 with_master.chunks[c].tensor == l.chunks[c].tensor);
   EXPECT_EQ(with_master.blocks.size(), l.blocks.size());
-  EXPECT_EQ(with_master.state_elems, l.state_elems);
+  EXPECT_EQ(with_master.state_elems, l.layout.state_elems);
   EXPECT_EQ(with_master.update_grid, static_cast<unsigned>(l.num_update_blocks));
   EXPECT_EQ(with_master.reduce_grid, static_cast<unsigned>(l.reduce_grid()));
 
@@ -267,37 +268,6 @@ EmitRequest cpu_request(bool compile = true) {
   return r;
 }
 
-// The symbols of an ELF64 relocatable object: name -> defined (and a function).
-struct ElfSymbols {
-  std::vector<std::string> defined_functions;
-  std::vector<std::string> undefined;
-};
-ElfSymbols elf_symbols(const std::string& o) {
-  ElfSymbols out;
-  const auto at = [&](std::size_t off, std::size_t size) {
-    if (off + size > o.size()) throw std::runtime_error("ELF: truncated at " + std::to_string(off));
-    return o.data() + off;
-  };
-  Elf64_Ehdr eh;
-  std::memcpy(&eh, at(0, sizeof eh), sizeof eh);
-  for (int i = 0; i < eh.e_shnum; ++i) {
-    Elf64_Shdr sh;
-    std::memcpy(&sh, at(eh.e_shoff + i * sizeof sh, sizeof sh), sizeof sh);
-    if (sh.sh_type != SHT_SYMTAB) continue;
-    Elf64_Shdr strtab;
-    std::memcpy(&strtab, at(eh.e_shoff + sh.sh_link * sizeof strtab, sizeof strtab), sizeof strtab);
-    for (std::size_t k = 1; k < sh.sh_size / sizeof(Elf64_Sym); ++k) {
-      Elf64_Sym sym;
-      std::memcpy(&sym, at(sh.sh_offset + k * sizeof sym, sizeof sym), sizeof sym);
-      const std::string name(at(strtab.sh_offset + sym.st_name, 1));
-      if (sym.st_shndx == SHN_UNDEF && !name.empty()) out.undefined.push_back(name);
-      else if (ELF64_ST_TYPE(sym.st_info) == STT_FUNC && ELF64_ST_BIND(sym.st_info) == STB_GLOBAL)
-        out.defined_functions.push_back(name);
-    }
-  }
-  return out;
-}
-
 TEST(EmitCpu, IrObjectAbiAndHeaderDescribeTheSameFunctions) {
   if (!have_llvm()) GTEST_SKIP() << "built without LLVM";
   const EmittedKernel k = emit(cpu_request());
@@ -313,18 +283,15 @@ TEST(EmitCpu, IrObjectAbiAndHeaderDescribeTheSameFunctions) {
   EXPECT_THAT(k.source, HasSubstr("\"target-cpu\"=\"" + k.arch + "\""));
 
   // The object: an ELF64 relocatable defining every function.
-  ASSERT_GE(k.binary.size(), sizeof(Elf64_Ehdr));
-  EXPECT_EQ(k.binary.substr(0, 4), std::string("\x7f" "ELF"));
-  Elf64_Ehdr eh;
-  std::memcpy(&eh, k.binary.data(), sizeof eh);
-  EXPECT_EQ(eh.e_ident[EI_CLASS], ELFCLASS64);
-  EXPECT_EQ(eh.e_type, ET_REL);
-  ElfSymbols syms = elf_symbols(k.binary);
-  std::sort(syms.defined_functions.begin(), syms.defined_functions.end());
+  const ref::ElfImage object = ref::read_elf(k.binary);
+  ASSERT_EQ(object.problem, "") << k.binary.size() << " bytes";
+  EXPECT_EQ(object.type, ET_REL);
+  std::vector<std::string> defined = object.global_functions();
+  std::sort(defined.begin(), defined.end());
   std::vector<std::string> sorted = names;
   std::sort(sorted.begin(), sorted.end());
-  EXPECT_EQ(syms.defined_functions, sorted);
-  for (const std::string& u : syms.undefined)  // libm's fmaf where the CPU has no FMA, nothing else
+  EXPECT_EQ(defined, sorted);
+  for (const std::string& u : object.undefined())  // libm's fmaf where the CPU has no FMA, nothing else
     EXPECT_TRUE(u == "fmaf") << "the object needs " << u;
 
   // The ABI: the functions in order, with declarations the header has verbatim.
@@ -406,10 +373,9 @@ TEST(EmitCpu, NamedCpusAndFeaturesSetTheVectorWidth) {
   b.store(p, b.fma(b.load(g), b.scalar("neg_lr_gscale"), b.load(p)));
   r.program = UpdateProgram(b.build(), {UpdateProgram::gscale("neg_lr_gscale", -0.1)});
   r.target = EmitTarget::cpu("x86-64");
-  const ElfSymbols syms = elf_symbols(emit(r).binary);
-  EXPECT_EQ(syms.undefined, std::vector<std::string>{"fmaf"});
+  EXPECT_EQ(ref::read_elf(emit(r).binary).undefined(), std::vector<std::string>{"fmaf"});
   r.target = EmitTarget::cpu("x86-64-v3");
-  EXPECT_EQ(elf_symbols(emit(r).binary).undefined, std::vector<std::string>{});
+  EXPECT_EQ(ref::read_elf(emit(r).binary).undefined(), std::vector<std::string>{});
 }
 
 TEST(EmitCpu, BadTargetsSayWhy) {

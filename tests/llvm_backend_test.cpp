@@ -34,6 +34,7 @@
 #include "jit/llvm/cpu_jit.hpp"
 #include "jit/llvm/emit_llvm.hpp"
 #include "reference/builtin_configs.hpp"
+#include "reference/elf_reader.hpp"
 #include "runtime/cpu/kernels.hpp"
 #include "stepfuse/stepfuse.hpp"
 
@@ -494,7 +495,7 @@ TEST(LlvmBackend, EveryVectorWidthMatchesHighwayKernels) {
   const jit::CpuTarget host = jit::CpuTarget::host();
   if (host.triple.rfind("x86_64", 0) != 0) GTEST_SKIP() << "x86-64 only (the generic CPU's code must run here)";
   std::vector<jit::CpuTarget> targets = {jit::CpuTarget::named(host.triple, "x86-64"), host};
-  std::vector<jit::CpuCombo> combos;
+  std::vector<jit::DtypeCombo> combos;
   for (DType w : {DType::f32, DType::f16, DType::bf16})
     for (DType g : {DType::f32, DType::f16, DType::bf16})
       for (bool m : {false, true})
@@ -516,7 +517,7 @@ TEST(LlvmBackend, EveryVectorWidthMatchesHighwayKernels) {
     for (const jit::CpuTarget& target : targets) {
       const auto k = jit::cpu_kernels_for(spec, target);
       for (std::size_t ci = 0; ci < combos.size(); ++ci) {
-        const jit::CpuCombo c = combos[ci];
+        const jit::DtypeCombo c = combos[ci];
         const cpu::UpdateFn hwy = cpu::fused_update_kernel(builtin, c.weight, c.grad, c.master);
         ASSERT_NE(hwy, nullptr);
         std::vector<float> g(kN), w(kN), s[kMaxStreams];
@@ -607,23 +608,11 @@ TEST(LlvmBackend, ObjectCodeIsDeterministicAndKeysTellSpecsApart) {
   EXPECT_THROW(jit::CpuTarget::named(host.triple, "no-such-cpu"), Error);
 }
 
-// The relocation types of an ELF64 object's RELA sections.
+// The relocation types of an ELF64 object's RELA sections (none when it does not parse).
 std::vector<std::uint32_t> relocation_types(const std::string& object) {
-  std::vector<std::uint32_t> types;
-  Elf64_Ehdr eh;
-  if (object.size() < sizeof eh) return types;
-  std::memcpy(&eh, object.data(), sizeof eh);
-  for (unsigned i = 0; i < eh.e_shnum; ++i) {
-    Elf64_Shdr sh;
-    std::memcpy(&sh, object.data() + eh.e_shoff + i * sizeof sh, sizeof sh);
-    if (sh.sh_type != SHT_RELA) continue;
-    for (std::size_t k = 0; k < sh.sh_size / sizeof(Elf64_Rela); ++k) {
-      Elf64_Rela r;
-      std::memcpy(&r, object.data() + sh.sh_offset + k * sizeof r, sizeof r);
-      types.push_back(static_cast<std::uint32_t>(ELF64_R_TYPE(r.r_info)));
-    }
-  }
-  return types;
+  const ref::ElfImage image = ref::read_elf(object);
+  EXPECT_EQ(image.problem, "") << object.size() << " bytes";
+  return image.relocation_types;
 }
 
 // ORC's RuntimeDyld may put an object's code and its constants more than 2 GiB apart (it

@@ -3,11 +3,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
+#include "jit/builtin/registry.hpp"
 #include "jit/builtins.hpp"
 #include "jit/program_analysis.hpp"
-#include "runtime/plan.hpp"
+#include "jit/layout.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/stepfuse.hpp"
 
@@ -124,13 +126,13 @@ TEST(Program, BuiltinsAreWellFormedAndNameTheirState) {
     std::vector<std::string> state;
   };
   const Expect cases[] = {
-      {jit::Builtin::sgd, {}},
-      {jit::Builtin::sgd_momentum, {"momentum_buffer"}},
-      {jit::Builtin::adam, {"exp_avg", "exp_avg_sq"}},
-      {jit::Builtin::adam_amsgrad, {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}},
-      {jit::Builtin::adagrad, {"sum"}},
-      {jit::Builtin::rmsprop_centered_momentum, {"square_avg", "grad_avg", "momentum_buffer"}},
-      {jit::Builtin::lion, {"exp_avg"}},
+      {jit::builtin_named("sgd"), {}},
+      {jit::builtin_named("sgd_momentum"), {"momentum_buffer"}},
+      {jit::builtin_named("adam"), {"exp_avg", "exp_avg_sq"}},
+      {jit::builtin_named("adam_amsgrad"), {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}},
+      {jit::builtin_named("adagrad"), {"sum"}},
+      {jit::builtin_named("rmsprop_centered_momentum"), {"square_avg", "grad_avg", "momentum_buffer"}},
+      {jit::builtin_named("lion"), {"exp_avg"}},
   };
   for (const auto& c : cases) {
     const Program& p = jit::builtin_program(c.b);
@@ -146,16 +148,16 @@ TEST(Program, BuiltinsAreWellFormedAndNameTheirState) {
 }
 
 TEST(Program, ConfigSelectsTheVariant) {
-  EXPECT_EQ(jit::select_builtin(optim::SGD{}), jit::Builtin::sgd);
-  EXPECT_EQ(jit::select_builtin(optim::SGD{.momentum = 0.9}), jit::Builtin::sgd_momentum);
-  EXPECT_EQ(jit::select_builtin(optim::SGD{.momentum = 0.9, .nesterov = true}), jit::Builtin::sgd_nesterov);
-  EXPECT_EQ(jit::select_builtin(optim::AdamW{.amsgrad = true}), jit::Builtin::adam_amsgrad);
-  EXPECT_EQ(jit::select_builtin(optim::RMSprop{.momentum = 0.5}), jit::Builtin::rmsprop_momentum);
-  EXPECT_EQ(jit::select_builtin(optim::RMSprop{.centered = true}), jit::Builtin::rmsprop_centered);
+  EXPECT_EQ(jit::select_builtin(optim::SGD{}), jit::builtin_named("sgd"));
+  EXPECT_EQ(jit::select_builtin(optim::SGD{.momentum = 0.9}), jit::builtin_named("sgd_momentum"));
+  EXPECT_EQ(jit::select_builtin(optim::SGD{.momentum = 0.9, .nesterov = true}), jit::builtin_named("sgd_nesterov"));
+  EXPECT_EQ(jit::select_builtin(optim::AdamW{.amsgrad = true}), jit::builtin_named("adam_amsgrad"));
+  EXPECT_EQ(jit::select_builtin(optim::RMSprop{.momentum = 0.5}), jit::builtin_named("rmsprop_momentum"));
+  EXPECT_EQ(jit::select_builtin(optim::RMSprop{.centered = true}), jit::builtin_named("rmsprop_centered"));
 }
 
 TEST(Program, AdamScalarsFollowPyTorch) {
-  const Program& p = jit::builtin_program(jit::Builtin::adam);
+  const Program& p = jit::builtin_program(jit::builtin_named("adam"));
   float s[kMaxScalars] = {};
   jit::fill_scalars(optim::AdamW{.lr = 0.01, .weight_decay = 0.1, .maximize = true}, p, 3, 0.25, s);
   EXPECT_EQ(s[p.find_scalar("gscale")], -0.25f);
@@ -169,7 +171,7 @@ TEST(Program, AdamScalarsFollowPyTorch) {
 }
 
 TEST(Lowering, ReadsAndWritesStreamsInPlaceWithSuperinstructions) {
-  const jit::LoweredProgram l = jit::lower(jit::builtin_program(jit::Builtin::adam), DType::f32, DType::f32, false);
+  const jit::LoweredProgram l = jit::lower(jit::builtin_program(jit::builtin_named("adam")), DType::f32, DType::f32, false);
   const std::string text = jit::to_string(l);
   // f32 streams are read in place and results written straight into them: no copies.
   EXPECT_THAT(text, Not(HasSubstr("copy"))) << text;
@@ -181,33 +183,70 @@ TEST(Lowering, ReadsAndWritesStreamsInPlaceWithSuperinstructions) {
 
 TEST(Lowering, WidensAndNarrowsLowPrecisionStreams) {
   const jit::LoweredProgram with_masters =
-      jit::lower(jit::builtin_program(jit::Builtin::sgd), DType::bf16, DType::f16, true);
+      jit::lower(jit::builtin_program(jit::builtin_named("sgd")), DType::bf16, DType::f16, true);
   const std::string t = jit::to_string(with_masters);
   EXPECT_THAT(t, HasSubstr("widen")) << t;   // the f16 gradient
   EXPECT_THAT(t, HasSubstr("narrow")) << t;  // bf16 weights from the master
-  const jit::LoweredProgram no_masters = jit::lower(jit::builtin_program(jit::Builtin::sgd), DType::bf16, DType::f32, false);
+  const jit::LoweredProgram no_masters = jit::lower(jit::builtin_program(jit::builtin_named("sgd")), DType::bf16, DType::f32, false);
   EXPECT_THAT(jit::to_string(no_masters), HasSubstr("t0 = widen weight"));
 }
 
-TEST(Plan, ChunksCoverEveryElementOnceAndThreadsSplitThem) {
+TEST(Layout, ChunksCoverEveryElementOnceAndThreadsSplitThem) {
   const std::vector<std::int64_t> sizes = {0, 1, 16384, 16385, 100000, 7};
-  for (int threads : {1, 2, 3, 8}) {
-    const detail::Plan plan = detail::make_plan(sizes, 16384, threads);
-    ASSERT_EQ(plan.threads(), threads);
-    std::vector<std::int64_t> covered(sizes.size(), 0);
-    for (const auto& c : plan.chunks) {
-      EXPECT_EQ(c.begin, covered[c.tensor]);
-      EXPECT_GT(c.len, 0);
-      EXPECT_LE(c.len, 16384);
-      covered[c.tensor] += c.len;
+  std::vector<jit::TensorShape> shapes;
+  for (std::int64_t n : sizes) shapes.push_back({n, {}});
+  const jit::Layout l = jit::plan_layout(shapes);
+  std::vector<std::int64_t> covered(sizes.size(), 0);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    for (std::size_t c = l.tensor_chunks[t]; c < l.tensor_chunks[t + 1]; ++c) {
+      EXPECT_EQ(l.chunks[c].tensor, t);
+      EXPECT_EQ(l.chunks[c].begin, covered[t]);
+      EXPECT_GT(l.chunks[c].len, 0);
+      EXPECT_LE(l.chunks[c].len, jit::kChunkElems);
+      covered[t] += l.chunks[c].len;
     }
-    EXPECT_EQ(covered, sizes);
-    EXPECT_EQ(plan.thread_chunks.front(), 0u);
-    EXPECT_EQ(plan.thread_chunks.back(), plan.chunks.size());
-    for (int t = 0; t < threads; ++t) EXPECT_LE(plan.thread_chunks[t], plan.thread_chunks[t + 1]);
   }
-  const detail::Plan two = detail::make_plan({1 << 20}, 16384, 2);
-  EXPECT_EQ(two.thread_chunks[1], two.chunks.size() / 2);  // an even split
+  EXPECT_EQ(covered, sizes);
+  EXPECT_EQ(l.tensor_chunks.back(), l.chunks.size());
+  for (int threads : {1, 2, 3, 8}) {
+    const std::vector<std::size_t> split = jit::split_chunks(l.chunks, threads);
+    ASSERT_EQ(split.size(), static_cast<std::size_t>(threads) + 1);
+    EXPECT_EQ(split.front(), 0u);
+    EXPECT_EQ(split.back(), l.chunks.size());
+    for (int t = 0; t < threads; ++t) EXPECT_LE(split[t], split[t + 1]);
+  }
+  const jit::Layout big = jit::plan_layout({{1 << 20, {}}});
+  EXPECT_EQ(jit::split_chunks(big.chunks, 2)[1], big.chunks.size() / 2);  // an even split
+}
+
+TEST(Layout, OffsetsMastersAndCombinationsInFirstUseOrder) {
+  const jit::DtypeCombo f32{}, bf16m{DType::bf16, DType::bf16, true}, f16{DType::f16, DType::f32, false};
+  const std::vector<jit::TensorShape> shapes = {{10, bf16m}, {16, f32}, {17, bf16m}, {0, f16}, {5, f32}};
+  const jit::Layout padded = jit::plan_layout(shapes);
+  EXPECT_EQ(padded.offsets, (std::vector<std::int64_t>{0, 16, 32, 64, 64}));
+  EXPECT_EQ(padded.state_elems, 80);
+  EXPECT_EQ(padded.master_offsets, (std::vector<std::int64_t>{0, -1, 16, -1, -1}));
+  EXPECT_EQ(padded.master_elems, 48);
+  EXPECT_EQ(padded.combos, (std::vector<jit::DtypeCombo>{bf16m, f32, f16}));
+  EXPECT_EQ(padded.tensor_combo, (std::vector<int>{0, 1, 0, 2, 1}));
+  EXPECT_EQ(padded.reduce_grads, (std::vector<DType>{DType::bf16, DType::f32}));
+  EXPECT_EQ(padded.tensor_reduce, (std::vector<int>{0, 1, 0, 1, 1}));
+  const jit::Layout flat = jit::plan_layout(shapes, /*flat=*/true);
+  EXPECT_EQ(flat.offsets, (std::vector<std::int64_t>{0, 10, 26, 43, 43}));
+  EXPECT_EQ(flat.state_elems, 48);
+  EXPECT_EQ(flat.master_offsets, (std::vector<std::int64_t>{0, -1, 10, -1, -1}));
+  EXPECT_EQ(flat.master_elems, 27);
+  // A dense, distinct table index for every combination.
+  std::vector<int> seen;
+  for (DType w : {DType::f32, DType::f16, DType::bf16})
+    for (DType g : {DType::f32, DType::f16, DType::bf16})
+      for (bool m : {false, true}) {
+        const int i = jit::DtypeCombo{w, g, m}.index();
+        EXPECT_GE(i, 0);
+        EXPECT_LT(i, jit::kNumComboIndices);
+        EXPECT_EQ(std::count(seen.begin(), seen.end(), i), 0);
+        seen.push_back(i);
+      }
 }
 
 TEST(ThreadPool, RunsEveryIndexOnceAndWaits) {

@@ -12,18 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "jit/layout.hpp"
 #include "stepfuse/program.hpp"
 #include "stepfuse/types.hpp"
 
 namespace stepfuse::jit {
-
-// A tensor's storage: the dtype combination a kernel is specialized for.
-struct CudaCombo {
-  DType weight = DType::f32;
-  DType grad = DType::f32;
-  bool master = false;  // fp32 master weights (weight is f16/bf16)
-  bool operator==(const CudaCombo&) const = default;
-};
 
 enum class CudaNorm { l2, inf };
 
@@ -31,7 +24,7 @@ enum class CudaNorm { l2, inf };
 // target arch, which the compiler adds to the cache key.
 struct CudaSpec {
   Program program;
-  std::vector<CudaCombo> combos;  // the combinations present, in first-use order
+  std::vector<DtypeCombo> combos;  // the combinations present, in first-use order
   CudaNorm norm = CudaNorm::l2;
   bool flat = false;       // every stream is one contiguous buffer, one combo: no span table
   bool aligned16 = false;  // every stream base 16-byte aligned, state offsets multiples of 4:

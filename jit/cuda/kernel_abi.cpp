@@ -4,7 +4,7 @@
 #include <cstddef>
 
 #include "jit/abi_json.hpp"
-#include "jit/cuda/embedded_headers.hpp"
+#include "jit/cuda/embedded_files.hpp"
 #include "jit/step_scalars.h"  // sf_scalar_rule, which device_abi.h uses
 
 extern "C" {
@@ -186,12 +186,14 @@ std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program
       .end_array();
   j.str("scalar_stage",
         "In sf_reduce's last block to finish: the partials are combined in chunk order per tensor in fp64, then tensors in "
-        "order (the CPU backend's order, so the norm is bitwise the CPU's); found_inf; norm = sqrt(total) / S (inf-norm: "
-        "max / S); clip = min(1, max_grad_norm / (norm + 1e-6)) when max_grad_norm > 0; gscale = clip / S; each scalar k = "
-        "(float)sf_eval_rule(&hyper.rules[k], step + 1, gscale) into st->scalars, then st->step += 1 and st->applied = 1. "
-        "On inf/NaN with check_finite: applied = 0 and sf_update returns at once (nothing is written). In plain mode every "
-        "sf_update block evaluates the rules itself with gscale = 1, and its last block counts the step.");
-  j.str("abi_header", "stepfuse/device_abi.h (EmittedKernel::abi_header): the structs, constants and sf_eval_rule");
+        "order (the CPU backend's order, so the norm is bitwise the CPU's), giving found_inf and the norm of the stored "
+        "gradients; then stage = sf_step_stage(found_inf, check_finite, norm, S, hyper.max_grad_norm, st->step) and, when "
+        "stage.applied, sf_eval_scalars(hyper.rules, num_scalars, stage.step, stage.gscale, st->scalars). When it is not "
+        "applied sf_update returns at once (nothing is written). In plain mode every sf_update block evaluates the rules "
+        "for sf_step_stage(0, 0, NaN, 1, 0, st->step) itself, and its last block counts the step. sf_update_scale is "
+        "sf_grad_scaler_update.");
+  j.str("abi_header", "stepfuse/device_abi.h (EmittedKernel::abi_header): the structs, constants, the scalar rules "
+                      "(sf_eval_rule, sf_eval_scalars) and the step stage (sf_step_stage, sf_grad_scaler_update)");
   j.end_object();
   return j.finish();
 }

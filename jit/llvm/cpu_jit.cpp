@@ -67,7 +67,7 @@ class Linker {
 
 std::vector<std::string> symbols_of(const CpuSpec& spec) {
   std::vector<std::string> out;
-  for (const CpuCombo& c : spec.combos) out.push_back(cpu_update_symbol(c));
+  for (const DtypeCombo& c : spec.combos) out.push_back(cpu_update_symbol(c));
   for (DType g : spec.reduce_grads) out.push_back(cpu_reduce_symbol(g, spec.inf_norm));
   return out;
 }

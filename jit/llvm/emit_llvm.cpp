@@ -94,7 +94,7 @@ class Emitter {
   Emitter(llvm::Module& m, const CpuTarget& target, bool contract)
       : ctx_(m.getContext()), mod_(m), b_(ctx_), target_(target), contract_(contract) {}
 
-  void update_function(const Program& p, const CpuCombo& c);
+  void update_function(const Program& p, const DtypeCombo& c);
   void reduce_function(DType g, bool inf_norm);
 
  private:
@@ -216,7 +216,7 @@ class Emitter {
     llvm::Value* scalars[kMaxScalars];
   };
   // The program over `w` elements starting at element i.
-  void body(const Program& p, const CpuCombo& c, const Streams& s, llvm::Value* i, unsigned w) {
+  void body(const Program& p, const DtypeCombo& c, const Streams& s, llvm::Value* i, unsigned w) {
     std::vector<llvm::Value*> v(p.num_instrs, nullptr);
     for (int k = 0; k < p.num_instrs; ++k) {
       const Instr& in = p.code[k];
@@ -268,7 +268,7 @@ class Emitter {
 // void sf_cpu_update_<combo>(const sf_cpu_update_args* args, uint64_t begin, uint64_t n):
 // a vector loop over whole vectors, then a scalar loop over the rest. Every
 // element gets the same IEEE operations either way, so the split is invisible.
-void Emitter::update_function(const Program& p, const CpuCombo& c) {
+void Emitter::update_function(const Program& p, const DtypeCombo& c) {
   in_update_ = true;
   const unsigned W = static_cast<unsigned>(target_.vector_width);
   llvm::Function* f = function(cpu_update_symbol(c), b_.getVoidTy(), {i8p(), i64(), i64()});
@@ -427,7 +427,7 @@ void check_spec(const CpuSpec& spec) {
   if (const char* problem = find_problem(spec.program, &where))
     throw Error(ErrorCode::invalid_argument, "LLVM emitter: invalid program (instruction " + std::to_string(where) +
                                                  "): " + problem);
-  for (const CpuCombo& c : spec.combos)
+  for (const DtypeCombo& c : spec.combos)
     if (c.master && c.weight == DType::f32)
       throw Error(ErrorCode::invalid_argument, "LLVM emitter: f32 weights have no fp32 master copy");
 }
@@ -439,7 +439,7 @@ std::unique_ptr<llvm::Module> build_module(llvm::LLVMContext& ctx, const CpuSpec
   m->setTargetTriple(target.triple);
   m->setDataLayout(tm.createDataLayout());
   Emitter e(*m, target, spec.contract);
-  for (const CpuCombo& c : spec.combos) e.update_function(spec.program, c);
+  for (const DtypeCombo& c : spec.combos) e.update_function(spec.program, c);
   for (DType g : spec.reduce_grads) e.reduce_function(g, spec.inf_norm);
   std::string problems;
   llvm::raw_string_ostream os(problems);
@@ -529,7 +529,7 @@ std::string cpu_canonical_text(const CpuSpec& spec) {
   std::ostringstream o;
   o << "stepfuse llvm emitter " << kEmitterVersion << "\nnorm " << (spec.inf_norm ? "inf" : "l2") << "\ncontract "
     << spec.contract << "\ncombos";
-  for (const CpuCombo& c : spec.combos)
+  for (const DtypeCombo& c : spec.combos)
     o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "");
   o << "\nreduce";
   for (DType g : spec.reduce_grads) o << " " << dtype_name(g);
@@ -551,7 +551,7 @@ std::string cpu_cache_key(const CpuSpec& spec, const CpuTarget& target) {
          cpu_canonical_text(spec);
 }
 
-std::string cpu_update_symbol(const CpuCombo& c) {
+std::string cpu_update_symbol(const DtypeCombo& c) {
   return "sf_cpu_update_" + std::string(dtype_name(c.weight)) + "_" + std::string(dtype_name(c.grad)) +
          (c.master ? "_m" : "");
 }

@@ -30,22 +30,16 @@
 #include <string>
 #include <vector>
 
+#include "jit/layout.hpp"
 #include "stepfuse/program.hpp"
 #include "stepfuse/types.hpp"
 
 namespace stepfuse::jit {
 
-struct CpuCombo {
-  DType weight = DType::f32;
-  DType grad = DType::f32;
-  bool master = false;  // fp32 master weights (weight is f16/bf16)
-  bool operator==(const CpuCombo&) const = default;
-};
-
 // Everything the generated module depends on, except the target CPU.
 struct CpuSpec {
   Program program;                // names unused (they are not part of the code)
-  std::vector<CpuCombo> combos;   // update functions: the combinations present, in first-use order
+  std::vector<DtypeCombo> combos;   // update functions: the combinations present, in first-use order
   std::vector<DType> reduce_grads;  // reduce functions: the grad dtypes present
   bool inf_norm = false;          // reduce functions for the inf-norm (else L2)
   bool contract = false;          // let LLVM fuse mul+add pairs of the update into FMAs
@@ -70,7 +64,7 @@ struct CpuTarget {
 bool llvm_built();           // false when stepfuse was built without LLVM
 std::string llvm_version();  // "14.0.6", or "" when not built
 
-std::string cpu_update_symbol(const CpuCombo& combo);
+std::string cpu_update_symbol(const DtypeCombo& combo);
 std::string cpu_reduce_symbol(DType grad, bool inf_norm);
 
 // Stable across runs and compilers; with the target and versions, the cache key.

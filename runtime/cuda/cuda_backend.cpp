@@ -9,7 +9,7 @@
 #include <string>
 
 #include "jit/cuda/cuda_kernels.hpp"
-#include "runtime/cuda/cuda_layout.hpp"
+#include "jit/cuda/cuda_layout.hpp"
 #include "runtime/cuda/cuda_scaler.hpp"
 #include "stepfuse/error.hpp"
 
@@ -168,13 +168,10 @@ CudaBackend::CudaBackend(const Program& program, const std::vector<Param>& param
                         "; with Device::cuda, weights and gradients must be device allocations of that GPU");
     }
   }
-  CudaLayout layout = plan_cuda_layout(program, params_, options);
+  jit::CudaLayout layout = jit::plan_cuda_layout(program, params_, options);
   spec_ = layout.spec;
-  offsets_ = layout.offsets;
-  master_offsets_ = layout.master_offsets;
-  total_ = layout.state_elems;
-  master_total_ = layout.master_elems;
-  flat_numel_ = layout.flat_numel;
+  layout_ = layout.layout;
+  const std::int64_t total = layout_.state_elems;
   num_chunks_ = static_cast<int>(layout.chunks.size());
   num_update_blocks_ = layout.num_update_blocks;
   std::vector<sf_tensor>& tensors = layout.tensors;
@@ -192,17 +189,17 @@ CudaBackend::CudaBackend(const Program& program, const std::vector<Param>& param
   // State and masters.
   for (int s = 0; s < program.num_streams; ++s) {
     if (program.streams[s].role != StreamRole::state) continue;
-    state_[s] = DeviceBuffer(static_cast<std::size_t>(std::max<std::int64_t>(total_, 1)) * sizeof(float));
+    state_[s] = DeviceBuffer(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)) * sizeof(float));
     float value = state_init[s];
-    long long n = total_;
+    long long n = total;
     cuda::CUdeviceptr dst = state_[s].get();
     void* args[] = {&dst, &n, &value};
     launch(util.fill, "sf_fill", grid_for(n, 256), 256, stream_, args);
   }
-  if (master_total_ > 0) masters_ = DeviceBuffer(static_cast<std::size_t>(master_total_) * sizeof(float));
+  if (layout_.master_elems > 0) masters_ = DeviceBuffer(static_cast<std::size_t>(layout_.master_elems) * sizeof(float));
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (master_offsets_[i] < 0) continue;
-    tensors[i].master = masters_.as<float>() + master_offsets_[i];
+    if (layout_.master_offsets[i] < 0) continue;
+    tensors[i].master = masters_.as<float>() + layout_.master_offsets[i];
     const void* src = params_[i].weight.data;
     float* dst = tensors[i].master;
     long long n = params_[i].weight.numel;
@@ -255,7 +252,7 @@ void CudaBackend::step(const CudaStepRequest& request, const sf_scalar_rule* rul
   }
   sf_streams streams{};
   for (int s = 0; s < program_.num_streams; ++s) streams.s[s] = state_[s].as<float>();
-  long long flat_numel = flat_numel_;
+  long long flat_numel = layout_.state_elems;  // the flat layout's elements (jit::CudaLayout::flat_numel)
   int plain = reduce ? 0 : 1;
   void* args[] = {&tensors, &blocks, &flat_numel, &streams, &st, &hyper, &plain};
   launch(update_, "sf_update", static_cast<unsigned>(num_update_blocks_), SF_UPDATE_THREADS, stream_, args);
@@ -319,21 +316,21 @@ void CudaBackend::write_step_count(std::int64_t n) {
 void CudaBackend::download(float* const* state, float* masters) const {
   synchronize();
   for (int s = 0; s < program_.num_streams; ++s)
-    if (state_[s].get() != 0 && state[s] != nullptr && total_ > 0)
-      cuda::check(api().cuMemcpyDtoH(state[s], state_[s].get(), static_cast<std::size_t>(total_) * sizeof(float)), "cuMemcpyDtoH");
-  if (master_total_ > 0 && masters != nullptr)
-    cuda::check(api().cuMemcpyDtoH(masters, masters_.get(), static_cast<std::size_t>(master_total_) * sizeof(float)),
+    if (state_[s].get() != 0 && state[s] != nullptr && layout_.state_elems > 0)
+      cuda::check(api().cuMemcpyDtoH(state[s], state_[s].get(), static_cast<std::size_t>(layout_.state_elems) * sizeof(float)), "cuMemcpyDtoH");
+  if (layout_.master_elems > 0 && masters != nullptr)
+    cuda::check(api().cuMemcpyDtoH(masters, masters_.get(), static_cast<std::size_t>(layout_.master_elems) * sizeof(float)),
                 "cuMemcpyDtoH");
 }
 
 void CudaBackend::upload(const float* const* state, const float* masters) {
   synchronize();
   for (int s = 0; s < program_.num_streams; ++s)
-    if (state_[s].get() != 0 && state[s] != nullptr && total_ > 0)
-      cuda::check(api().cuMemcpyHtoDAsync(state_[s].get(), state[s], static_cast<std::size_t>(total_) * sizeof(float), stream_),
+    if (state_[s].get() != 0 && state[s] != nullptr && layout_.state_elems > 0)
+      cuda::check(api().cuMemcpyHtoDAsync(state_[s].get(), state[s], static_cast<std::size_t>(layout_.state_elems) * sizeof(float), stream_),
                   "cuMemcpyHtoDAsync");
-  if (master_total_ > 0 && masters != nullptr)
-    cuda::check(api().cuMemcpyHtoDAsync(masters_.get(), masters, static_cast<std::size_t>(master_total_) * sizeof(float), stream_),
+  if (layout_.master_elems > 0 && masters != nullptr)
+    cuda::check(api().cuMemcpyHtoDAsync(masters_.get(), masters, static_cast<std::size_t>(layout_.master_elems) * sizeof(float), stream_),
                 "cuMemcpyHtoDAsync");
   synchronize();  // ordered before the next step's kernels on this stream, and done
 }

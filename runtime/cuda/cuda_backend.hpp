@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "jit/cuda/emit_cuda.hpp"
+#include "jit/layout.hpp"
 #include "jit/step_scalars.h"
 #include "jit/base/cuda_api.hpp"
 #include "stepfuse/optimizer.hpp"
@@ -106,14 +107,12 @@ class CudaBackend {
   std::int64_t read_step_count() const;
   void write_step_count(std::int64_t n);
   // Copies of the state streams and masters to/from host arrays laid out by
-  // offsets() / master_offsets() (tensor i at element offsets()[i]).
+  // layout() (tensor i at element layout().offsets[i]).
   void download(float* const* state, float* masters) const;
   void upload(const float* const* state, const float* masters);
 
-  const std::vector<std::int64_t>& offsets() const { return offsets_; }
-  const std::vector<std::int64_t>& master_offsets() const { return master_offsets_; }  // -1: no master
-  std::int64_t state_elems() const { return total_; }
-  std::int64_t master_elems() const { return master_total_; }
+  // Where each tensor's state and master live on the device (jit/layout.hpp).
+  const jit::Layout& layout() const { return layout_; }
   cuda::CUstream stream() const { return stream_; }
   const CudaContext& context() const { return *ctx_; }
   const jit::CudaSpec& spec() const { return spec_; }
@@ -128,8 +127,7 @@ class CudaBackend {
   jit::CudaSpec spec_;
   std::unique_ptr<CudaModule> reduce_module_, update_module_;
   cuda::CUfunction reduce_ = nullptr, update_ = nullptr;
-  std::vector<std::int64_t> offsets_, master_offsets_;
-  std::int64_t total_ = 0, master_total_ = 0, flat_numel_ = 0;
+  jit::Layout layout_;
   int num_chunks_ = 0, num_update_blocks_ = 0;
   DeviceBuffer factor_;  // scale_tensors()' factor
   DeviceBuffer state_[kMaxStreams], masters_, step_state_, tensors_, chunks_, blocks_, partials_, tensor_sums_;

@@ -26,13 +26,13 @@
 namespace {
 
 using stepfuse::DType;
-using stepfuse::jit::CudaCombo;
+using stepfuse::jit::DtypeCombo;
 using stepfuse::jit::CudaSpec;
 
 // Weight-major: every weight x grad dtype, masters only for 16-bit weights (15 in all).
 // cuda_codegen_test checks the emitted list against its own enumeration.
-std::vector<CudaCombo> all_combos() {
-  std::vector<CudaCombo> out;
+std::vector<DtypeCombo> all_combos() {
+  std::vector<DtypeCombo> out;
   for (DType w : {DType::f32, DType::f16, DType::bf16})
     for (DType g : {DType::f32, DType::f16, DType::bf16})
       for (bool m : {false, true})
@@ -46,7 +46,7 @@ const char* dtype_enum(DType t) {
 
 std::string generate() {
   const std::string& headers = stepfuse::jit::cuda_embedded_headers();
-  const std::vector<CudaCombo> combos = all_combos();
+  const std::vector<DtypeCombo> combos = all_combos();
   std::string out =
       "// Generated at build time by tests/tools/emit_elements.cpp from the CUDA emitter\n"
       "// (jit/cuda/emit_cuda.cpp): do not edit. Included by tests/cuda_codegen_test.cpp.\n";
@@ -74,7 +74,7 @@ std::string generate() {
     const std::string ns = "sf_gen_" + std::string(spec.program.name);
     out += "namespace " + ns + " {\n" + text.substr(headers.size()) + "}  // namespace " + ns + "\n";
     table += "  {\"" + std::string(spec.program.name) + "\", " + std::to_string(combos.size()) + ",\n   {";
-    for (const CudaCombo& c : combos)
+    for (const DtypeCombo& c : combos)
       table += std::string("{") + dtype_enum(c.weight) + ", " + dtype_enum(c.grad) + ", " + (c.master ? "true" : "false") +
                "}, ";
     table += "},\n   {";

@@ -1,10 +1,9 @@
-// Planning a tensor list's layout for the CUDA kernels.
-#include "runtime/cuda/cuda_layout.hpp"
+// The CUDA kernels' tables, from the layout plan.
+#include "jit/cuda/cuda_layout.hpp"
 
-#include <algorithm>
 #include <cmath>
 
-namespace stepfuse::detail {
+namespace stepfuse::jit {
 
 namespace {
 
@@ -34,11 +33,11 @@ bool is_flat(const std::vector<Param>& params) {
 }  // namespace
 
 CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options) {
-  std::vector<CudaTensorShape> shapes;
+  std::vector<TensorShape> shapes;
   shapes.reserve(params.size());
   for (const Param& p : params)
     shapes.push_back({p.weight.numel, {p.weight.dtype, p.grad.dtype, options.master_weights && p.weight.dtype != DType::f32}});
-  CudaLayout l = plan_cuda_layout(program, shapes, options.norm_type == INFINITY ? jit::CudaNorm::inf : jit::CudaNorm::l2,
+  CudaLayout l = plan_cuda_layout(program, shapes, options.norm_type == INFINITY ? CudaNorm::inf : CudaNorm::l2,
                                   is_flat(params), vector_aligned(params));
   for (std::size_t i = 0; i < params.size(); ++i) {
     l.tensors[i].grad = params[i].grad.data;
@@ -47,49 +46,37 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& pa
   return l;
 }
 
-CudaLayout plan_cuda_layout(const Program& program, const std::vector<CudaTensorShape>& tensors, jit::CudaNorm norm,
-                            bool flat, bool aligned16) {
+CudaLayout plan_cuda_layout(const Program& program, const std::vector<TensorShape>& tensors, CudaNorm norm, bool flat,
+                            bool aligned16) {
   CudaLayout l;
+  l.layout = plan_layout(tensors, flat);
   l.spec.program = program;
   l.spec.norm = norm;
   l.spec.aligned16 = aligned16;
   l.spec.flat = flat;
-
+  l.spec.combos = l.layout.combos;
   l.tensors.resize(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const std::int64_t numel = tensors[i].numel;
-    const jit::CudaCombo combo = tensors[i].combo;
-    const bool master = combo.master;
-    auto it = std::find(l.spec.combos.begin(), l.spec.combos.end(), combo);
-    if (it == l.spec.combos.end()) it = l.spec.combos.insert(l.spec.combos.end(), combo);
-
-    // Flat: exact concatenation (one index for every stream). Otherwise each
-    // tensor starts on a 64-byte boundary, which keeps vector accesses aligned.
-    const std::int64_t padded = l.spec.flat ? numel : (numel + 15) / 16 * 16;
-    l.offsets.push_back(l.state_elems);
-    l.state_elems += padded;
-    l.master_offsets.push_back(master ? l.master_elems : -1);
-    if (master) l.master_elems += padded;
-
     sf_tensor& t = l.tensors[i];
     t.grad = nullptr;
     t.weight = nullptr;
     t.master = nullptr;
-    t.state_offset = l.offsets.back();
+    t.state_offset = l.layout.offsets[i];
     t.numel = numel;
-    t.first_chunk = static_cast<long long>(l.chunks.size());
-    t.combo = static_cast<int>(it - l.spec.combos.begin());
-    for (std::int64_t b = 0; b < numel; b += SF_CHUNK_ELEMS)
-      l.chunks.push_back({b, static_cast<int>(i), static_cast<int>(std::min<std::int64_t>(SF_CHUNK_ELEMS, numel - b))});
-    t.num_chunks = static_cast<int>(static_cast<long long>(l.chunks.size()) - t.first_chunk);
+    t.first_chunk = static_cast<long long>(l.layout.tensor_chunks[i]);
+    t.num_chunks = static_cast<int>(l.layout.tensor_chunks[i + 1] - l.layout.tensor_chunks[i]);
+    t.combo = l.layout.tensor_combo[i];
     for (std::int64_t b = 0; b < numel; b += SF_UPDATE_ELEMS)
       l.blocks.push_back({b, static_cast<int>(i), static_cast<int>(std::min<std::int64_t>(SF_UPDATE_ELEMS, numel - b))});
   }
+  l.chunks.reserve(l.layout.chunks.size());
+  for (const Chunk& c : l.layout.chunks) l.chunks.push_back({c.begin, static_cast<int>(c.tensor), static_cast<int>(c.len)});
   if (l.blocks.empty()) l.blocks.push_back({0, 0, 0});  // one idle block still counts a plain step
-  l.flat_numel = l.state_elems;
-  l.num_update_blocks = l.spec.flat ? static_cast<int>(std::max<std::int64_t>((l.flat_numel + SF_UPDATE_ELEMS - 1) / SF_UPDATE_ELEMS, 1))
-                                    : static_cast<int>(l.blocks.size());
+  l.num_update_blocks =
+      flat ? static_cast<int>(std::max<std::int64_t>((l.layout.state_elems + SF_UPDATE_ELEMS - 1) / SF_UPDATE_ELEMS, 1))
+           : static_cast<int>(l.blocks.size());
   return l;
 }
 
-}  // namespace stepfuse::detail
+}  // namespace stepfuse::jit

@@ -1,0 +1,49 @@
+// The tables of a tensor list for the CUDA kernels, computed once per optimizer
+// on the host from the layout plan (jit/layout.hpp): the spec (dtype
+// combinations, layout class), the tensor table, the reduce chunks and update
+// blocks. Pure host code (no driver), so it is tested without a GPU.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "jit/cuda/emit_cuda.hpp"
+#include "jit/layout.hpp"
+#include "jit/step_scalars.h"
+#include "stepfuse/optimizer.hpp"
+
+extern "C" {
+#include "jit/cuda/device_abi.h"
+}
+
+namespace stepfuse::jit {
+
+struct CudaLayout {
+  CudaSpec spec;
+  Layout layout;                   // offsets, master offsets, combinations, chunks
+  std::vector<sf_tensor> tensors;  // master = null here: the backend points it into its master buffer
+  std::vector<sf_span> chunks;     // reduce: layout.chunks as the kernels read them
+  std::vector<sf_span> blocks;     // update (table layout): SF_UPDATE_ELEMS per block; one idle block if empty
+  int num_update_blocks = 0;       // the update grid
+  long long flat_numel() const { return layout.state_elems; }  // elements of the flat layout
+  int reduce_grid() const {
+    return static_cast<int>(std::max<std::size_t>((chunks.size() + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
+  }
+};
+
+// Flat: the tensors are consecutive views of one weight and one grad buffer with
+// one dtype combination (state and masters are then laid out exactly alike, so
+// one index serves every stream). aligned16: every weight and grad base is
+// aligned for 4-element vector accesses (16 bytes for f32, 8 for f16/bf16).
+CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options);
+
+// The same from sizes and storage only, for a spec whose layout class (flat,
+// aligned16) and norm the caller has decided: the tables' pointers (grad, weight,
+// master) are null, for the caller to fill. What the emit API gives a compiler
+// that launches the kernels itself (stepfuse/emit.hpp). The caller checks that a
+// flat spec has one combination.
+CudaLayout plan_cuda_layout(const Program& program, const std::vector<TensorShape>& tensors, CudaNorm norm, bool flat,
+                            bool aligned16);
+
+}  // namespace stepfuse::jit

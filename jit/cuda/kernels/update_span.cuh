@@ -1,0 +1,32 @@
+/* One update block's span of one tensor, for dtype combination {K}: loads, the
+ * program's element function sf_body_{K}, stores. {VECTOR}: 1 when every stream is
+ * aligned for 4-element accesses; {LOAD4} ... {STORE1}: the combination's accesses. */
+SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long long begin, int len,
+                                         const sf_streams* SF_RESTRICT ss, const float* SF_RESTRICT sc) {
+  const long long so = t->state_offset + begin;
+  for (int i = threadIdx.x * 4; i < len; i += SF_UPDATE_THREADS * 4) {
+    float g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float st[SF_MAX_STREAMS][4] = {};  /* lanes past a short tail stay 0 (computed, never stored) */
+    const int n = len - i < 4 ? len - i : 4;
+    if ({VECTOR} && n == 4) {
+{LOAD4}
+    } else {
+      for (int j = 0; j < n; ++j) {
+{LOAD1}
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      float s[SF_MAX_STREAMS];
+{GATHER}
+      sf_body_{K}(sc, g[j], &p[j], s);
+{SCATTER}
+    }
+    if ({VECTOR} && n == 4) {
+{STORE4}
+    } else {
+      for (int j = 0; j < n; ++j) {
+{STORE1}
+      }
+    }
+  }
+}

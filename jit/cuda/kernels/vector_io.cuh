@@ -1,0 +1,29 @@
+/* 4-element vector loads and stores of each storage format (CUDA only): the update
+ * kernel's 16-byte (f32) and 8-byte (f16, bf16) accesses. */
+SF_DEV SF_INLINE void sf_load4_f32(const void* p, long long i, float* v) {
+  const float4 q = *(const float4*)((const float*)p + i);
+  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+SF_DEV SF_INLINE void sf_load4_f16(const void* p, long long i, float* v) {
+  const uint2 q = *(const uint2*)((const sf_u16*)p + i);
+  v[0] = sf_widen_f16((sf_u16)(q.x & 0xFFFFu)); v[1] = sf_widen_f16((sf_u16)(q.x >> 16));
+  v[2] = sf_widen_f16((sf_u16)(q.y & 0xFFFFu)); v[3] = sf_widen_f16((sf_u16)(q.y >> 16));
+}
+SF_DEV SF_INLINE void sf_load4_bf16(const void* p, long long i, float* v) {
+  const uint2 q = *(const uint2*)((const sf_u16*)p + i);
+  v[0] = sf_widen_bf16((sf_u16)(q.x & 0xFFFFu)); v[1] = sf_widen_bf16((sf_u16)(q.x >> 16));
+  v[2] = sf_widen_bf16((sf_u16)(q.y & 0xFFFFu)); v[3] = sf_widen_bf16((sf_u16)(q.y >> 16));
+}
+SF_DEV SF_INLINE void sf_store4_f32(void* p, long long i, const float* v) {
+  *(float4*)((float*)p + i) = make_float4(v[0], v[1], v[2], v[3]);
+}
+SF_DEV SF_INLINE void sf_store4_f16(void* p, long long i, const float* v) {
+  *(uint2*)((sf_u16*)p + i) = make_uint2((unsigned)sf_narrow_f16(v[0]) | ((unsigned)sf_narrow_f16(v[1]) << 16),
+                                         (unsigned)sf_narrow_f16(v[2]) | ((unsigned)sf_narrow_f16(v[3]) << 16));
+}
+SF_DEV SF_INLINE void sf_store4_bf16(void* p, long long i, const float* v) {
+  *(uint2*)((sf_u16*)p + i) = make_uint2((unsigned)sf_narrow_bf16(v[0]) | ((unsigned)sf_narrow_bf16(v[1]) << 16),
+                                         (unsigned)sf_narrow_bf16(v[2]) | ((unsigned)sf_narrow_bf16(v[3]) << 16));
+}
+
+#define SF_FULL_MASK 0xFFFFFFFFu
