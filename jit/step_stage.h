@@ -80,8 +80,8 @@ typedef struct sf_loss_scale {
  * step that found inf/NaN, scale * backoff_factor; after growth_interval good steps
  * in a row, scale * growth_factor, kept only if finite; products in double, rounded
  * to fp32 once. */
-SF_HD static inline sf_loss_scale sf_grad_scaler_update(sf_loss_scale s, int found_inf, double growth_factor,
-                                                        double backoff_factor, long long growth_interval) {
+SF_HD static inline sf_loss_scale sf_amp_update_scale(sf_loss_scale s, int found_inf, double growth_factor,
+                                                      double backoff_factor, long long growth_interval) {
   if (found_inf) {
     s.scale = (float)((double)s.scale * backoff_factor);
     s.growth_tracker = 0;
@@ -98,7 +98,7 @@ SF_HD static inline sf_loss_scale sf_grad_scaler_update(sf_loss_scale s, int fou
 /* Keras's LossScaleOptimizer (dynamic): after a non-finite step the scale halves,
  * not below 1; after growth_steps finite steps in a row it doubles, kept only if
  * finite. */
-SF_HD static inline sf_loss_scale sf_keras_loss_scale_update(sf_loss_scale s, int found_inf, long long growth_steps) {
+SF_HD static inline sf_loss_scale sf_keras_update_scale(sf_loss_scale s, int found_inf, long long growth_steps) {
   if (found_inf) {
     const float half = s.scale / 2.0f;
     s.scale = half > 1.0f ? half : 1.0f;

@@ -243,8 +243,8 @@ void GradScaler::update(std::optional<double> new_scale) {
                   "GradScaler::update: no inf checks were recorded prior to update() (call step() or unscale_() for "
                   "each optimizer first)");
     // The same rule as the device's sf_update_scale kernel (jit/step_stage.h).
-    const sf_loss_scale next = sf_grad_scaler_update({current_scale_, growth_tracker_}, found_inf, growth_factor_,
-                                                     backoff_factor_, growth_interval_);
+    const sf_loss_scale next = sf_amp_update_scale({current_scale_, growth_tracker_}, found_inf, growth_factor_,
+                                                   backoff_factor_, growth_interval_);
     current_scale_ = next.scale;
     growth_tracker_ = static_cast<std::int32_t>(next.growth_tracker);
   }

@@ -77,7 +77,7 @@ void LossScaleOptimizer::get_unscaled_gradients(const std::vector<TensorView>& g
 
 void LossScaleOptimizer::update_scale(bool finite) {
   if (!dynamic_) return;
-  const sf_loss_scale next = sf_keras_loss_scale_update({scale_, counter_}, !finite, growth_steps_);
+  const sf_loss_scale next = sf_keras_update_scale({scale_, counter_}, !finite, growth_steps_);
   scale_ = next.scale;
   counter_ = next.growth_tracker;
 }

@@ -647,7 +647,7 @@ struct Tensor {
   double ref_param(std::size_t i) const { return combo.master ? master[i] : ref_value(combo.weight, weight.data(), i); }
 
   cpu::UpdateArgs args(const float* scalars) {
-    cpu::UpdateArgs a;
+    cpu::UpdateArgs a{};
     a.grad = grad.data();
     a.weight = weight.data();
     a.master = combo.master ? master.data() : nullptr;

@@ -9,7 +9,7 @@
 #include <sstream>
 #include <string_view>
 
-#include "jit/cuda/embedded_files.hpp"
+#include "jit/embedded_files.hpp"
 
 namespace stepfuse::jit {
 

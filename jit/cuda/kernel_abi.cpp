@@ -4,7 +4,7 @@
 #include <cstddef>
 
 #include "jit/abi_json.hpp"
-#include "jit/cuda/embedded_files.hpp"
+#include "jit/embedded_files.hpp"
 #include "jit/step_scalars.h"  // sf_scalar_rule, which device_abi.h uses
 
 extern "C" {
@@ -191,9 +191,9 @@ std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program
         "stage.applied, sf_eval_scalars(hyper.rules, num_scalars, stage.step, stage.gscale, st->scalars). When it is not "
         "applied sf_update returns at once (nothing is written). In plain mode every sf_update block evaluates the rules "
         "for sf_step_stage(0, 0, NaN, 1, 0, st->step) itself, and its last block counts the step. sf_update_scale is "
-        "sf_grad_scaler_update.");
+        "sf_amp_update_scale.");
   j.str("abi_header", "stepfuse/device_abi.h (EmittedKernel::abi_header): the structs, constants, the scalar rules "
-                      "(sf_eval_rule, sf_eval_scalars) and the step stage (sf_step_stage, sf_grad_scaler_update)");
+                      "(sf_eval_rule, sf_eval_scalars) and the step stage (sf_step_stage, sf_amp_update_scale)");
   j.end_object();
   return j.finish();
 }

@@ -28,11 +28,13 @@
 #include <llvm/Target/TargetOptions.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
 
+#include "jit/llvm/cpu_abi.h"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::jit {
@@ -42,9 +44,11 @@ namespace {
 constexpr int kEmitterVersion = 2;
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
-// Byte offsets in cpu::UpdateArgs (runtime/cpu/kernels.hpp checks them).
-constexpr unsigned kArgsGrad = 0, kArgsWeight = 8, kArgsMaster = 16, kArgsState = 24;
-constexpr unsigned kArgsScalars = kArgsState + 8 * kMaxStreams;
+// Byte offsets of the update functions' argument struct (jit/llvm/cpu_abi.h).
+constexpr unsigned kArgsGrad = offsetof(sf_cpu_update_args, grad), kArgsWeight = offsetof(sf_cpu_update_args, weight),
+                   kArgsMaster = offsetof(sf_cpu_update_args, master), kArgsState = offsetof(sf_cpu_update_args, state),
+                   kArgsScalars = offsetof(sf_cpu_update_args, scalars);
+static_assert(SF_CPU_MAX_STREAMS == kMaxStreams, "state[] holds every program stream");
 
 void init_llvm() {
   static std::once_flag once;

@@ -6,15 +6,18 @@
 #include <cstdint>
 
 #include "jit/builtins.hpp"
+#include "jit/layout.hpp"
+#include "jit/llvm/cpu_abi.h"
 #include "stepfuse/program.hpp"
 #include "stepfuse/types.hpp"
 
 namespace stepfuse::cpu {
 
-// Elements per reduce/update chunk. Reduction order is fixed per chunk (docs/architecture.md §5),
-// so this is part of the numerics: changing it changes norms in the last bits.
-// Must be a multiple of 32 (the interleaved accumulator lanes).
-inline constexpr std::size_t kChunkElems = 16384;
+// Elements per reduce/update chunk: the canonical chunk (jit/layout.hpp). Reduction
+// order is fixed per chunk (docs/architecture.md §5), so this is part of the numerics.
+// A multiple of 32 (the interleaved accumulator lanes).
+inline constexpr std::size_t kChunkElems = static_cast<std::size_t>(jit::kChunkElems);
+static_assert(kChunkElems % 32 == 0, "the reduce's 32 interleaved lanes");
 
 // ---- conversions (whole arrays; any length) ----
 void widen(DType type, const void* src, float* dst, std::size_t n);    // exact
@@ -32,15 +35,11 @@ using ReduceFn = ReducePartial (*)(const void* grad, std::size_t n);
 ReduceFn reduce_kernel(DType grad_type, NormKind kind);
 
 // ---- update pass ----
-// Base pointers of one tensor's streams. `state` is indexed by the program's
-// stream index. `scalars` holds the program's per-step scalars.
-struct UpdateArgs {
-  const void* grad = nullptr;
-  void* weight = nullptr;    // the caller's weights (stored as the weight dtype)
-  float* master = nullptr;   // fp32 master copy, or null
-  float* state[kMaxStreams] = {};
-  const float* scalars = nullptr;
-};
+// Base pointers of one tensor's streams: `state` is indexed by the program's
+// stream index, `scalars` holds the program's per-step scalars. The struct the
+// LLVM-compiled and emitted CPU functions read (jit/llvm/cpu_abi.h); value-initialize
+// it (UpdateArgs a{}).
+using UpdateArgs = sf_cpu_update_args;
 // Updates elements [begin, begin + n) of one tensor. Writes weight, master and state.
 using UpdateFn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t n);
 
@@ -52,6 +51,9 @@ inline constexpr int kNumUpdateCombos = 18;  // some slots unused (f32 weights h
 
 // The fused loop generated at compile time for a built-in program, or null.
 UpdateFn fused_update_kernel(jit::Builtin program, DType weight, DType grad, bool masters);
+// The fused kernels are compiled in this many translation units, each a slice of
+// the built-in programs (runtime/cpu/update_kernels_<k>.cpp).
+inline constexpr int kUpdateSlices = 5;
 
 // Name of the Highway target the kernels dispatch to ("AVX2", "SSE4", ...).
 const char* dispatch_target_name();

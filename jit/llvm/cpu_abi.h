@@ -1,0 +1,26 @@
+/* The data the CPU kernels share with their callers: the C struct an update
+ * function reads, and the constants of the numerics. Read by the LLVM emitter
+ * (field offsets), used by the CPU runtime (cpu::UpdateArgs is this struct) and
+ * embedded verbatim into the C header the emit API returns for a CPU target, so
+ * the three cannot disagree on a layout. C and C++; no includes (the including
+ * side brings <stddef.h>/<stdint.h> or <cstddef>/<cstdint>). */
+#ifndef STEPFUSE_JIT_LLVM_CPU_ABI_H_
+#define STEPFUSE_JIT_LLVM_CPU_ABI_H_
+
+/* Elements per reduce chunk: part of the numerics (the canonical order). */
+#define SF_CPU_CHUNK_ELEMS 16384
+/* A chunk's element i goes into accumulator lane i mod SF_CPU_REDUCE_LANES. */
+#define SF_CPU_REDUCE_LANES 32
+#define SF_CPU_MAX_STREAMS 8
+#define SF_CPU_MAX_SCALARS 16
+
+/* One tensor's base pointers (element 0) and the step's scalars. */
+typedef struct sf_cpu_update_args {
+  const void* grad;                 /* grad dtype */
+  void* weight;                     /* weight dtype: read unless master is set, written */
+  float* master;                    /* fp32 master copy, or NULL when the combo has none */
+  float* state[SF_CPU_MAX_STREAMS]; /* by program stream index: state streams' buffers, else NULL */
+  const float* scalars;             /* the program's per-step scalars */
+} sf_cpu_update_args;
+
+#endif /* STEPFUSE_JIT_LLVM_CPU_ABI_H_ */
