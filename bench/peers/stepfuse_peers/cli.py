@@ -1,0 +1,75 @@
+"""peers.py's command line: the arguments, their checks and the defaults derived from them."""
+
+import argparse
+import os
+
+from .config import ALL_PEERS, REPO
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="peers.py",
+        description="Time stepfuse's fused step (unscale + inf/NaN check + clip + AdamW) beside PyTorch "
+        "eager fused/foreach AdamW with torch.amp.GradScaler, torch.compile of the whole step, and "
+        "JAX/optax under jax.jit, on the same tensor list, interleaved in one process. Each peer's one-step "
+        "result is checked against stepfuse's before anything is timed.",
+        epilog="The ratio column is peer time / stepfuse time (median over median): 2.0x means the peer takes "
+        "twice as long as stepfuse. GB/s uses stepfuse's byte model (bench/step_bytes.cpp), the bytes any "
+        "implementation must move, so the figures compare across peers. Exit codes: 0 ok (even if a non-stepfuse "
+        "peer failed: the table says why), 1 bad arguments, 2 stepfuse itself failed, 3 other errors.",
+    )
+    p.add_argument("--preset", default=None,
+                   help="tensor list, as stepfuse-bench knows it: gpt2-124m (default), llama7b-layer, resnet50, "
+                   "many-small, flat:N (default with --overhead: many-small)")
+    p.add_argument("--shapes", metavar="FILE",
+                   help="your own tensor list instead of a preset: stepfuse-bench's --shapes format ('[NAME] COUNT' "
+                   "per line)")
+    p.add_argument("--dtype", default="f32", choices=["f32"],
+                   help="weight and gradient dtype (fp32 only: with bf16 weights PyTorch keeps bf16 state and no "
+                   "fp32 masters, JAX does what the user writes, and the peers would no longer do the same math)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="threads for every peer: torch.set_num_threads, XLA_FLAGS (--xla_cpu_multi_thread_eigen, "
+                   "intra_op_parallelism_threads), stepfuse's num_threads (default 2)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per peer (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up rounds after verification (default 3)")
+    p.add_argument("--loss-scale", type=float, default=1024.0,
+                   help="loss scale S: the gradients are stored multiplied by S (default 1024)")
+    p.add_argument("--peers", default=",".join(ALL_PEERS),
+                   help="comma-separated subset of: " + ", ".join(ALL_PEERS) + " (stepfuse is always included)")
+    p.add_argument("--overhead", action="store_true",
+                   help="measure the per-step fixed overhead instead: plain AdamW step of stepfuse and torch fused "
+                   "AdamW on the preset's tensors vs one flat tensor of the same total size")
+    p.add_argument("--gap-ms", type=float, default=10.0,
+                   help="idle time before each timed step, so threads still spinning after the previous peer "
+                   "(OpenMP, XLA's pool, stepfuse's pool) have gone to sleep (default 10)")
+    p.add_argument("--compile-max-tensors", type=int, default=2000,
+                   help="skip torch.compile above this many tensors (its compile time grows with the tensor count; "
+                   "default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the weights and gradients (default 0)")
+    p.add_argument("--json", metavar="FILE", help="also write every figure and sample to FILE as JSON")
+    p.add_argument("--build-dir", default=os.environ.get("STEPFUSE_BUILD_DIR", os.path.join(REPO, "build", "release")),
+                   help="where stepfuse-bench and the shim were built (default $STEPFUSE_BUILD_DIR or build/release); "
+                   "JAX's compilation cache goes to BUILD_DIR/peers-jax-cache")
+    p.add_argument("--bench", help="path of stepfuse-bench (default BUILD_DIR/bench/stepfuse-bench)")
+    p.add_argument("--shim", help="path of libstepfuse_peer_shim.so (default BUILD_DIR/bench/libstepfuse_peer_shim.so)")
+    a = p.parse_args(argv)
+    if a.preset is not None and a.shapes is not None:
+        p.error("--preset and --shapes exclude each other")
+    if a.preset is None and a.shapes is None:
+        a.preset = "many-small" if a.overhead else "gpt2-124m"
+    a.list_name = a.preset if a.shapes is None else "shapes file " + a.shapes
+    if a.threads < 1:
+        p.error("--threads must be >= 1")
+    if a.steps < 1 or a.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if not (a.loss_scale > 0) or a.loss_scale == float("inf"):
+        p.error("--loss-scale must be finite and > 0")
+    a.peer_list = [s.strip() for s in a.peers.split(",") if s.strip()]
+    for s in a.peer_list:
+        if s not in ALL_PEERS:
+            p.error(f"--peers: unknown peer '{s}' (expected some of {', '.join(ALL_PEERS)})")
+    if "stepfuse" not in a.peer_list:
+        a.peer_list.insert(0, "stepfuse")
+    a.bench = a.bench or os.path.join(a.build_dir, "bench", "stepfuse-bench")
+    a.shim = a.shim or os.path.join(a.build_dir, "bench", "libstepfuse_peer_shim.so")
+    return a

@@ -1,0 +1,36 @@
+"""The peers mode: the shared tensors, the peers named by --peers, their verification and timing."""
+
+from .console import commas, progress
+from .jax_peer import JaxPeer
+from .stepfuse_peer import StepfusePeer
+from .tensors import Context
+from .timing import time_peers
+from .torch_peers import TorchCompilePeer, TorchEagerPeer
+from .verify import verify_peers
+
+
+def make_peers(ctx, names):
+    """The peers named (ALL_PEERS' names), in that order."""
+    makers = {"stepfuse": lambda: StepfusePeer(ctx), "torch-fused": lambda: TorchEagerPeer(ctx, "fused"),
+              "torch-foreach": lambda: TorchEagerPeer(ctx, "foreach"), "torch-compile": lambda: TorchCompilePeer(ctx),
+              "jax-optax": lambda: JaxPeer(ctx)}
+    return [makers[name]() for name in names]
+
+
+def run_peers(args, shim, torch, shapes):
+    """(ctx, peers, status, samples): every peer verified against stepfuse, then the verified ones
+    timed; status[name] holds each peer's outcome, figures and description for the report."""
+    ctx = Context(args, shim, torch)
+    n = sum(c for _, c in shapes)
+    progress(f"allocating {commas(n)} parameters")
+    ctx.allocate(shapes)
+
+    peers = make_peers(ctx, args.peer_list)
+    status = {p.name: {"status": "ok"} for p in peers}
+    active = verify_peers(ctx, peers, status)
+    samples = time_peers(args, ctx, active, status)
+
+    for p in peers:
+        status[p.name]["what"] = p.what
+        status[p.name].update(p.extra())
+    return ctx, peers, status, samples

@@ -1,0 +1,33 @@
+"""What every peer is: the Peer interface the verification and the timing drive, and SkipPeer.
+
+A peer sets itself up (optimizer, state), takes one full step per step() call (returning
+only when the step's results are in memory), reports its weights and AdamW state for the
+verification, and says whether the step it just took was applied (checked outside the
+timed region)."""
+
+
+class Peer:
+    name = ""
+    what = ""                 # one line: what a timed step contains
+    reads_torch_grads = True  # reads the shared torch gradients
+    writes_torch_grads = False  # unscales/clips them in place (they are restored before the next reader)
+
+    def setup(self):
+        pass
+
+    def step(self):
+        raise NotImplementedError
+
+    def check_applied(self):
+        pass
+
+    def result(self):
+        """(weights, exp_avg, exp_avg_sq): lists of torch tensors (or numpy arrays), one per tensor."""
+        raise NotImplementedError
+
+    def extra(self):
+        return {}
+
+
+class SkipPeer(Exception):
+    """A peer that does not apply to this run (the message says why)."""
