@@ -1,4 +1,4 @@
-// The checkpoint container: checksum, atomic write, checked read.
+// The checkpoint container: checksums, atomic write, checked read.
 #include "runtime/checkpoint_file.hpp"
 
 #include <fcntl.h>
@@ -10,6 +10,10 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+
+// Header-only, as in jit/kernel_cache.cpp: nothing to link (see the find_path in CMakeLists.txt).
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include "stepfuse/error.hpp"
 
@@ -23,7 +27,6 @@ namespace {
 constexpr char kMagic[8] = {'S', 'T', 'E', 'P', 'F', 'U', 'S', 'E'};
 constexpr std::uint32_t kByteOrderMark = 0x01020304;
 constexpr std::size_t kHeaderBytes = 24, kTrailerBytes = 8;
-constexpr std::uint64_t kPrime = 0x100000001b3ull;
 
 [[noreturn]] void io_error(const std::string& message) { throw Error(ErrorCode::io_error, message); }
 
@@ -31,42 +34,48 @@ std::string system_reason() { return std::strerror(errno); }
 
 }  // namespace
 
-// ---- checksum ----
+// ---- checksums ----
 
-void Checksum::update(const void* data, std::size_t n) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  bytes_ += n;
-  while (n > 0 && npending_ > 0) {  // finish a partial word
-    pending_[npending_++] = *p++, --n;
-    if (npending_ == 8) {
-      std::uint64_t w;
-      std::memcpy(&w, pending_, 8);
-      h_ = (h_ ^ w) * kPrime;
-      npending_ = 0;
-    }
+namespace {
+
+// Format 2's checksum: XXH3_64 (seed 0), streamed so the arrays are not copied.
+class Xxh3Checksum {
+ public:
+  Xxh3Checksum() {
+    XXH3_INITSTATE(&state_);
+    XXH3_64bits_reset(&state_);
   }
-  for (; n >= 8; p += 8, n -= 8) {
+  void update(const void* data, std::size_t n) { XXH3_64bits_update(&state_, data, n); }
+  std::uint64_t finish() const { return XXH3_64bits_digest(&state_); }
+
+ private:
+  XXH3_state_t state_;
+};
+
+// Format 1's checksum, kept to read its files: FNV-1a over 8-byte little-endian
+// words (the tail zero-padded), then the byte count, then the murmur3 finalizer.
+std::uint64_t fnv1a_checksum(std::span<const unsigned char> bytes) {
+  constexpr std::uint64_t kPrime = 0x100000001b3ull;
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  std::size_t at = 0;
+  for (; bytes.size() - at >= 8; at += 8) {
     std::uint64_t w;
-    std::memcpy(&w, p, 8);
-    h_ = (h_ ^ w) * kPrime;
+    std::memcpy(&w, bytes.data() + at, 8);
+    h = (h ^ w) * kPrime;
   }
-  for (; n > 0; --n) pending_[npending_++] = *p++;
-}
-
-std::uint64_t Checksum::finish() const {
-  std::uint64_t h = h_;
-  if (npending_ > 0) {
+  if (at < bytes.size()) {
     unsigned char last[8] = {};
-    std::memcpy(last, pending_, npending_);
+    std::memcpy(last, bytes.data() + at, bytes.size() - at);
     std::uint64_t w;
     std::memcpy(&w, last, 8);
     h = (h ^ w) * kPrime;
   }
-  h = (h ^ bytes_) * kPrime;  // the length, so zero padding cannot alias
-  // Avalanche (the murmur3 finalizer), so every bit of the state reaches the result.
+  h = (h ^ bytes.size()) * kPrime;
   h ^= h >> 33, h *= 0xff51afd7ed558ccdull, h ^= h >> 33, h *= 0xc4ceb9fe1a85ec53ull, h ^= h >> 33;
   return h;
 }
+
+}  // namespace
 
 // ---- writing ----
 
@@ -134,7 +143,7 @@ class TempFile {
   std::string target_, path_;
   int fd_ = -1;
   bool committed_ = false;
-  Checksum checksum_;
+  Xxh3Checksum checksum_;
 };
 
 }  // namespace
@@ -219,20 +228,24 @@ CheckpointFile::CheckpointFile(const std::string& path) : path_(path) {
   std::memcpy(&bom, data_.data() + 12, 4);
   std::memcpy(&payload, data_.data() + 16, 8);
   if (bom != kByteOrderMark) io_error(what + " has a byte order this build cannot read");
-  if (version != kCheckpointFormat)
-    io_error(what + " has format version " + std::to_string(version) + "; this build of stepfuse reads version " +
-             std::to_string(kCheckpointFormat) +
+  if (version < kOldestCheckpointFormat || version > kCheckpointFormat)
+    io_error(what + " has format version " + std::to_string(version) + "; this build of stepfuse reads versions " +
+             std::to_string(kOldestCheckpointFormat) + " to " + std::to_string(kCheckpointFormat) +
              (version > kCheckpointFormat ? " (it was written by a newer stepfuse)" : ""));
   const std::uint64_t expected = kHeaderBytes + payload + kTrailerBytes;
   if (payload > data_.size() || expected != data_.size())
     io_error(what + " is " + (data_.size() < expected ? "truncated" : "longer than its header says") + ": " +
              std::to_string(data_.size()) + " bytes, expected " + std::to_string(expected) +
              " (a torn or partial write?)");
-  Checksum sum;
-  sum.update(data_.data(), data_.size() - kTrailerBytes);
+  const std::span<const unsigned char> summed(data_.data(), data_.size() - kTrailerBytes);
+  std::uint64_t sum;
+  if (version == 1)
+    sum = fnv1a_checksum(summed);
+  else
+    sum = XXH3_64bits(summed.data(), summed.size());  // the same as Xxh3Checksum streamed
   std::uint64_t stored;
   std::memcpy(&stored, data_.data() + data_.size() - kTrailerBytes, 8);
-  if (sum.finish() != stored) io_error(what + " is corrupt: its checksum does not match its contents");
+  if (sum != stored) io_error(what + " is corrupt: its checksum does not match its contents");
 
   SectionReader r(std::span<const unsigned char>(data_).subspan(kHeaderBytes, payload), what);
   while (!r.done()) {

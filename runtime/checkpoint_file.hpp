@@ -6,10 +6,16 @@
 //         12   u32 0x01020304        byte-order mark (files are little-endian)
 //         16   u64 payload bytes     P
 //         24   payload               sections: u32 tag, u32 0, u64 size, body
-//     24 + P   u64 checksum          of bytes [0, 24 + P)
+//     24 + P   u64 checksum          of bytes [0, 24 + P): XXH3_64, seed 0
 //
 // Section bodies are sequences of little-endian integers, IEEE doubles and
 // floats, and strings (u32 length + bytes).
+//
+// Versions: 2 (written) checksums with XXH3_64. 1 differed only in the checksum
+// (FNV-1a over 8-byte little-endian words, the tail zero-padded, then the byte
+// count, then the murmur3 finalizer); it is still read. Bump kCheckpointFormat when
+// the layout, a section's meaning or the checksum changes, and keep reading the
+// older versions while their sections can still be understood.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +28,9 @@
 
 namespace stepfuse::detail {
 
-inline constexpr std::uint32_t kCheckpointFormat = 1;
+inline constexpr std::uint32_t kCheckpointFormat = 2;
+// The oldest version this build reads (see the versions above).
+inline constexpr std::uint32_t kOldestCheckpointFormat = 1;
 
 constexpr std::uint32_t section_tag(const char (&s)[5]) {
   return static_cast<std::uint32_t>(static_cast<unsigned char>(s[0])) |
@@ -30,21 +38,6 @@ constexpr std::uint32_t section_tag(const char (&s)[5]) {
          static_cast<std::uint32_t>(static_cast<unsigned char>(s[2])) << 16 |
          static_cast<std::uint32_t>(static_cast<unsigned char>(s[3])) << 24;
 }
-
-// A 64-bit checksum over a byte stream, fed in pieces of any size: FNV-1a over
-// 8-byte little-endian words (the tail zero-padded), then a final avalanche.
-// Any single changed word always changes the sum.
-class Checksum {
- public:
-  void update(const void* data, std::size_t n);
-  std::uint64_t finish() const;
-
- private:
-  std::uint64_t h_ = 0xcbf29ce484222325ull;
-  std::uint64_t bytes_ = 0;
-  unsigned char pending_[8] = {};
-  std::size_t npending_ = 0;
-};
 
 // One section's body, built in memory (small metadata) plus large arrays that
 // are streamed from where they live.

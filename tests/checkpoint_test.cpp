@@ -270,6 +270,7 @@ TEST(Checkpoint, TruncatedFileIsAnIoErrorAndChangesNothing) {
 TEST(Checkpoint, CorruptByteAnywhereIsDetected) {
   Fixture f;
   const auto bytes = read_bytes(f.path);
+  ASSERT_EQ(bytes[8], 2) << "written as format version 2 (XXH3_64 checksum)";
   const Snapshot before(f.opt, f.model);
   // Every byte of the metadata region and a sample of the data region.
   for (std::size_t at = 24; at < bytes.size() - 8; at += at < 600 ? 1 : 997) {
@@ -286,12 +287,18 @@ TEST(Checkpoint, CorruptByteAnywhereIsDetected) {
 TEST(Checkpoint, OtherFormatVersionAndForeignFilesAreRejected) {
   Fixture f;
   auto bytes = read_bytes(f.path);
-  bytes[8] = 2;  // format version 2
+  bytes[8] = 3;  // format version 3
   write_bytes(f.path, bytes);
   std::string message;
   EXPECT_EQ(code_of([&] { f.opt.load(f.path); }, &message), ErrorCode::io_error);
-  EXPECT_NE(message.find("format version 2"), std::string::npos) << message;
+  EXPECT_NE(message.find("format version 3"), std::string::npos) << message;
+  EXPECT_NE(message.find("reads versions 1 to 2"), std::string::npos) << message;
   EXPECT_NE(message.find("newer"), std::string::npos) << message;
+  bytes[8] = 0;
+  write_bytes(f.path, bytes);
+  EXPECT_EQ(code_of([&] { f.opt.load(f.path); }, &message), ErrorCode::io_error);
+  EXPECT_NE(message.find("format version 0"), std::string::npos) << message;
+  EXPECT_EQ(message.find("newer"), std::string::npos) << message;
 
   write_bytes(f.path, std::vector<unsigned char>(100, 'x'));
   EXPECT_EQ(code_of([&] { f.opt.load(f.path); }, &message), ErrorCode::io_error);
@@ -299,6 +306,70 @@ TEST(Checkpoint, OtherFormatVersionAndForeignFilesAreRejected) {
 
   EXPECT_EQ(code_of([&] { f.opt.load(f.dir.file("missing.ckpt")); }, &message), ErrorCode::io_error);
   EXPECT_NE(message.find("missing.ckpt"), std::string::npos) << message;
+}
+
+// Format version 1's checksum, written out here from its description (the container
+// header in runtime/checkpoint_file.hpp) rather than taken from the library: FNV-1a over
+// 8-byte little-endian words, the tail zero-padded, then the byte count, then the
+// murmur3 finalizer. Versions 1 and 2 differ only in the checksum.
+std::uint64_t format1_checksum(const unsigned char* p, std::size_t n) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (std::size_t at = 0; at < n; at += 8) {
+    std::uint64_t w = 0;
+    for (std::size_t b = 0; b < 8 && at + b < n; ++b) w |= std::uint64_t{p[at + b]} << (8 * b);
+    h = (h ^ w) * 0x100000001b3ull;
+  }
+  h = (h ^ n) * 0x100000001b3ull;
+  h ^= h >> 33, h *= 0xff51afd7ed558ccdull, h ^= h >> 33, h *= 0xc4ceb9fe1a85ec53ull, h ^= h >> 33;
+  return h;
+}
+
+// The same checkpoint in format version 1: version field 1 and the FNV-1a trailer.
+std::vector<unsigned char> as_format1(std::vector<unsigned char> bytes) {
+  bytes[8] = 1;
+  const std::size_t body = bytes.size() - 8;
+  const std::uint64_t sum = format1_checksum(bytes.data(), body);
+  for (int b = 0; b < 8; ++b) bytes[body + b] = static_cast<unsigned char>(sum >> (8 * b));
+  return bytes;
+}
+
+TEST(Checkpoint, Format1FilesWithTheirOwnChecksumStillLoad) {
+  Fixture f;
+  const std::string v1 = f.dir.file("v1.ckpt");
+  write_bytes(v1, as_format1(read_bytes(f.path)));
+  // The same state comes back from either version.
+  const auto load = [&](const std::string& path) {
+    Model m = f.model;
+    Optimizer o(optim::AdamW{.lr = 0.5}, m.params());
+    GradScaler s("cpu");
+    o.load(path, s);
+    EXPECT_EQ(o.step_count(), 2);
+    EXPECT_EQ(o.lr(), 1e-2);
+    return std::make_pair(Snapshot(o, m), s.state_dict());
+  };
+  const auto from_v2 = load(f.path), from_v1 = load(v1);
+  EXPECT_TRUE(from_v1.first == from_v2.first);
+  EXPECT_EQ(from_v1.second, from_v2.second);
+
+  // Each version is checked with its own checksum: a version-2 trailer under version 1
+  // (or the reverse), or a changed byte in a version-1 file, is corrupt.
+  std::string message;
+  auto relabelled = read_bytes(f.path);
+  relabelled[8] = 1;
+  write_bytes(v1, relabelled);
+  EXPECT_EQ(code_of([&] { f.opt.load(v1); }, &message), ErrorCode::io_error);
+  EXPECT_NE(message.find("checksum"), std::string::npos) << message;
+  auto v1_bytes = as_format1(read_bytes(f.path));
+  v1_bytes[8] = 2;
+  write_bytes(v1, v1_bytes);
+  EXPECT_EQ(code_of([&] { f.opt.load(v1); }, &message), ErrorCode::io_error);
+  EXPECT_NE(message.find("checksum"), std::string::npos) << message;
+  v1_bytes = as_format1(read_bytes(f.path));
+  v1_bytes[v1_bytes.size() / 2] ^= 0x04;
+  write_bytes(v1, v1_bytes);
+  EXPECT_EQ(code_of([&] { f.opt.load(v1); }, &message), ErrorCode::io_error);
+  EXPECT_NE(message.find("checksum"), std::string::npos) << message;
+  EXPECT_EQ(f.opt.lr(), 0.5) << "a refused file changes nothing";
 }
 
 TEST(Checkpoint, MismatchedOptimizerIsAnInvalidArgumentNamingTheDifference) {
