@@ -1,20 +1,16 @@
 // The checkpoint container: checksums, atomic write, checked read.
 #include "runtime/checkpoint_file.hpp"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 
 // Header-only, as in jit/kernel_cache.cpp: nothing to link (see the find_path in CMakeLists.txt).
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "jit/base/atomic_file.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::detail {
@@ -97,85 +93,40 @@ std::uint64_t SectionWriter::size() const {
   return total;
 }
 
-namespace {
-
-// A temporary file that is removed unless committed.
-class TempFile {
- public:
-  explicit TempFile(const std::string& target) : target_(target) {
-    static std::atomic<unsigned> counter{0};
-    path_ = target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd_ < 0) io_error("cannot write checkpoint '" + target + "': creating '" + path_ + "' failed: " + system_reason());
-  }
-  ~TempFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(path_.c_str());
-  }
-  void write(const void* data, std::size_t n) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    checksum_.update(p, n);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, p, std::min<std::size_t>(n, std::size_t{1} << 30));
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) io_error("cannot write checkpoint '" + target_ + "': " + system_reason());
-      p += w, n -= static_cast<std::size_t>(w);
-    }
-  }
-  std::uint64_t checksum() const { return checksum_.finish(); }
-  void commit() {
-    if (::fsync(fd_) != 0) io_error("cannot write checkpoint '" + target_ + "': fsync failed: " + system_reason());
-    if (::close(fd_) != 0) {
-      fd_ = -1;
-      io_error("cannot write checkpoint '" + target_ + "': " + system_reason());
-    }
-    fd_ = -1;
-    if (::rename(path_.c_str(), target_.c_str()) != 0)
-      io_error("cannot write checkpoint '" + target_ + "': renaming the temporary file failed: " + system_reason());
-    committed_ = true;
-    // Make the rename itself durable.
-    std::string dir = std::filesystem::path(target_).parent_path().string();
-    const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) ::fsync(dfd), ::close(dfd);
-  }
-
- private:
-  std::string target_, path_;
-  int fd_ = -1;
-  bool committed_ = false;
-  Xxh3Checksum checksum_;
-};
-
-}  // namespace
-
 void write_checkpoint(const std::string& path,
                       std::span<const std::pair<std::uint32_t, const SectionWriter*>> sections) {
   if (path.empty()) throw Error(ErrorCode::invalid_argument, "checkpoint path is empty");
   std::uint64_t payload = 0;
   for (const auto& [tag, s] : sections) payload += 16 + s->size();
-  TempFile f(path);
-  const std::uint32_t version = kCheckpointFormat, bom = kByteOrderMark;
-  f.write(kMagic, 8);
-  f.write(&version, 4);
-  f.write(&bom, 4);
-  f.write(&payload, 8);
-  for (const auto& [tag, s] : sections) {
-    const std::uint32_t zero = 0;
-    const std::uint64_t size = s->size();
-    f.write(&tag, 4);
-    f.write(&zero, 4);
-    f.write(&size, 8);
-    std::size_t at = 0;
-    for (const SectionWriter::Piece& a : s->arrays_) {
-      f.write(s->meta_.data() + at, a.meta_end - at);
-      at = a.meta_end;
-      f.write(a.data, a.n * sizeof(float));
+  const auto failure = write_file_atomically(path, 0644, [&](AtomicFileSink& out) {
+    Xxh3Checksum checksum;
+    const auto put = [&](const void* data, std::size_t n) {
+      checksum.update(data, n);
+      out.write(data, n);
+    };
+    const std::uint32_t version = kCheckpointFormat, bom = kByteOrderMark;
+    put(kMagic, 8);
+    put(&version, 4);
+    put(&bom, 4);
+    put(&payload, 8);
+    for (const auto& [tag, s] : sections) {
+      const std::uint32_t zero = 0;
+      const std::uint64_t size = s->size();
+      put(&tag, 4);
+      put(&zero, 4);
+      put(&size, 8);
+      std::size_t at = 0;
+      for (const SectionWriter::Piece& a : s->arrays_) {
+        put(s->meta_.data() + at, a.meta_end - at);
+        at = a.meta_end;
+        put(a.data, a.n * sizeof(float));
+      }
+      put(s->meta_.data() + at, s->meta_.size() - at);
     }
-    f.write(s->meta_.data() + at, s->meta_.size() - at);
-  }
-  const std::uint64_t sum = f.checksum();
-  f.write(&sum, 8);
-  f.commit();
+    const std::uint64_t sum = checksum.finish();
+    out.write(&sum, 8);
+  });
+  if (failure) io_error("cannot write checkpoint '" + path + "': " + failure->describe());
 }
 
 // ---- reading ----

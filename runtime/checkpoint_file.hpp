@@ -64,9 +64,9 @@ class SectionWriter {
   std::vector<Piece> arrays_;
 };
 
-// Writes the sections to `path` atomically (temporary file in the same
-// directory, flushed and synced, renamed over `path`). Error(io_error) naming the
-// path and the system's reason on failure; the old file is then untouched.
+// Writes the sections to `path` atomically (jit/base/atomic_file.hpp: a temporary
+// file in the same directory, synced, renamed over `path`). Error(io_error) naming the
+// path, the step and the system's reason on failure; the old file is then untouched.
 void write_checkpoint(const std::string& path, std::span<const std::pair<std::uint32_t, const SectionWriter*>> sections);
 
 // Reads a section body; every read is bounds-checked (Error(io_error): corrupt).
