@@ -1,0 +1,159 @@
+// stepfuse-bench's CPU path: the command line, the variants it times, and what each phase hands the next.
+// stepfuse_bench.cpp runs the phases; stepfuse_bench_report.cpp turns their results into the table and the JSON.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <iosfwd>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bandwidth.hpp"
+#include "model_buffers.hpp"
+#include "presets.hpp"
+#include "stats.hpp"
+#include "stepfuse/stepfuse.hpp"
+#include "verify.hpp"
+
+namespace stepfuse::bench::tool {
+
+struct Args {
+  std::string preset = "gpt2-124m";
+  std::string shapes_path;  // --shapes: replaces the preset when given
+  bool print_shapes = false;
+  std::vector<std::string> fusion = {"fused", "unfused"};
+  std::vector<std::string> cpu_backends;  // --cpu-backend; empty: highway, and llvm when the library has it
+  std::string backend = "cpu";
+  std::string optimizer = "adamw";
+  std::string weights = "f32";
+  std::string grads = "f32";
+  bool no_masters = false;
+  bool breakdown = true;
+  double clip = 1.0;
+  std::string norm_type = "2";
+  int threads = 0;
+  int steps = 10;
+  int warmup = 2;
+  int rss_steps = 3;
+  double loss_scale = 1024.0;
+  std::string json_path;
+  bool json_only = false;
+  bool fusion_given = false;       // --fusion was on the command line
+  bool cpu_backend_given = false;  // --cpu-backend was on the command line
+};
+
+// The modes --fusion can time, in the order they are verified, timed and reported.
+// Indexed by Fusion's value.
+inline constexpr std::array<Fusion, 3> kAllModes = {Fusion::fused, Fusion::unfused, Fusion::interpreted};
+inline const char* mode_name(Fusion f) {
+  return f == Fusion::fused ? "fused" : f == Fusion::unfused ? "unfused" : "interpreted";
+}
+
+// What is timed: a mode of --fusion and, for fused, the CPU code that runs it (--cpu-backend).
+// In the order they are verified, timed and reported; indexed by value. Every variant runs
+// its CPU backend explicitly, so that STEPFUSE_CPU_BACKEND changes nothing here.
+enum class Variant : std::uint8_t { fused, fused_llvm, unfused, interpreted };
+inline constexpr std::array<Variant, 4> kAllVariants = {Variant::fused, Variant::fused_llvm, Variant::unfused,
+                                                        Variant::interpreted};
+constexpr std::size_t idx(Variant v) { return static_cast<std::size_t>(v); }
+// The name in the table, the progress line and messages.
+inline const char* variant_name(Variant v) {
+  switch (v) {
+    case Variant::fused: return "fused";
+    case Variant::fused_llvm: return "fused-llvm";
+    case Variant::unfused: return "unfused";
+    case Variant::interpreted: return "interpreted";
+  }
+  return "?";
+}
+// The name in JSON keys ("fused_llvm", "fused_llvm_over_fused_speed").
+inline std::string variant_key(Variant v) { return v == Variant::fused_llvm ? "fused_llvm" : variant_name(v); }
+inline Fusion fusion_of(Variant v) {
+  return v == Variant::unfused ? Fusion::unfused : v == Variant::interpreted ? Fusion::interpreted : Fusion::fused;
+}
+inline CpuBackend cpu_backend_of(Variant v) {
+  return v == Variant::fused_llvm ? CpuBackend::llvm : CpuBackend::highway;
+}
+inline bool have_llvm() { return llvm_version()[0] != '\0'; }
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Phase 0: the command line resolved into what is run. Every check the arguments allow
+// without building anything has passed.
+struct Case {
+  Preset preset;
+  bool from_file = false;  // preset.name is then the shapes file's path
+  std::vector<Fusion> modes;               // --fusion, in kAllModes order
+  std::vector<CpuBackend> cpu_backends;    // --cpu-backend, highway first
+  std::vector<Variant> variants;           // what is timed, in kAllVariants order
+  OptimizerConfig config;
+  DType weights = DType::f32, grads = DType::f32;
+  OptimizerOptions options;                // shared by every variant; options_for() adds its own
+  double loss_scale = 0;
+  std::int64_t n = 0;                      // parameters
+  // The fused variant phase 1 steps and the update pass alone is timed with: the first timed.
+  Variant first_fused = Variant::fused;
+
+  bool timed_mode(Fusion f) const;
+  bool timed(Variant v) const;
+  OptimizerOptions options_for(Variant v) const;
+};
+
+// Phase 1: the fused step alone, on the buffers the fused variant is later timed on.
+struct FusedOnly {
+  std::unique_ptr<ModelBuffers> buffers;
+  int threads = 0;  // the fused optimizer's num_threads(): every later phase uses as many
+  int state_streams = 0;
+  double state_bytes = 0, master_bytes = 0;
+  std::int64_t rss_start = 0, peak_start = 0;  // before the buffers were allocated
+  std::int64_t rss_peak = 0, rss_after = 0;    // after the steps
+  double step_s = 0;  // mean fused step time: the first guess at the timed phase's length
+  double model_bytes = 0;  // weights + grads + state + masters
+};
+
+// One variant's optimizer, over its own buffers (fused: the phase-1 buffers), and its samples.
+struct ModeRun {
+  std::unique_ptr<ModelBuffers> own;  // null for fused, which steps the phase-1 buffers
+  ModelBuffers* buf = nullptr;
+  std::optional<Optimizer> opt;
+  StepResult verify_result;
+  double construct_ms = 0;      // the optimizer's construction (allocates and fills its state and masters)
+  std::vector<double> samples;  // seconds per timed step
+  Summary summary;
+  double gbs = 0;
+};
+using Runs = std::array<ModeRun, kAllVariants.size()>;
+
+// Phase 2: every timed variant checked before anything is timed.
+struct Verified {
+  Variant mode;
+  VerifyReport report;
+};
+struct Verification {
+  Variant ref = Variant::unfused;           // the reference the others are compared with
+  std::vector<Verified> verified;           // each variant checked against ref, in kAllVariants order
+  std::optional<VerifyReport> llvm_check;   // fused-llvm against fused, bit for bit
+  StepResult ref_result;                    // the verification step's norm and clip coefficient
+};
+
+// Phase 3: the samples besides each variant's own (ModeRun::samples).
+struct Timing {
+  std::map<Pattern, std::vector<double>> bandwidth_s;  // seconds per probe run
+  std::vector<double> update_s;                        // the fused update pass alone
+  bool update_only = false;                            // whether it was timed
+};
+
+// The report: the table on stdout (unless --json-only) and the JSON (--json, --json-only).
+// Fills each timed variant's summary and GB/s in `runs`; throws std::runtime_error when
+// writing json_out fails.
+void report(const Args& a, const Case& c, const FusedOnly& fo, const Verification& ver, Runs& runs,
+            const Timing& timing, const BandwidthProbe& probe, double llvm_first_ms,
+            std::chrono::steady_clock::time_point t_start, std::ofstream& json_out);
+
+}  // namespace stepfuse::bench::tool

@@ -1,0 +1,385 @@
+// stepfuse-bench's report: the figures derived from the samples, the table on stdout and the JSON (--json, --json-only).
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bandwidth.hpp"
+#include "cli_support.hpp"
+#include "stats.hpp"
+#include "step_bytes.hpp"
+#include "stepfuse/stepfuse.hpp"
+#include "stepfuse_bench.hpp"
+
+namespace sf = stepfuse;
+namespace sb = stepfuse::bench;
+using json = nlohmann::ordered_json;
+
+namespace stepfuse::bench::tool {
+namespace {
+
+double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
+
+json summary_json(const sb::Summary& s, double scale) {
+  return json{{"median", s.median * scale}, {"min", s.min * scale}, {"p25", s.p25 * scale},
+              {"p75", s.p75 * scale},       {"max", s.max * scale}, {"count", s.count}};
+}
+
+std::vector<double> scaled(const std::vector<double>& v, double k) {
+  std::vector<double> r;
+  r.reserve(v.size());
+  for (double x : v) r.push_back(x * k);
+  return r;
+}
+
+// A pair of variants whose speeds are compared: "a/b" = median time of b / median time of a.
+// The last one, LLVM's fused step against Highway's, has a line of its own in the table.
+struct RatioPair {
+  Variant a, b;
+};
+constexpr RatioPair kRatioPairs[] = {{Variant::fused, Variant::unfused},
+                                     {Variant::fused, Variant::interpreted},
+                                     {Variant::interpreted, Variant::unfused},
+                                     {Variant::fused_llvm, Variant::unfused},
+                                     {Variant::fused_llvm, Variant::fused}};
+constexpr bool is_llvm_over_highway(const RatioPair& p) { return p.a == Variant::fused_llvm && p.b == Variant::fused; }
+
+// A pair of timed variants' speeds.
+struct Ratio {
+  RatioPair pair;
+  double median_ratio;        // median time of b / median time of a
+  sb::Summary per_iteration;  // the same from each iteration's own pair of samples
+};
+std::string ratio_name(const RatioPair& p) { return std::string(variant_name(p.a)) + "/" + variant_name(p.b); }
+std::string ratio_key(const RatioPair& p) { return variant_key(p.a) + "_over_" + variant_key(p.b) + "_speed"; }
+
+std::string norm_name(const Args& a) { return a.norm_type == "inf" ? "inf" : "2"; }
+// Whether the optimizer keeps fp32 master weights (16-bit weights without --no-masters).
+bool has_masters(const Args& a, const Case& c) { return !a.no_masters && c.weights != sf::DType::f32; }
+
+// What the table and the JSON share, derived from the samples.
+struct Figures {
+  sb::StepBytes bytes;  // what the fused step must move
+  double step_bytes = 0;  // per step
+  std::map<sb::Pattern, double> bw_gbs;  // median GB/s per pattern
+  std::map<sb::Pattern, sb::Summary> bw_sum;
+  double ref_gbs = 0;  // adam_like's median GB/s: the 100% of the table's last column
+  std::vector<Ratio> ratios;  // the pairs of kRatioPairs both timed
+  std::array<sb::Summary, kAllVariants.size()> paired_frac;  // each variant's share of adam_like, per iteration
+  sb::StepBytes plain_bytes;  // what the update pass alone must move
+  sb::Summary uo;  // the update pass alone
+  double update_gbs = 0, reduce_s = 0, reduce_gbs = 0;
+};
+
+// The figures, and each timed variant's summary and GB/s in `runs`.
+Figures compute_figures(const Args& a, const Case& c, const FusedOnly& fo, Runs& runs, const Timing& timing,
+                        const sb::BandwidthProbe& probe) {
+  const sf::DType wt = c.weights, gt = c.grads;
+  const int state_streams = fo.state_streams;
+  const std::int64_t n = c.n;
+  const std::vector<Variant>& variants = c.variants;
+  auto timed = [&](Variant v) { return c.timed(v); };
+  const auto& bw_s = timing.bandwidth_s;
+  const std::vector<double>& update_s = timing.update_s;
+  const bool update_only = timing.update_only;
+  const Variant first_fused = c.first_fused;
+  const sb::StepBytes bytes =
+      sb::step_bytes(wt, gt, !a.no_masters, state_streams, /*reduce_pass=*/true);  // step_scaled always reduces
+  const double step_bytes = bytes.per_param() * static_cast<double>(n);
+  std::map<sb::Pattern, double> bw_gbs;  // median GB/s per pattern
+  std::map<sb::Pattern, sb::Summary> bw_sum;
+  for (sb::Pattern p : sb::kAllPatterns) {
+    bw_sum[p] = sb::summarize(bw_s.at(p));
+    bw_gbs[p] = probe.bytes(p) / bw_sum[p].median * 1e-9;
+  }
+  const double ref_gbs = bw_gbs[sb::Pattern::adam_like];
+  for (Variant v : variants) {
+    ModeRun& r = runs[idx(v)];
+    r.summary = sb::summarize(r.samples);
+    r.gbs = step_bytes / r.summary.median * 1e-9;
+  }
+  std::vector<Ratio> ratios;
+  for (const RatioPair& p : kRatioPairs) {
+    if (!timed(p.a) || !timed(p.b)) continue;
+    const ModeRun &ra = runs[idx(p.a)], &rb = runs[idx(p.b)];
+    std::vector<double> paired;
+    for (std::size_t i = 0; i < ra.samples.size(); ++i) paired.push_back(rb.samples[i] / ra.samples[i]);
+    ratios.push_back({p, rb.summary.median / ra.summary.median, sb::summarize(paired)});
+  }
+  // Each mode's share of the bandwidth from each iteration's own samples (probe and step
+  // taken back to back), whose median is less sensitive to drift between iterations.
+  std::array<sb::Summary, kAllVariants.size()> paired_frac;
+  for (Variant v : variants) {
+    std::vector<double> frac;
+    const auto& samples = runs[idx(v)].samples;
+    for (std::size_t i = 0; i < samples.size(); ++i) {
+      const double ref_i = probe.bytes(sb::Pattern::adam_like) / bw_s.at(sb::Pattern::adam_like)[i];
+      frac.push_back(step_bytes / samples[i] / ref_i);
+    }
+    paired_frac[idx(v)] = sb::summarize(frac);
+  }
+  // Update pass alone (plain step: no reduce pass), and the reduce pass by difference.
+  const sb::StepBytes plain_bytes = sb::step_bytes(wt, gt, !a.no_masters, state_streams, /*reduce_pass=*/false);
+  const sb::Summary uo = sb::summarize(update_s);
+  const double update_gbs = update_only ? plain_bytes.per_param() * static_cast<double>(n) / uo.median * 1e-9 : 0.0;
+  const double reduce_s = update_only ? runs[idx(first_fused)].summary.median - uo.median : 0.0;
+  const double reduce_gbs = update_only && reduce_s > 0 ? bytes.reduce * static_cast<double>(n) / reduce_s * 1e-9 : 0.0;
+  return Figures{bytes,          step_bytes,  std::move(bw_gbs), std::move(bw_sum), ref_gbs,   std::move(ratios),
+                 paired_frac,    plain_bytes, uo,                update_gbs,        reduce_s,  reduce_gbs};
+}
+
+// The table, printed unless --json-only.
+std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, const Verification& ver, const Runs& runs,
+                         const Timing& timing, const Figures& f, const sb::BandwidthProbe& probe, double llvm_first_ms,
+                         std::chrono::steady_clock::time_point t_start) {
+  const double S = c.loss_scale;
+  const std::int64_t n = c.n;
+  const int threads = fo.threads;
+  const std::string norm = norm_name(a);
+  const bool masters = has_masters(a, c);
+  std::string mode_list;
+  for (Variant v : c.variants) mode_list += (mode_list.empty() ? "" : ", ") + std::string(variant_name(v));
+  const std::string llvm_desc = have_llvm() ? format(" · LLVM %s (%s)", sf::llvm_version(), sf::llvm_cpu()) : "";
+
+  std::string out;  // the table, printed at the end unless --json-only
+  out += format("stepfuse-bench %s · backend %s · CPU target %s%s · %d thread%s\n", sf::version(), a.backend.c_str(),
+                sf::cpu_target(), llvm_desc.c_str(), threads, threads == 1 ? "" : "s");
+  out += format("%s %s: %zu tensor%s, %s parameters\n", c.from_file ? "shapes file" : "preset", c.preset.name.c_str(),
+                c.preset.tensors.size(), c.preset.tensors.size() == 1 ? "" : "s", with_commas(n).c_str());
+  const std::string clip = a.clip > 0 ? format("%g (L%s norm)", a.clip, norm.c_str()) : "off";
+  out += format("%s · weights %s%s · grads %s · clip %s · loss scale %g\n",
+                std::string(sf::optimizer_name(c.config)).c_str(), a.weights.c_str(), masters ? " + fp32 masters" : "",
+                a.grads.c_str(), clip.c_str(), S);
+  out += format("bytes the step must move: %s (%d state stream%s) = %.3f GB per step\n", f.bytes.breakdown().c_str(),
+                fo.state_streams, fo.state_streams == 1 ? "" : "s", f.step_bytes * 1e-9);
+  for (const Verified& v : ver.verified) {
+    const sb::VerifyReport& vr = v.report;
+    out += format("verified before timing: one %s and one %s step agree on %s values (%.1f%% bitwise, worst "
+                  "%.2f of the tolerance, rel %.0e)\n",
+                  variant_name(v.mode), variant_name(ver.ref), with_commas(vr.values_checked).c_str(),
+                  100.0 * static_cast<double>(vr.identical) /
+                      static_cast<double>(std::max<std::int64_t>(vr.values_checked, 1)),
+                  vr.worst_ratio, vr.rel_tol);
+  }
+  if (ver.llvm_check)
+    out += format("verified before timing: one fused-llvm and one fused (Highway) step are bitwise equal: %s values, "
+                  "the grad norm and the clip coefficient\n",
+                  with_commas(ver.llvm_check->values_checked).c_str());
+  out += format("  (grad norm %.6g, clip coef %.6g)\n", ver.ref_result.grad_norm, ver.ref_result.clip_coef);
+  out += format("\nmemory bandwidth, same run, %d thread%s, %s floats per array (median of %d, min-max):\n", threads,
+                threads == 1 ? "" : "s", with_commas(n).c_str(), a.steps);
+  for (sb::Pattern p : sb::kAllPatterns) {
+    const double b = probe.bytes(p) * 1e-9;
+    out += format("  %-10s %2d B/elem  %6.1f GB/s  (%.1f-%.1f)\n", std::string(sb::pattern_name(p)).c_str(),
+                  sb::pattern_bytes_per_element(p), f.bw_gbs.at(p), b / f.bw_sum.at(p).max, b / f.bw_sum.at(p).min);
+  }
+  out += format("\n%d timed steps per mode after %d warm-up, interleaved (%s%s):\n", a.steps, a.warmup,
+                mode_list.c_str(),
+                c.timed(Variant::fused) && c.timed(Variant::fused_llvm)
+                    ? "; fused runs Highway's code, fused-llvm LLVM's, in alternating order"
+                    : c.timed(Variant::fused_llvm) ? "; fused-llvm runs LLVM's code" : "");
+  out += format("  %-11s %10s %9s %9s %9s %8s %12s\n", "mode", "median ms", "min", "max", "IQR", "GB/s", "% adam_like");
+  auto row = [&](const char* name, const sb::Summary& s, double gbs) {
+    out += format("  %-11s %10.2f %9.2f %9.2f %9.2f %8.1f %11.1f%%\n", name, s.median * 1e3, s.min * 1e3, s.max * 1e3,
+                  (s.p75 - s.p25) * 1e3, gbs, 100.0 * gbs / f.ref_gbs);
+  };
+  for (Variant v : c.variants) {
+    row(variant_name(v), runs[idx(v)].summary, runs[idx(v)].gbs);
+    if (v == c.first_fused && timing.update_only) row("update", f.uo, f.update_gbs);
+  }
+  if (timing.update_only)
+    out += format("  (update: the fused update pass alone, a plain step() without reduce pass, %g B/param; the reduce\n"
+                  "   pass then takes the rest of the fused step: %.2f ms, %.1f GB/s for %g B/param = %.1f%% of read)\n",
+                  f.plain_bytes.per_param(), f.reduce_s * 1e3, f.reduce_gbs, f.bytes.reduce,
+                  100.0 * f.reduce_gbs / f.bw_gbs.at(sb::Pattern::read));
+  for (const Ratio& r : f.ratios) {
+    if (is_llvm_over_highway(r.pair)) {
+      // Per iteration: each iteration's two fused steps ran back to back, so their ratio
+      // is less sensitive to a busy machine than the ratio of the medians.
+      const sb::Summary& pi = r.per_iteration;
+      out += format("  llvm / highway: %.2fx faster (median of per-iteration ratios, %.2f-%.2f; "
+                    "median times %.2fx)%s\n",
+                    pi.median, pi.min, pi.max, r.median_ratio, pi.median < 1.0 ? " -- LLVM is slower" : "");
+      continue;
+    }
+    out += format("  %s speed ratio: %.2fx (median %s time / median %s time)\n", ratio_name(r.pair).c_str(),
+                  r.median_ratio, variant_name(r.pair.b), variant_name(r.pair.a));
+  }
+  {
+    const Variant v0 = c.variants.front();
+    const sb::Summary& pf = f.paired_frac[idx(v0)];
+    out += format("  per iteration (median, min-max): %s at %.1f%% of adam_like (%.1f-%.1f)", variant_name(v0),
+                  100.0 * pf.median, 100.0 * pf.min, 100.0 * pf.max);
+    for (const Ratio& r : f.ratios)
+      out += format(", %s %.2fx (%.2f-%.2f)", ratio_name(r.pair).c_str(), r.per_iteration.median,
+                    r.per_iteration.min, r.per_iteration.max);
+    out += "\n";
+  }
+  if (c.timed(Variant::fused_llvm))  // at model size, most of the time is allocating and filling state and masters
+    out += format("  LLVM optimizer construction: %.1f ms for the first (16 elements: its kernels compiled now, or "
+                  "loaded from the kernel cache); at model size %.1f ms, Highway's %.1f ms\n",
+                  llvm_first_ms, runs[idx(Variant::fused_llvm)].construct_ms, runs[idx(Variant::fused)].construct_ms);
+  out += format("\npeak RSS, fused-only phase (%d steps, before any other buffer of model size existed):\n",
+                a.rss_steps);
+  out += format("  %.3f GiB peak vs %.3f GiB weights+grads+state%s = %.2f%% (%+.2f%% above it; process before "
+                "allocating: %.1f MiB)\n",
+                gib(static_cast<double>(fo.rss_peak)), gib(fo.model_bytes), fo.master_bytes > 0 ? "+masters" : "",
+                100.0 * static_cast<double>(fo.rss_peak) / fo.model_bytes,
+                100.0 * (static_cast<double>(fo.rss_peak) / fo.model_bytes - 1.0),
+                static_cast<double>(fo.rss_start) / (1024.0 * 1024.0));
+  out += format("total run time %.1f s\n", seconds_since(t_start));
+  return out;
+}
+
+// The JSON report.
+json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verification& ver, const Runs& runs,
+               const Timing& timing, const Figures& f, const sb::BandwidthProbe& probe, double llvm_first_ms) {
+  const double S = c.loss_scale;
+  const std::int64_t n = c.n;
+  const int threads = fo.threads;
+  const std::string norm = norm_name(a);
+  const bool masters = has_masters(a, c);
+  json j;
+  j["tool"] = "stepfuse-bench";
+  j["version"] = sf::version();
+  j["cpu_target"] = sf::cpu_target();
+  j["llvm_version"] = sf::llvm_version();  // "" without LLVM
+  j["llvm_cpu"] = sf::llvm_cpu();
+  j["threads"] = threads;
+  json fusion = json::array();
+  for (sf::Fusion m : c.modes) fusion.push_back(mode_name(m));
+  json cpu_backend_names = json::array();  // of the fused mode
+  for (sf::CpuBackend b : c.cpu_backends) cpu_backend_names.push_back(std::string(sf::cpu_backend_name(b)));
+  j["config"] = {{"preset", c.from_file ? json(nullptr) : json(c.preset.name)},
+                 {"shapes_file", c.from_file ? json(a.shapes_path) : json(nullptr)},
+                 {"tensors", c.preset.tensors.size()},
+                 {"params", n},
+                 {"backend", a.backend},
+                 {"fusion", fusion},
+                 {"cpu_backends", cpu_backend_names},
+                 {"optimizer", std::string(sf::optimizer_name(c.config))},
+                 {"weights", a.weights},
+                 {"grads", a.grads},
+                 {"master_weights", masters},
+                 {"clip", a.clip},
+                 {"norm_type", norm},
+                 {"loss_scale", S},
+                 {"steps", a.steps},
+                 {"warmup", a.warmup},
+                 {"rss_steps", a.rss_steps}};
+  j["step_bytes"] = {{"reduce_per_param", f.bytes.reduce},
+                     {"update_per_param", f.bytes.update},
+                     {"per_param", f.bytes.per_param()},
+                     {"state_streams", fo.state_streams},
+                     {"per_step", f.step_bytes}};
+  json bw = json::object();
+  for (sb::Pattern p : sb::kAllPatterns) {
+    const double b = probe.bytes(p) * 1e-9;
+    bw[std::string(sb::pattern_name(p))] = {{"bytes_per_element", sb::pattern_bytes_per_element(p)},
+                                             {"gbs_median", f.bw_gbs.at(p)},
+                                             {"gbs_min", b / f.bw_sum.at(p).max},
+                                             {"gbs_max", b / f.bw_sum.at(p).min},
+                                             {"seconds", timing.bandwidth_s.at(p)}};
+  }
+  j["bandwidth"] = bw;
+  auto mode_json = [&](const sb::Summary& s, const std::vector<double>& samples, double gbs) {
+    return json{{"ms", summary_json(s, 1e3)},
+                {"samples_ms", scaled(samples, 1e3)},
+                {"gbs", gbs},
+                {"fraction_of_adam_like", gbs / f.ref_gbs}};
+  };
+  // One key per timed variant ("fused" (Highway's code), "fused_llvm", "unfused",
+  // "interpreted"), and one per pair of timed variants ("fused_over_unfused_speed" =
+  // median unfused time / median fused time, "fused_llvm_over_fused_speed", ...).
+  for (Variant v : c.variants)
+    j[variant_key(v)] = mode_json(runs[idx(v)].summary, runs[idx(v)].samples, runs[idx(v)].gbs);
+  for (const Ratio& r : f.ratios) j[ratio_key(r.pair)] = r.median_ratio;
+  if (timing.update_only) {
+    j["fused_update_only"] = mode_json(f.uo, timing.update_s, f.update_gbs);
+    j["fused_update_only"]["bytes_per_param"] = f.plain_bytes.per_param();
+    j["fused_update_only"]["cpu_backend"] = std::string(sf::cpu_backend_name(cpu_backend_of(c.first_fused)));
+    j["fused_reduce_by_difference"] = {{"ms", f.reduce_s * 1e3},
+                                       {"gbs", f.reduce_gbs},
+                                       {"fraction_of_read", f.reduce_gbs / f.bw_gbs.at(sb::Pattern::read)}};
+  }
+  json per_it = json::object();
+  for (Variant v : c.variants)
+    per_it[variant_key(v) + "_fraction_of_adam_like"] = summary_json(f.paired_frac[idx(v)], 1.0);
+  for (const Ratio& r : f.ratios) per_it[ratio_key(r.pair)] = summary_json(r.per_iteration, 1.0);
+  j["per_iteration"] = per_it;
+  // The top-level figures are the first pair's (fused against unfused by default);
+  // "pairs" has every pair checked.
+  const sb::VerifyReport& v0 = ver.verified.front().report;
+  json pairs = json::array();
+  for (const Verified& v : ver.verified)
+    pairs.push_back({{"mode", variant_name(v.mode)},
+                     {"reference", variant_name(ver.ref)},
+                     {"values_checked", v.report.values_checked},
+                     {"values_bitwise_equal", v.report.identical},
+                     {"worst_fraction_of_tolerance", v.report.worst_ratio},
+                     {"rel_tol", v.report.rel_tol},
+                     {"worst", v.report.worst}});
+  j["verification"] = {{"ok", true},
+                       {"values_checked", v0.values_checked},
+                       {"values_bitwise_equal", v0.identical},
+                       {"worst_fraction_of_tolerance", v0.worst_ratio},
+                       {"rel_tol", v0.rel_tol},
+                       {"worst", v0.worst},
+                       {"grad_norm", ver.ref_result.grad_norm},
+                       {"clip_coef", ver.ref_result.clip_coef},
+                       {"reference", variant_name(ver.ref)},
+                       {"pairs", pairs}};
+  if (ver.llvm_check)  // fused_llvm against fused (Highway's code), bit for bit
+    j["verification"]["llvm_vs_highway"] = {{"bitwise_equal", true},
+                                            {"values_checked", ver.llvm_check->values_checked},
+                                            {"values_bitwise_equal", ver.llvm_check->identical},
+                                            {"grad_norm", runs[idx(Variant::fused_llvm)].verify_result.grad_norm},
+                                            {"clip_coef", runs[idx(Variant::fused_llvm)].verify_result.clip_coef}};
+  if (c.timed(Variant::fused_llvm))
+    j["llvm"] = {{"version", sf::llvm_version()},
+                 {"cpu", sf::llvm_cpu()},
+                 {"first_construction_ms", llvm_first_ms},
+                 {"model_construction_ms", runs[idx(Variant::fused_llvm)].construct_ms},
+                 {"highway_model_construction_ms", runs[idx(Variant::fused)].construct_ms}};
+  j["rss"] = {{"phase", "fused only, before any other buffer of model size"},
+              {"peak_bytes", fo.rss_peak},
+              {"peak_before_bytes", fo.peak_start},
+              {"current_before_bytes", fo.rss_start},
+              {"current_after_bytes", fo.rss_after},
+              {"weights_bytes", fo.buffers->weight_bytes()},
+              {"grads_bytes", fo.buffers->grad_bytes()},
+              {"state_bytes", fo.state_bytes},
+              {"master_bytes", fo.master_bytes},
+              {"model_bytes", fo.model_bytes},
+              {"peak_over_model", static_cast<double>(fo.rss_peak) / fo.model_bytes}};
+  return j;
+}
+
+}  // namespace
+
+void report(const Args& a, const Case& c, const FusedOnly& fo, const Verification& ver, Runs& runs,
+            const Timing& timing, const BandwidthProbe& probe, double llvm_first_ms,
+            std::chrono::steady_clock::time_point t_start, std::ofstream& json_out) {
+  const Figures f = compute_figures(a, c, fo, runs, timing, probe);
+  const std::string out = format_table(a, c, fo, ver, runs, timing, f, probe, llvm_first_ms, t_start);
+  if (!a.json_only) std::fputs(out.c_str(), stdout);
+
+  if (json_out.is_open() || a.json_only) {
+    const json j = make_json(a, c, fo, ver, runs, timing, f, probe, llvm_first_ms);
+    const std::string text = j.dump(2) + "\n";
+    if (json_out.is_open()) {
+      json_out << text;
+      json_out.flush();
+      if (!json_out) throw std::runtime_error("--json: writing '" + a.json_path + "' failed");
+    }
+    if (a.json_only) std::fputs(text.c_str(), stdout);
+  }
+}
+
+}  // namespace stepfuse::bench::tool
