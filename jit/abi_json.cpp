@@ -1,76 +1,92 @@
-// The JSON writer and the sections the CUDA and CPU kernel ABI descriptions share.
+// The JSON writer (nlohmann::ordered_json) and the sections the CUDA and CPU ABI descriptions share.
 #include "jit/abi_json.hpp"
 
+#include <nlohmann/json.hpp>
+
+#include <cassert>
 #include <cmath>
-#include <cstdio>
+#include <utility>
+#include <vector>
 
 #include "jit/update_program_rules.hpp"
 #include "stepfuse/version.hpp"
 
 namespace stepfuse::jit {
 
-JsonWriter& JsonWriter::num(std::string_view key, double v) {
-  if (!std::isfinite(v)) return raw(key, "null");
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return raw(key, buf);
-}
+struct JsonWriter::Impl {
+  nlohmann::ordered_json root;
+  // The open containers, innermost last. Pointers into the tree stay valid: only the
+  // innermost container grows, and it is an element of the ones below it, which do
+  // not change while it is open.
+  std::vector<nlohmann::ordered_json*> open;
 
-std::string JsonWriter::quote(std::string_view s) {
-  std::string q = "\"";
-  for (const char c : s) {
-    switch (c) {
-      case '"': q += "\\\""; break;
-      case '\\': q += "\\\\"; break;
-      case '\n': q += "\\n"; break;
-      case '\t': q += "\\t"; break;
-      case '\r': q += "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-          q += buf;
-        } else {
-          q += c;
-        }
+  nlohmann::ordered_json& add(std::string_view key, nlohmann::ordered_json value) {
+    if (open.empty()) {  // the document itself
+      assert(key.empty() && root.is_null());
+      root = std::move(value);
+      return root;
     }
+    nlohmann::ordered_json& top = *open.back();
+    if (top.is_array()) {
+      assert(key.empty());
+      top.push_back(std::move(value));
+      return top.back();
+    }
+    assert(!key.empty() && !top.contains(std::string(key)));
+    return top[std::string(key)] = std::move(value);
   }
-  return q + "\"";
-}
+};
 
-void JsonWriter::item(std::string_view key) {
-  if (!first_.empty()) {
-    if (!first_.back()) out_ += ",";
-    first_.back() = false;
-    newline();
-  }
-  if (!key.empty()) out_ += quote(key) + ": ";
-}
+JsonWriter::JsonWriter() : impl_(std::make_unique<Impl>()) {}
+JsonWriter::~JsonWriter() = default;
 
-void JsonWriter::newline() {
-  out_.push_back('\n');
-  out_.append(2 * first_.size(), ' ');
-}
-
-JsonWriter& JsonWriter::raw(std::string_view key, const std::string& text) {
-  item(key);
-  out_ += text;
+JsonWriter& JsonWriter::begin_object(std::string_view key) {
+  impl_->open.push_back(&impl_->add(key, nlohmann::ordered_json::object()));
   return *this;
 }
 
-JsonWriter& JsonWriter::open(std::string_view key, char bracket) {
-  item(key);
-  out_ += bracket;
-  first_.push_back(true);
+JsonWriter& JsonWriter::end_object() {
+  assert(!impl_->open.empty() && impl_->open.back()->is_object());
+  impl_->open.pop_back();
   return *this;
 }
 
-JsonWriter& JsonWriter::close(char bracket) {
-  const bool empty = first_.back();
-  first_.pop_back();
-  if (!empty) newline();
-  out_ += bracket;
+JsonWriter& JsonWriter::begin_array(std::string_view key) {
+  impl_->open.push_back(&impl_->add(key, nlohmann::ordered_json::array()));
   return *this;
+}
+
+JsonWriter& JsonWriter::end_array() {
+  assert(!impl_->open.empty() && impl_->open.back()->is_array());
+  impl_->open.pop_back();
+  return *this;
+}
+
+JsonWriter& JsonWriter::str(std::string_view key, std::string_view v) {
+  impl_->add(key, std::string(v));
+  return *this;
+}
+
+JsonWriter& JsonWriter::num(std::string_view key, double v) {
+  // nlohmann prints a double as the shortest text that reads back as it; not finite is
+  // null, said explicitly rather than left to the printer.
+  impl_->add(key, std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json());
+  return *this;
+}
+
+JsonWriter& JsonWriter::integer(std::string_view key, long long v) {
+  impl_->add(key, v);
+  return *this;
+}
+
+JsonWriter& JsonWriter::boolean(std::string_view key, bool v) {
+  impl_->add(key, v);
+  return *this;
+}
+
+std::string JsonWriter::finish() const {
+  assert(impl_->open.empty());
+  return impl_->root.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
 }
 
 namespace {

@@ -6,10 +6,10 @@
 
 #include <cstddef>
 #include <initializer_list>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
-#include <vector>
 
 #include "stepfuse/update_program.hpp"
 
@@ -19,33 +19,34 @@ namespace stepfuse::jit {
 // meaning changes, on every target (include/stepfuse/emit.hpp documents "version 1").
 inline constexpr int kKernelAbiVersion = 1;
 
-// A small JSON writer: objects and arrays, two-space indentation, one value a line.
-// An empty key writes a bare value (an array's element, or the top-level object).
-// Keys are written as given; string values are escaped. Writes only to its own buffer.
+// Builds a JSON document (nlohmann::ordered_json, private to jit/abi_json.cpp) in the
+// order it is written: objects and arrays, keys in insertion order. An empty key adds a
+// bare value (an array's element, or the top-level object). finish() prints it with
+// two-space indentation, one value a line.
 class JsonWriter {
  public:
-  JsonWriter& begin_object(std::string_view key = {}) { return open(key, '{'); }
-  JsonWriter& end_object() { return close('}'); }
-  JsonWriter& begin_array(std::string_view key = {}) { return open(key, '['); }
-  JsonWriter& end_array() { return close(']'); }
-  JsonWriter& str(std::string_view key, std::string_view v) { return raw(key, quote(v)); }
-  // "%.17g" (round-trips a double); null when not finite (not reached: rules and inits are finite).
+  JsonWriter();
+  ~JsonWriter();
+  JsonWriter(const JsonWriter&) = delete;
+  JsonWriter& operator=(const JsonWriter&) = delete;
+
+  JsonWriter& begin_object(std::string_view key = {});
+  JsonWriter& end_object();
+  JsonWriter& begin_array(std::string_view key = {});
+  JsonWriter& end_array();
+  JsonWriter& str(std::string_view key, std::string_view v);
+  // The shortest text that reads back as `v`; null when not finite (not reached: rules
+  // and inits are finite).
   JsonWriter& num(std::string_view key, double v);
-  JsonWriter& integer(std::string_view key, long long v) { return raw(key, std::to_string(v)); }
-  JsonWriter& boolean(std::string_view key, bool v) { return raw(key, v ? "true" : "false"); }
-  // The text written so far and a final newline; call once every container is closed.
-  std::string finish() const { return out_ + "\n"; }
+  JsonWriter& integer(std::string_view key, long long v);
+  JsonWriter& boolean(std::string_view key, bool v);
+  // The document and a final newline; call once every container is closed. Bytes that
+  // are not UTF-8 are replaced by U+FFFD.
+  std::string finish() const;
 
  private:
-  static std::string quote(std::string_view s);
-  void item(std::string_view key);
-  void newline();
-  JsonWriter& raw(std::string_view key, const std::string& text);
-  JsonWriter& open(std::string_view key, char bracket);
-  JsonWriter& close(char bracket);
-
-  std::string out_;
-  std::vector<bool> first_;  // per open container: nothing written in it yet
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // Opens the top-level object and writes format, format_version and stepfuse_version.

@@ -13,7 +13,7 @@ packages=(
   libgtest-dev libgmock-dev
   libbenchmark-dev    # Google Benchmark (bench/)
   libcli11-dev        # command lines (stepfuse-bench)
-  nlohmann-json3-dev  # JSON (benchmark reports, cache metadata)
+  nlohmann-json3-dev  # JSON (the kernel ABI descriptions, benchmark reports)
   libxxhash-dev       # cache keys and checksums
   llvm-14-dev         # the LLVM CPU backend (optional: without it the build has Highway alone)
 )
