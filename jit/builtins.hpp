@@ -9,17 +9,13 @@
 
 namespace stepfuse::jit {
 
-// Every built-in program. The order is the index into the CPU backend's kernel
-// tables (runtime/cpu/update_*.cpp); append only.
-enum class Builtin : std::uint8_t {
-  sgd, sgd_momentum, sgd_nesterov,
-  adam, adam_amsgrad,
-  adagrad,
-  rmsprop, rmsprop_centered, rmsprop_momentum, rmsprop_centered_momentum,
-  lion,
-  count
-};
-inline constexpr int kNumBuiltins = static_cast<int>(Builtin::count);
+// A built-in program: its index in the registry's list of every optimizer's
+// programs (jit/builtin/registry.hpp: kBuiltinPrograms, builtin_named), which
+// also indexes the CPU backend's fused kernels. `none` is no built-in (a custom
+// program).
+enum class Builtin : std::uint8_t { none = 0xff };
+// How many built-in programs there are: Builtin values 0 .. kNumBuiltins - 1.
+extern const int kNumBuiltins;
 
 const Program& builtin_program(Builtin b);
 

@@ -41,6 +41,9 @@ struct Lion {
 
 }  // namespace optim
 
+// Every built-in optimizer, in sf_optimizer_kind's order (append only). Each has
+// its traits in its program file (jit/builtin/<name>.hpp), included by the
+// library's registry of built-in optimizers.
 using OptimizerConfig =
     std::variant<optim::SGD, optim::Adam, optim::AdamW, optim::Adagrad, optim::RMSprop, optim::Lion>;
 

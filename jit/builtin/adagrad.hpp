@@ -1,4 +1,4 @@
-// Adagrad (torch.optim.Adagrad): the update program and its per-step scalars.
+// Adagrad (torch.optim.Adagrad): the update program and the optimizer's traits.
 #pragma once
 
 #include <cstdint>
@@ -26,12 +26,37 @@ constexpr Program make_adagrad() {
 
 inline constexpr Program kAdagrad = make_adagrad();
 
-inline void adagrad_scalars(const optim::Adagrad& c, const Program& p, sf_scalar_rule* out) {
-  ScalarWriter w{p, out};
-  w.gscale(c.maximize);
-  w.set("weight_decay", c.weight_decay);
-  w.rule("clr", SF_RULE_DIV_LINEAR, c.lr, c.lr_decay);
-  w.set("eps", c.eps);
-}
+template <>
+struct OptimizerTraits<optim::Adagrad> : TraitsDefaults {
+  static constexpr std::string_view name = "Adagrad";
+  static constexpr const Program* programs[] = {&kAdagrad};
+
+  static void validate(const optim::Adagrad& c, const Checker& ck) {
+    ck.at_least("lr", c.lr, 0.0);
+    ck.at_least("weight_decay", c.weight_decay, 0.0);
+    ck.at_least("lr_decay", c.lr_decay, 0.0);
+    ck.at_least("initial_accumulator_value", c.initial_accumulator_value, 0.0);
+    ck.at_least("eps", c.eps, 0.0);
+  }
+
+  static void scalars(const optim::Adagrad& c, const ScalarWriter& w) {
+    w.gscale(c.maximize);
+    w.set("weight_decay", c.weight_decay);
+    w.rule("clr", SF_RULE_DIV_LINEAR, c.lr, c.lr_decay);
+    w.set("eps", c.eps);
+  }
+
+  static float initial_state(const optim::Adagrad& c, const Program& program, int stream) {
+    if (program.streams[stream].name == "sum") return static_cast<float>(c.initial_accumulator_value);
+    return program.streams[stream].init;
+  }
+
+  template <class C, class F>
+  static constexpr void fields(C& c, F&& f) {
+    f("lr", c.lr), f("lr_decay", c.lr_decay), f("weight_decay", c.weight_decay);
+    f("initial_accumulator_value", c.initial_accumulator_value), f("eps", c.eps), f("maximize", c.maximize);
+  }
+  static constexpr std::array<KerasHyper, 0> keras_hypers = {};
+};
 
 }  // namespace stepfuse::jit

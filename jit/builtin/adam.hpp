@@ -1,4 +1,4 @@
-// Adam and AdamW (torch.optim.Adam / AdamW): one update program, two weight decays.
+// Adam and AdamW (torch.optim.Adam / AdamW): one set of update programs, two weight decays, two traits.
 #pragma once
 
 #include <cmath>
@@ -39,19 +39,49 @@ constexpr Program make_adam(bool amsgrad) {
 inline constexpr Program kAdam = make_adam(false);
 inline constexpr Program kAdamAmsgrad = make_adam(true);
 
-template <class AdamConfig>
-void adam_scalars(const AdamConfig& c, bool decoupled, const Program& p, sf_scalar_rule* out) {
-  ScalarWriter w{p, out};
-  w.gscale(c.maximize);
-  w.set("l2", decoupled ? 0.0 : c.weight_decay);
-  w.set("decay", decoupled ? 1.0 - c.lr * c.weight_decay : 1.0);
-  w.set("beta1", c.beta1);
-  w.set("one_minus_beta1", 1.0 - c.beta1);
-  w.set("beta2", c.beta2);
-  w.set("one_minus_beta2", 1.0 - c.beta2);
-  w.rule("bias_correction2_sqrt", SF_RULE_SQRT_ONE_MINUS_POW, 0.0, c.beta2);
-  w.rule("step_size", SF_RULE_DIV_ONE_MINUS_POW, c.lr, c.beta1);
-  w.set("eps", c.eps);
-}
+// Adam's and AdamW's traits: the same programs (one set of fused kernels) and
+// fields; `Decoupled` picks the weight decay.
+template <class Config, bool Decoupled>
+struct AdamTraits : TraitsDefaults {
+  static constexpr const Program* programs[] = {&kAdam, &kAdamAmsgrad};
+  static int variant(const Config& c) { return c.amsgrad ? 1 : 0; }
+
+  static void validate(const Config& c, const Checker& ck) {
+    ck.at_least("lr", c.lr, 0.0);
+    ck.at_least("weight_decay", c.weight_decay, 0.0);
+    ck.at_least("eps", c.eps, 0.0);
+    ck.unit_interval("beta1", c.beta1);
+    ck.unit_interval("beta2", c.beta2);
+  }
+
+  static void scalars(const Config& c, const ScalarWriter& w) {
+    w.gscale(c.maximize);
+    w.set("l2", Decoupled ? 0.0 : c.weight_decay);
+    w.set("decay", Decoupled ? 1.0 - c.lr * c.weight_decay : 1.0);
+    w.set("beta1", c.beta1);
+    w.set("one_minus_beta1", 1.0 - c.beta1);
+    w.set("beta2", c.beta2);
+    w.set("one_minus_beta2", 1.0 - c.beta2);
+    w.rule("bias_correction2_sqrt", SF_RULE_SQRT_ONE_MINUS_POW, 0.0, c.beta2);
+    w.rule("step_size", SF_RULE_DIV_ONE_MINUS_POW, c.lr, c.beta1);
+    w.set("eps", c.eps);
+  }
+
+  template <class C, class F>
+  static constexpr void fields(C& c, F&& f) {
+    f("lr", c.lr), f("beta1", c.beta1), f("beta2", c.beta2), f("eps", c.eps), f("weight_decay", c.weight_decay);
+    f("amsgrad", c.amsgrad), f("maximize", c.maximize);
+  }
+  static constexpr std::array keras_hypers = {KerasHyper{"beta_1", "beta1"}, KerasHyper{"beta_2", "beta2"}};
+};
+
+template <>
+struct OptimizerTraits<optim::Adam> : AdamTraits<optim::Adam, false> {
+  static constexpr std::string_view name = "Adam";
+};
+template <>
+struct OptimizerTraits<optim::AdamW> : AdamTraits<optim::AdamW, true> {
+  static constexpr std::string_view name = "AdamW";
+};
 
 }  // namespace stepfuse::jit

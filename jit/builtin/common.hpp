@@ -1,9 +1,15 @@
-// What every built-in optimizer definition needs: the IR and a scalar writer.
+// What every built-in optimizer definition needs: the IR, a scalar writer, a
+// hyperparameter checker, and the OptimizerTraits it specialises.
 #pragma once
 
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <string>
 #include <string_view>
 
 #include "jit/step_scalars.h"
+#include "stepfuse/error.hpp"
 #include "stepfuse/optim.hpp"
 #include "stepfuse/program.hpp"
 
@@ -23,6 +29,64 @@ struct ScalarWriter {
   }
   // gscale, the gradient multiplier of this step; negated to maximize.
   void gscale(bool maximize) const { rule("gscale", SF_RULE_GSCALE, maximize ? -1.0 : 1.0); }
+};
+
+// Checks one hyperparameter; `rule` is PyTorch's wording of the constraint. Throws
+// Error(invalid_argument) naming the optimizer, the hyperparameter and its value.
+class Checker {
+ public:
+  explicit Checker(std::string_view optimizer) : optimizer_(optimizer) {}
+  void at_least(std::string_view name, double v, double lo) const {
+    if (!std::isfinite(v) || v < lo) fail(name, v, "must be finite and >= " + text(lo));
+  }
+  void unit_interval(std::string_view name, double v) const {  // [0, 1)
+    if (!std::isfinite(v) || v < 0.0 || v >= 1.0) fail(name, v, "must be in [0, 1)");
+  }
+  [[noreturn]] void fail(std::string_view name, double v, const std::string& rule) const {
+    throw Error(ErrorCode::invalid_argument, std::string(optimizer_) + ": invalid " + std::string(name) + " = " +
+                                                 text(v) + " (" + rule + ")");
+  }
+  static std::string text(double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    return buf;
+  }
+
+ private:
+  std::string_view optimizer_;
+};
+
+// A hyperparameter Keras's optimizer registers with _set_hyper (besides
+// learning_rate, which every one has), and the config field it is.
+struct KerasHyper {
+  std::string_view keras;
+  std::string_view field;
+};
+
+// What a built-in optimizer is, specialised for its config type in its program
+// file (jit/builtin/<name>.hpp) and listed once in jit/builtin/registry.hpp.
+// A specialisation derives from TraitsDefaults and declares:
+//   name                  std::string_view, as optimizer_name() returns it
+//   programs              const Program* array: every program its configs run
+//                         (optimizers may share programs: AdamW runs Adam's)
+//   variant(c)            the index in `programs` of the one config c runs
+//   validate(c, checker)  every check PyTorch's constructor makes, and finiteness
+//   scalars(c, writer)    the rule of each per-step scalar
+//   fields(c, f)          f(name, member) for every member, by PyTorch name, in
+//                         declaration order (booleans as bool&, the rest double&)
+//   keras_hypers          std::array<KerasHyper, N> (LossScaleOptimizer)
+// and, where the default does not do, initial_state(c, program, stream).
+template <class Config>
+struct OptimizerTraits;
+
+struct TraitsDefaults {
+  template <class Config>
+  static int variant(const Config&) { return 0; }
+  // The stream's declared initial value (Adagrad's sum starts at a hyperparameter instead).
+  template <class Config>
+  static float initial_state(const Config&, const Program& program, int stream) {
+    return program.streams[stream].init;
+  }
 };
 
 }  // namespace stepfuse::jit

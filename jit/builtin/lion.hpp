@@ -1,4 +1,4 @@
-// Lion (Chen et al. 2023): the update program and its per-step scalars.
+// Lion (Chen et al. 2023): the update program and the optimizer's traits.
 #pragma once
 
 #include <cstdint>
@@ -24,15 +24,34 @@ constexpr Program make_lion() {
 
 inline constexpr Program kLion = make_lion();
 
-inline void lion_scalars(const optim::Lion& c, const Program& p, sf_scalar_rule* out) {
-  ScalarWriter w{p, out};
-  w.gscale(c.maximize);
-  w.set("decay", 1.0 - c.lr * c.weight_decay);
-  w.set("lr", c.lr);
-  w.set("beta1", c.beta1);
-  w.set("one_minus_beta1", 1.0 - c.beta1);
-  w.set("beta2", c.beta2);
-  w.set("one_minus_beta2", 1.0 - c.beta2);
-}
+template <>
+struct OptimizerTraits<optim::Lion> : TraitsDefaults {
+  static constexpr std::string_view name = "Lion";
+  static constexpr const Program* programs[] = {&kLion};
+
+  static void validate(const optim::Lion& c, const Checker& ck) {
+    ck.at_least("lr", c.lr, 0.0);
+    ck.at_least("weight_decay", c.weight_decay, 0.0);
+    ck.unit_interval("beta1", c.beta1);
+    ck.unit_interval("beta2", c.beta2);
+  }
+
+  static void scalars(const optim::Lion& c, const ScalarWriter& w) {
+    w.gscale(c.maximize);
+    w.set("decay", 1.0 - c.lr * c.weight_decay);
+    w.set("lr", c.lr);
+    w.set("beta1", c.beta1);
+    w.set("one_minus_beta1", 1.0 - c.beta1);
+    w.set("beta2", c.beta2);
+    w.set("one_minus_beta2", 1.0 - c.beta2);
+  }
+
+  template <class C, class F>
+  static constexpr void fields(C& c, F&& f) {
+    f("lr", c.lr), f("beta1", c.beta1), f("beta2", c.beta2), f("weight_decay", c.weight_decay);
+    f("maximize", c.maximize);
+  }
+  static constexpr std::array keras_hypers = {KerasHyper{"beta_1", "beta1"}, KerasHyper{"beta_2", "beta2"}};
+};
 
 }  // namespace stepfuse::jit

@@ -1,4 +1,4 @@
-// RMSprop (torch.optim.RMSprop): centered and momentum variants, one definition.
+// RMSprop (torch.optim.RMSprop): centered and momentum variants, one definition, and its traits.
 #pragma once
 
 #include <cstdint>
@@ -45,15 +45,37 @@ inline constexpr Program kRmspropCentered = make_rmsprop(true, false);
 inline constexpr Program kRmspropMomentum = make_rmsprop(false, true);
 inline constexpr Program kRmspropCenteredMomentum = make_rmsprop(true, true);
 
-inline void rmsprop_scalars(const optim::RMSprop& c, const Program& p, sf_scalar_rule* out) {
-  ScalarWriter w{p, out};
-  w.gscale(c.maximize);
-  w.set("weight_decay", c.weight_decay);
-  w.set("alpha", c.alpha);
-  w.set("one_minus_alpha", 1.0 - c.alpha);
-  w.set("eps", c.eps);
-  w.set("momentum", c.momentum);
-  w.set("lr", c.lr);
-}
+template <>
+struct OptimizerTraits<optim::RMSprop> : TraitsDefaults {
+  static constexpr std::string_view name = "RMSprop";
+  static constexpr const Program* programs[] = {&kRmsprop, &kRmspropCentered, &kRmspropMomentum,
+                                                &kRmspropCenteredMomentum};
+  static int variant(const optim::RMSprop& c) { return (c.centered ? 1 : 0) + (c.momentum > 0 ? 2 : 0); }
+
+  static void validate(const optim::RMSprop& c, const Checker& ck) {
+    ck.at_least("lr", c.lr, 0.0);
+    ck.at_least("weight_decay", c.weight_decay, 0.0);
+    ck.at_least("eps", c.eps, 0.0);
+    ck.at_least("momentum", c.momentum, 0.0);
+    ck.at_least("alpha", c.alpha, 0.0);
+  }
+
+  static void scalars(const optim::RMSprop& c, const ScalarWriter& w) {
+    w.gscale(c.maximize);
+    w.set("weight_decay", c.weight_decay);
+    w.set("alpha", c.alpha);
+    w.set("one_minus_alpha", 1.0 - c.alpha);
+    w.set("eps", c.eps);
+    w.set("momentum", c.momentum);
+    w.set("lr", c.lr);
+  }
+
+  template <class C, class F>
+  static constexpr void fields(C& c, F&& f) {
+    f("lr", c.lr), f("alpha", c.alpha), f("eps", c.eps), f("weight_decay", c.weight_decay);
+    f("momentum", c.momentum), f("centered", c.centered), f("maximize", c.maximize);
+  }
+  static constexpr std::array keras_hypers = {KerasHyper{"rho", "alpha"}, KerasHyper{"momentum", "momentum"}};
+};
 
 }  // namespace stepfuse::jit

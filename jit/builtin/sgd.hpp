@@ -1,4 +1,4 @@
-// SGD (torch.optim.SGD): the update program and its per-step scalars.
+// SGD (torch.optim.SGD): the update programs and the optimizer's traits.
 #pragma once
 
 #include <cstdint>
@@ -31,15 +31,38 @@ inline constexpr Program kSgd = make_sgd(false, false);
 inline constexpr Program kSgdMomentum = make_sgd(true, false);
 inline constexpr Program kSgdNesterov = make_sgd(true, true);
 
-inline void sgd_scalars(const optim::SGD& c, const Program& p, sf_scalar_rule* out) {
-  ScalarWriter w{p, out};
-  w.gscale(c.maximize);
-  w.set("weight_decay", c.weight_decay);
-  w.set("lr", c.lr);
-  w.set("momentum", c.momentum);
-  // The momentum buffer starts as a copy of the gradient on the first step.
-  w.rule("buf_momentum", SF_RULE_FIRST_STEP, 0.0, c.momentum);
-  w.rule("buf_grad_coef", SF_RULE_FIRST_STEP, 1.0, 1.0 - c.dampening);
-}
+template <>
+struct OptimizerTraits<optim::SGD> : TraitsDefaults {
+  static constexpr std::string_view name = "SGD";
+  static constexpr const Program* programs[] = {&kSgd, &kSgdMomentum, &kSgdNesterov};
+  static int variant(const optim::SGD& c) { return c.momentum == 0 ? 0 : c.nesterov ? 2 : 1; }
+
+  static void validate(const optim::SGD& c, const Checker& ck) {
+    ck.at_least("lr", c.lr, 0.0);
+    ck.at_least("weight_decay", c.weight_decay, 0.0);
+    ck.at_least("momentum", c.momentum, 0.0);
+    ck.at_least("dampening", c.dampening, -INFINITY);
+    if (c.nesterov && (c.momentum <= 0 || c.dampening != 0))
+      ck.fail("nesterov", 1.0, "Nesterov momentum requires momentum > 0 and dampening = 0; got momentum = " +
+                                   Checker::text(c.momentum) + ", dampening = " + Checker::text(c.dampening));
+  }
+
+  static void scalars(const optim::SGD& c, const ScalarWriter& w) {
+    w.gscale(c.maximize);
+    w.set("weight_decay", c.weight_decay);
+    w.set("lr", c.lr);
+    w.set("momentum", c.momentum);
+    // The momentum buffer starts as a copy of the gradient on the first step.
+    w.rule("buf_momentum", SF_RULE_FIRST_STEP, 0.0, c.momentum);
+    w.rule("buf_grad_coef", SF_RULE_FIRST_STEP, 1.0, 1.0 - c.dampening);
+  }
+
+  template <class C, class F>
+  static constexpr void fields(C& c, F&& f) {
+    f("lr", c.lr), f("momentum", c.momentum), f("dampening", c.dampening), f("weight_decay", c.weight_decay);
+    f("nesterov", c.nesterov), f("maximize", c.maximize);
+  }
+  static constexpr std::array keras_hypers = {KerasHyper{"momentum", "momentum"}};
+};
 
 }  // namespace stepfuse::jit

@@ -1,27 +1,25 @@
-// Registry of the fused update kernels: built-in program -> family table.
+// The fused update kernels by built-in program: program b is in slice
+// b % kUpdateSlices, at place b / kUpdateSlices (runtime/cpu/update_kernels-inl.h).
+#include <iterator>
+
 #include "runtime/cpu/kernels.hpp"
 
 namespace stepfuse::cpu {
 
-// Defined in runtime/cpu/update_<family>.cpp; `program` is the index within the family.
-UpdateFn sgd_kernel(int program, int combo);
-UpdateFn adam_kernel(int program, int combo);
-UpdateFn adagrad_kernel(int program, int combo);
-UpdateFn rmsprop_kernel(int program, int combo);
-UpdateFn lion_kernel(int program, int combo);
+// Defined in runtime/cpu/update_kernels_<k>.cpp; `slot` is the place in the slice.
+UpdateFn update_kernel_0(int slot, int combo);
+UpdateFn update_kernel_1(int slot, int combo);
+UpdateFn update_kernel_2(int slot, int combo);
+UpdateFn update_kernel_3(int slot, int combo);
+UpdateFn update_kernel_4(int slot, int combo);
 
 UpdateFn fused_update_kernel(jit::Builtin program, DType weight, DType grad, bool masters) {
-  using jit::Builtin;
-  const int combo = update_combo(weight, grad, masters);
+  static constexpr UpdateFn (*kSlices[])(int, int) = {&update_kernel_0, &update_kernel_1, &update_kernel_2,
+                                                      &update_kernel_3, &update_kernel_4};
+  static_assert(std::size(kSlices) == kUpdateSlices, "one runtime/cpu/update_kernels_<k>.cpp per slice");
   const int b = static_cast<int>(program);
-  // Family order must match the FusedTable lists in runtime/cpu/update_family-inl.h.
-  if (program <= Builtin::sgd_nesterov) return sgd_kernel(b - static_cast<int>(Builtin::sgd), combo);
-  if (program <= Builtin::adam_amsgrad) return adam_kernel(b - static_cast<int>(Builtin::adam), combo);
-  if (program == Builtin::adagrad) return adagrad_kernel(0, combo);
-  if (program <= Builtin::rmsprop_centered_momentum)
-    return rmsprop_kernel(b - static_cast<int>(Builtin::rmsprop), combo);
-  if (program == Builtin::lion) return lion_kernel(0, combo);
-  return nullptr;
+  if (b >= jit::kNumBuiltins) return nullptr;
+  return kSlices[b % kUpdateSlices](b / kUpdateSlices, update_combo(weight, grad, masters));
 }
 
 }  // namespace stepfuse::cpu
