@@ -6,11 +6,13 @@
 // tensors, their functions, the scalar rules and the hyperparameters
 // (examples/run_emitted_cpu/ includes it and links the object). Needs the LLVM backend.
 //
-//   stepfuse-emit-cpu-kernel [--out DIR] [--cpu NAME] [--triple TRIPLE] [--features F]
+//   stepfuse-emit-cpu-kernel [--out DIR] [--cpu NAME] [--triple TRIPLE] [--features F] [--help]
 //
 // The default CPU is this machine's (the object then runs here, and on CPUs with the
 // same features); --cpu x86-64-v3 gives code for any AVX2+FMA x86-64.
 #include <stepfuse/stepfuse.hpp>
+
+#include <CLI/CLI.hpp>
 
 #include <filesystem>
 #include <iostream>
@@ -113,21 +115,22 @@ std::string caller_header(const stepfuse::UpdateProgram& program, const stepfuse
 }
 
 int run(int argc, char** argv) {
-  fs::path out = "emitted_cpu";
+  std::string out_dir = "emitted_cpu";
   stepfuse::EmitTarget target = stepfuse::EmitTarget::cpu();
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if ((a == "--out" || a == "--cpu" || a == "--triple" || a == "--features") && i + 1 < argc) {
-      const std::string v = argv[++i];
-      if (a == "--out") out = v;
-      else if (a == "--cpu") target.cpu_name = v;
-      else if (a == "--triple") target.triple = v;
-      else target.features = v;
-    } else {
-      std::cerr << "usage: stepfuse-emit-cpu-kernel [--out DIR] [--cpu NAME] [--triple TRIPLE] [--features F]\n";
-      return a == "--help" ? 0 : 1;
-    }
+  CLI::App app{"Emits AdamW's fused CPU step for a fixed tensor list (ELF object, LLVM IR, ABI, C headers) for a "
+               "program that runs it without stepfuse.",
+               "stepfuse-emit-cpu-kernel"};
+  app.add_option("--out", out_dir, "directory to write into (created if missing)")->type_name("DIR")->capture_default_str();
+  app.add_option("--cpu", target.cpu_name, "LLVM CPU name, e.g. x86-64-v3 (default: this machine's)")->type_name("NAME");
+  app.add_option("--triple", target.triple, "LLVM target triple (default: this machine's)")->type_name("TRIPLE");
+  app.add_option("--features", target.features, "LLVM feature flags added to the CPU's own, e.g. -avx512f")
+      ->type_name("F");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 1;  // --help: 0; a bad command line: 1
   }
+  const fs::path out = out_dir;
   fs::create_directories(out);
 
   const stepfuse::UpdateProgram program = stepfuse::UpdateProgram::from_config(kConfig);

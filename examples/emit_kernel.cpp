@@ -6,12 +6,13 @@
 // and the tables (examples/run_emitted/ includes it). No GPU needed; without NVRTC it
 // writes the source and the ABI, and the header says there is no binary.
 //
-//   stepfuse-emit-kernel [--out DIR] [--sm 90] [--ptx-sm 75]
+//   stepfuse-emit-kernel [--out DIR] [--sm 90] [--ptx-sm 75] [--help]
 #include <stepfuse/stepfuse.hpp>
+
+#include <CLI/CLI.hpp>
 
 #include <cinttypes>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -115,19 +116,21 @@ std::string launcher_header(const UpdateProgram& program, const stepfuse::Emitte
 }
 
 int run(int argc, char** argv) {
-  fs::path out = "emitted";
+  std::string out_dir = "emitted";
   int sm = 90, ptx_sm = 75;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if ((a == "--out" || a == "--sm" || a == "--ptx-sm") && i + 1 < argc) {
-      const std::string v = argv[++i];
-      if (a == "--out") out = v;
-      else (a == "--sm" ? sm : ptx_sm) = std::atoi(v.c_str());
-    } else {
-      std::cerr << "usage: stepfuse-emit-kernel [--out DIR] [--sm 90] [--ptx-sm 75]\n";
-      return a == "--help" ? 0 : 1;
-    }
+  CLI::App app{"Emits a custom update program's fused CUDA step kernels (source, CUBIN, PTX, ABI, C headers) for "
+               "a program that launches them without stepfuse.",
+               "stepfuse-emit-kernel"};
+  app.add_option("--out", out_dir, "directory to write into (created if missing)")->type_name("DIR")->capture_default_str();
+  // emit() checks the compute capabilities, and says what is wrong.
+  app.add_option("--sm", sm, "compute capability of the CUBIN (90: sm_90)")->capture_default_str();
+  app.add_option("--ptx-sm", ptx_sm, "compute capability of the PTX (75: compute_75)")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 1;  // --help: 0; a bad command line: 1
   }
+  const fs::path out = out_dir;
   fs::create_directories(out);
 
   const UpdateProgram program = lion_soft_sign();

@@ -2,7 +2,7 @@
 // (stepfuse::GradScaler) and a fused AdamW step with gradient clipping — the training
 // loop of torch.amp, on the CPU, in one file.
 //
-//   stepfuse-train-mlp [--steps N] [--threads N]
+//   stepfuse-train-mlp [--steps N] [--threads N] [--help]
 //
 // The task: classify 64-dimensional Gaussian inputs into the 10 classes that a fixed,
 // random "teacher" network assigns them. Every number comes from a fixed seed, so two
@@ -23,6 +23,8 @@
 
 #include <stepfuse/stepfuse.hpp>
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <bit>
 #include <charconv>
@@ -32,6 +34,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -260,49 +263,36 @@ struct Args {
   int threads = 0;  // 0: stepfuse's default (STEPFUSE_NUM_THREADS, else every core)
 };
 
-void print_usage(std::FILE* out) {
-  std::fprintf(out,
-               "usage: stepfuse-train-mlp [--steps N] [--threads N]\n"
-               "Trains a 64-256-10 MLP (f16 weights and gradients) with GradScaler and a fused,\n"
-               "clipped AdamW step on synthetic data.\n"
-               "  --steps N    training steps (default %d)\n"
-               "  --threads N  threads for the optimizer step (default 0: STEPFUSE_NUM_THREADS,\n"
-               "               else every core)\n"
-               "  --help       print this and exit\n",
-               kDefaultSteps);
-}
-
-// Parses a whole decimal integer >= min_value; false if `text` is anything else.
-bool parse_int(std::string_view text, int min_value, int& out) {
-  int value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error != std::errc{} || end != text.data() + text.size() || value < min_value) return false;
-  out = value;
-  return true;
+// A whole decimal number >= min_value, handed on to CLI11 in plain digits (CLI11 alone
+// reads "010" as octal and "0x10" as hex).
+CLI::Validator whole_number(int min_value) {
+  return CLI::Validator(
+      [min_value](std::string& text) {
+        int value = 0;
+        const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+        if (error != std::errc{} || end != text.data() + text.size() || value < min_value)
+          return "wants an integer >= " + std::to_string(min_value) + ", not '" + text + "'";
+        text = std::to_string(value);
+        return std::string();
+      },
+      "", "");
 }
 
 // Fills `args`; returns -1 to go on, else the exit status (0 after --help, 2 on an error).
 int parse_args(int argc, char** argv, Args& args) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      print_usage(stdout);
-      return 0;
-    }
-    int* target = arg == "--steps" ? &args.steps : arg == "--threads" ? &args.threads : nullptr;
-    if (target == nullptr) {
-      std::fprintf(stderr, "stepfuse-train-mlp: unknown argument '%s'\n", argv[i]);
-    } else if (i + 1 == argc) {
-      std::fprintf(stderr, "stepfuse-train-mlp: %s needs a value\n", argv[i]);
-    } else if (const int min_value = target == &args.steps ? 1 : 0; !parse_int(argv[i + 1], min_value, *target)) {
-      std::fprintf(stderr, "stepfuse-train-mlp: %s wants an integer >= %d, not '%s'\n", argv[i], min_value,
-                   argv[i + 1]);
-    } else {
-      ++i;
-      continue;
-    }
-    print_usage(stderr);
-    return 2;
+  CLI::App app{"Trains a 64-256-10 MLP (f16 weights and gradients) with GradScaler and a fused, clipped AdamW step "
+               "on synthetic data.",
+               "stepfuse-train-mlp"};
+  app.add_option("--steps", args.steps, "training steps (at least 1)")->transform(whole_number(1))->capture_default_str();
+  app.add_option("--threads", args.threads,
+                 "threads for the optimizer step (0: STEPFUSE_NUM_THREADS, else every core)")
+      ->transform(whole_number(0))
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help: the help on stdout, 0; else the error and a pointer to --help on stderr.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   return -1;
 }

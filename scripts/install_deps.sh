@@ -12,7 +12,7 @@ packages=(
   libhwy-dev          # Highway SIMD with dynamic dispatch (the CPU backend)
   libgtest-dev libgmock-dev
   libbenchmark-dev    # Google Benchmark (bench/)
-  libcli11-dev        # command lines (stepfuse-bench)
+  libcli11-dev        # command lines (stepfuse-bench, the examples)
   nlohmann-json3-dev  # JSON (the kernel ABI descriptions, benchmark reports)
   libxxhash-dev       # cache keys and checksums
   llvm-14-dev         # the LLVM CPU backend (optional: without it the build has Highway alone)
