@@ -1,4 +1,5 @@
 // The blocked interpreter's op loops (Highway, every target) and its driver.
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -214,6 +215,21 @@ void Interpreter::run_blocked(const UpdateArgs& args, std::size_t begin, std::si
 
 void Interpreter::run_op(int k, const UpdateArgs& args, std::size_t begin, std::size_t n, float* const* slots) const {
   exec_(resolve(lowered_.code[k], args, begin, slots), n);
+}
+
+InterpreterSet::InterpreterSet(const Program& program, const jit::Layout& layout, bool f32_grads) {
+  std::vector<int> group_of_combo(jit::kNumComboIndices, -1);
+  for (const int k : layout.tensor_combo) {
+    jit::DtypeCombo c = layout.combos[static_cast<std::size_t>(k)];
+    if (f32_grads) c.grad = DType::f32;
+    int& group = group_of_combo[static_cast<std::size_t>(c.index())];
+    if (group < 0) {
+      group = static_cast<int>(interpreters_.size());
+      interpreters_.push_back(std::make_unique<Interpreter>(program, c.weight, c.grad, c.master));
+      max_slots_ = std::max(max_slots_, interpreters_.back()->num_slots());
+    }
+    group_of_tensor_.push_back(static_cast<std::size_t>(group));
+  }
 }
 
 }  // namespace stepfuse::cpu

@@ -7,6 +7,10 @@
 #include <cstddef>
 #include <string>
 
+#include <memory>
+#include <vector>
+
+#include "jit/layout.hpp"
 #include "jit/program_analysis.hpp"
 #include "runtime/cpu/kernels.hpp"
 
@@ -39,7 +43,6 @@ class Interpreter {
 
   int num_slots() const { return lowered_.num_slots; }
   int num_ops() const { return static_cast<int>(lowered_.code.size()); }
-  const jit::LoweredProgram& lowered() const { return lowered_; }
 
   // All ops over elements [begin, begin + n) of one tensor, kBlock at a time.
   // `scratch` holds num_slots() * kBlock floats. Writes weight, master, state.
@@ -55,6 +58,24 @@ class Interpreter {
   jit::LoweredProgram lowered_;
   DType weight_, grad_;
   ExecFn exec_;
+};
+
+// The interpreters of a tensor list: one per dtype combination present (tensors
+// with different dtypes run different lowered programs). f32_grads: every
+// gradient is read as fp32 (the unfused baseline reads its fp32 temporary).
+class InterpreterSet {
+ public:
+  InterpreterSet(const Program& program, const jit::Layout& layout, bool f32_grads);
+  std::size_t size() const { return interpreters_.size(); }
+  const Interpreter& operator[](std::size_t group) const { return *interpreters_[group]; }
+  // The group (index above) of tensor t.
+  std::size_t group_of(std::size_t tensor) const { return group_of_tensor_[tensor]; }
+  int max_slots() const { return max_slots_; }
+
+ private:
+  std::vector<std::unique_ptr<Interpreter>> interpreters_;
+  std::vector<std::size_t> group_of_tensor_;
+  int max_slots_ = 0;
 };
 
 }  // namespace stepfuse::cpu

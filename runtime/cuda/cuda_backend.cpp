@@ -229,21 +229,34 @@ void CudaBackend::synchronize() const {
   cuda::check(api().cuStreamSynchronize(stream_), "cuStreamSynchronize");
 }
 
-void CudaBackend::step(const CudaStepRequest& request, const sf_scalar_rule* rules, int num_rules) {
+StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
   ctx_->make_current();
+  if (host_touched_) {  // a host copy handed out since the last step may have changed: copy it back
+    for (int s = 0; s < program_.num_streams; ++s)
+      if (state_[s].get() != 0 && host_state_[s].size() > 0)
+        cuda::check(api().cuMemcpyHtoDAsync(state_[s].get(), host_state_[s].data(),
+                                            static_cast<std::size_t>(layout_.state_elems) * sizeof(float), stream_),
+                    "cuMemcpyHtoDAsync");
+    if (layout_.master_elems > 0)
+      cuda::check(api().cuMemcpyHtoDAsync(masters_.get(), host_masters_.data(),
+                                          static_cast<std::size_t>(layout_.master_elems) * sizeof(float), stream_),
+                  "cuMemcpyHtoDAsync");
+    synchronize();  // done before the host copy can change again
+    host_touched_ = false;
+  }
   sf_hyper hyper{};
-  for (int k = 0; k < num_rules; ++k) hyper.rules[k] = rules[k];
+  for (int k = 0; k < program_.num_scalars; ++k) hyper.rules[k] = request.rules[k];
   hyper.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
   const bool clip = options_.max_grad_norm.has_value();
-  const bool reduce = request.scaled || clip || options_.track_grad_norm || request.scale_ptr != nullptr;
+  const bool reduce = request.scaled || clip || options_.track_grad_norm || request.device_scale != nullptr;
   cuda::CUdeviceptr tensors = tensors_.get(), chunks = chunks_.get(), blocks = blocks_.get();
   cuda::CUdeviceptr partials = partials_.get(), sums = tensor_sums_.get(), st = step_state_.get();
   if (reduce) {
     int num_tensors = static_cast<int>(params_.size());
     int num_chunks = num_chunks_;
-    const float* scale_ptr = request.scale_ptr;
-    double scale_value = request.loss_scale;  // a double: must match sf_reduce (jit/cuda/emit_cuda.cpp)
-    int check_finite = request.scaled || clip ? 1 : 0;
+    const float* scale_ptr = request.device_scale;
+    double scale_value = request.loss_scale;  // a double: must match sf_reduce (jit/cuda/kernels/reduce_kernel.cuh)
+    int check_finite = request.scaled || request.device_scale != nullptr || clip ? 1 : 0;
     sf_scaler_state* scaler = request.scaler;
     void* args[] = {&tensors, &num_tensors, &chunks,      &num_chunks,   &partials, &sums,
                     &st,      &hyper,       &scale_ptr,   &scale_value,  &check_finite, &scaler};
@@ -256,6 +269,10 @@ void CudaBackend::step(const CudaStepRequest& request, const sf_scalar_rule* rul
   int plain = reduce ? 0 : 1;
   void* args[] = {&tensors, &blocks, &flat_numel, &streams, &st, &hyper, &plain};
   launch(update_, "sf_update", static_cast<unsigned>(num_update_blocks_), SF_UPDATE_THREADS, stream_, args);
+  host_current_ = false;
+  StepResult pending;
+  pending.pending = true;
+  return pending;
 }
 
 void CudaBackend::scale_tensors(const std::vector<TensorView>& tensors, float factor) {
@@ -298,14 +315,14 @@ StepResult CudaBackend::read_result(std::vector<double>* tensor_norms) const {
   return r;
 }
 
-std::int64_t CudaBackend::read_step_count() const {
+std::int64_t CudaBackend::step_count() const {
   synchronize();
   long long step = 0;
   cuda::check(api().cuMemcpyDtoH(&step, step_state_.get() + offsetof(sf_step_state, step), sizeof step), "cuMemcpyDtoH");
   return step;
 }
 
-void CudaBackend::write_step_count(std::int64_t n) {
+void CudaBackend::set_step_count(std::int64_t n) {
   synchronize();
   const long long step = n;
   cuda::check(api().cuMemcpyHtoDAsync(step_state_.get() + offsetof(sf_step_state, step), &step, sizeof step, stream_),
@@ -313,26 +330,37 @@ void CudaBackend::write_step_count(std::int64_t n) {
   synchronize();  // `step` goes out of scope
 }
 
-void CudaBackend::download(float* const* state, float* masters) const {
-  synchronize();
-  for (int s = 0; s < program_.num_streams; ++s)
-    if (state_[s].get() != 0 && state[s] != nullptr && layout_.state_elems > 0)
-      cuda::check(api().cuMemcpyDtoH(state[s], state_[s].get(), static_cast<std::size_t>(layout_.state_elems) * sizeof(float)), "cuMemcpyDtoH");
-  if (layout_.master_elems > 0 && masters != nullptr)
-    cuda::check(api().cuMemcpyDtoH(masters, masters_.get(), static_cast<std::size_t>(layout_.master_elems) * sizeof(float)),
-                "cuMemcpyDtoH");
+void CudaBackend::host_view() const {
+  if (!host_current_) {
+    synchronize();
+    for (int s = 0; s < program_.num_streams; ++s) {
+      if (state_[s].get() == 0) continue;
+      if (host_state_[s].size() == 0)
+        host_state_[s] = AlignedBuffer(static_cast<std::size_t>(std::max<std::int64_t>(layout_.state_elems, 1)));
+      if (layout_.state_elems > 0)
+        cuda::check(api().cuMemcpyDtoH(host_state_[s].data(), state_[s].get(),
+                                       static_cast<std::size_t>(layout_.state_elems) * sizeof(float)),
+                    "cuMemcpyDtoH");
+    }
+    if (layout_.master_elems > 0) {
+      if (host_masters_.size() == 0) host_masters_ = AlignedBuffer(static_cast<std::size_t>(layout_.master_elems));
+      cuda::check(api().cuMemcpyDtoH(host_masters_.data(), masters_.get(),
+                                     static_cast<std::size_t>(layout_.master_elems) * sizeof(float)),
+                  "cuMemcpyDtoH");
+    }
+    host_current_ = true;
+  }
+  host_touched_ = true;
 }
 
-void CudaBackend::upload(const float* const* state, const float* masters) {
-  synchronize();
-  for (int s = 0; s < program_.num_streams; ++s)
-    if (state_[s].get() != 0 && state[s] != nullptr && layout_.state_elems > 0)
-      cuda::check(api().cuMemcpyHtoDAsync(state_[s].get(), state[s], static_cast<std::size_t>(layout_.state_elems) * sizeof(float), stream_),
-                  "cuMemcpyHtoDAsync");
-  if (layout_.master_elems > 0 && masters != nullptr)
-    cuda::check(api().cuMemcpyHtoDAsync(masters_.get(), masters, static_cast<std::size_t>(layout_.master_elems) * sizeof(float), stream_),
-                "cuMemcpyHtoDAsync");
-  synchronize();  // ordered before the next step's kernels on this stream, and done
+float* CudaBackend::state_data(int stream) const {
+  host_view();
+  return host_state_[stream].data();
+}
+
+float* CudaBackend::masters_data() const {
+  host_view();
+  return host_masters_.data();
 }
 
 }  // namespace stepfuse::detail

@@ -9,6 +9,8 @@
 
 #include "jit/cuda/emit_cuda.hpp"
 #include "jit/layout.hpp"
+#include "runtime/aligned_buffer.hpp"
+#include "runtime/backend.hpp"
 #include "jit/step_scalars.h"
 #include "jit/base/cuda_api.hpp"
 #include "stepfuse/optimizer.hpp"
@@ -78,41 +80,35 @@ struct CudaUtilities {
 };
 const CudaUtilities& cuda_utilities(const CudaContext& ctx);
 
-// What a step needs from its caller.
-struct CudaStepRequest {
-  double loss_scale = 1.0;           // used when scale_ptr is null
-  const float* scale_ptr = nullptr;  // a GradScaler's scale on the device, or null
-  sf_scaler_state* scaler = nullptr; // a GradScaler's device state (found_inf is recorded there), or null
-  bool scaled = false;               // skip on inf/NaN
-};
-
-class CudaBackend {
+// The CUDA backend: the step's state, masters and tables on the device, the
+// reduce and update kernels generated for its spec. Steps are enqueued on the
+// stream and never wait; results, counts and the host copies of the state wait.
+class CudaBackend final : public Backend {
  public:
   // `params` hold device pointers. Allocates and initializes state (`state_init`
   // per program stream) and masters on the device, compiles (or finds in the
   // cache) and loads the kernels.
   CudaBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
               const float* state_init);
-  ~CudaBackend();
+  ~CudaBackend() override;
 
-  // Enqueues a step on the stream. Nothing waits for the device.
-  void step(const CudaStepRequest& request, const sf_scalar_rule* rules, int num_rules);
+  // Enqueues a step on the stream (copying a host copy of the state that was
+  // handed out back first). Nothing waits for the device: the result is pending.
+  StepResult step(const StepRequest& request, std::vector<double>& tensor_norms) override;
+  // These wait for the stream.
+  StepResult read_result(std::vector<double>* tensor_norms) const override;
+  std::int64_t step_count() const override;
+  void set_step_count(std::int64_t n) override;
+  const jit::Layout& layout() const override { return layout_; }
+  float* state_data(int stream) const override;
+  float* masters_data() const override;
+  std::string_view name() const override { return "cuda"; }
+  int threads() const override { return 1; }
 
   // data *= factor, in place on the device, rounded to each tensor's storage
   // format (LossScaleOptimizer::get_unscaled_gradients). Enqueued.
   void scale_tensors(const std::vector<TensorView>& tensors, float factor);
 
-  // These wait for the stream.
-  StepResult read_result(std::vector<double>* tensor_norms) const;
-  std::int64_t read_step_count() const;
-  void write_step_count(std::int64_t n);
-  // Copies of the state streams and masters to/from host arrays laid out by
-  // layout() (tensor i at element layout().offsets[i]).
-  void download(float* const* state, float* masters) const;
-  void upload(const float* const* state, const float* masters);
-
-  // Where each tensor's state and master live on the device (jit/layout.hpp).
-  const jit::Layout& layout() const { return layout_; }
   cuda::CUstream stream() const { return stream_; }
   const CudaContext& context() const { return *ctx_; }
   const jit::CudaSpec& spec() const { return spec_; }
@@ -128,6 +124,11 @@ class CudaBackend {
   std::unique_ptr<CudaModule> reduce_module_, update_module_;
   cuda::CUfunction reduce_ = nullptr, update_ = nullptr;
   jit::Layout layout_;
+  // The host copy of the state and masters, allocated on first use.
+  mutable AlignedBuffer host_state_[kMaxStreams], host_masters_;
+  mutable bool host_current_ = false;  // the host copy equals the device's
+  mutable bool host_touched_ = false;  // the host copy was handed out since the last step
+  void host_view() const;              // makes the host copy current and marks it handed out
   int num_chunks_ = 0, num_update_blocks_ = 0;
   DeviceBuffer factor_;  // scale_tensors()' factor
   DeviceBuffer state_[kMaxStreams], masters_, step_state_, tensors_, chunks_, blocks_, partials_, tensor_sums_;

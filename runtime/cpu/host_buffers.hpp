@@ -1,0 +1,75 @@
+// What every CPU backend holds for a step: the layout of the tensor list, its
+// split among the threads, the state streams and fp32 masters, each tensor's
+// kernel arguments, and the reduce pass that combines chunk partials in the
+// canonical order (docs/architecture.md §5).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "jit/layout.hpp"
+#include "runtime/aligned_buffer.hpp"
+#include "runtime/cpu/kernels.hpp"
+#include "runtime/thread_pool.hpp"
+#include "stepfuse/optimizer.hpp"
+#include "stepfuse/program.hpp"
+
+namespace stepfuse::cpu {
+
+class HostBuffers {
+ public:
+  // Plans the list, picks the thread count (OptimizerOptions::num_threads, or
+  // fewer threads for small lists), allocates the state streams (filled with
+  // state_init[s]) and the masters (widened from the weights), in parallel, by the
+  // threads that will use them. Each tensor's args point into them, and their
+  // scalars at `scalars`.
+  HostBuffers(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
+              const float* state_init, const float* scalars);
+
+  const jit::Layout& layout() const { return layout_; }
+  detail::ThreadPool& pool() const { return *pool_; }
+  float* state(int stream) const { return state_[stream].data(); }  // null for grad/param streams
+  float* masters() const { return masters_.data(); }
+  const std::vector<UpdateArgs>& args() const { return args_; }
+
+  // Calls body(chunk, thread) for every chunk of the layout, each thread its own
+  // run of them.
+  template <class F>
+  void for_chunks(F&& body) const {
+    pool_->run([&](int t) {
+      const auto u = static_cast<std::size_t>(t);
+      for (std::size_t c = thread_chunks_[u]; c < thread_chunks_[u + 1]; ++c) body(c, t);
+    });
+  }
+
+  // The reduce pass: partial(c) for every chunk c, then the combine in the
+  // canonical order (fp64, chunks in order within a tensor, then tensors in
+  // order). Writes each tensor's norm of the gradients as stored to tensor_norms.
+  struct Reduction {
+    bool found_inf = false;
+    double norm = 0;  // of the gradients as stored (not yet divided by the loss scale)
+  };
+  template <class Partial>
+  Reduction reduce(Partial&& partial, bool inf_norm, std::vector<double>& tensor_norms) {
+    for_chunks([&](std::size_t c, int) { partials_[c] = partial(c); });
+    return combine(inf_norm, tensor_norms);
+  }
+  // The first stored gradient of a chunk.
+  const void* grad_at(const jit::Chunk& ch, const std::vector<Param>& params) const {
+    const TensorView& g = params[ch.tensor].grad;
+    return static_cast<const char*>(g.data) + ch.begin * static_cast<std::int64_t>(dtype_size(g.dtype));
+  }
+
+ private:
+  Reduction combine(bool inf_norm, std::vector<double>& tensor_norms) const;
+
+  jit::Layout layout_;
+  std::vector<std::size_t> thread_chunks_;  // thread t runs chunks [thread_chunks_[t], thread_chunks_[t + 1])
+  detail::ThreadPool* pool_ = nullptr;
+  detail::AlignedBuffer state_[kMaxStreams];
+  detail::AlignedBuffer masters_;
+  std::vector<UpdateArgs> args_;
+  std::vector<ReducePartial> partials_;  // one per chunk
+};
+
+}  // namespace stepfuse::cpu

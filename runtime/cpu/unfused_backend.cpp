@@ -1,0 +1,94 @@
+// The unfused CPU backend: unscale, finite check, norm, clip and the update's
+// ops, each a pass over memory.
+#include "runtime/cpu/unfused_backend.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "jit/step_stage.h"
+
+namespace stepfuse::cpu {
+
+UnfusedBackend::UnfusedBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
+                               const float* state_init)
+    : params_(params),
+      options_(options),
+      num_scalars_(program.num_scalars),
+      host_(program, params, options, state_init, scalars_),
+      interpreters_(program, host_.layout(), /*f32_grads=*/true) {
+  const std::size_t elems = static_cast<std::size_t>(host_.layout().state_elems);
+  scratch_ = detail::AlignedBuffer(static_cast<std::size_t>(interpreters_.max_slots()) * elems);
+  grad_tmp_ = detail::AlignedBuffer(elems);
+  tmp_args_ = host_.args();
+  for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + host_.layout().offsets[i];
+}
+
+StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<double>& tensor_norms) {
+  // The unscaled gradients go to an fp32 temporary instead of back into the
+  // caller's buffers (same traffic, and no precision lost to f16/bf16 storage).
+  const jit::Layout& l = host_.layout();
+  const bool clip = options_.max_grad_norm.has_value();
+  const bool inf_norm = options_.norm_type == INFINITY;
+  bool use_tmp = request.scaled || clip;
+  for (const Param& p : params_) use_tmp |= p.grad.dtype != DType::f32;
+  StepResult r;
+  if (use_tmp) {  // unscale pass: tmp = g * (1/S), the reciprocal rounded to fp32 as GradScaler does
+    const float inv = static_cast<float>(1.0 / request.loss_scale);
+    host_.for_chunks([&](std::size_t c, int) {
+      const jit::Chunk& ch = l.chunks[c];
+      widen_scaled(params_[ch.tensor].grad.dtype, host_.grad_at(ch, params_), tmp_at(ch), static_cast<std::size_t>(ch.len),
+                   request.scaled ? inv : 1.0f);
+    });
+  }
+  if (request.scaled || clip) {  // finite-check pass
+    const ReduceFn check = reduce_kernel(DType::f32, NormKind::l2);
+    const auto partial = [&](std::size_t c) { return check(tmp_at(l.chunks[c]), static_cast<std::size_t>(l.chunks[c].len)); };
+    r.found_inf = host_.reduce(partial, false, tensor_norms).found_inf;
+    if (r.found_inf) {
+      r.grad_norm = INFINITY;
+      tensor_norms.assign(params_.size(), INFINITY);
+      return r;
+    }
+  }
+  if (clip || options_.track_grad_norm) {  // norm pass over the unscaled gradients
+    // Without the temporary every gradient is f32 (a non-f32 one needs it).
+    const ReduceFn norm = reduce_kernel(DType::f32, inf_norm ? NormKind::inf : NormKind::l2);
+    const auto partial = [&](std::size_t c) {
+      const jit::Chunk& ch = l.chunks[c];
+      return norm(use_tmp ? tmp_at(ch) : host_.grad_at(ch, params_), static_cast<std::size_t>(ch.len));
+    };
+    r.grad_norm = host_.reduce(partial, inf_norm, tensor_norms).norm;
+    r.clip_coef = sf_clip_coef(options_.max_grad_norm.value_or(0.0), r.grad_norm);
+  } else {
+    tensor_norms.assign(params_.size(), NAN);
+  }
+  if (clip) {  // clip pass: g *= coef (always, as clip_grad_norm_ does)
+    const float coef = static_cast<float>(r.clip_coef);
+    host_.for_chunks([&](std::size_t c, int) {
+      scale_inplace(DType::f32, tmp_at(l.chunks[c]), static_cast<std::size_t>(l.chunks[c].len), coef);
+    });
+  }
+  // The update, one pass per program op over all tensors, temporaries in model-sized slots.
+  sf_eval_scalars(request.rules, num_scalars_, step_count_ + 1, 1.0, scalars_);
+  const std::vector<UpdateArgs>& args = use_tmp ? tmp_args_ : host_.args();
+  // Tensors with different dtypes run different lowered programs: one group after another.
+  for (std::size_t group = 0; group < interpreters_.size(); ++group) {
+    const Interpreter& interp = interpreters_[group];
+    for (int k = 0; k < interp.num_ops(); ++k) {
+      host_.for_chunks([&](std::size_t c, int) {
+        const jit::Chunk& ch = l.chunks[c];
+        if (interpreters_.group_of(ch.tensor) != group) return;
+        float* slot_ptrs[kMaxInstrs];
+        for (int s = 0; s < interp.num_slots(); ++s)
+          slot_ptrs[s] = scratch_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(l.state_elems) +
+                         l.offsets[ch.tensor] + ch.begin;
+        interp.run_op(k, args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len), slot_ptrs);
+      });
+    }
+  }
+  ++step_count_;
+  r.applied = true;
+  return r;
+}
+
+}  // namespace stepfuse::cpu
