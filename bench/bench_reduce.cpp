@@ -39,6 +39,7 @@ namespace sf = stepfuse;
 namespace sb = stepfuse::bench;
 namespace cpu = stepfuse::cpu;
 namespace detail = stepfuse::detail;
+namespace jit = stepfuse::jit;
 
 namespace {
 

@@ -4,11 +4,16 @@
 #include <algorithm>
 
 #include "jit/step_scalars.h"
-#include "jit/cuda/device_abi.h"
+#include "jit/cuda/device_abi.h"  // after jit/step_scalars.h, which it needs
+#include "stepfuse/program.hpp"
 
 namespace stepfuse::jit {
 
+// The constants the C headers share with C++ (jit/cuda/device_abi.h; jit/llvm/cpu_abi.h
+// is checked in jit/llvm/kernel_abi.cpp).
 static_assert(kChunkElems == SF_CHUNK_ELEMS, "the CPU and CUDA reduce chunks are the same numerics");
+static_assert(SF_MAX_SCALARS == kMaxScalars && SF_MAX_STREAMS == kMaxStreams,
+              "the CUDA ABI's limits are the update program's (stepfuse/program.hpp)");
 
 namespace {
 

@@ -1,7 +1,7 @@
-// LossScaleOptimizer: the tf.keras.mixed_precision.LossScaleOptimizer document
-// (as published in Russian; quoted below), its examples exactly, and
-// include/stepfuse/loss_scale_optimizer.hpp. Each test quotes the sentence it pins
-// (translated from the document's Russian where it quotes prose).
+// LossScaleOptimizer: the behaviour of Keras's tf.keras.mixed_precision.LossScaleOptimizer
+// (TF 2.x), the examples of its documentation exactly, and
+// include/stepfuse/loss_scale_optimizer.hpp. Each test quotes the sentence of that
+// documentation it pins.
 //
 // Keras's dynamic loss scale (TF 2.x): on a non-finite step scale = max(scale / 2, 1)
 // and counter = 0; on a finite step, if counter + 1 >= growth_steps the scale doubles

@@ -95,7 +95,7 @@ class DriverResolver {
       : lib_(lib), get_proc_(get_proc), version_(version) {}
 
   template <class F>
-  void get(F& slot, const char* base, const char* versioned, bool required = true) {
+  void get(F& slot, const char* base, const char* versioned) {  // every entry is required
     void* p = nullptr;
     if (get_proc_) {
       int symbol_status = 0;
@@ -106,7 +106,7 @@ class DriverResolver {
     if (!p) p = dlsym(lib_, versioned);
     // POSIX guarantees a dlsym result converts to a function pointer.
     slot = reinterpret_cast<F>(p);
-    if (!p && required && missing_.empty()) missing_ = base;
+    if (!p && missing_.empty()) missing_ = base;
   }
   const std::string& first_missing() const { return missing_; }
 
@@ -181,22 +181,14 @@ DriverState load_driver() {
   r.get(a.cuDeviceTotalMem, "cuDeviceTotalMem", "cuDeviceTotalMem_v2");
   r.get(a.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain");
   r.get(a.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease_v2");
-  r.get(a.cuCtxGetCurrent, "cuCtxGetCurrent", "cuCtxGetCurrent");
   r.get(a.cuCtxSetCurrent, "cuCtxSetCurrent", "cuCtxSetCurrent");
   r.get(a.cuCtxSynchronize, "cuCtxSynchronize", "cuCtxSynchronize");
   r.get(a.cuModuleLoadDataEx, "cuModuleLoadDataEx", "cuModuleLoadDataEx");
   r.get(a.cuModuleUnload, "cuModuleUnload", "cuModuleUnload");
   r.get(a.cuModuleGetFunction, "cuModuleGetFunction", "cuModuleGetFunction");
-  r.get(a.cuFuncSetAttribute, "cuFuncSetAttribute", "cuFuncSetAttribute");
   r.get(a.cuLaunchKernel, "cuLaunchKernel", "cuLaunchKernel");
-  r.get(a.cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel",
-        /*required=*/false);
-  r.get(a.cuOccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   r.get(a.cuMemAlloc, "cuMemAlloc", "cuMemAlloc_v2");
   r.get(a.cuMemFree, "cuMemFree", "cuMemFree_v2");
-  r.get(a.cuMemAllocHost, "cuMemAllocHost", "cuMemAllocHost_v2");
-  r.get(a.cuMemFreeHost, "cuMemFreeHost", "cuMemFreeHost");
   r.get(a.cuPointerGetAttribute, "cuPointerGetAttribute", "cuPointerGetAttribute");
   r.get(a.cuMemcpyHtoD, "cuMemcpyHtoD", "cuMemcpyHtoD_v2");
   r.get(a.cuMemcpyDtoH, "cuMemcpyDtoH", "cuMemcpyDtoH_v2");

@@ -66,8 +66,8 @@ inline constexpr int CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6;
 // name "cuGraphInstantiate" also denotes the legacy 5-argument ABI), and
 // cuEventElapsedTime is the original entry point (cuda.h 13 maps the name to
 // cuEventElapsedTime_v2 from CUDA 12.8, with the same signature).
-// Every member is non-null in a loaded table except cuLaunchCooperativeKernel
-// (optional). The signatures must match cuda.h; the enum parameters are int.
+// Every member is non-null in a loaded table: each is required, so list only
+// what stepfuse calls. The signatures must match cuda.h; the enum parameters are int.
 struct DriverApi {
   CUresult (*cuInit)(unsigned flags);
   CUresult (*cuDriverGetVersion)(int* version);
@@ -80,25 +80,16 @@ struct DriverApi {
   CUresult (*cuDeviceTotalMem)(std::size_t* bytes, CUdevice device);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext* ctx, CUdevice device);
   CUresult (*cuDevicePrimaryCtxRelease)(CUdevice device);
-  CUresult (*cuCtxGetCurrent)(CUcontext* ctx);
   CUresult (*cuCtxSetCurrent)(CUcontext ctx);
   CUresult (*cuCtxSynchronize)();
   CUresult (*cuModuleLoadDataEx)(CUmodule* module, const void* image, unsigned num_options, int* options,
                                  void** values);
   CUresult (*cuModuleUnload)(CUmodule module);
   CUresult (*cuModuleGetFunction)(CUfunction* fn, CUmodule module, const char* name);
-  CUresult (*cuFuncSetAttribute)(CUfunction fn, int attribute, int value);
   CUresult (*cuLaunchKernel)(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                              unsigned bz, unsigned shared_bytes, CUstream stream, void** params, void** extra);
-  CUresult (*cuLaunchCooperativeKernel)(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                                        unsigned by, unsigned bz, unsigned shared_bytes, CUstream stream,
-                                        void** params);
-  CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int* blocks, CUfunction fn, int block_size,
-                                                          std::size_t dynamic_shared);
   CUresult (*cuMemAlloc)(CUdeviceptr* ptr, std::size_t bytes);
   CUresult (*cuMemFree)(CUdeviceptr ptr);
-  CUresult (*cuMemAllocHost)(void** ptr, std::size_t bytes);
-  CUresult (*cuMemFreeHost)(void* ptr);
   CUresult (*cuPointerGetAttribute)(void* data, int attribute, CUdeviceptr ptr);
   CUresult (*cuMemcpyHtoD)(CUdeviceptr dst, const void* src, std::size_t bytes);
   CUresult (*cuMemcpyDtoH)(void* dst, CUdeviceptr src, std::size_t bytes);

@@ -17,7 +17,8 @@ namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
 constexpr int kEmitterVersion = 4;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
-                                    // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/
+                                    // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
+                                    //    one element function per spec
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -192,10 +193,9 @@ const std::string& cuda_embedded_headers() {
 }
 
 std::string emit_element_functions(const CudaSpec& spec) {
-  std::string out = cuda_embedded_headers();
-  for (std::size_t k = 0; k < spec.combos.size(); ++k)
-    out += element_function(spec.program, "sf_body_" + std::to_string(k));
-  return out;
+  // One function for every combination: it works on fp32 values, and the span
+  // functions around it do each combination's loads and stores.
+  return cuda_embedded_headers() + element_function(spec.program, "sf_body");
 }
 
 namespace {

@@ -20,7 +20,7 @@ namespace stepfuse::jit {
 
 enum class CudaNorm { l2, inf };
 
-// Everything a generated CUDA kernel depends on (DESIGN §3 "spec"), except the
+// Everything a generated CUDA kernel depends on (docs/architecture.md §6), except the
 // target arch, which the compiler adds to the cache key.
 struct CudaSpec {
   Program program;
@@ -49,9 +49,9 @@ std::string reduce_canonical_text(const CudaSpec& spec);
 // sf_scale_<dtype>, sf_widen_<dtype>, sf_fill. Compiled once per arch.
 std::string emit_cuda_utilities();
 
-// Only the element function of one combination (prelude included), for
-// compiling on the host in tests:
-//   void sf_body_<k>(const float* sc, float g, float* p, float* st)
+// Only the program's element function (prelude included), the same for every
+// combination, for compiling on the host in tests:
+//   void sf_body(const float* sc, float g, float* p, float* st)
 // sc: the program's scalars; g: the gradient (widened, not yet multiplied by
 // gscale); p: the parameter's fp32 value in/out; st: state values indexed by
 // program stream, in/out.

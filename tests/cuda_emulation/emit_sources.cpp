@@ -63,6 +63,7 @@ std::string wrapper(const std::string& name, const std::vector<Source>& sources,
       "// The ABI headers come first, at global scope: the copies embedded in the sources are\n"
       "// then skipped by their include guards, so the kernels and the test share sf_tensor & co.\n"
       "#include \"jit/step_scalars.h\"\n"
+      "#include \"jit/step_stage.h\"\n"
       "extern \"C\" {\n#include \"jit/cuda/device_abi.h\"\n}\n"
       "#include \"tests/cuda_emulation/emulated_kernels.hpp\"\n";
   for (const Source& s : sources) {

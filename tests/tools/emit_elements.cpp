@@ -3,10 +3,11 @@
 //
 // Output layout (one file, included once by tests/cuda_codegen_test.cpp):
 //   the embedded headers (element math, scalar rules, device ABI), once, at global scope;
-//   per built-in program, namespace sf_gen_<program> { sf_body_0 ... sf_body_14 }, the
-//     text emit_element_functions() produces after those headers, for a spec holding all
-//     15 dtype combinations (sf_body_<k> is combination k);
-//   sf_gen::kPrograms: per program its name, combinations and body function pointers.
+//   per built-in program, namespace sf_gen_<program> { sf_body }, the text
+//     emit_element_functions() produces after those headers, for a spec holding all
+//     15 dtype combinations (one element function serves them all);
+//   sf_gen::kPrograms: per program its name, combinations and body function pointers
+//     (sf_body for each).
 // The headers are emitted once, outside any namespace: step_scalars.h and device_abi.h
 // carry include guards, so a second copy (or one inside a namespace, after the test has
 // included jit/step_scalars.h itself) would silently be empty.
@@ -78,7 +79,8 @@ std::string generate() {
       table += std::string("{") + dtype_enum(c.weight) + ", " + dtype_enum(c.grad) + ", " + (c.master ? "true" : "false") +
                "}, ";
     table += "},\n   {";
-    for (std::size_t k = 0; k < combos.size(); ++k) table += "&" + ns + "::sf_body_" + std::to_string(k) + ", ";
+    // One element function serves every combination (the span functions do the storage).
+    for (std::size_t k = 0; k < combos.size(); ++k) table += "&" + ns + "::sf_body, ";
     table += "}},\n";
   }
   out += "#pragma GCC diagnostic pop\n";

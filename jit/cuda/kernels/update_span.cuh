@@ -1,5 +1,5 @@
 /* One update block's span of one tensor, for dtype combination {K}: loads, the
- * program's element function sf_body_{K}, stores. {VECTOR}: 1 when every stream is
+ * program's element function sf_body, stores. {VECTOR}: 1 when every stream is
  * aligned for 4-element accesses; {LOAD4} ... {STORE1}: the combination's accesses. */
 SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long long begin, int len,
                                          const sf_streams* SF_RESTRICT ss, const float* SF_RESTRICT sc) {
@@ -18,7 +18,7 @@ SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long lo
     for (int j = 0; j < 4; ++j) {
       float s[SF_MAX_STREAMS];
 {GATHER}
-      sf_body_{K}(sc, g[j], &p[j], s);
+      sf_body(sc, g[j], &p[j], s);
 {SCATTER}
     }
     if ({VECTOR} && n == 4) {
