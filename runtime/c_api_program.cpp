@@ -1,21 +1,23 @@
-// The C ABI of custom update programs and of the emit API (include/stepfuse/stepfuse.h):
-// the program builder, sf_program, custom optimizers, sf_emit and the kernel tables.
-#include <cmath>
+// The C ABI of custom update programs (include/stepfuse/stepfuse.h): the builder, sf_program, custom optimizers.
 #include <cstddef>
-#include <cstring>
-#include <memory>
+#include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "runtime/c_api_support.hpp"
-#include "stepfuse/emit.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/update_program.hpp"
 
 using stepfuse::c_api::bad_argument;
-using stepfuse::c_api::enum_int;
-using stepfuse::c_api::guarded;
+using stepfuse::c_api::copy_text;
+using stepfuse::c_api::enum_value;
+using stepfuse::c_api::guard;
+using stepfuse::c_api::make_optimizer;
+using stepfuse::c_api::need;
+using stepfuse::c_api::to_options;
+using stepfuse::c_api::to_params;
 
 // The C enums are the C++ ones, value for value.
 static_assert(SF_ROLE_GRAD == static_cast<int>(stepfuse::StreamRole::grad) &&
@@ -36,13 +38,6 @@ static_assert(SF_OP_ADD == static_cast<int>(stepfuse::Op::add) && SF_OP_SUB == s
               SF_OP_SELECT == static_cast<int>(stepfuse::Op::select) &&
               SF_OP_LT == static_cast<int>(stepfuse::Op::cmp_lt) && SF_OP_LE == static_cast<int>(stepfuse::Op::cmp_le) &&
               SF_OP_EQ == static_cast<int>(stepfuse::Op::cmp_eq));
-static_assert(SF_EMIT_CUBIN == static_cast<int>(stepfuse::EmitTarget::Kind::cuda_cubin) &&
-              SF_EMIT_PTX == static_cast<int>(stepfuse::EmitTarget::Kind::cuda_ptx) &&
-              SF_EMIT_CPU == static_cast<int>(stepfuse::EmitTarget::Kind::cpu));
-// The cpu_* fields were appended: the older request is exactly the part before them.
-static_assert(SF_EMIT_REQUEST_SIZE_V1 ==
-                  (offsetof(sf_emit_request, compile) + sizeof(bool) + alignof(void*) - 1) / alignof(void*) * alignof(void*),
-              "sf_emit_request before the cpu_* fields ended with `bool compile`, padded to pointer alignment");
 
 // What the builder has recorded. Ops are checked for what fits the C types at the
 // call (enums, NULLs), the program's structure at build, where validate() names
@@ -69,24 +64,7 @@ struct sf_program_builder {
   std::vector<InstrRec> code;
 };
 
-struct sf_program {
-  stepfuse::UpdateProgram program;
-};
-struct sf_emitted_kernel {
-  stepfuse::EmittedKernel kernel;
-  std::string names;  // SF_EMITTED_KERNEL_NAMES: kernel.kernel_names, each followed by '\n'
-};
-struct sf_kernel_tables {
-  stepfuse::KernelTables tables;
-};
-
 namespace {
-
-template <class T>
-T* need(const char* fn, T* p, const char* name) {
-  if (p == nullptr) bad_argument(fn, std::string(name) + " is NULL");
-  return p;
-}
 
 std::string quoted(std::string_view s) {
   std::string q(1, '\'');  // (not "'" + s: g++ 12 warns falsely, -Wrestrict)
@@ -161,56 +139,13 @@ stepfuse::UpdateProgram build(const sf_program_builder& b) {
   return stepfuse::UpdateProgram(p, std::move(defs));  // validates and copies every name
 }
 
-stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
-  need(fn, r, "request");
-  // Requests from a stepfuse.h before the cpu_* fields are read without them.
-  const bool has_cpu_fields = r->struct_size == sizeof(sf_emit_request);
-  if (!has_cpu_fields && r->struct_size != SF_EMIT_REQUEST_SIZE_V1)
-    bad_argument(fn, "request->struct_size = " + std::to_string(r->struct_size) + ", but this library knows only " +
-                         std::to_string(sizeof(sf_emit_request)) + " (sizeof(sf_emit_request) in its stepfuse.h) and " +
-                         std::to_string(SF_EMIT_REQUEST_SIZE_V1) +
-                         " (before the cpu_* fields): initialize it with sf_emit_request_init()");
-  if ((r->program == nullptr) == (r->config == nullptr))
-    bad_argument(fn, "give exactly one of request->program (a custom program) and request->config (a built-in)");
-  if (r->num_tensors > 0) need(fn, r->tensors, "request->tensors");
-  std::vector<stepfuse::EmitTensor> tensors;
-  for (std::size_t i = 0; i < r->num_tensors; ++i) {
-    const int w = enum_int(&r->tensors[i].weight), g = enum_int(&r->tensors[i].grad);
-    const std::string at = "request->tensors[" + std::to_string(i) + "]";
-    if (w < SF_F32 || w > SF_BF16) bad_argument(fn, at + ".weight = " + std::to_string(w) + " is not an sf_dtype");
-    if (g < SF_F32 || g > SF_BF16) bad_argument(fn, at + ".grad = " + std::to_string(g) + " is not an sf_dtype");
-    tensors.push_back({static_cast<stepfuse::DType>(w), static_cast<stepfuse::DType>(g), r->tensors[i].master});
-  }
-  const int norm = enum_int(&r->norm_type), target = enum_int(&r->target);
-  if (norm != SF_NORM_L2 && norm != SF_NORM_INF)
-    bad_argument(fn, "request->norm_type = " + std::to_string(norm) + " is not an sf_norm_type");
-  if (target < SF_EMIT_CUBIN || target > SF_EMIT_CPU)
-    bad_argument(fn, "request->target = " + std::to_string(target) + " is not an sf_emit_target");
-  stepfuse::EmitTarget emit_target{static_cast<stepfuse::EmitTarget::Kind>(target), r->sm};
-  if (has_cpu_fields) {
-    const auto text = [](const char* s) { return s != nullptr ? std::string(s) : std::string(); };
-    emit_target.cpu_name = text(r->cpu_name);
-    emit_target.triple = text(r->cpu_triple);
-    emit_target.features = text(r->cpu_features);
-  }
-  return stepfuse::EmitRequest{
-      r->program != nullptr ? r->program->program
-                            : stepfuse::UpdateProgram::from_config(stepfuse::c_api::to_config(fn, r->config)),
-      std::move(tensors),
-      r->flat,
-      r->aligned16,
-      norm == SF_NORM_L2 ? 2.0 : INFINITY,
-      std::move(emit_target),
-      r->compile};
-}
-
 }  // namespace
 
 extern "C" {
 
 sf_status sf_program_builder_create(const char* name, sf_program_builder** out) {
   constexpr const char* fn = "sf_program_builder_create";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, name, "name");
     need(fn, out, "out");
     *out = new sf_program_builder{name, {}, {}, {}};
@@ -222,11 +157,11 @@ void sf_program_builder_destroy(sf_program_builder* builder) { delete builder; }
 sf_status sf_program_builder_stream(sf_program_builder* builder, const char* name, sf_stream_role role, float init,
                                     int* stream) {
   constexpr const char* fn = "sf_program_builder_stream";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, builder, "builder");
     need(fn, name, "name");
     need(fn, stream, "stream");
-    const int r = enum_int(&role);
+    const int r = enum_value(role);
     if (r < SF_ROLE_GRAD || r > SF_ROLE_STATE)
       bad_argument(fn, "role = " + std::to_string(r) + " is not an sf_stream_role (SF_ROLE_GRAD, SF_ROLE_PARAM, SF_ROLE_STATE)");
     builder->streams.push_back({name, static_cast<stepfuse::StreamRole>(r), init});
@@ -237,11 +172,11 @@ sf_status sf_program_builder_stream(sf_program_builder* builder, const char* nam
 sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* name, sf_scalar_rule_kind rule, double a,
                                     double b, sf_value* out) {
   constexpr const char* fn = "sf_program_builder_scalar";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, builder, "builder");
     need(fn, name, "name");
     need(fn, out, "out");
-    const int k = enum_int(&rule);
+    const int k = enum_value(rule);
     if (k < SF_SCALAR_FIXED || k > SF_SCALAR_DIV_LINEAR)
       bad_argument(fn, "rule = " + std::to_string(k) + " is not an sf_scalar_rule_kind");
     const stepfuse::ScalarRule r{static_cast<stepfuse::ScalarRule::Kind>(k), a, b};
@@ -260,7 +195,7 @@ sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* nam
 
 sf_status sf_program_builder_load(sf_program_builder* builder, int stream, sf_value* out) {
   constexpr const char* fn = "sf_program_builder_load";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, builder, "builder");
     need(fn, out, "out");
     if (stream < 0) bad_argument(fn, "stream = " + std::to_string(stream) + " is negative");
@@ -270,7 +205,7 @@ sf_status sf_program_builder_load(sf_program_builder* builder, int stream, sf_va
 
 sf_status sf_program_builder_store(sf_program_builder* builder, int stream, sf_value value) {
   constexpr const char* fn = "sf_program_builder_store";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, builder, "builder");
     if (stream < 0) bad_argument(fn, "stream = " + std::to_string(stream) + " is negative");
     emit(builder, stepfuse::Op::store, static_cast<std::uint32_t>(stream), value, 0, 0, 0.0f);
@@ -279,7 +214,7 @@ sf_status sf_program_builder_store(sf_program_builder* builder, int stream, sf_v
 
 sf_status sf_program_builder_constant(sf_program_builder* builder, float x, sf_value* out) {
   constexpr const char* fn = "sf_program_builder_constant";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, builder, "builder");
     need(fn, out, "out");
     *out = emit(builder, stepfuse::Op::constant, 0, 0, 0, 0, x);
@@ -289,10 +224,10 @@ sf_status sf_program_builder_constant(sf_program_builder* builder, float x, sf_v
 sf_status sf_program_builder_op(sf_program_builder* builder, sf_op op, sf_value a, sf_value b, sf_value c,
                                 sf_value* out) {
   constexpr const char* fn = "sf_program_builder_op";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, builder, "builder");
     need(fn, out, "out");
-    const int o = enum_int(&op);
+    const int o = enum_value(op);
     if (o < SF_OP_ADD || o > SF_OP_EQ)
       bad_argument(fn, "op = " + std::to_string(o) +
                            " is not an sf_op (SF_OP_ADD .. SF_OP_EQ; loads, stores, constants, scalars and converts have "
@@ -305,10 +240,10 @@ sf_status sf_program_builder_op(sf_program_builder* builder, sf_op op, sf_value 
 
 sf_status sf_program_builder_convert(sf_program_builder* builder, sf_value a, sf_dtype to, sf_value* out) {
   constexpr const char* fn = "sf_program_builder_convert";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, builder, "builder");
     need(fn, out, "out");
-    const int d = enum_int(&to);
+    const int d = enum_value(to);
     if (d < SF_F32 || d > SF_BF16) bad_argument(fn, "to = " + std::to_string(d) + " is not an sf_dtype");
     *out = emit(builder, stepfuse::Op::convert, static_cast<std::uint32_t>(d), a, 0, 0, 0.0f);
   });
@@ -316,7 +251,7 @@ sf_status sf_program_builder_convert(sf_program_builder* builder, sf_value a, sf
 
 sf_status sf_program_builder_build(const sf_program_builder* builder, sf_program** out) {
   constexpr const char* fn = "sf_program_builder_build";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, builder, "builder");
     need(fn, out, "out");
     *out = new sf_program{build(*builder)};
@@ -327,27 +262,27 @@ void sf_program_destroy(sf_program* program) { delete program; }
 
 sf_status sf_program_text(const sf_program* program, char* buf, size_t cap, size_t* needed) {
   constexpr const char* fn = "sf_program_text";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, program, "program");
-    stepfuse::c_api::copy_text(fn, program->program.text(), buf, cap, needed);
+    copy_text(fn, program->program.text(), "the text", buf, cap, needed);
   });
 }
 
 sf_status sf_optimizer_create_custom(const sf_program* program, const sf_param* params, size_t num_params,
                                      const sf_optimizer_options* options, sf_optimizer** out) {
   constexpr const char* fn = "sf_optimizer_create_custom";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, program, "program");
-    const stepfuse::OptimizerOptions opts = stepfuse::c_api::to_options(fn, options);
+    const stepfuse::OptimizerOptions opts = to_options(fn, options);
     need(fn, out, "out");
-    std::vector<stepfuse::Param> ps = stepfuse::c_api::to_params(fn, params, num_params);
-    *out = stepfuse::c_api::make_optimizer(stepfuse::Optimizer(program->program, std::move(ps), opts));
+    std::vector<stepfuse::Param> ps = to_params(fn, params, num_params);
+    *out = make_optimizer(stepfuse::Optimizer(program->program, std::move(ps), opts));
   });
 }
 
 sf_status sf_optimizer_get_scalar(const sf_optimizer* opt, const char* name, double* value) {
   constexpr const char* fn = "sf_optimizer_get_scalar";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, opt, "opt");
     need(fn, name, "name");
     *need(fn, value, "value") = opt->opt.scalar(name);
@@ -356,107 +291,11 @@ sf_status sf_optimizer_get_scalar(const sf_optimizer* opt, const char* name, dou
 
 sf_status sf_optimizer_set_scalar(sf_optimizer* opt, const char* name, double value) {
   constexpr const char* fn = "sf_optimizer_set_scalar";
-  return guarded(fn, [&] {
+  return guard(fn, [&] {
     need(fn, opt, "opt");
     need(fn, name, "name");
     opt->opt.set_scalar(name, value);
   });
 }
-
-// ---- Emit ---------------------------------------------------------------------------
-
-void sf_emit_request_init(sf_emit_request* request) {
-  if (request == nullptr) return;
-  std::memset(static_cast<void*>(request), 0, sizeof *request);
-  request->struct_size = sizeof(sf_emit_request);
-  request->norm_type = SF_NORM_L2;
-  request->target = SF_EMIT_CUBIN;
-  request->sm = 90;
-  request->compile = true;
-}
-
-sf_status sf_emit(const sf_emit_request* request, sf_emitted_kernel** out) {
-  constexpr const char* fn = "sf_emit";
-  return guarded(fn, [&] {
-    const stepfuse::EmitRequest r = to_request(fn, request);
-    need(fn, out, "out");
-    auto k = std::make_unique<sf_emitted_kernel>();
-    k->kernel = stepfuse::emit(r);
-    for (const std::string& name : k->kernel.kernel_names) k->names += name + "\n";
-    *out = k.release();
-  });
-}
-
-void sf_emitted_kernel_destroy(sf_emitted_kernel* kernel) { delete kernel; }
-
-sf_status sf_emitted_kernel_part(const sf_emitted_kernel* kernel, sf_emitted_part part, const char** data,
-                                 size_t* size) {
-  constexpr const char* fn = "sf_emitted_kernel_part";
-  return guarded(fn, [&] {
-    need(fn, kernel, "kernel");
-    need(fn, data, "data");
-    need(fn, size, "size");
-    const stepfuse::EmittedKernel& k = kernel->kernel;
-    const std::string* s = nullptr;
-    switch (enum_int(&part)) {
-      case SF_EMITTED_SOURCE: s = &k.source; break;
-      case SF_EMITTED_BINARY: s = &k.binary; break;
-      case SF_EMITTED_ABI_JSON: s = &k.abi; break;
-      case SF_EMITTED_ABI_HEADER: s = &k.abi_header; break;
-      case SF_EMITTED_ARCH: s = &k.arch; break;
-      case SF_EMITTED_KERNEL_NAMES: s = &kernel->names; break;
-      default: bad_argument(fn, "part = " + std::to_string(enum_int(&part)) + " is not an sf_emitted_part");
-    }
-    *data = s->c_str();
-    *size = s->size();
-  });
-}
-
-void sf_kernel_tables_info_init(sf_kernel_tables_info* info) {
-  if (info == nullptr) return;
-  *info = sf_kernel_tables_info{};
-  info->struct_size = sizeof(sf_kernel_tables_info);
-}
-
-sf_status sf_emit_tables(const sf_emit_request* request, const int64_t* numels, size_t count, sf_kernel_tables** out) {
-  constexpr const char* fn = "sf_emit_tables";
-  return guarded(fn, [&] {
-    const stepfuse::EmitRequest r = to_request(fn, request);
-    if (count > 0) need(fn, numels, "numels");
-    need(fn, out, "out");
-    *out = new sf_kernel_tables{stepfuse::plan_kernel_tables(r, std::span<const std::int64_t>(numels, count))};
-  });
-}
-
-sf_status sf_kernel_tables_get(const sf_kernel_tables* tables, sf_kernel_tables_info* info) {
-  constexpr const char* fn = "sf_kernel_tables_get";
-  return guarded(fn, [&] {
-    need(fn, tables, "tables");
-    need(fn, info, "info");
-    if (info->struct_size != sizeof(sf_kernel_tables_info))
-      bad_argument(fn, "info->struct_size = " + std::to_string(info->struct_size) + ", but this library knows only " +
-                           std::to_string(sizeof(sf_kernel_tables_info)) + ": initialize it with sf_kernel_tables_info_init()");
-    const stepfuse::KernelTables& t = tables->tables;
-    info->tensors = t.tensors.data();
-    info->num_tensors = t.tensors.size();
-    info->master_offsets = t.master_offsets.data();
-    info->chunks = t.chunks.data();
-    info->num_chunks = t.chunks.size();
-    info->blocks = t.blocks.data();
-    info->num_blocks = t.blocks.size();
-    info->state_elems = t.state_elems;
-    info->master_elems = t.master_elems;
-    info->flat_numel = t.flat_numel;
-    info->reduce_grid = t.reduce_grid;
-    info->reduce_block = t.reduce_block;
-    info->update_grid = t.update_grid;
-    info->update_block = t.update_block;
-    info->partials_bytes = t.partials_bytes;
-    info->tensor_sums_bytes = t.tensor_sums_bytes;
-    info->step_state_bytes = t.step_state_bytes;
-  });
-}
-
-void sf_kernel_tables_destroy(sf_kernel_tables* tables) { delete tables; }
 
 }  // extern "C"

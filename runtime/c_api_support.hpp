@@ -1,47 +1,141 @@
-// Internal: what the C ABI's translation units share (runtime/c_api.cpp defines it):
-// the optimizer handle, the guard that turns exceptions into a status and this
-// thread's message, and the conversions of the C structs.
+// Internal: what the C ABI's units (runtime/c_api*.cpp) share: handles, the one guard, checks, conversions.
+//
+// Every entry point runs its body through guard(), which turns every exception into an
+// sf_status and this thread's message (sf_last_error). The helpers below throw
+// Error(invalid_argument) with messages that start with the entry point's name and name
+// the argument and its value. runtime/c_api_support.cpp defines them.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "stepfuse/grad_scaler.hpp"
+#include "stepfuse/loss_scale_optimizer.hpp"
 #include "stepfuse/optimizer.hpp"
 #include "stepfuse/stepfuse.h"
+#include "stepfuse/update_program.hpp"
 
+// The handles shared between units. Each owns its C++ object; what the C side reads by
+// pointer (names) is kept here so it lives as long as the handle. The program builder and
+// the emit results are their units' own.
 struct sf_optimizer {
   stepfuse::Optimizer opt;
   std::vector<std::string> state_names;  // NUL-terminated copies of opt.state_names()
 };
+struct sf_grad_scaler {
+  stepfuse::GradScaler scaler;
+};
+struct sf_loss_scale_optimizer {
+  stepfuse::LossScaleOptimizer lso;
+  sf_optimizer* inner;  // not owned
+};
+struct sf_program {
+  stepfuse::UpdateProgram program;
+};
 
 namespace stepfuse::c_api {
 
+// ---- The guard -------------------------------------------------------------------
+
+// Thrown by the minimize bridge (c_api_loss_scale.cpp) when the C callback reports
+// failure; it crosses only C++ frames (the bridge lambda, LossScaleOptimizer::minimize)
+// back to the guard, which words the message.
+struct CallbackFailed {
+  int code;
+};
+
 // Runs call(ctx), turning every exception into a status and this thread's message
 // (`fn` names the entry point in messages the C++ API does not word itself).
-sf_status guarded_call(const char* fn, void (*call)(void*), void* ctx) noexcept;
+sf_status guard_call(const char* fn, void (*call)(void*), void* ctx) noexcept;
+// Runs body() under guard_call: every entry point's body goes through here.
 template <class F>
-sf_status guarded(const char* fn, F&& body) noexcept {
-  return guarded_call(
+sf_status guard(const char* fn, F&& body) noexcept {
+  return guard_call(
       fn, [](void* c) { (*static_cast<std::remove_reference_t<F>*>(c))(); }, static_cast<void*>(&body));
 }
+
+// This thread's message of the last failed call (sf_last_error).
+const char* last_message() noexcept;
+
+// ---- Argument checks -------------------------------------------------------------
 
 // Error(invalid_argument) "fn: message".
 [[noreturn]] void bad_argument(const char* fn, const std::string& message);
 
-// The C++ value of a C enum passed by the caller, read through its bytes (any int may arrive).
-int enum_int(const void* e);
+// A handle or out pointer the caller must pass.
+template <class T>
+T* need(const char* fn, T* p, const char* name) {
+  if (p == nullptr) bad_argument(fn, std::string(name) + " is NULL");
+  return p;
+}
 
-// Conversions, checking struct sizes and enums (Error(invalid_argument) naming the field).
+// The message of check_size: `name`->struct_size is `size`, this library knows `expected`.
+[[noreturn]] void bad_struct_size(const char* fn, const char* name, std::uint32_t size, std::size_t expected,
+                                  const char* type, const char* how);
+
+// struct_size: this version knows one size per struct. A later version that grows a
+// struct keeps accepting the older sizes in its conversion (and reads only their fields).
+template <class T>
+void check_size(const char* fn, const T* s, const char* name, const char* type, const char* how) {
+  need(fn, s, name);
+  if (s->struct_size != sizeof(T)) bad_struct_size(fn, name, s->struct_size, sizeof(T), type, how);
+}
+
+// The value of an enum the caller passed, as an int. A C caller may pass any int; in
+// C++ loading an enum object that holds a value outside its enumerators' range is
+// undefined (UBSan flags it), so every such enum is read through its bytes, then checked.
+template <class E>
+int enum_value(const E& e) {
+  static_assert(std::is_enum_v<E> && sizeof(E) == sizeof(int), "C enums are int-sized");
+  int v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
+// ---- Conversions (checking struct sizes and enums, naming the field) --------------
+
+// `what` names the view in messages ("src", "params[2].grad").
+TensorView to_view(const char* fn, const sf_tensor_view& v, const std::string& what);
+// count views; `views` may be NULL when count is 0. `name` is the argument's name.
+std::vector<TensorView> to_views(const char* fn, const sf_tensor_view* views, std::size_t count, const char* name);
 std::vector<Param> to_params(const char* fn, const sf_param* params, std::size_t num_params);
+
+// sf_optimizer_kind is the index of the config type in OptimizerConfig.
+bool valid_kind(int kind);
+OptimizerConfig default_config(int kind);  // valid_kind(kind)
+// config (size already checked) as C++: its kind's fields; the other kinds' must be 0/false.
+OptimizerConfig config_from_c(const char* fn, const sf_optimizer_config& config);
+OptimizerConfig to_config(const char* fn, const sf_optimizer_config* config);  // checks the size, then as above
+// Fills every field of `out` (except struct_size) from a C++ config.
+void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out);
+
+// The options as this library's struct: one from an older header (SF_OPTIMIZER_OPTIONS_SIZE_V1)
+// gets the defaults for the fields it lacks.
+sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* options);
+OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& options);  // a full_options() struct
 OptimizerOptions to_options(const char* fn, const sf_optimizer_options* options);  // NULL: the defaults
-OptimizerConfig to_config(const char* fn, const sf_optimizer_config* config);
+// Fills every field of `out` (except struct_size) from C++ options.
+void options_to_c(const OptimizerOptions& options, sf_optimizer_options* out);
+
+// Writes r to the caller's `out` (the argument `name`), checking its size.
+void write_result(const char* fn, const StepResult& r, sf_step_result* out, const char* name);
+
+// ---- Handles and text --------------------------------------------------------------
 
 // A new handle owning `opt` (with its state names copied for C).
 sf_optimizer* make_optimizer(Optimizer&& opt);
 
-// Copies `text` into a caller buffer with the size protocol of sf_optimizer_program_text.
-void copy_text(const char* fn, const std::string& text, char* buf, std::size_t cap, std::size_t* needed);
+// Copies `text` into buf, truncated to cap - 1 bytes and NUL-terminated; nothing when buf
+// is NULL or cap is 0.
+void copy_truncated(const std::string& text, char* buf, std::size_t cap);
+
+// Copies `text` into a caller buffer with the size protocol of sf_optimizer_program_text
+// (`what` names the text in the message when cap is too small: "the program text").
+void copy_text(const char* fn, const std::string& text, const char* what, char* buf, std::size_t cap,
+               std::size_t* needed);
 
 }  // namespace stepfuse::c_api

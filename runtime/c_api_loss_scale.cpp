@@ -1,0 +1,137 @@
+// The C ABI of sf_loss_scale_optimizer (include/stepfuse/stepfuse.h): Keras's LossScaleOptimizer over an sf_optimizer.
+#include <cstdint>
+#include <vector>
+
+#include "runtime/c_api_support.hpp"
+
+using stepfuse::c_api::bad_argument;
+using stepfuse::c_api::CallbackFailed;
+using stepfuse::c_api::check_size;
+using stepfuse::c_api::guard;
+using stepfuse::c_api::need;
+using stepfuse::c_api::to_views;
+using stepfuse::c_api::write_result;
+
+extern "C" {
+
+void sf_loss_scale_optimizer_options_init(sf_loss_scale_optimizer_options* options) {
+  if (options == nullptr) return;
+  // The defaults of LossScaleOptimizer's constructor (loss_scale_optimizer.hpp), Keras's.
+  *options = sf_loss_scale_optimizer_options{};
+  options->struct_size = sizeof(sf_loss_scale_optimizer_options);
+  options->dynamic = true;
+  options->initial_scale = 32768.0;
+  options->dynamic_growth_steps = 2000;
+}
+
+sf_status sf_loss_scale_optimizer_create(sf_optimizer* inner, const sf_loss_scale_optimizer_options* options,
+                                         sf_loss_scale_optimizer** out) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_create";
+  return guard(fn, [&] {
+    need(fn, inner, "inner");
+    sf_loss_scale_optimizer_options o;
+    sf_loss_scale_optimizer_options_init(&o);
+    if (options != nullptr) {
+      check_size(fn, options, "options", "sf_loss_scale_optimizer_options",
+                 "initialize it with sf_loss_scale_optimizer_options_init()");
+      o = *options;
+    }
+    need(fn, out, "out");
+    *out = new sf_loss_scale_optimizer{
+        stepfuse::LossScaleOptimizer(inner->opt, o.dynamic, o.initial_scale, o.dynamic_growth_steps), inner};
+  });
+}
+
+void sf_loss_scale_optimizer_destroy(sf_loss_scale_optimizer* lso) { delete lso; }
+
+sf_status sf_loss_scale_optimizer_inner(const sf_loss_scale_optimizer* lso, sf_optimizer** inner) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_inner";
+  return guard(fn, [&] {
+    need(fn, lso, "lso");
+    *need(fn, inner, "inner") = lso->inner;
+  });
+}
+
+sf_status sf_loss_scale_optimizer_get_scaled_loss(const sf_loss_scale_optimizer* lso, double loss, double* scaled) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_get_scaled_loss";
+  return guard(fn, [&] {
+    need(fn, lso, "lso");
+    *need(fn, scaled, "scaled") = lso->lso.get_scaled_loss(loss);
+  });
+}
+
+sf_status sf_loss_scale_optimizer_get_unscaled_gradients(const sf_loss_scale_optimizer* lso,
+                                                         const sf_tensor_view* grads, size_t count) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_get_unscaled_gradients";
+  return guard(fn, [&] {
+    need(fn, lso, "lso");
+    lso->lso.get_unscaled_gradients(to_views(fn, grads, count, "grads"));
+  });
+}
+
+sf_status sf_loss_scale_optimizer_apply_gradients(sf_loss_scale_optimizer* lso, bool* applied) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_apply_gradients";
+  return guard(fn, [&] {
+    need(fn, lso, "lso");
+    const bool a = lso->lso.apply_gradients();
+    if (applied != nullptr) *applied = a;
+  });
+}
+
+sf_status sf_loss_scale_optimizer_minimize(sf_loss_scale_optimizer* lso, sf_backward_fn backward, void* user,
+                                           bool* applied) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_minimize";
+  return guard(fn, [&] {
+    need(fn, lso, "lso");
+    if (backward == nullptr) bad_argument(fn, "backward is NULL");
+    // minimize() changes nothing before it calls backward, so throwing out of the
+    // bridge on failure leaves the optimizer and the loss scale as they were.
+    const bool a = lso->lso.minimize([&](double loss_scale) {
+      if (const int rc = backward(loss_scale, user); rc != 0) throw CallbackFailed{rc};
+    });
+    if (applied != nullptr) *applied = a;
+  });
+}
+
+sf_status sf_loss_scale_optimizer_last_result(const sf_loss_scale_optimizer* lso, sf_step_result* result) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_last_result";
+  return guard(fn, [&] {
+    need(fn, lso, "lso");
+    check_size(fn, result, "result", "sf_step_result", "initialize it with sf_step_result_init()");
+    write_result(fn, lso->lso.last_result(), result, "result");
+  });
+}
+
+#define SF_LSO_GETTER(name, type, arg, expr)                                               \
+  sf_status sf_loss_scale_optimizer_##name(const sf_loss_scale_optimizer* lso, type* arg) { \
+    constexpr const char* fn = "sf_loss_scale_optimizer_" #name;                          \
+    return guard(fn, [&] {                                                                \
+      need(fn, lso, "lso");                                                               \
+      *need(fn, arg, #arg) = lso->lso.expr;                                               \
+    });                                                                                   \
+  }
+SF_LSO_GETTER(loss_scale, double, scale, loss_scale())
+SF_LSO_GETTER(dynamic, bool, dynamic, dynamic())
+SF_LSO_GETTER(dynamic_counter, int64_t, counter, dynamic_counter())
+SF_LSO_GETTER(dynamic_growth_steps, int64_t, steps, dynamic_growth_steps())
+#undef SF_LSO_GETTER
+
+sf_status sf_loss_scale_optimizer_get_hyper(const sf_loss_scale_optimizer* lso, const char* name, double* value) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_get_hyper";
+  return guard(fn, [&] {
+    need(fn, lso, "lso");
+    need(fn, name, "name");
+    *need(fn, value, "value") = lso->lso.get_hyper(name);
+  });
+}
+
+sf_status sf_loss_scale_optimizer_set_hyper(sf_loss_scale_optimizer* lso, const char* name, double value) {
+  constexpr const char* fn = "sf_loss_scale_optimizer_set_hyper";
+  return guard(fn, [&] {
+    need(fn, lso, "lso");
+    need(fn, name, "name");
+    lso->lso.set_hyper(name, value);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,273 @@
+// The C ABI of sf_optimizer (include/stepfuse/stepfuse.h): configs, options, creation, steps, what it reports.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/c_api_support.hpp"
+
+using stepfuse::c_api::bad_argument;
+using stepfuse::c_api::check_size;
+using stepfuse::c_api::config_from_c;
+using stepfuse::c_api::config_to_c;
+using stepfuse::c_api::copy_text;
+using stepfuse::c_api::default_config;
+using stepfuse::c_api::enum_value;
+using stepfuse::c_api::full_options;
+using stepfuse::c_api::guard;
+using stepfuse::c_api::make_optimizer;
+using stepfuse::c_api::need;
+using stepfuse::c_api::options_from_c;
+using stepfuse::c_api::options_to_c;
+using stepfuse::c_api::to_params;
+using stepfuse::c_api::valid_kind;
+using stepfuse::c_api::write_result;
+
+extern "C" {
+
+const char* sf_optimizer_kind_name(sf_optimizer_kind kind) {
+  const int k = enum_value(kind);
+  if (!valid_kind(k)) return nullptr;
+  return stepfuse::optimizer_name(default_config(k)).data();  // string literals
+}
+
+void sf_optimizer_config_init(sf_optimizer_config* config, sf_optimizer_kind kind) {
+  if (config == nullptr) return;
+  config->struct_size = sizeof(sf_optimizer_config);
+  if (const int k = enum_value(kind); valid_kind(k)) {
+    config_to_c(default_config(k), config);
+  } else {
+    std::memset(static_cast<void*>(config), 0, sizeof *config);
+    config->struct_size = sizeof(sf_optimizer_config);
+    std::memcpy(&config->kind, &k, sizeof k);  // rejected, with its value, by whatever uses it
+  }
+}
+
+void sf_optimizer_options_init(sf_optimizer_options* options) {
+  if (options == nullptr) return;
+  options->struct_size = sizeof(sf_optimizer_options);
+  options_to_c(stepfuse::OptimizerOptions{}, options);
+}
+
+void sf_step_result_init(sf_step_result* result) {
+  if (result == nullptr) return;
+  *result = sf_step_result{};
+  result->struct_size = sizeof(sf_step_result);
+}
+
+sf_status sf_optimizer_create(const sf_optimizer_config* config, const sf_param* params, size_t num_params,
+                              const sf_optimizer_options* options, sf_optimizer** out) {
+  constexpr const char* fn = "sf_optimizer_create";
+  return guard(fn, [&] {
+    check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+    const sf_optimizer_options full = options != nullptr ? full_options(fn, options) : sf_optimizer_options{};
+    need(fn, out, "out");
+    if (num_params > 0) need(fn, params, "params");
+    stepfuse::OptimizerConfig cfg = config_from_c(fn, *config);
+    std::vector<stepfuse::Param> ps = to_params(fn, params, num_params);
+    const stepfuse::OptimizerOptions opts =
+        options != nullptr ? options_from_c(fn, full) : stepfuse::OptimizerOptions{};
+    *out = make_optimizer(stepfuse::Optimizer(std::move(cfg), std::move(ps), opts));
+  });
+}
+
+void sf_optimizer_destroy(sf_optimizer* opt) { delete opt; }
+
+sf_status sf_optimizer_step(sf_optimizer* opt) {
+  constexpr const char* fn = "sf_optimizer_step";
+  return guard(fn, [&] { need(fn, opt, "opt")->opt.step(); });
+}
+
+sf_status sf_optimizer_step_scaled(sf_optimizer* opt, double loss_scale, sf_step_result* result) {
+  constexpr const char* fn = "sf_optimizer_step_scaled";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    if (result != nullptr)
+      check_size(fn, result, "result", "sf_step_result", "initialize it with sf_step_result_init()");
+    const stepfuse::StepResult r = opt->opt.step_scaled(loss_scale);
+    if (result != nullptr) write_result(fn, r, result, "result");
+  });
+}
+
+sf_status sf_optimizer_last_result(const sf_optimizer* opt, sf_step_result* result) {
+  constexpr const char* fn = "sf_optimizer_last_result";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    check_size(fn, result, "result", "sf_step_result", "initialize it with sf_step_result_init()");
+    write_result(fn, opt->opt.last_result(), result, "result");
+  });
+}
+
+sf_status sf_optimizer_get_config(const sf_optimizer* opt, sf_optimizer_config* out) {
+  constexpr const char* fn = "sf_optimizer_get_config";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    check_size(fn, out, "out", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+    config_to_c(opt->opt.config(), out);
+  });
+}
+
+sf_status sf_optimizer_set_config(sf_optimizer* opt, const sf_optimizer_config* config) {
+  constexpr const char* fn = "sf_optimizer_set_config";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+    opt->opt.set_config(config_from_c(fn, *config));
+  });
+}
+
+sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options* out) {
+  constexpr const char* fn = "sf_optimizer_get_options";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    need(fn, out, "out");
+    if (out->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1) {  // an older header's struct: its fields only
+      sf_optimizer_options full;
+      full.struct_size = sizeof full;
+      options_to_c(opt->opt.options(), &full);
+      std::memcpy(static_cast<void*>(out), &full, SF_OPTIMIZER_OPTIONS_SIZE_V1);
+      out->struct_size = SF_OPTIMIZER_OPTIONS_SIZE_V1;
+      return;
+    }
+    check_size(fn, out, "out", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");
+    options_to_c(opt->opt.options(), out);
+  });
+}
+
+sf_status sf_optimizer_set_lr(sf_optimizer* opt, double lr) {
+  constexpr const char* fn = "sf_optimizer_set_lr";
+  return guard(fn, [&] { need(fn, opt, "opt")->opt.set_lr(lr); });
+}
+
+sf_status sf_optimizer_get_lr(const sf_optimizer* opt, double* lr) {
+  constexpr const char* fn = "sf_optimizer_get_lr";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    *need(fn, lr, "lr") = opt->opt.lr();
+  });
+}
+
+sf_status sf_optimizer_step_count(const sf_optimizer* opt, int64_t* count) {
+  constexpr const char* fn = "sf_optimizer_step_count";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    *need(fn, count, "count") = opt->opt.step_count();
+  });
+}
+
+sf_status sf_optimizer_last_grad_norm(const sf_optimizer* opt, double* norm) {
+  constexpr const char* fn = "sf_optimizer_last_grad_norm";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    *need(fn, norm, "norm") = opt->opt.last_grad_norm();
+  });
+}
+
+sf_status sf_optimizer_last_tensor_grad_norms(const sf_optimizer* opt, const double** norms, size_t* count) {
+  constexpr const char* fn = "sf_optimizer_last_tensor_grad_norms";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    need(fn, norms, "norms");
+    need(fn, count, "count");
+    const std::vector<double>& v = opt->opt.last_tensor_grad_norms();
+    *norms = v.data();
+    *count = v.size();
+  });
+}
+
+sf_status sf_optimizer_num_params(const sf_optimizer* opt, size_t* count) {
+  constexpr const char* fn = "sf_optimizer_num_params";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    *need(fn, count, "count") = opt->opt.num_params();
+  });
+}
+
+sf_status sf_optimizer_num_threads(const sf_optimizer* opt, int* threads) {
+  constexpr const char* fn = "sf_optimizer_num_threads";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    *need(fn, threads, "threads") = opt->opt.num_threads();
+  });
+}
+
+sf_status sf_optimizer_backend(const sf_optimizer* opt, const char** name) {
+  constexpr const char* fn = "sf_optimizer_backend";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    *need(fn, name, "name") = opt->opt.backend().data();  // string literals: NUL-terminated, static
+  });
+}
+
+sf_status sf_optimizer_state_names(const sf_optimizer* opt, size_t* count) {
+  constexpr const char* fn = "sf_optimizer_state_names";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    *need(fn, count, "count") = opt->state_names.size();
+  });
+}
+
+sf_status sf_optimizer_state_name(const sf_optimizer* opt, size_t index, const char** name) {
+  constexpr const char* fn = "sf_optimizer_state_name";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    need(fn, name, "name");
+    if (index >= opt->state_names.size())
+      bad_argument(fn, "index " + std::to_string(index) + " is out of range (the optimizer has " +
+                           std::to_string(opt->state_names.size()) + " state names)");
+    *name = opt->state_names[index].c_str();
+  });
+}
+
+sf_status sf_optimizer_state(const sf_optimizer* opt, size_t param, const char* name, const float** data,
+                             int64_t* numel) {
+  constexpr const char* fn = "sf_optimizer_state";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    need(fn, name, "name");
+    need(fn, data, "data");
+    need(fn, numel, "numel");
+    const std::span<const float> s = opt->opt.state(param, name);
+    *data = s.data();
+    *numel = static_cast<int64_t>(s.size());
+  });
+}
+
+sf_status sf_optimizer_mutable_state(sf_optimizer* opt, size_t param, const char* name, float** data,
+                                     int64_t* numel) {
+  constexpr const char* fn = "sf_optimizer_mutable_state";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    need(fn, name, "name");
+    need(fn, data, "data");
+    need(fn, numel, "numel");
+    const std::span<float> s = opt->opt.mutable_state(param, name);
+    *data = s.data();
+    *numel = static_cast<int64_t>(s.size());
+  });
+}
+
+sf_status sf_optimizer_master(const sf_optimizer* opt, size_t param, const float** data, int64_t* numel) {
+  constexpr const char* fn = "sf_optimizer_master";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    need(fn, data, "data");
+    need(fn, numel, "numel");
+    const std::span<const float> m = opt->opt.master(param);
+    *data = m.empty() ? nullptr : m.data();
+    *numel = static_cast<int64_t>(m.size());
+  });
+}
+
+sf_status sf_optimizer_program_text(const sf_optimizer* opt, char* buf, size_t cap, size_t* needed) {
+  constexpr const char* fn = "sf_optimizer_program_text";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    copy_text(fn, opt->opt.program_text(), "the program text", buf, cap, needed);
+  });
+}
+
+}  // extern "C"
