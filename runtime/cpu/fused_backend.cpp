@@ -12,10 +12,7 @@ namespace stepfuse::cpu {
 
 FusedBackend::FusedBackend(const Program& program, std::optional<jit::Builtin> builtin, const std::vector<Param>& params,
                            const OptimizerOptions& options, const float* state_init)
-    : params_(params),
-      options_(options),
-      num_scalars_(program.num_scalars),
-      host_(program, params, options, state_init, scalars_) {
+    : HostBackend(program, params, options, state_init) {
   const NormKind norm_kind = options_.norm_type == INFINITY ? NormKind::inf : NormKind::l2;
   const jit::Layout& l = host_.layout();
   kernels_.resize(params_.size());

@@ -17,7 +17,7 @@
 
 namespace stepfuse::cpu {
 
-class FusedBackend final : public detail::Backend {
+class FusedBackend final : public HostBackend {
  public:
   // builtin: the program's compile-time fused kernels (Fusion::fused), or nullopt
   // for the interpreter (Fusion::interpreted, or a custom program).
@@ -25,14 +25,7 @@ class FusedBackend final : public detail::Backend {
                const OptimizerOptions& options, const float* state_init);
 
   StepResult step(const detail::StepRequest& request, std::vector<double>& tensor_norms) override;
-  StepResult read_result(std::vector<double>*) const override { return {}; }  // never pending
-  std::int64_t step_count() const override { return step_count_; }
-  void set_step_count(std::int64_t n) override { step_count_ = n; }
-  const jit::Layout& layout() const override { return host_.layout(); }
-  float* state_data(int stream) const override { return host_.state(stream); }
-  float* masters_data() const override { return host_.masters(); }
   std::string_view name() const override;
-  int threads() const override { return host_.pool().size(); }
 
  private:
   // Kernels per tensor: each tensor may have its own weight/grad dtypes.
@@ -47,18 +40,12 @@ class FusedBackend final : public detail::Backend {
   void install_llvm(const jit::CpuKernels& kernels);
   void poll_llvm();  // adopts a finished background build (at the start of a step)
 
-  const std::vector<Param>& params_;
-  const OptimizerOptions& options_;
-  int num_scalars_;                  // the program's
-  float scalars_[kMaxScalars] = {};  // the step's scalars, which every tensor's args point at
-  HostBuffers host_;
   std::vector<TensorKernels> kernels_;
   std::unique_ptr<InterpreterSet> interpreters_;  // the interpreter's (then kernels_[t].update is null)
   detail::AlignedBuffer scratch_;                 // the interpreter's per-thread blocks
   jit::CpuSpec llvm_spec_;                        // what the LLVM kernels are compiled for
   bool llvm_active_ = false;                      // the LLVM kernels run the step
   std::shared_ptr<JitBuild> llvm_build_;          // automatic: the background compile, until adopted
-  std::int64_t step_count_ = 0;
 };
 
 }  // namespace stepfuse::cpu

@@ -1,7 +1,8 @@
-// What every CPU backend holds for a step: the layout of the tensor list, its
-// split among the threads, the state streams and fp32 masters, each tensor's
-// kernel arguments, and the reduce pass that combines chunk partials in the
-// canonical order (docs/architecture.md §5).
+// What every CPU backend holds for a step: HostBuffers (the layout of the tensor
+// list, its split among the threads, the state streams and fp32 masters, each
+// tensor's kernel arguments, and the reduce pass that combines chunk partials in
+// the canonical order, docs/architecture.md §5), and HostBackend, the CPU
+// backends' common base over them.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 
 #include "jit/layout.hpp"
 #include "runtime/aligned_buffer.hpp"
+#include "runtime/backend.hpp"
 #include "runtime/cpu/kernels.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/optimizer.hpp"
@@ -70,6 +72,32 @@ class HostBuffers {
   detail::AlignedBuffer masters_;
   std::vector<UpdateArgs> args_;
   std::vector<ReducePartial> partials_;  // one per chunk
+};
+
+// What the CPU backends have in common: the host buffers, the step's scalars
+// (which every tensor's args point at), the step count, and the views of them.
+class HostBackend : public detail::Backend {
+ public:
+  HostBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
+              const float* state_init)
+      : params_(params), options_(options), num_scalars_(program.num_scalars),
+        host_(program, params, options, state_init, scalars_) {}
+
+  StepResult read_result(std::vector<double>*) const override { return {}; }  // never pending
+  std::int64_t step_count() const override { return step_count_; }
+  void set_step_count(std::int64_t n) override { step_count_ = n; }
+  const jit::Layout& layout() const override { return host_.layout(); }
+  float* state_data(int stream) const override { return host_.state(stream); }
+  float* masters_data() const override { return host_.masters(); }
+  int threads() const override { return host_.pool().size(); }
+
+ protected:
+  const std::vector<Param>& params_;  // the engine's, which outlives the backend
+  const OptimizerOptions& options_;
+  int num_scalars_;                   // the program's
+  float scalars_[kMaxScalars] = {};   // the step's scalars
+  HostBuffers host_;
+  std::int64_t step_count_ = 0;
 };
 
 }  // namespace stepfuse::cpu

@@ -11,11 +11,7 @@ namespace stepfuse::cpu {
 
 UnfusedBackend::UnfusedBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
                                const float* state_init)
-    : params_(params),
-      options_(options),
-      num_scalars_(program.num_scalars),
-      host_(program, params, options, state_init, scalars_),
-      interpreters_(program, host_.layout(), /*f32_grads=*/true) {
+    : HostBackend(program, params, options, state_init), interpreters_(program, host_.layout(), /*f32_grads=*/true) {
   const std::size_t elems = static_cast<std::size_t>(host_.layout().state_elems);
   scratch_ = detail::AlignedBuffer(static_cast<std::size_t>(interpreters_.max_slots()) * elems);
   grad_tmp_ = detail::AlignedBuffer(elems);
