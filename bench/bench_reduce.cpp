@@ -10,7 +10,7 @@
 //   reduce/<grad dtype>/<l2|inf>/plan/threads:<n>    the engine's way: split_chunks' per-thread
 //                                                    chunk ranges on the shared ThreadPool
 //
-// Both combine the per-chunk partials as StepEngine::reduce does (fp64, chunks in order
+// Both combine the per-chunk partials as the CPU backends do (cpu::HostBuffers::reduce) (fp64, chunks in order
 // within a tensor, then tensors in order). Before timing, each case checks the result
 // against a plain fp64 reference over the same stored values: the inf norm exactly, the
 // sum of squares within the bound of its fp32 accumulation, and the plan's result bitwise
@@ -104,7 +104,7 @@ const Fixture& fixture(sf::DType g) {
   return *current;
 }
 
-// Partials of chunks [first, last) of the plan, as StepEngine::reduce computes them.
+// Partials of chunks [first, last) of the plan, as the CPU backends compute them.
 void reduce_chunks(const Fixture& f, const jit::Layout& plan, cpu::ReduceFn fn, std::size_t first,
                    std::size_t last, std::vector<cpu::ReducePartial>& partials) {
   for (std::size_t c = first; c < last; ++c) {
@@ -115,7 +115,7 @@ void reduce_chunks(const Fixture& f, const jit::Layout& plan, cpu::ReduceFn fn, 
   }
 }
 
-// Combines the partials in StepEngine::reduce's fixed order: fp64, chunks in order within
+// Combines the partials in the CPU backends' fixed order: fp64, chunks in order within
 // a tensor, then tensors in order.
 Totals combine(const jit::Layout& plan, const std::vector<cpu::ReducePartial>& partials) {
   Totals total;

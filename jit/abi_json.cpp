@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "jit/program_analysis.hpp"
 #include "jit/update_program_rules.hpp"
 #include "stepfuse/version.hpp"
 
@@ -104,15 +105,11 @@ void begin_kernel_abi(JsonWriter& j) {
 
 void write_abi_program(JsonWriter& j, const UpdateProgram& program) {
   const Program& p = program.program();
-  bool loads[kMaxStreams] = {}, stores[kMaxStreams] = {};
-  for (int i = 0; i < p.num_instrs; ++i) {
-    if (p.code[i].op == Op::load) loads[p.code[i].attr] = true;
-    if (p.code[i].op == Op::store) stores[p.code[i].attr] = true;
-  }
+  const StreamUse use = stream_use(p);
   j.begin_object("program").str("name", p.name).str("text", to_string(p)).begin_array("streams");
   for (int s = 0; s < p.num_streams; ++s)
     j.begin_object().integer("index", s).str("name", p.streams[s].name).str("role", role_name(p.streams[s].role))
-        .num("init", p.streams[s].init).boolean("loaded", loads[s]).boolean("stored", stores[s]).end_object();
+        .num("init", p.streams[s].init).boolean("loaded", use.loads[s]).boolean("stored", use.stores[s]).end_object();
   j.end_array().begin_array("scalars");
   for (int s = 0; s < p.num_scalars; ++s) {
     const ScalarDef& d = program.scalars()[static_cast<std::size_t>(s)];

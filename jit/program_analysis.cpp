@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <string>
 
+#include "jit/base/format.hpp"
+
 namespace stepfuse::jit {
 
 namespace {
@@ -248,7 +250,7 @@ std::string operand_text(const LOperand& o) {
     case LOperand::Kind::param: return "param[]";
     case LOperand::Kind::state: return std::string("state").append(std::to_string(o.index)) + "[]";
     case LOperand::Kind::scalar: return std::string("s").append(std::to_string(o.index));
-    case LOperand::Kind::constant: return std::to_string(o.imm);
+    case LOperand::Kind::constant: return detail::format_float(o.imm);
   }
   return "?";
 }
@@ -276,6 +278,15 @@ std::string to_string(const LoweredProgram& lowered) {
   }
   s += std::string("slots: ").append(std::to_string(lowered.num_slots)) + "\n";
   return s;
+}
+
+StreamUse stream_use(const Program& p) {
+  StreamUse u;
+  for (int i = 0; i < p.num_instrs; ++i) {
+    if (p.code[i].op == Op::load) u.loads[p.code[i].attr] = true;
+    if (p.code[i].op == Op::store) u.stores[p.code[i].attr] = true;
+  }
+  return u;
 }
 
 }  // namespace stepfuse::jit

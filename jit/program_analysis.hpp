@@ -62,4 +62,12 @@ LoweredProgram lower(const Program& program, DType weight, DType grad, bool mast
 
 std::string to_string(const LoweredProgram& lowered);
 
+// Which streams a program loads and which it stores (what a kernel must read and
+// write; by program stream index).
+struct StreamUse {
+  bool loads[kMaxStreams] = {};
+  bool stores[kMaxStreams] = {};
+};
+StreamUse stream_use(const Program& p);
+
 }  // namespace stepfuse::jit

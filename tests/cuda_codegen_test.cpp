@@ -43,6 +43,7 @@
 #include "jit/builtins.hpp"
 #include "jit/cuda/emit_cuda.hpp"
 #include "jit/cuda/nvrtc_compile.hpp"
+#include "jit/program_analysis.hpp"
 #include "reference/dtypes.hpp"
 #include "reference/elf_reader.hpp"
 #include "reference/harness.hpp"
@@ -65,6 +66,8 @@ using jit::CudaNorm;
 using jit::CudaOutput;
 using jit::CudaSpec;
 using jit::CudaTarget;
+using jit::StreamUse;
+using jit::stream_use;
 
 #define REQUIRE_NVRTC()                                                                      \
   do {                                                                                       \
@@ -678,20 +681,6 @@ struct Tensor {
     }
   }
 };
-
-// Which streams a program loads and stores (as the emitter decides what sf_update moves).
-struct StreamUse {
-  bool loads[kMaxStreams] = {};
-  bool stores[kMaxStreams] = {};
-};
-StreamUse stream_use(const Program& p) {
-  StreamUse u;
-  for (int i = 0; i < p.num_instrs; ++i) {
-    if (p.code[i].op == Op::load) u.loads[p.code[i].attr] = true;
-    if (p.code[i].op == Op::store) u.stores[p.code[i].attr] = true;
-  }
-  return u;
-}
 
 // What sf_update_span_<k> does around sf_body for one element
 // (jit/cuda/kernels/update_span.cuh): widen the stored gradient; the parameter from the fp32 master, else

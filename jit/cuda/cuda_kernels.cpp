@@ -5,6 +5,9 @@
 #include <cstdio>
 #include <future>
 
+#define XXH_INLINE_ALL  // header-only, as in jit/kernel_cache.cpp
+#include <xxhash.h>
+
 #include "jit/kernel_cache.hpp"
 
 namespace stepfuse::jit {
@@ -18,11 +21,11 @@ std::string cuda_cache_key(const std::string& canonical, const CudaTarget& targe
   std::string key = "stepfuse cuda kernel, cache format " + std::to_string(kCudaCacheFormat) + "\nnvrtc " +
                     nvrtc_version_string() + "\noptions";
   for (const std::string& o : nvrtc_options(target)) key.append(" ").append(o);
-  // The embedded headers (element math, scalar rules, device ABI) are part of
+  // The embedded headers (element math, scalar rules, step stage, device ABI) are part of
   // every source but not of the spec's text: their digest makes any edit to them
   // a new key.
-  std::uint64_t digest = 0xcbf29ce484222325ull;  // FNV-1a
-  for (const unsigned char c : cuda_embedded_headers()) digest = (digest ^ c) * 0x100000001b3ull;
+  const std::string& headers = cuda_embedded_headers();
+  const std::uint64_t digest = XXH3_64bits(headers.data(), headers.size());
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(digest));
   key.append("\nheaders ").append(hex);

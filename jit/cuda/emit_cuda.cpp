@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "jit/embedded_files.hpp"
+#include "jit/program_analysis.hpp"
 
 namespace stepfuse::jit {
 
@@ -40,20 +41,6 @@ std::string float_literal(float x) {
 }
 
 std::string v(int id) { return std::string(1, 'v').append(std::to_string(id)); }
-
-// Which streams the program loads and stores.
-struct StreamUse {
-  bool loads[kMaxStreams] = {};
-  bool stores[kMaxStreams] = {};
-};
-StreamUse stream_use(const Program& p) {
-  StreamUse u;
-  for (int i = 0; i < p.num_instrs; ++i) {
-    if (p.code[i].op == Op::load) u.loads[p.code[i].attr] = true;
-    if (p.code[i].op == Op::store) u.stores[p.code[i].attr] = true;
-  }
-  return u;
-}
 
 // The program as one straight-line function on fp32 values in registers.
 std::string element_function(const Program& p, const std::string& name) {

@@ -33,7 +33,7 @@ std::string reduce_declaration(const std::string& name, bool inf_norm) {
 }  // namespace
 
 // The CPU spec of a request: update functions per combination, reduce functions
-// per grad dtype, both in the layout's first-use order (as StepEngine::setup_llvm).
+// per grad dtype, both in the layout's first-use order (as the fused CPU backend's).
 CpuSpec cpu_spec(const EmitRequest& r, const Layout& c) {
   CpuSpec spec;
   spec.program = r.program.program();

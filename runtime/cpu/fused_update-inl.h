@@ -122,12 +122,16 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   }
 }
 
-// Table of kernels for the programs Ps..., indexed [program][update_combo(...)].
+// Table of kernels for the programs Ps..., indexed [program][jit::DtypeCombo::index()]:
+// weight-major, then grad, then masters (f32 weights have none).
+static_assert(jit::DtypeCombo{DType::f16, DType::bf16, true}.index() == 9 &&
+                  jit::DtypeCombo{DType::bf16, DType::f32, false}.index() == 12,
+              "the rows below are in jit::DtypeCombo::index() order");
 template <const Program&... Ps>
 struct FusedTable {
   template <const Program& P>
   static constexpr UpdateFn Row(int combo) {
-    constexpr UpdateFn fns[kNumUpdateCombos] = {
+    constexpr UpdateFn fns[jit::kNumComboIndices] = {
         &FusedUpdate<P, DType::f32, DType::f32, false>,   nullptr,
         &FusedUpdate<P, DType::f32, DType::f16, false>,   nullptr,
         &FusedUpdate<P, DType::f32, DType::bf16, false>,  nullptr,
@@ -143,7 +147,7 @@ struct FusedTable {
   static UpdateFn Get(int program, int combo) {
     constexpr UpdateFn (*rows[])(int) = {&Row<Ps>...};
     if (program < 0 || program >= static_cast<int>(sizeof...(Ps))) return nullptr;
-    if (combo < 0 || combo >= kNumUpdateCombos) return nullptr;
+    if (combo < 0 || combo >= jit::kNumComboIndices) return nullptr;
     return rows[program](combo);
   }
 };

@@ -43,12 +43,6 @@ using UpdateArgs = sf_cpu_update_args;
 // Updates elements [begin, begin + n) of one tensor. Writes weight, master and state.
 using UpdateFn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t n);
 
-// The dtype combination of a fused kernel: index into the per-program kernel tables.
-constexpr int update_combo(DType weight, DType grad, bool masters) {
-  return static_cast<int>(weight) * 6 + static_cast<int>(grad) * 2 + (masters ? 1 : 0);
-}
-inline constexpr int kNumUpdateCombos = 18;  // some slots unused (f32 weights have no masters)
-
 // The fused loop generated at compile time for a built-in program, or null.
 UpdateFn fused_update_kernel(jit::Builtin program, DType weight, DType grad, bool masters);
 // The fused kernels are compiled in this many translation units, each a slice of

@@ -19,7 +19,7 @@ UpdateFn fused_update_kernel(jit::Builtin program, DType weight, DType grad, boo
   static_assert(std::size(kSlices) == kUpdateSlices, "one runtime/cpu/update_kernels_<k>.cpp per slice");
   const int b = static_cast<int>(program);
   if (b >= jit::kNumBuiltins) return nullptr;
-  return kSlices[b % kUpdateSlices](b / kUpdateSlices, update_combo(weight, grad, masters));
+  return kSlices[b % kUpdateSlices](b / kUpdateSlices, jit::DtypeCombo{weight, grad, masters}.index());
 }
 
 }  // namespace stepfuse::cpu
