@@ -2,9 +2,9 @@
 #include "stepfuse/update_program.hpp"
 
 #include <cmath>
-#include <cstdio>
 #include <utility>
 
+#include "jit/base/format.hpp"
 #include "jit/builtins.hpp"
 #include "jit/update_program_rules.hpp"
 #include "stepfuse/error.hpp"
@@ -25,11 +25,8 @@ namespace {
   throw Error(ErrorCode::invalid_argument, "update program '" + std::string(program) + "': " + message);
 }
 
-std::string num(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
+// Rule parameters in messages and in UpdateProgram::text(): the shortest text that reads back as the value.
+std::string num(double v) { return detail::format_number(v); }
 
 // Names appear in generated CUDA (as comments), in checkpoints and in the C ABI.
 constexpr std::size_t kMaxNameLength = 64;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "jit/base/format.hpp"
 #include "runtime/step_engine.hpp"
 #include "stepfuse/error.hpp"
 
@@ -43,7 +44,7 @@ void Optimizer::set_lr(double lr) {
   if (const UpdateProgram* custom = engine_->custom_program()) {
     require_fixed_lr(*custom);
     if (!(std::isfinite(lr) && lr >= 0))
-      throw Error(ErrorCode::invalid_argument, "set_lr: lr = " + std::to_string(lr) + " (must be finite and >= 0)");
+      throw Error(ErrorCode::invalid_argument, "set_lr: lr = " + detail::format_number(lr) + " (must be finite and >= 0)");
     engine_->set_custom_rules(custom->with_value("lr", lr));
     return;
   }
