@@ -124,7 +124,7 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
 
 // Table of kernels for the programs Ps..., indexed [program][jit::DtypeCombo::index()]:
 // weight-major, then grad, then masters (f32 weights have none).
-static_assert(jit::DtypeCombo{DType::f16, DType::bf16, true}.index() == 9 &&
+static_assert(jit::DtypeCombo{DType::f16, DType::bf16, true}.index() == 11 &&
                   jit::DtypeCombo{DType::bf16, DType::f32, false}.index() == 12,
               "the rows below are in jit::DtypeCombo::index() order");
 template <const Program&... Ps>
