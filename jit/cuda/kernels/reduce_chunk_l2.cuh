@@ -19,8 +19,7 @@ SF_DEV sf_partial sf_reduce_chunk_{G}(const void* SF_RESTRICT grad, long long be
     int base = 0;
     for (; base + SF_REDUCE_VLOADS * 32 * {V} <= len; base += SF_REDUCE_VLOADS * 32 * {V}) {
       uint4 q[SF_REDUCE_VLOADS];
-#pragma unroll
-      for (int k = 0; k < SF_REDUCE_VLOADS; ++k) q[k] = *(const uint4*)(g + base + 32 * {V} * k + {V} * lane);
+      sf_load_step((const uint4*)g, base / {V}, lane, q);
 #pragma unroll
       for (int k = 0; k < SF_REDUCE_VLOADS; ++k) {
         __syncwarp(SF_FULL_MASK);  /* every lane has read the previous segment */

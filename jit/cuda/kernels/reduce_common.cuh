@@ -15,3 +15,11 @@ SF_DEV SF_INLINE float sf_lane_tree(float acc) {
   for (int w = 16; w >= 1; w >>= 1) acc = acc + __shfl_down_sync(SF_FULL_MASK, acc, w);
   return __shfl_sync(SF_FULL_MASK, acc, 0);
 }
+
+/* One step of a chunk's vector path: lane `lane`'s SF_REDUCE_VLOADS 16-byte loads, load
+ * k being the 16-byte word `first + 32 * k + lane` of the chunk (words of an aligned
+ * chunk: elements {V} * word ... {V} * word + {V} - 1). */
+SF_DEV SF_INLINE void sf_load_step(const uint4* SF_RESTRICT words, int first, int lane, uint4* SF_RESTRICT q) {
+#pragma unroll
+  for (int k = 0; k < SF_REDUCE_VLOADS; ++k) q[k] = words[first + 32 * k + lane];
+}
