@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 
+#include "jit/base/format.hpp"
 #include "jit/cuda/emit_cuda.hpp"
 #include "jit/cuda/kernel_abi.hpp"
 #include "jit/cuda/nvrtc_compile.hpp"
@@ -51,7 +52,7 @@ jit::Layout check_request(const char* fn, const EmitRequest& r) {
   }
   if (r.tensors.empty()) bad(fn, "tensors is empty (describe at least one tensor)");
   if (r.norm_type != 2.0 && r.norm_type != INFINITY)
-    bad(fn, "norm_type = " + std::to_string(r.norm_type) + " (use 2.0 or INFINITY)");
+    bad(fn, "norm_type = " + detail::format_number(r.norm_type) + " (use 2.0 or INFINITY)");
   std::vector<jit::TensorShape> shapes;
   for (std::size_t i = 0; i < r.tensors.size(); ++i) {
     const EmitTensor& t = r.tensors[i];
