@@ -5,6 +5,7 @@
 #include <cmath>
 #include <string>
 
+#include "jit/base/format.hpp"
 #include "jit/step_stage.h"
 #include "runtime/cuda/cuda_scaler.hpp"
 #include "runtime/detail_access.hpp"
@@ -20,11 +21,7 @@ namespace {
 
 [[noreturn]] void bad(const std::string& message) { throw Error(ErrorCode::invalid_argument, "GradScaler: " + message); }
 
-std::string num(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
+std::string num(double v) { return detail::format_number(v); }
 
 void check_scale(const char* what, double v) {
   if (!(std::isfinite(v) && v > 0)) bad(std::string(what) + " = " + num(v) + " (the scale must be finite and > 0)");

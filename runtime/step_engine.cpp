@@ -7,6 +7,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "jit/base/format.hpp"
 #include "jit/update_program_rules.hpp"
 #include "runtime/cpu/fused_backend.hpp"
 #include "runtime/cpu/unfused_backend.hpp"
@@ -63,9 +64,9 @@ void validate_options(const OptimizerOptions& o) {
   if (o.cuda_stream != nullptr && o.device.kind != Device::Kind::cuda)
     bad_argument("OptimizerOptions::cuda_stream is set but the device is the CPU (set device = Device::cuda(i))");
   if (o.norm_type != 2.0 && o.norm_type != INFINITY)
-    bad_argument("OptimizerOptions::norm_type = " + std::to_string(o.norm_type) + " (use 2.0 or INFINITY)");
+    bad_argument("OptimizerOptions::norm_type = " + format_number(o.norm_type) + " (use 2.0 or INFINITY)");
   if (o.max_grad_norm && !(std::isfinite(*o.max_grad_norm) && *o.max_grad_norm > 0))
-    bad_argument("OptimizerOptions::max_grad_norm = " + std::to_string(*o.max_grad_norm) +
+    bad_argument("OptimizerOptions::max_grad_norm = " + format_number(*o.max_grad_norm) +
                  " (must be finite and > 0; leave it empty for no clipping)");
   if (o.num_threads < 0 || o.num_threads > 1024)
     bad_argument("OptimizerOptions::num_threads = " + std::to_string(o.num_threads) + " (use 0 for the default, or 1 to 1024)");
@@ -178,7 +179,7 @@ const StepResult& StepEngine::step_device_scale(const float* scale, sf_scaler_st
 
 const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   if (!(std::isfinite(loss_scale) && loss_scale > 0))
-    bad_argument("step: loss_scale = " + std::to_string(loss_scale) + " (must be finite and > 0)");
+    bad_argument("step: loss_scale = " + format_number(loss_scale) + " (must be finite and > 0)");
   StepRequest request;
   request.loss_scale = loss_scale;
   request.scaled = scaled;
