@@ -34,14 +34,8 @@ struct NamedConfig {
 std::vector<NamedConfig> all_configs() {
   std::vector<NamedConfig> c;
   auto sgd = [](double momentum, double dampening, double wd, bool nesterov, bool maximize) {
-    optim::SGD o;
-    o.lr = 0.1;
-    o.momentum = momentum;
-    o.dampening = dampening;
-    o.weight_decay = wd;
-    o.nesterov = nesterov;
-    o.maximize = maximize;
-    return o;
+    return optim::SGD{.lr = 0.1, .momentum = momentum, .dampening = dampening, .weight_decay = wd,
+                      .nesterov = nesterov, .maximize = maximize};
   };
   c.push_back({"SGD", sgd(0, 0, 0, false, false)});
   c.push_back({"SGD_wd", sgd(0, 0, 0.05, false, false)});
@@ -76,28 +70,12 @@ std::vector<NamedConfig> all_configs() {
         }
 
   // A large eps makes its placement (outside the square root, after bias correction) visible.
-  {
-    optim::Adam o;
-    o.lr = 0.01;
-    o.eps = 0.05;
-    o.amsgrad = true;
-    c.push_back({"Adam_amsgrad_large_eps", o});
-    optim::AdamW w;
-    w.lr = 0.01;
-    w.eps = 0.05;
-    w.weight_decay = 0.5;
-    c.push_back({"AdamW_large_eps_large_wd", w});
-  }
+  c.push_back({"Adam_amsgrad_large_eps", optim::Adam{.lr = 0.01, .eps = 0.05, .amsgrad = true}});
+  c.push_back({"AdamW_large_eps_large_wd", optim::AdamW{.lr = 0.01, .eps = 0.05, .weight_decay = 0.5}});
 
   auto adagrad = [](double lr_decay, double init, double wd, double eps, bool maximize) {
-    optim::Adagrad o;
-    o.lr = 0.1;
-    o.lr_decay = lr_decay;
-    o.initial_accumulator_value = init;
-    o.weight_decay = wd;
-    o.eps = eps;
-    o.maximize = maximize;
-    return o;
+    return optim::Adagrad{.lr = 0.1, .lr_decay = lr_decay, .weight_decay = wd, .initial_accumulator_value = init,
+                          .eps = eps, .maximize = maximize};
   };
   c.push_back({"Adagrad", adagrad(0, 0, 0, 1e-10, false)});
   c.push_back({"Adagrad_lr_decay", adagrad(0.1, 0, 0, 1e-10, false)});
@@ -124,22 +102,10 @@ std::vector<NamedConfig> all_configs() {
                      o});
       }
 
-  {
-    optim::RMSprop o;
-    o.lr = 0.01;
-    o.centered = true;
-    o.eps = 0.1;
-    c.push_back({"RMSprop_centered_large_eps", o});
-  }
+  c.push_back({"RMSprop_centered_large_eps", optim::RMSprop{.lr = 0.01, .eps = 0.1, .centered = true}});
 
   auto lion = [](double wd, double b1, double b2, bool maximize) {
-    optim::Lion o;
-    o.lr = 0.01;
-    o.weight_decay = wd;
-    o.beta1 = b1;
-    o.beta2 = b2;
-    o.maximize = maximize;
-    return o;
+    return optim::Lion{.lr = 0.01, .beta1 = b1, .beta2 = b2, .weight_decay = wd, .maximize = maximize};
   };
   c.push_back({"Lion", lion(0, 0.9, 0.99, false)});
   c.push_back({"Lion_wd", lion(0.5, 0.95, 0.98, false)});
@@ -148,8 +114,7 @@ std::vector<NamedConfig> all_configs() {
 }
 
 struct DtypeCase {
-  DType weight;
-  DType grad;
+  DType weight, grad;
   bool master;
 };
 std::vector<DtypeCase> all_dtype_cases() {
@@ -178,6 +143,26 @@ const std::vector<DtypeCase>& dtype_cases() {
 enum class Clip { none, l2, inf };
 const char* clip_name(Clip c) { return c == Clip::none ? "no clipping" : c == Clip::l2 ? "L2 clipping" : "inf-norm clipping"; }
 
+// Clipping at max norm 5 (L2) or 1 (inf norm): see kStepFactors.
+void set_clip(RigSetup& s, Clip clip) {
+  if (clip == Clip::l2) s.max_grad_norm = 5.0;
+  if (clip == Clip::inf) {
+    s.max_grad_norm = 1.0;
+    s.norm_type = kInf;
+  }
+}
+
+// `config` with the dtypes of `dt` and clipping `clip`; the sizes and the seed are the caller's.
+RigSetup setup_for(const OptimizerConfig& config, const DtypeCase& dt, Clip clip) {
+  RigSetup s;
+  s.config = config;
+  s.weight_dtype = dt.weight;
+  s.grad_dtype = dt.grad;
+  s.master_weights = dt.master;
+  set_clip(s, clip);
+  return s;
+}
+
 // The gradients of the three steps are drawn at these magnitudes, so that with
 // max_grad_norm 5 (L2, norm ~33 at factor 1 over ~1000 elements) or 1 (inf norm,
 // max |g| ~3.5) clipping is active in steps 1 and 3 and inactive in step 2.
@@ -203,16 +188,7 @@ TEST_P(ReferenceMatrix, EveryStepMatchesReference) {
   for (const ScaleMode& sm : scale_modes)
     for (Clip clip : {Clip::none, Clip::l2, Clip::inf}) {
       ++variant;
-      RigSetup s;
-      s.config = nc.config;
-      s.weight_dtype = dt.weight;
-      s.grad_dtype = dt.grad;
-      s.master_weights = dt.master;
-      if (clip == Clip::l2) s.max_grad_norm = 5.0;
-      if (clip == Clip::inf) {
-        s.max_grad_norm = 1.0;
-        s.norm_type = kInf;
-      }
+      RigSetup s = setup_for(nc.config, dt, clip);
       s.sizes = {0, 1, 7, 31, 33, 1000};
       if (big && sm.scale == 1024.0 && static_cast<int>(clip) == config_index % 3)
         s.sizes = {7, 40000, 0, 1, 33, 1000, 31};
@@ -242,28 +218,12 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- a representative config with every state stream of each optimizer ----------
 
 std::vector<NamedConfig> stateful_configs() {
-  optim::SGD sgd;
-  sgd.lr = 0.1;
-  sgd.momentum = 0.9;
-  sgd.nesterov = true;
-  sgd.weight_decay = 0.01;
-  optim::Adam adam;
-  adam.lr = 0.01;
-  adam.amsgrad = true;
-  adam.weight_decay = 0.01;
-  optim::AdamW adamw;
-  adamw.lr = 0.01;
-  optim::Adagrad adagrad;
-  adagrad.lr = 0.1;
-  adagrad.lr_decay = 0.1;
-  adagrad.initial_accumulator_value = 0.1;
-  optim::RMSprop rms;
-  rms.centered = true;
-  rms.momentum = 0.9;
-  optim::Lion lion;
-  lion.lr = 0.01;
-  lion.weight_decay = 0.1;
-  return {{"SGD", sgd}, {"Adam", adam}, {"AdamW", adamw}, {"Adagrad", adagrad}, {"RMSprop", rms}, {"Lion", lion}};
+  return {{"SGD", optim::SGD{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true}},
+          {"Adam", optim::Adam{.lr = 0.01, .weight_decay = 0.01, .amsgrad = true}},
+          {"AdamW", optim::AdamW{.lr = 0.01}},
+          {"Adagrad", optim::Adagrad{.lr = 0.1, .lr_decay = 0.1, .initial_accumulator_value = 0.1}},
+          {"RMSprop", optim::RMSprop{.momentum = 0.9, .centered = true}},
+          {"Lion", optim::Lion{.lr = 0.01, .weight_decay = 0.1}}};
 }
 
 // ---- non-finite gradients -------------------------------------------------------
@@ -294,18 +254,9 @@ TEST(NonFinite, SkipsTheStepAndWritesNothing) {
           SCOPED_TRACE(nc.name + " w=" + std::string(dtype_name(m.weight)) + (m.master ? "+master" : "") +
                        " g=" + std::string(dtype_name(m.grad)) + " bad=" + std::to_string(bad) + " at tensor " +
                        std::to_string(w.tensor) + " element " + std::to_string(w.element));
-          RigSetup s;
-          s.config = nc.config;
-          s.weight_dtype = m.weight;
-          s.grad_dtype = m.grad;
-          s.master_weights = m.master;
+          RigSetup s = setup_for(nc.config, {m.weight, m.grad, m.master}, static_cast<Clip>(index % 3));
           s.sizes = sizes;
           s.seed = 77 + static_cast<std::uint64_t>(index);
-          if (index % 3 == 1) s.max_grad_norm = 5.0;
-          if (index % 3 == 2) {
-            s.max_grad_norm = 1.0;
-            s.norm_type = kInf;
-          }
           Rig rig(s);
           fill_grads(rig.grads, rig.rng, 1.0, 1024.0);  // one step first: non-zero state
           ASSERT_TRUE(rig.opt.step_scaled(1024.0).applied);
@@ -427,10 +378,7 @@ TEST(Threads, ResultsAreBitwiseIdenticalForAnyThreadCount) {
   const auto cfgs = stateful_configs();
   for (const Case& c : cases) {
     SCOPED_TRACE(cfgs[static_cast<std::size_t>(c.config)].name);
-    Snapshot first;
-    std::vector<double> first_norms;
-    for (int threads : {1, 2, 3}) {
-      SCOPED_TRACE("num_threads " + std::to_string(threads));
+    const auto setup = [&](std::uint64_t seed, int threads) {
       RigSetup s;
       s.config = cfgs[static_cast<std::size_t>(c.config)].config;
       s.weight_dtype = c.weight;
@@ -439,9 +387,15 @@ TEST(Threads, ResultsAreBitwiseIdenticalForAnyThreadCount) {
       s.max_grad_norm = c.max_norm;
       s.norm_type = c.norm_type;
       s.sizes = {20000, 35011, 50000, 64999, 70000};
-      s.seed = 4242;
+      s.seed = seed;
       s.num_threads = threads;
-      Rig rig(s);
+      return s;
+    };
+    Snapshot first;
+    std::vector<double> first_norms;
+    for (int threads : {1, 2, 3}) {
+      SCOPED_TRACE("num_threads " + std::to_string(threads));
+      Rig rig(setup(4242, threads));
       EXPECT_EQ(rig.opt.num_threads(), threads);
       std::vector<double> norms;
       for (int k = 0; k < 3; ++k) {
@@ -464,17 +418,7 @@ TEST(Threads, ResultsAreBitwiseIdenticalForAnyThreadCount) {
       }
     }
     // And the single-thread run agrees with the reference (checked step by step).
-    RigSetup s;
-    s.config = cfgs[static_cast<std::size_t>(c.config)].config;
-    s.weight_dtype = c.weight;
-    s.grad_dtype = c.grad;
-    s.master_weights = c.master;
-    s.max_grad_norm = c.max_norm;
-    s.norm_type = c.norm_type;
-    s.sizes = {20000, 35011, 50000, 64999, 70000};
-    s.seed = 4243;
-    s.num_threads = 3;
-    Rig rig(s);
+    Rig rig(setup(4243, 3));
     check_step(rig, StepMode::scaled, 1024.0, 1.0);
   }
 }
@@ -500,18 +444,9 @@ TEST(Unfused, MatchesFusedWithinFp32Rounding) {
     for (const Mode& m : modes)
       for (Clip clip : {Clip::none, Clip::l2, Clip::inf}) {
         ++index;
-        RigSetup s;
-        s.config = nc.config;
-        s.weight_dtype = m.weight;
-        s.master_weights = m.master;
-        s.grad_dtype = grad_dtypes[index % 3];
+        RigSetup s = setup_for(nc.config, {m.weight, grad_dtypes[index % 3], m.master}, clip);
         SCOPED_TRACE(nc.name + " w=" + std::string(dtype_name(m.weight)) + (m.master ? "+master" : "") +
                      " g=" + std::string(dtype_name(s.grad_dtype)) + " " + clip_name(clip));
-        if (clip == Clip::l2) s.max_grad_norm = 5.0;
-        if (clip == Clip::inf) {
-          s.max_grad_norm = 1.0;
-          s.norm_type = kInf;
-        }
         s.sizes = {1, 33, 1000, 20001};
         s.seed = 9000 + static_cast<std::uint64_t>(index);
         Rig fused(s);
@@ -585,16 +520,7 @@ TEST(Interpreted, MatchesReferenceAndFusedBitwise) {
       ++index;
       const Clip clip = static_cast<Clip>(index % 3);
       SCOPED_TRACE(nc.name + " " + dtype_case_name(dt) + " " + clip_name(clip));
-      RigSetup s;
-      s.config = nc.config;
-      s.weight_dtype = dt.weight;
-      s.grad_dtype = dt.grad;
-      s.master_weights = dt.master;
-      if (clip == Clip::l2) s.max_grad_norm = 5.0;
-      if (clip == Clip::inf) {
-        s.max_grad_norm = 1.0;
-        s.norm_type = kInf;
-      }
+      RigSetup s = setup_for(nc.config, dt, clip);
       s.sizes = {0, 1, 7, 31, 1000, index % 4 == 0 ? 17000 : 33};
       s.flat = index % 2 == 0;
       s.seed = 70000 + static_cast<std::uint64_t>(index);
