@@ -16,11 +16,12 @@
 
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "emit_support.hpp"  // write_file, c_double, c_program_tables
+#include "emit_support.hpp"  // write_file, c_double, c_program_tables, parse_command_line, run_main
 
 namespace {
 
@@ -125,11 +126,7 @@ int run(int argc, char** argv) {
   app.add_option("--triple", target.triple, "LLVM target triple (default: this machine's)")->type_name("TRIPLE");
   app.add_option("--features", target.features, "LLVM feature flags added to the CPU's own, e.g. -avx512f")
       ->type_name("F");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 1;  // --help: 0; a bad command line: 1
-  }
+  if (const std::optional<int> exit_code = emit_support::parse_command_line(app, argc, argv)) return *exit_code;
   const fs::path out = out_dir;
   fs::create_directories(out);
 
@@ -152,11 +149,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "stepfuse-emit-cpu-kernel: " << e.what() << "\n";
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return emit_support::run_main("stepfuse-emit-cpu-kernel", run, argc, argv); }

@@ -16,47 +16,21 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "emit_support.hpp"  // write_file, c_program_tables
+#include "emit_support.hpp"    // write_file, c_program_tables, parse_command_line, run_main
+#include "lion_soft_sign.hpp"  // the program emitted
 
 namespace {
 
 namespace fs = std::filesystem;
 using emit_support::write_file;
-using stepfuse::ProgramBuilder;
-using stepfuse::Stream;
-using stepfuse::StreamRole;
 using stepfuse::UpdateProgram;
-using stepfuse::Value;
 
 // The tensor list the kernels are launched on (sizes go into the tables, not the code).
 const std::vector<std::int64_t> kNumels = {40000, 1000, 37};
-
-// Lion (Chen et al. 2023) with a soft sign: where |c| <= tau the update is c / tau
-// instead of sign(c), so small, uncertain directions take small steps.
-//   g = grad * gscale;  c = beta1*m + (1-beta1)*g;  u = tau < |c| ? sign(c) : c / tau
-//   p = p*decay - lr*u;  m = beta2*m + (1-beta2)*g
-UpdateProgram lion_soft_sign() {
-  ProgramBuilder b("lion_soft_sign");
-  const Stream grad = b.stream("grad", StreamRole::grad);
-  const Stream param = b.stream("param", StreamRole::param);
-  const Stream exp_avg = b.stream("exp_avg", StreamRole::state);
-  const Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  const Value m = b.load(exp_avg);
-  const Value c = b.add(b.mul(b.scalar("beta1"), m), b.mul(b.scalar("one_minus_beta1"), g));
-  const Value tau = b.scalar("tau");
-  const Value u = b.select(b.lt(tau, b.abs(c)), b.sign(c), b.div(c, tau));
-  const Value p = b.mul(b.load(param), b.scalar("decay"));
-  b.store(param, b.sub(p, b.mul(b.scalar("lr"), u)));
-  b.store(exp_avg, b.add(b.mul(b.scalar("beta2"), m), b.mul(b.scalar("one_minus_beta2"), g)));
-  const double lr = 0.01, beta1 = 0.9, beta2 = 0.99, weight_decay = 0.1, tau_value = 0.02;
-  return UpdateProgram(b.build(), {UpdateProgram::gscale("gscale"), UpdateProgram::fixed("beta1", beta1),
-                                   UpdateProgram::fixed("one_minus_beta1", 1 - beta1), UpdateProgram::fixed("tau", tau_value),
-                                   UpdateProgram::fixed("decay", 1 - lr * weight_decay), UpdateProgram::fixed("lr", lr),
-                                   UpdateProgram::fixed("beta2", beta2), UpdateProgram::fixed("one_minus_beta2", 1 - beta2)});
-}
 
 std::string c_bytes(const std::string& bytes, bool nul) {
   std::string out;
@@ -125,15 +99,11 @@ int run(int argc, char** argv) {
   // emit() checks the compute capabilities, and says what is wrong.
   app.add_option("--sm", sm, "compute capability of the CUBIN (90: sm_90)")->capture_default_str();
   app.add_option("--ptx-sm", ptx_sm, "compute capability of the PTX (75: compute_75)")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 1;  // --help: 0; a bad command line: 1
-  }
+  if (const std::optional<int> exit_code = emit_support::parse_command_line(app, argc, argv)) return *exit_code;
   const fs::path out = out_dir;
   fs::create_directories(out);
 
-  const UpdateProgram program = lion_soft_sign();
+  const UpdateProgram program = examples::lion_soft_sign();
   stepfuse::EmitRequest request{.program = program,
                                 .tensors = std::vector<stepfuse::EmitTensor>(kNumels.size()),  // f32 weights and grads
                                 .aligned16 = true,  // cuMemAlloc'd buffers, one per tensor
@@ -165,11 +135,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "stepfuse-emit-kernel: " << e.what() << "\n";
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return emit_support::run_main("stepfuse-emit-kernel", run, argc, argv); }

@@ -1,18 +1,45 @@
 // What the two emit examples (emit_kernel.cpp for CUDA, emit_cpu_kernel.cpp for a CPU)
-// write the same way: files, numbers as C literals, and the C tables of an update
-// program's scalars and streams that both generated headers carry. Header-only: copy it
-// with the example.
+// do the same way: the command line's exit codes, main's error report, files, numbers as
+// C literals, and the C tables of an update program's scalars and streams that both
+// generated headers carry. Header-only: copy it with the example.
 #pragma once
 
 #include <stepfuse/stepfuse.hpp>
 
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
 namespace emit_support {
+
+// Parses the command line into `app`'s options. An exit code when the program stops
+// there (--help: 0, after the help; a bad command line: 1, after CLI11's message),
+// nothing when it goes on.
+inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 1;
+  }
+  return std::nullopt;
+}
+
+// main's body: run(argc, argv), or "<program>: <what>" on stderr and exit code 1 when it throws.
+inline int run_main(const char* program, int (*run)(int, char**), int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << program << ": " << e.what() << "\n";
+    return 1;
+  }
+}
 
 // Writes `bytes` to `path` (replacing it); throws std::runtime_error when that fails.
 inline void write_file(const std::filesystem::path& path, const std::string& bytes) {

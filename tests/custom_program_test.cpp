@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "examples/lion_soft_sign.hpp"
 #include "jit/kernel_cache.hpp"
 #include "reference/test_data.hpp"
 #include "jit/base/cuda_api.hpp"
@@ -38,36 +39,12 @@ using ref::Random;
 
 // ---- The programs ------------------------------------------------------------------------
 
-// Lion with a soft sign: where |c| <= tau the update is c / tau instead of sign(c).
-constexpr Program make_lion_soft_sign() {
-  ProgramBuilder b("lion_soft_sign");
-  const Stream grad = b.stream("grad", StreamRole::grad);
-  const Stream param = b.stream("param", StreamRole::param);
-  const Stream exp_avg = b.stream("exp_avg", StreamRole::state);
-  const Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  const Value m = b.load(exp_avg);
-  const Value c = b.add(b.mul(b.scalar("beta1"), m), b.mul(b.scalar("one_minus_beta1"), g));
-  const Value tau = b.scalar("tau");
-  const Value u = b.select(b.lt(tau, b.abs(c)), b.sign(c), b.div(c, tau));
-  const Value p = b.mul(b.load(param), b.scalar("decay"));
-  b.store(param, b.sub(p, b.mul(b.scalar("lr"), u)));
-  b.store(exp_avg, b.add(b.mul(b.scalar("beta2"), m), b.mul(b.scalar("one_minus_beta2"), g)));
-  return b.build();
-}
-constexpr Program kLionSoftSign = make_lion_soft_sign();  // built at compile time: well formed
-
-struct LionHyper {
-  double lr = 0.05, beta1 = 0.9, beta2 = 0.99, weight_decay = 0.1, tau = 0.02;
-};
-
-UpdateProgram lion_soft_sign(const LionHyper& h = {}) {
-  return UpdateProgram(kLionSoftSign, {UpdateProgram::gscale("gscale"), UpdateProgram::fixed("beta1", h.beta1),
-                                       UpdateProgram::fixed("one_minus_beta1", 1.0 - h.beta1),
-                                       UpdateProgram::fixed("tau", h.tau),
-                                       UpdateProgram::fixed("decay", 1.0 - h.lr * h.weight_decay),
-                                       UpdateProgram::fixed("lr", h.lr), UpdateProgram::fixed("beta2", h.beta2),
-                                       UpdateProgram::fixed("one_minus_beta2", 1.0 - h.beta2)});
-}
+// Lion with a soft sign (examples/lion_soft_sign.hpp: where |c| <= tau the update is
+// c / tau instead of sign(c)), with a larger learning rate than the example's.
+using examples::kLionSoftSign;
+using LionHyper = examples::LionSoftSignHyper;
+constexpr LionHyper kLionHyper{.lr = 0.05};
+UpdateProgram lion_soft_sign() { return examples::lion_soft_sign(kLionHyper); }
 
 // SGD with momentum and dampening, written from scratch in the op order of the
 // built-in (jit/builtin/sgd.hpp), so the two are bitwise alike.
@@ -246,12 +223,12 @@ std::string error_of(const std::function<void()>& f, ErrorCode code = ErrorCode:
 TEST(CustomProgram, LionVariantMatchesFloat64ReferenceWithScalingAndClipping) {
   for (const Fusion fusion : {Fusion::fused, Fusion::interpreted, Fusion::unfused}) {
     SCOPED_TRACE("fusion " + std::to_string(static_cast<int>(fusion)));
-    const LionHyper h;
+    const LionHyper h = kLionHyper;
     Net n(DType::f32, DType::f32);
     OptimizerOptions o;
     o.max_grad_norm = 20.0;  // the gradients' norm is ~75: clipping is active
     o.fusion = fusion;
-    Optimizer opt(lion_soft_sign(h), n.params(), o);
+    Optimizer opt(examples::lion_soft_sign(h), n.params(), o);
     EXPECT_TRUE(opt.is_custom());
     RefState s = ref_start(n);
     std::vector<std::vector<bool>> ambiguous;
@@ -273,9 +250,9 @@ TEST(CustomProgram, LionVariantMatchesFloat64ReferenceWithScalingAndClipping) {
 }
 
 TEST(CustomProgram, LionVariantWithBf16WeightsKeepsMastersAndRoundsTheWeights) {
-  const LionHyper h;
+  const LionHyper h = kLionHyper;
   Net n(DType::bf16, DType::bf16);
-  Optimizer opt(lion_soft_sign(h), n.params());  // fp32 masters by default
+  Optimizer opt(examples::lion_soft_sign(h), n.params());  // fp32 masters by default
   RefState s = ref_start(n);
   std::vector<std::vector<bool>> ambiguous;
   for (const auto& t : s.p) ambiguous.emplace_back(t.size(), false);
@@ -548,9 +525,9 @@ TEST(CustomProgram, OwnsItsNamesAndPrintsItsRules) {
 // ---- Scalars, lr, config ---------------------------------------------------------------
 
 TEST(CustomProgram, SetScalarChangesTheNextStepOnly) {
-  LionHyper h;
+  LionHyper h = kLionHyper;
   Net n(DType::f32, DType::f32);
-  Optimizer opt(lion_soft_sign(h), n.params());
+  Optimizer opt(examples::lion_soft_sign(h), n.params());
   RefState s = ref_start(n);
   std::vector<std::vector<bool>> ambiguous;
   for (const auto& t : s.p) ambiguous.emplace_back(t.size(), false);
