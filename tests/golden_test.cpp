@@ -54,26 +54,12 @@ std::vector<GoldenCase> all_cases() {
   return cases;
 }
 
-class GoldenTrace : public testing::TestWithParam<GoldenCase> {};
+class GoldenTrace : public TraceReplay<GoldenCase> {};
 
 TEST_P(GoldenTrace, MatchesPyTorch) {
-  const json trace = load_trace(traces_dir(), GetParam().trace);
-  ASSERT_EQ(trace.at("format").get<int>(), 1);
-
-  const auto state_names = trace.at("state_names").get<std::vector<std::string>>();
+  ASSERT_NO_FATAL_FAILURE(start(traces_dir(), GetParam().trace, GetParam().fusion));
   const double loss_scale = trace.at("loss_scale").get<double>();
-
-  TraceParams p;
-  ASSERT_NO_FATAL_FAILURE(load_params(trace, p));
-  const std::size_t n = p.weights.size();
-  std::vector<std::vector<float>>& weights = p.weights;
-  std::vector<std::vector<float>>& grads = p.grads;
-
-  stepfuse::OptimizerOptions options;
-  ASSERT_NO_FATAL_FAILURE(load_options(trace, GetParam().fusion, options));
-
-  stepfuse::Optimizer opt(make_config(trace), p.params, options);
-  ASSERT_NO_FATAL_FAILURE(expect_state_names(opt, state_names));
+  stepfuse::Optimizer& opt = *optimizer;
 
   WorstError worst;
   std::vector<std::vector<float>> torch_before = weights;  // torch's params before each step

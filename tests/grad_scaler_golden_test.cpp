@@ -84,26 +84,12 @@ std::vector<ScalerCase> all_cases() {
   return cases;
 }
 
-class GradScalerGolden : public testing::TestWithParam<ScalerCase> {};
+class GradScalerGolden : public TraceReplay<ScalerCase> {};
 
 TEST_P(GradScalerGolden, MatchesTorchAmpGradScaler) {
   const ScalerCase& param = GetParam();
-  const json trace = load_trace(traces_dir(), param.trace);
-  ASSERT_EQ(trace.at("format").get<int>(), 1);
-
-  const auto state_names = trace.at("state_names").get<std::vector<std::string>>();
-
-  TraceParams p;
-  ASSERT_NO_FATAL_FAILURE(load_params(trace, p));
-  const std::size_t n = p.weights.size();
-  std::vector<std::vector<float>>& weights = p.weights;
-  std::vector<std::vector<float>>& grads = p.grads;
-
-  stepfuse::OptimizerOptions options;
-  ASSERT_NO_FATAL_FAILURE(load_options(trace, param.fusion, options));
-
-  stepfuse::Optimizer opt(make_config(trace), p.params, options);
-  ASSERT_NO_FATAL_FAILURE(expect_state_names(opt, state_names));
+  ASSERT_NO_FATAL_FAILURE(start(traces_dir(), param.trace, param.fusion));
+  stepfuse::Optimizer& opt = *optimizer;
 
   const json& sc = trace.at("scaler");
   stepfuse::GradScaler scaler("cpu", sc.at("init_scale").get<double>(), sc.at("growth_factor").get<double>(),

@@ -64,13 +64,8 @@ Trace format (JSON object):
         grads       scaled fp32 gradients handed to the step (one array per tensor);
                     non-finite values are the strings "inf", "-inf", "nan"
         skipped     true if unscale_ found inf/NaN (opt.step() was not called)
-        step_count  optimizer steps applied so far (torch's state "step"), after this step
-        grad_norm   (applied steps only) total norm (norm_type) of the unscaled gradients
-                    before clipping, as clip_grad_norm_ computes it in fp32
-        clip_coef   (applied steps with max_grad_norm only) the clamped coefficient
-                    clip_grad_norm_ multiplied the gradients by
-        params, state (applied steps only) params and every state tensor after the step;
-                    a skipped step leaves both exactly as they were after the previous step
+        step_count, grad_norm, clip_coef, params, state
+                    as in make_golden.py's traces
         scaler_state scaler.state_dict() after update(): scale, growth_factor,
                     backoff_factor (numbers), growth_interval, _growth_tracker (integers)
 

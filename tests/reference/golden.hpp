@@ -27,7 +27,7 @@
 // Skipped steps (inf/NaN in the scaled gradients) must leave the parameters and the state
 // bit-for-bit as they were (expect_unchanged).
 //
-// load_params, load_options and expect_state_names stop with a fatal failure (ASSERT_*) on
+// load_params, load_options, expect_state_names and TraceReplay::start stop with a fatal failure (ASSERT_*) on
 // a trace the test cannot replay: call them through ASSERT_NO_FATAL_FAILURE.
 #pragma once
 
@@ -42,6 +42,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <span>
 #include <sstream>
@@ -343,6 +344,36 @@ inline void expect_step_matches(const json& step, const stepfuse::Optimizer& opt
       worst.values = std::max(worst.values, expect_close(s + "[" + std::to_string(i) + "]", opt.state(i, s),
                                                          to_vec(want_state.at(s).at(i))));
 }
+
+// What both golden tests start a replay with, as their fixture (Case: the test's
+// parameter): the trace, its state names, its parameters in caller-owned fp32 buffers,
+// the options and the optimizer over them.
+template <class Case>
+class TraceReplay : public testing::TestWithParam<Case> {
+ protected:
+  // Loads trace `name` from `dir` (format 1) and builds the optimizer with `fusion`. Stops
+  // with a fatal failure on a trace the test cannot replay: call it through
+  // ASSERT_NO_FATAL_FAILURE.
+  void start(const fs::path& dir, const std::string& name, stepfuse::Fusion fusion) {
+    trace = load_trace(dir, name);
+    ASSERT_EQ(trace.at("format").get<int>(), 1);
+    state_names = trace.at("state_names").get<std::vector<std::string>>();
+    ASSERT_NO_FATAL_FAILURE(load_params(trace, p));
+    n = p.weights.size();
+    ASSERT_NO_FATAL_FAILURE(load_options(trace, fusion, options));
+    optimizer.emplace(make_config(trace), p.params, options);
+    ASSERT_NO_FATAL_FAILURE(expect_state_names(*optimizer, state_names));
+  }
+
+  json trace;
+  std::vector<std::string> state_names;
+  TraceParams p;
+  std::vector<std::vector<float>>& weights = p.weights;
+  std::vector<std::vector<float>>& grads = p.grads;
+  std::size_t n = 0;  // tensors
+  stepfuse::OptimizerOptions options;
+  std::optional<stepfuse::Optimizer> optimizer;
+};
 
 // Records the margins as test properties and prints them with the case's label.
 inline void record_worst(const std::string& label, const WorstError& worst) {
