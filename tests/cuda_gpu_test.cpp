@@ -32,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <new>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <span>
@@ -228,22 +229,26 @@ ListLayout make_layout(const std::vector<std::int64_t>& sizes, const std::vector
   return L;
 }
 
+// Element i of an image as its stored bits (T: float or std::uint16_t), at any alignment.
+template <class T>
+T element_bits(const std::byte* base, std::int64_t i) {
+  T x;
+  std::memcpy(&x, base + static_cast<std::int64_t>(sizeof(T)) * i, sizeof(T));
+  return x;
+}
+template <class T>
+void set_element_bits(std::byte* base, std::int64_t i, T x) {
+  std::memcpy(base + static_cast<std::int64_t>(sizeof(T)) * i, &x, sizeof(T));
+}
+
+// Through the library's conversions, as the backends store and widen (NaN payloads kept).
 void store(DType t, std::byte* base, std::int64_t i, float x) {
-  if (t == DType::f32) {
-    std::memcpy(base + 4 * i, &x, 4);
-    return;
-  }
-  const std::uint16_t h = t == DType::f16 ? float_to_f16(x) : float_to_bf16(x);
-  std::memcpy(base + 2 * i, &h, 2);
+  if (t == DType::f32) return set_element_bits(base, i, x);
+  set_element_bits(base, i, t == DType::f16 ? float_to_f16(x) : float_to_bf16(x));
 }
 float load(DType t, const std::byte* base, std::int64_t i) {
-  if (t == DType::f32) {
-    float x;
-    std::memcpy(&x, base + 4 * i, 4);
-    return x;
-  }
-  std::uint16_t h;
-  std::memcpy(&h, base + 2 * i, 2);
+  if (t == DType::f32) return element_bits<float>(base, i);
+  const auto h = element_bits<std::uint16_t>(base, i);
   return t == DType::f16 ? f16_to_float(h) : bf16_to_float(h);
 }
 
@@ -529,6 +534,36 @@ void PrintTo(const Case& c, std::ostream* os) {  // gtest's name for a failing c
 }
 ListLayout case_layout(const Case& c) { return make_layout(kSizes, dtype_set(c.dtypes).cycle, c.layout); }
 
+// A case on both sides: the same weights (weight_image(L, seed)) in host memory and on the
+// side under test, and an optimizer over each with the case's options (the CPU backend's
+// and the tested device's).
+struct SideBySide {
+  SideBySide(const Case& c, std::uint32_t seed) : kind(c.kind), L(case_layout(c)), host(L), dev(L) {
+    const std::vector<std::byte> w0 = weight_image(L, seed);
+    host.set_weights(w0);
+    dev.set_weights(w0);
+    const OptimizerConfig& config = config_named(c.config);
+    const bool masters = dtype_set(c.dtypes).masters;
+    ho.emplace(config, host.params, options_for(kind, masters, Device::cpu()));
+    go.emplace(config, dev.params, options_for(kind, masters, test_device()));
+  }
+  // The same gradients on both sides, then a step of each.
+  void step(const std::vector<std::byte>& g) {
+    host.set_grads(g);
+    dev.set_grads(g);
+    take_step(*ho, kind);
+    take_step(*go, kind);
+  }
+  Snapshot cpu() const { return snapshot(*ho, host); }
+  Snapshot tested() const { return snapshot(*go, dev); }
+
+  StepKind kind;
+  ListLayout L;
+  HostList host;
+  TestList dev;
+  std::optional<Optimizer> ho, go;  // declared after the buffers: destroyed first
+};
+
 std::vector<Case> every_optimizer_cases() {
   std::vector<Case> cases;
   for (const NamedConfig& c : configs())
@@ -640,25 +675,12 @@ class MatchesCpu : public CudaGpu, public ::testing::WithParamInterface<Case> {}
 
 TEST_P(MatchesCpu, AfterOneAndFourSteps) {
   const Case& c = GetParam();
-  const OptimizerConfig& config = config_named(c.config);
-  const DtypeSet& ds = dtype_set(c.dtypes);
-  const ListLayout L = case_layout(c);
-  HostList host(L);
-  TestList dev(L);
-  const std::vector<std::byte> w0 = weight_image(L, 1);
-  host.set_weights(w0);
-  dev.set_weights(w0);
-  Optimizer ho(config, host.params, options_for(c.kind, ds.masters, Device::cpu()));
-  Optimizer go(config, dev.params, options_for(c.kind, ds.masters, test_device()));
+  SideBySide both(c, 1);
   for (int step = 1; step <= 4; ++step) {
-    const std::vector<std::byte> g = grad_image(L, 100 + step, grad_scale(c.kind));
-    host.set_grads(g);
-    dev.set_grads(g);
-    take_step(ho, c.kind);
-    take_step(go, c.kind);
+    both.step(grad_image(both.L, 100 + step, grad_scale(c.kind)));
     if (step == 1 || step == 4) {  // steps 2-4 run back to back, without a host copy of the state
-      const Snapshot a = snapshot(go, dev), b = snapshot(ho, host);
-      expect_identical(a, b, L, "after step " + std::to_string(step));
+      const Snapshot a = both.tested(), b = both.cpu();
+      expect_identical(a, b, both.L, "after step " + std::to_string(step));
       EXPECT_TRUE(a.result.applied) << "every gradient is finite";
       EXPECT_EQ(a.step_count, step);
       if (HasFailure()) return;
@@ -674,30 +696,16 @@ class SkipsNonFinite : public CudaGpu, public ::testing::WithParamInterface<Case
 
 TEST_P(SkipsNonFinite, WritesNothingAndTheNextFiniteStepProceeds) {
   const Case& c = GetParam();
-  const OptimizerConfig& config = config_named(c.config);
-  const DtypeSet& ds = dtype_set(c.dtypes);
-  const ListLayout L = case_layout(c);
-  HostList host(L);
-  TestList dev(L);
-  const std::vector<std::byte> w0 = weight_image(L, 2);
-  host.set_weights(w0);
-  dev.set_weights(w0);
-  Optimizer ho(config, host.params, options_for(c.kind, ds.masters, Device::cpu()));
-  Optimizer go(config, dev.params, options_for(c.kind, ds.masters, test_device()));
-  const auto both_step = [&](const std::vector<std::byte>& g) {
-    host.set_grads(g);
-    dev.set_grads(g);
-    take_step(ho, c.kind);
-    take_step(go, c.kind);
-  };
-  both_step(grad_image(L, 11, grad_scale(c.kind)));  // a finite step first: the state is not all zeros
-  const Snapshot before = snapshot(go, dev);
+  SideBySide both(c, 2);
+  const ListLayout& L = both.L;
+  both.step(grad_image(L, 11, grad_scale(c.kind)));  // a finite step first: the state is not all zeros
+  const Snapshot before = both.tested();
   ASSERT_TRUE(before.result.applied);
 
   for (Poison p : {Poison::inf_and_nan, Poison::inf, Poison::nan}) {
     const std::string what = p == Poison::inf_and_nan ? "inf and NaN" : p == Poison::inf ? "inf" : "NaN";
-    both_step(grad_image(L, 12, grad_scale(c.kind), p));
-    const Snapshot after = snapshot(go, dev), cpu = snapshot(ho, host);
+    both.step(grad_image(L, 12, grad_scale(c.kind), p));
+    const Snapshot after = both.tested(), cpu = both.cpu();
     EXPECT_FALSE(after.result.applied) << what;
     EXPECT_TRUE(after.result.found_inf) << what;
     EXPECT_TRUE(std::isinf(after.result.grad_norm) && after.result.grad_norm > 0) << what << ": " << after.result.grad_norm;
@@ -708,8 +716,8 @@ TEST_P(SkipsNonFinite, WritesNothingAndTheNextFiniteStepProceeds) {
     if (HasFailure()) return;
   }
 
-  both_step(grad_image(L, 13, grad_scale(c.kind)));
-  const Snapshot a = snapshot(go, dev), b = snapshot(ho, host);
+  both.step(grad_image(L, 13, grad_scale(c.kind)));
+  const Snapshot a = both.tested(), b = both.cpu();
   EXPECT_TRUE(a.result.applied);
   EXPECT_EQ(a.step_count, 2);
   expect_identical(a, b, L, "the finite step after the skipped ones");
