@@ -31,24 +31,10 @@ struct NamedCase {
 };
 
 std::vector<NamedCase> all_cases() {
-  struct Named {
-    const char* name;
-    sf::OptimizerConfig config;
-  };
-  sf::optim::SGD sgd_momentum;
-  sgd_momentum.momentum = 0.9;
-  const Named optimizers[] = {
-      {"AdamW", sf::optim::AdamW{}},     {"Adam", sf::optim::Adam{}},       {"SGD", sf::optim::SGD{}},
-      {"SGD_momentum", sgd_momentum},     {"Adagrad", sf::optim::Adagrad{}}, {"RMSprop", sf::optim::RMSprop{}},
-      {"Lion", sf::optim::Lion{}},
-  };
-  struct Dtypes {
-    const char* name;
-    sf::DType weights, grads;
-  };
+  const std::vector<sb::NamedOptimizer> optimizers = sb::suite_optimizers();
   // bf16 weights get fp32 masters (the default), as a bf16 AMP model keeps them.
-  const Dtypes dtypes[] = {{"f32", sf::DType::f32, sf::DType::f32},
-                           {"bf16w_f32m_bf16g", sf::DType::bf16, sf::DType::bf16}};
+  const sb::NamedDtypes dtypes[] = {{"f32", sf::DType::f32, sf::DType::f32},
+                                    {"bf16w_f32m_bf16g", sf::DType::bf16, sf::DType::bf16}};
   const std::pair<const char*, sf::Fusion> modes[] = {
       {"fused", sf::Fusion::fused}, {"unfused", sf::Fusion::unfused}, {"interpreted", sf::Fusion::interpreted}};
 

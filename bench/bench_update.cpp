@@ -16,6 +16,7 @@
 #include <benchmark/benchmark.h>
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "step_case.hpp"
@@ -27,25 +28,12 @@ namespace sb = stepfuse::bench;
 namespace {
 
 const bool registered = [] {
-  struct Named {
-    const char* name;
-    sf::OptimizerConfig config;
-  };
-  sf::optim::SGD sgd_momentum;
-  sgd_momentum.momentum = 0.9;
-  const Named optimizers[] = {
-      {"SGD_momentum", sgd_momentum},     {"Adam", sf::optim::Adam{}},       {"AdamW", sf::optim::AdamW{}},
-      {"Adagrad", sf::optim::Adagrad{}}, {"RMSprop", sf::optim::RMSprop{}}, {"Lion", sf::optim::Lion{}},
-  };
-  struct Dtypes {
-    const char* name;
-    sf::DType weights, grads;
-  };
-  const Dtypes dtypes[] = {{"f32", sf::DType::f32, sf::DType::f32},
-                           {"bf16w_f32m_bf16g", sf::DType::bf16, sf::DType::bf16},
-                           {"f16w_f32m_f16g", sf::DType::f16, sf::DType::f16},
-                           {"f32w_bf16g", sf::DType::f32, sf::DType::bf16}};
-  for (const auto& o : optimizers) {
+  const sb::NamedDtypes dtypes[] = {{"f32", sf::DType::f32, sf::DType::f32},
+                                    {"bf16w_f32m_bf16g", sf::DType::bf16, sf::DType::bf16},
+                                    {"f16w_f32m_f16g", sf::DType::f16, sf::DType::f16},
+                                    {"f32w_bf16g", sf::DType::f32, sf::DType::bf16}};
+  for (const auto& o : sb::suite_optimizers()) {
+    if (std::string_view(o.name) == "SGD") continue;  // SGD with momentum only (the cases above)
     for (const auto& d : dtypes) {
       const sb::StepCase c{o.config, d.weights, d.grads, sf::Fusion::fused, sb::large_tensors(), /*scaled=*/false};
       sb::register_step_case(std::string("update/") + o.name + "/" + d.name, c);

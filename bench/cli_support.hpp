@@ -1,13 +1,17 @@
 // What stepfuse-bench's CPU and CUDA paths share: exit codes, the two errors the command
-// line reports, printf into a string, numbers with commas, and the progress line.
+// line reports, printf into a string, numbers with commas, the verification's verdict, the
+// JSON report's output, and the progress line.
 #pragma once
 
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <stdexcept>
 #include <string>
+
+#include "verify.hpp"
 
 namespace stepfuse::bench {
 
@@ -42,6 +46,29 @@ inline std::string with_commas(std::int64_t n) {
     s += digits[i];
   }
   return s;
+}
+
+// Throws VerifyError unless `vr` is ok: `headline`, then each of its problems and, when
+// values disagree, "<mismatches> of <values checked> <mismatch>: <the worst>".
+inline void check_verified(const VerifyReport& vr, const std::string& headline, const std::string& mismatch) {
+  if (vr.ok()) return;
+  std::string msg = headline;
+  for (const auto& p : vr.problems) msg += "\n  " + p;
+  if (vr.mismatches > 0)
+    msg += "\n  " + with_commas(vr.mismatches) + " of " + with_commas(vr.values_checked) + " " + mismatch + ": " + vr.worst;
+  throw VerifyError(msg);
+}
+
+// The JSON report `text`: to json_out when it is open (--json; the file json_path, named
+// when writing fails) and to stdout with --json-only.
+inline void write_json_report(const std::string& text, std::ofstream& json_out, const std::string& json_path,
+                              bool json_only) {
+  if (json_out.is_open()) {
+    json_out << text;
+    json_out.flush();
+    if (!json_out) throw std::runtime_error("--json: writing '" + json_path + "' failed");
+  }
+  if (json_only) std::fputs(text.c_str(), stdout);
 }
 
 // Phase messages on stderr, one line rewritten in place, only when stderr is a terminal

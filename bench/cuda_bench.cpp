@@ -314,14 +314,7 @@ int run_cuda_bench(const CudaBenchArgs& a) {
     vr = compare_one_step(*opt, after, gpu_result, cpu_opt, *host, cpu_result, S, host_threads, "cuda", "cpu");
   }
   host.reset();
-  if (!vr.ok()) {
-    std::string msg = "cuda and cpu steps disagree:";
-    for (const auto& p : vr.problems) msg += "\n  " + p;
-    if (vr.mismatches > 0)
-      msg += "\n  " + with_commas(vr.mismatches) + " of " + with_commas(vr.values_checked) +
-             " values outside the tolerance; worst: " + vr.worst;
-    throw VerifyError(msg);
-  }
+  check_verified(vr, "cuda and cpu steps disagree:", "values outside the tolerance; worst");
 
   // One more step, untimed: it uploads the host copy of the state the check read. Then the
   // work of one step, counted in a captured graph (which is not run).
@@ -517,13 +510,7 @@ int run_cuda_bench(const CudaBenchArgs& a) {
                          {"grad_norm", gpu_result.grad_norm},
                          {"clip_coef", gpu_result.clip_coef}};
     j["total_seconds"] = seconds_since(a.start);
-    const std::string text = j.dump(2) + "\n";
-    if (json_out.is_open()) {
-      json_out << text;
-      json_out.flush();
-      if (!json_out) throw std::runtime_error("--json: writing '" + a.json_path + "' failed");
-    }
-    if (a.json_only) std::fputs(text.c_str(), stdout);
+    write_json_report(j.dump(2) + "\n", json_out, a.json_path, a.json_only);
   }
   return kExitOk;
 }

@@ -26,6 +26,16 @@ std::vector<TensorShape> numbered_tensors(const char* prefix, int count, std::in
 
 std::vector<TensorShape> large_tensors() { return numbered_tensors("w", 8, std::int64_t{1} << 20); }
 
+std::vector<NamedOptimizer> suite_optimizers() {
+  return {{"AdamW", optim::AdamW{}},
+          {"Adam", optim::Adam{}},
+          {"SGD", optim::SGD{}},
+          {"SGD_momentum", optim::SGD{.momentum = 0.9}},
+          {"Adagrad", optim::Adagrad{}},
+          {"RMSprop", optim::RMSprop{}},
+          {"Lion", optim::Lion{}}};
+}
+
 StoredCopy::StoredCopy(const ModelBuffers& b, Of what, int threads)
     : dtype_(what == Of::weights ? b.weight_dtype() : b.grad_dtype()),
       data_(std::make_unique_for_overwrite<std::byte[]>(what == Of::weights ? b.weight_bytes() : b.grad_bytes())) {

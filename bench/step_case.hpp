@@ -40,6 +40,22 @@ std::vector<TensorShape> numbered_tensors(const char* prefix, int count, std::in
 // and small enough to set up quickly for each of the ~150 cases of bench_step/bench_update.
 std::vector<TensorShape> large_tensors();
 
+// An optimizer configuration with its name in the suites' case names.
+struct NamedOptimizer {
+  const char* name;
+  OptimizerConfig config;
+};
+// Every built-in optimizer at the library's defaults, and SGD with momentum 0.9
+// ("SGD_momentum"): AdamW, Adam, SGD, SGD_momentum, Adagrad, RMSprop, Lion.
+std::vector<NamedOptimizer> suite_optimizers();
+
+// Weight and gradient dtypes with their name in the suites' case names
+// ("bf16w_f32m_bf16g": bf16 weights, which get fp32 masters, and bf16 gradients).
+struct NamedDtypes {
+  const char* name;
+  DType weights, grads;
+};
+
 // A flat copy of the weights or the gradients of `b` as stored, in global element order:
 // what the checks compare a step's results with. Allocates weight_bytes() or grad_bytes();
 // copies with `threads` threads.

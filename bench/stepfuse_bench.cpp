@@ -215,26 +215,12 @@ int run_cuda(const Args& a, const Case& c, std::chrono::steady_clock::time_point
   if (a.fusion_given && c.modes != std::vector<sf::Fusion>{sf::Fusion::fused})
     throw UsageError("--fusion: --backend cuda times the fused step only (the unfused baseline on a GPU is "
                      "PyTorch's: bench/peers/torch_cuda_step.py); pass --fusion fused or leave --fusion out");
-  sb::CudaBenchArgs cb;
-  cb.preset = c.preset;
-  cb.from_file = c.from_file;
-  cb.config = c.config;
-  cb.weights = c.weights;
-  cb.grads = c.grads;
-  cb.weights_name = a.weights;
-  cb.grads_name = a.grads;
-  cb.norm_name = a.norm_type == "inf" ? "inf" : "2";
-  cb.options = c.options;
-  cb.clip = a.clip;
-  cb.loss_scale = a.loss_scale;
-  cb.steps = a.steps;
-  cb.warmup = a.warmup;
-  cb.threads = a.threads;
-  cb.breakdown = a.breakdown;
-  cb.json_path = a.json_path;
-  cb.json_only = a.json_only;
-  cb.start = t_start;
-  return sb::run_cuda_bench(cb);
+  return sb::run_cuda_bench({.preset = c.preset, .from_file = c.from_file, .config = c.config, .weights = c.weights,
+                             .grads = c.grads, .weights_name = a.weights, .grads_name = a.grads,
+                             .norm_name = a.norm_type == "inf" ? "inf" : "2", .options = c.options, .clip = a.clip,
+                             .loss_scale = a.loss_scale, .steps = a.steps, .warmup = a.warmup, .threads = a.threads,
+                             .breakdown = a.breakdown, .json_path = a.json_path, .json_only = a.json_only,
+                             .start = t_start});
 }
 
 // Builds every variant's optimizer over 16 elements: what the library rejects (the
@@ -362,14 +348,8 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
     const ModeRun& r = runs[idx(v)];
     sb::VerifyReport vr = sb::compare_one_step(*r.opt, *r.buf, r.verify_result, *rr.opt, *rr.buf, rr.verify_result,
                                                S, threads, variant_name(v), variant_name(ref));
-    if (!vr.ok()) {
-      std::string msg = std::string(variant_name(v)) + " and " + variant_name(ref) + " steps disagree:";
-      for (const auto& p : vr.problems) msg += "\n  " + p;
-      if (vr.mismatches > 0)
-        msg += "\n  " + with_commas(vr.mismatches) + " of " + with_commas(vr.values_checked) +
-               " values outside the tolerance; worst: " + vr.worst;
-      throw VerifyError(msg);
-    }
+    check_verified(vr, std::string(variant_name(v)) + " and " + variant_name(ref) + " steps disagree:",
+                   "values outside the tolerance; worst");
     ver.verified.push_back({v, std::move(vr)});
   }
   if (c.timed(Variant::fused_llvm)) {
@@ -377,14 +357,8 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
     const ModeRun &rl = runs[idx(Variant::fused_llvm)], &rh = runs[idx(Variant::fused)];
     sb::VerifyReport vr = sb::compare_bitwise(*rl.opt, *rl.buf, rl.verify_result, *rh.opt, *rh.buf, rh.verify_result,
                                               S, threads, "llvm", "highway");
-    if (!vr.ok()) {
-      std::string msg = "the fused step on LLVM code is not bitwise the one on Highway's:";
-      for (const auto& p : vr.problems) msg += "\n  " + p;
-      if (vr.mismatches > 0)
-        msg += "\n  " + with_commas(vr.mismatches) + " of " + with_commas(vr.values_checked) +
-               " values differ in their bits; largest difference: " + vr.worst;
-      throw VerifyError(msg);
-    }
+    check_verified(vr, "the fused step on LLVM code is not bitwise the one on Highway's:",
+                   "values differ in their bits; largest difference");
     ver.llvm_check = std::move(vr);
   }
   // The verification step's norm and clip coefficient, for the report: the reference's, or

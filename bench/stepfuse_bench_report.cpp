@@ -372,13 +372,7 @@ void report(const Args& a, const Case& c, const FusedOnly& fo, const Verificatio
 
   if (json_out.is_open() || a.json_only) {
     const json j = make_json(a, c, fo, ver, runs, timing, f, probe, llvm_first_ms);
-    const std::string text = j.dump(2) + "\n";
-    if (json_out.is_open()) {
-      json_out << text;
-      json_out.flush();
-      if (!json_out) throw std::runtime_error("--json: writing '" + a.json_path + "' failed");
-    }
-    if (a.json_only) std::fputs(text.c_str(), stdout);
+    write_json_report(j.dump(2) + "\n", json_out, a.json_path, a.json_only);
   }
 }
 

@@ -132,6 +132,33 @@ std::int64_t merge(const std::vector<Tally>& tallies, const std::vector<std::int
   return written;
 }
 
+// Walks every element of the two lists (`ab` and the other, same layout) with `threads`
+// threads: check(tally, t, i, initial weight) compares what the caller compares, one Tally
+// per thread; then counts the gradients of `ab` that differ from what was filled (the step
+// wrote them). Adds the tallies into `rep`, and a problem when a gradient was written.
+template <class Check>
+void compare_elements(const ModelBuffers& ab, double loss_scale, int threads, std::string_view a_name,
+                      std::string_view b_name, VerifyReport& rep, Check&& check) {
+  Tally blank;
+  blank.a_name = a_name, blank.b_name = b_name;
+  std::vector<Tally> tallies(static_cast<std::size_t>(std::max(threads, 1)), blank);
+  std::vector<std::int64_t> grads_written(tallies.size(), 0);
+  parallel_for(ab.total_numel(), threads, [&](int th, std::int64_t lo, std::int64_t hi) {
+    ab.for_each_piece(lo, hi, [&](std::size_t t, std::int64_t b, std::int64_t e) {
+      const TensorView ag = ab.grad(t);
+      const std::int64_t base = ab.offset(t);
+      for (std::int64_t i = b; i < e; ++i) {
+        check(tallies[th], t, i, ab.initial_weight(base + i));
+        const float g = load_as_f32(ag.data, ab.grad_dtype(), i), g0 = ab.initial_grad(loss_scale, base + i);
+        if (std::bit_cast<std::uint32_t>(g) != std::bit_cast<std::uint32_t>(g0)) ++grads_written[th];
+      }
+    });
+  });
+  if (const std::int64_t written = merge(tallies, grads_written, rep); written > 0)
+    rep.problems.push_back("the " + std::string(a_name) + " step wrote " + std::to_string(written) +
+                           " gradient elements (it must not write gradients)");
+}
+
 }  // namespace
 
 VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, const StepResult& rf,
@@ -178,38 +205,22 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
 
   const DType wt = fb.weight_dtype();
   const double weight_ulps = wt == DType::f32 ? 4.0 : 1.0;
-  Tally blank;
-  blank.a_name = fused_name, blank.b_name = unfused_name;
-  std::vector<Tally> tallies(static_cast<std::size_t>(std::max(threads, 1)), blank);
-  std::vector<std::int64_t> grads_written(tallies.size(), 0);
-  parallel_for(fb.total_numel(), threads, [&](int th, std::int64_t lo, std::int64_t hi) {
-    Tally& tl = tallies[th];
-    fb.for_each_piece(lo, hi, [&](std::size_t t, std::int64_t b, std::int64_t e) {
-      const TensorView fw = fb.weight(t), uw = ub.weight(t), fg = fb.grad(t);
-      const std::int64_t base = fb.offset(t);
-      for (std::int64_t i = b; i < e; ++i) {
-        const double p0 = fb.initial_weight(base + i);
-        const double a = load_as_f32(fw.data, wt, i), u = load_as_f32(uw.data, wt, i);
-        tl.check(a, u, rel * std::fabs(u - p0) + weight_ulps * storage_ulp(wt, std::max(std::fabs(a), std::fabs(u))),
-                 fb, t, i, "weight", p0);
-        if (!fm[t].empty()) {
-          const double ma = fm[t][i], mu = um[t][i];
-          tl.check(ma, mu, rel * std::fabs(mu - p0) + 4.0 * storage_ulp(DType::f32, std::max(std::fabs(ma), std::fabs(mu))),
-                   fb, t, i, "master", p0);
-        }
-        for (std::size_t s = 0; s < names.size(); ++s) {
-          const double sa = fs[s][t][i], su = us[s][t][i];
-          const double mx = std::max(std::fabs(sa), std::fabs(su));
-          tl.check(sa, su, 2.0 * rel * mx + 4.0 * storage_ulp(DType::f32, mx) + 1e-37, fb, t, i, names[s], 0.0);
-        }
-        const float g = load_as_f32(fg.data, fb.grad_dtype(), i), g0 = fb.initial_grad(loss_scale, base + i);
-        if (std::bit_cast<std::uint32_t>(g) != std::bit_cast<std::uint32_t>(g0)) ++grads_written[th];
-      }
-    });
-  });
-  const std::int64_t written = merge(tallies, grads_written, rep);
-  if (written > 0)
-    problem("the " + fn + " step wrote " + std::to_string(written) + " gradient elements (it must not write gradients)");
+  const auto check = [&](Tally& tl, std::size_t t, std::int64_t i, double p0) {
+    const double a = load_as_f32(fb.weight(t).data, wt, i), u = load_as_f32(ub.weight(t).data, wt, i);
+    tl.check(a, u, rel * std::fabs(u - p0) + weight_ulps * storage_ulp(wt, std::max(std::fabs(a), std::fabs(u))), fb,
+             t, i, "weight", p0);
+    if (!fm[t].empty()) {
+      const double ma = fm[t][i], mu = um[t][i];
+      tl.check(ma, mu, rel * std::fabs(mu - p0) + 4.0 * storage_ulp(DType::f32, std::max(std::fabs(ma), std::fabs(mu))),
+               fb, t, i, "master", p0);
+    }
+    for (std::size_t s = 0; s < names.size(); ++s) {
+      const double sa = fs[s][t][i], su = us[s][t][i];
+      const double mx = std::max(std::fabs(sa), std::fabs(su));
+      tl.check(sa, su, 2.0 * rel * mx + 4.0 * storage_ulp(DType::f32, mx) + 1e-37, fb, t, i, names[s], 0.0);
+    }
+  };
+  compare_elements(fb, loss_scale, threads, fused_name, unfused_name, rep, check);
   return rep;
 }
 
@@ -253,31 +264,13 @@ VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const S
   Spans sp;
   if (std::string p = gather_spans(a, b, ab, names, sp); !p.empty()) return problem(p), rep;
   const DType wt = ab.weight_dtype();
-  Tally blank;
-  blank.a_name = a_name, blank.b_name = b_name;
-  std::vector<Tally> tallies(static_cast<std::size_t>(std::max(threads, 1)), blank);
-  std::vector<std::int64_t> grads_written(tallies.size(), 0);
-  parallel_for(ab.total_numel(), threads, [&](int th, std::int64_t lo, std::int64_t hi) {
-    Tally& tl = tallies[th];
-    ab.for_each_piece(lo, hi, [&](std::size_t t, std::int64_t s0, std::int64_t e) {
-      const TensorView aw = ab.weight(t), bw = bb.weight(t), ag = ab.grad(t);
-      const std::int64_t base = ab.offset(t);
-      for (std::int64_t i = s0; i < e; ++i) {
-        const double p0 = ab.initial_weight(base + i);
-        tl.check_bits(load_as_f32(aw.data, wt, i), load_as_f32(bw.data, wt, i), ab, t, i, "weight", p0);
-        if (!sp.am[t].empty()) tl.check_bits(sp.am[t][i], sp.bm[t][i], ab, t, i, "master", p0);
-        for (std::size_t s = 0; s < names.size(); ++s)
-          tl.check_bits(sp.as[s][t][i], sp.bs[s][t][i], ab, t, i, names[s], 0.0);
-        const float g = load_as_f32(ag.data, ab.grad_dtype(), i), g0 = ab.initial_grad(loss_scale, base + i);
-        if (std::bit_cast<std::uint32_t>(g) != std::bit_cast<std::uint32_t>(g0)) ++grads_written[th];
-      }
-    });
-  });
-  const std::int64_t written = merge(tallies, grads_written, rep);
+  const auto check = [&](Tally& tl, std::size_t t, std::int64_t i, double p0) {
+    tl.check_bits(load_as_f32(ab.weight(t).data, wt, i), load_as_f32(bb.weight(t).data, wt, i), ab, t, i, "weight", p0);
+    if (!sp.am[t].empty()) tl.check_bits(sp.am[t][i], sp.bm[t][i], ab, t, i, "master", p0);
+    for (std::size_t s = 0; s < names.size(); ++s) tl.check_bits(sp.as[s][t][i], sp.bs[s][t][i], ab, t, i, names[s], 0.0);
+  };
+  compare_elements(ab, loss_scale, threads, a_name, b_name, rep, check);
   rep.worst_ratio = 0;  // the largest |difference| is in `worst`; there is no tolerance to be a fraction of
-  if (written > 0)
-    problem("the " + an + " step wrote " + std::to_string(written) +
-            " gradient elements (it must not write gradients)");
   return rep;
 }
 
