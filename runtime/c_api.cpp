@@ -31,12 +31,7 @@ static_assert(STEPFUSE_VERSION_MAJOR == kCxxVersionMajor && STEPFUSE_VERSION_MIN
                   STEPFUSE_VERSION_PATCH == kCxxVersionPatch && STEPFUSE_VERSION == kCxxVersion,
               "stepfuse.h and version.hpp disagree on the version: change both");
 
-using stepfuse::c_api::bad_argument;
-using stepfuse::c_api::copy_truncated;
-using stepfuse::c_api::enum_value;
-using stepfuse::c_api::guard;
-using stepfuse::c_api::need;
-using stepfuse::c_api::to_view;
+using namespace stepfuse::c_api;  // guard, need, the checks and conversions (runtime/c_api_support.hpp)
 
 namespace {
 

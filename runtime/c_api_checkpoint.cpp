@@ -1,16 +1,14 @@
 // The C ABI's checkpoints (include/stepfuse/stepfuse.h): an optimizer (with its GradScaler), a LossScaleOptimizer.
 #include "runtime/c_api_support.hpp"
 
-using stepfuse::c_api::guard;
-using stepfuse::c_api::need;
+using namespace stepfuse::c_api;  // guard, need, the checks and conversions (runtime/c_api_support.hpp)
 
 extern "C" {
 
 sf_status sf_optimizer_save(const sf_optimizer* opt, const char* path, const sf_grad_scaler* scaler) {
   constexpr const char* fn = "sf_optimizer_save";
   return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, path, "path");
+    need_all(fn, opt, "opt", path, "path");
     if (scaler != nullptr)
       opt->opt.save(path, scaler->scaler);
     else
@@ -21,8 +19,7 @@ sf_status sf_optimizer_save(const sf_optimizer* opt, const char* path, const sf_
 sf_status sf_optimizer_load(sf_optimizer* opt, const char* path, sf_grad_scaler* scaler) {
   constexpr const char* fn = "sf_optimizer_load";
   return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, path, "path");
+    need_all(fn, opt, "opt", path, "path");
     if (scaler != nullptr)
       opt->opt.load(path, scaler->scaler);
     else

@@ -12,11 +12,7 @@
 #include "runtime/c_api_support.hpp"
 #include "stepfuse/emit.hpp"
 
-using stepfuse::c_api::bad_argument;
-using stepfuse::c_api::enum_value;
-using stepfuse::c_api::guard;
-using stepfuse::c_api::need;
-using stepfuse::c_api::to_config;
+using namespace stepfuse::c_api;  // guard, need, the checks and conversions (runtime/c_api_support.hpp)
 
 // The C enum is the C++ one, value for value.
 static_assert(SF_EMIT_CUBIN == static_cast<int>(stepfuse::EmitTarget::Kind::cuda_cubin) &&
@@ -51,17 +47,13 @@ stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
   if (r->num_tensors > 0) need(fn, r->tensors, "request->tensors");
   std::vector<stepfuse::EmitTensor> tensors;
   for (std::size_t i = 0; i < r->num_tensors; ++i) {
-    const int w = enum_value(r->tensors[i].weight), g = enum_value(r->tensors[i].grad);
     const std::string at = "request->tensors[" + std::to_string(i) + "]";
-    if (w < SF_F32 || w > SF_BF16) bad_argument(fn, at + ".weight = " + std::to_string(w) + " is not an sf_dtype");
-    if (g < SF_F32 || g > SF_BF16) bad_argument(fn, at + ".grad = " + std::to_string(g) + " is not an sf_dtype");
+    const int w = enum_in_range(fn, r->tensors[i].weight, SF_F32, SF_BF16, at + ".weight", "an sf_dtype");
+    const int g = enum_in_range(fn, r->tensors[i].grad, SF_F32, SF_BF16, at + ".grad", "an sf_dtype");
     tensors.push_back({static_cast<stepfuse::DType>(w), static_cast<stepfuse::DType>(g), r->tensors[i].master});
   }
-  const int norm = enum_value(r->norm_type), target = enum_value(r->target);
-  if (norm != SF_NORM_L2 && norm != SF_NORM_INF)
-    bad_argument(fn, "request->norm_type = " + std::to_string(norm) + " is not an sf_norm_type");
-  if (target < SF_EMIT_CUBIN || target > SF_EMIT_CPU)
-    bad_argument(fn, "request->target = " + std::to_string(target) + " is not an sf_emit_target");
+  const int norm = enum_in_range(fn, r->norm_type, SF_NORM_L2, SF_NORM_INF, "request->norm_type", "an sf_norm_type");
+  const int target = enum_in_range(fn, r->target, SF_EMIT_CUBIN, SF_EMIT_CPU, "request->target", "an sf_emit_target");
   stepfuse::EmitTarget emit_target{static_cast<stepfuse::EmitTarget::Kind>(target), r->sm};
   if (has_cpu_fields) {
     const auto text = [](const char* s) { return s != nullptr ? std::string(s) : std::string(); };
@@ -112,9 +104,7 @@ sf_status sf_emitted_kernel_part(const sf_emitted_kernel* kernel, sf_emitted_par
                                  size_t* size) {
   constexpr const char* fn = "sf_emitted_kernel_part";
   return guard(fn, [&] {
-    need(fn, kernel, "kernel");
-    need(fn, data, "data");
-    need(fn, size, "size");
+    need_all(fn, kernel, "kernel", data, "data", size, "size");
     const stepfuse::EmittedKernel& k = kernel->kernel;
     const std::string* s = nullptr;
     switch (enum_value(part)) {
@@ -150,8 +140,7 @@ sf_status sf_emit_tables(const sf_emit_request* request, const int64_t* numels, 
 sf_status sf_kernel_tables_get(const sf_kernel_tables* tables, sf_kernel_tables_info* info) {
   constexpr const char* fn = "sf_kernel_tables_get";
   return guard(fn, [&] {
-    need(fn, tables, "tables");
-    need(fn, info, "info");
+    need_all(fn, tables, "tables", info, "info");
     if (info->struct_size != sizeof(sf_kernel_tables_info))
       bad_argument(fn, "info->struct_size = " + std::to_string(info->struct_size) + ", but this library knows only " +
                            std::to_string(sizeof(sf_kernel_tables_info)) + ": initialize it with sf_kernel_tables_info_init()");

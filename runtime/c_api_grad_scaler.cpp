@@ -8,12 +8,7 @@
 
 #include "runtime/c_api_support.hpp"
 
-using stepfuse::c_api::check_size;
-using stepfuse::c_api::guard;
-using stepfuse::c_api::need;
-using stepfuse::c_api::to_view;
-using stepfuse::c_api::to_views;
-using stepfuse::c_api::write_result;
+using namespace stepfuse::c_api;  // guard, need, the checks and conversions (runtime/c_api_support.hpp)
 
 extern "C" {
 
@@ -39,8 +34,7 @@ sf_status sf_grad_scaler_create(const sf_grad_scaler_options* options, sf_grad_s
       check_size(fn, options, "options", "sf_grad_scaler_options", "initialize it with sf_grad_scaler_options_init()");
       o = *options;
     }
-    need(fn, out, "out");
-    need(fn, o.device, "options->device");
+    need_all(fn, out, "out", o.device, "options->device");
     *out = new sf_grad_scaler{stepfuse::GradScaler(o.device, o.init_scale, o.growth_factor, o.backoff_factor,
                                                    o.growth_interval, o.enabled)};
   });
@@ -49,11 +43,8 @@ sf_status sf_grad_scaler_create(const sf_grad_scaler_options* options, sf_grad_s
 void sf_grad_scaler_destroy(sf_grad_scaler* scaler) { delete scaler; }
 
 sf_status sf_grad_scaler_scale(const sf_grad_scaler* scaler, double loss, double* scaled) {
-  constexpr const char* fn = "sf_grad_scaler_scale";
-  return guard(fn, [&] {
-    need(fn, scaler, "scaler");
-    *need(fn, scaled, "scaled") = scaler->scaler.scale(loss);
-  });
+  return get_value("sf_grad_scaler_scale", scaler, "scaler", scaled, "scaled",
+                   [&] { return scaler->scaler.scale(loss); });
 }
 
 sf_status sf_grad_scaler_scale_(const sf_grad_scaler* scaler, sf_tensor_view tensor) {
@@ -73,8 +64,7 @@ sf_status sf_grad_scaler_scale_views_(const sf_grad_scaler* scaler, const sf_ten
 sf_status sf_grad_scaler_unscale_(sf_grad_scaler* scaler, sf_optimizer* opt) {
   constexpr const char* fn = "sf_grad_scaler_unscale_";
   return guard(fn, [&] {
-    need(fn, scaler, "scaler");
-    need(fn, opt, "opt");
+    need_all(fn, scaler, "scaler", opt, "opt");
     scaler->scaler.unscale_(opt->opt);
   });
 }
@@ -82,20 +72,15 @@ sf_status sf_grad_scaler_unscale_(sf_grad_scaler* scaler, sf_optimizer* opt) {
 sf_status sf_grad_scaler_step(sf_grad_scaler* scaler, sf_optimizer* opt, bool* applied) {
   constexpr const char* fn = "sf_grad_scaler_step";
   return guard(fn, [&] {
-    need(fn, scaler, "scaler");
-    need(fn, opt, "opt");
+    need_all(fn, scaler, "scaler", opt, "opt");
     const bool a = scaler->scaler.step(opt->opt);
     if (applied != nullptr) *applied = a;
   });
 }
 
 sf_status sf_grad_scaler_last_step_result(const sf_grad_scaler* scaler, sf_step_result* result) {
-  constexpr const char* fn = "sf_grad_scaler_last_step_result";
-  return guard(fn, [&] {
-    need(fn, scaler, "scaler");
-    check_size(fn, result, "result", "sf_step_result", "initialize it with sf_step_result_init()");
-    write_result(fn, scaler->scaler.last_step_result(), result, "result");
-  });
+  return get_result("sf_grad_scaler_last_step_result", scaler, "scaler", result,
+                    [&] { return scaler->scaler.last_step_result(); });
 }
 
 sf_status sf_grad_scaler_update(sf_grad_scaler* scaler, const double* new_scale) {
@@ -106,23 +91,13 @@ sf_status sf_grad_scaler_update(sf_grad_scaler* scaler, const double* new_scale)
   });
 }
 
-// Getters: `arg` is the out parameter's name in stepfuse.h (messages name it).
-#define SF_SCALER_GETTER(name, type, arg, expr)                                  \
-  sf_status sf_grad_scaler_##name(const sf_grad_scaler* scaler, type* arg) {    \
-    constexpr const char* fn = "sf_grad_scaler_" #name;                         \
-    return guard(fn, [&] {                                                      \
-      need(fn, scaler, "scaler");                                               \
-      *need(fn, arg, #arg) = scaler->scaler.expr;                               \
-    });                                                                         \
-  }
-SF_SCALER_GETTER(get_scale, double, scale, get_scale())
-SF_SCALER_GETTER(get_growth_factor, double, factor, get_growth_factor())
-SF_SCALER_GETTER(get_backoff_factor, double, factor, get_backoff_factor())
-SF_SCALER_GETTER(get_growth_interval, int64_t, interval, get_growth_interval())
-SF_SCALER_GETTER(get_growth_tracker, int64_t, tracker, growth_tracker())
-SF_SCALER_GETTER(is_enabled, bool, enabled, is_enabled())
-SF_SCALER_GETTER(device, const char*, device, device().c_str())
-#undef SF_SCALER_GETTER
+SF_C_GETTER(sf_grad_scaler_get_scale, sf_grad_scaler, scaler, double, scale, scaler.get_scale())
+SF_C_GETTER(sf_grad_scaler_get_growth_factor, sf_grad_scaler, scaler, double, factor, scaler.get_growth_factor())
+SF_C_GETTER(sf_grad_scaler_get_backoff_factor, sf_grad_scaler, scaler, double, factor, scaler.get_backoff_factor())
+SF_C_GETTER(sf_grad_scaler_get_growth_interval, sf_grad_scaler, scaler, int64_t, interval, scaler.get_growth_interval())
+SF_C_GETTER(sf_grad_scaler_get_growth_tracker, sf_grad_scaler, scaler, int64_t, tracker, scaler.growth_tracker())
+SF_C_GETTER(sf_grad_scaler_is_enabled, sf_grad_scaler, scaler, bool, enabled, scaler.is_enabled())
+SF_C_GETTER(sf_grad_scaler_device, sf_grad_scaler, scaler, const char*, device, scaler.device().c_str())
 
 sf_status sf_grad_scaler_set_growth_factor(sf_grad_scaler* scaler, double factor) {
   constexpr const char* fn = "sf_grad_scaler_set_growth_factor";
@@ -142,8 +117,7 @@ sf_status sf_grad_scaler_set_growth_interval(sf_grad_scaler* scaler, int64_t int
 sf_status sf_grad_scaler_where_scale_lives(const sf_grad_scaler* scaler, sf_device* device) {
   constexpr const char* fn = "sf_grad_scaler_where_scale_lives";
   return guard(fn, [&] {
-    need(fn, scaler, "scaler");
-    need(fn, device, "device");
+    need_all(fn, scaler, "scaler", device, "device");
     const stepfuse::Device d = scaler->scaler.where_scale_lives();
     *device = {static_cast<sf_device_kind>(d.kind), d.index};
   });

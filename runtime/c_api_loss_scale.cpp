@@ -4,13 +4,7 @@
 
 #include "runtime/c_api_support.hpp"
 
-using stepfuse::c_api::bad_argument;
-using stepfuse::c_api::CallbackFailed;
-using stepfuse::c_api::check_size;
-using stepfuse::c_api::guard;
-using stepfuse::c_api::need;
-using stepfuse::c_api::to_views;
-using stepfuse::c_api::write_result;
+using namespace stepfuse::c_api;  // guard, need, the checks and conversions (runtime/c_api_support.hpp)
 
 extern "C" {
 
@@ -45,19 +39,12 @@ sf_status sf_loss_scale_optimizer_create(sf_optimizer* inner, const sf_loss_scal
 void sf_loss_scale_optimizer_destroy(sf_loss_scale_optimizer* lso) { delete lso; }
 
 sf_status sf_loss_scale_optimizer_inner(const sf_loss_scale_optimizer* lso, sf_optimizer** inner) {
-  constexpr const char* fn = "sf_loss_scale_optimizer_inner";
-  return guard(fn, [&] {
-    need(fn, lso, "lso");
-    *need(fn, inner, "inner") = lso->inner;
-  });
+  return get_value("sf_loss_scale_optimizer_inner", lso, "lso", inner, "inner", [&] { return lso->inner; });
 }
 
 sf_status sf_loss_scale_optimizer_get_scaled_loss(const sf_loss_scale_optimizer* lso, double loss, double* scaled) {
-  constexpr const char* fn = "sf_loss_scale_optimizer_get_scaled_loss";
-  return guard(fn, [&] {
-    need(fn, lso, "lso");
-    *need(fn, scaled, "scaled") = lso->lso.get_scaled_loss(loss);
-  });
+  return get_value("sf_loss_scale_optimizer_get_scaled_loss", lso, "lso", scaled, "scaled",
+                   [&] { return lso->lso.get_scaled_loss(loss); });
 }
 
 sf_status sf_loss_scale_optimizer_get_unscaled_gradients(const sf_loss_scale_optimizer* lso,
@@ -94,44 +81,24 @@ sf_status sf_loss_scale_optimizer_minimize(sf_loss_scale_optimizer* lso, sf_back
 }
 
 sf_status sf_loss_scale_optimizer_last_result(const sf_loss_scale_optimizer* lso, sf_step_result* result) {
-  constexpr const char* fn = "sf_loss_scale_optimizer_last_result";
-  return guard(fn, [&] {
-    need(fn, lso, "lso");
-    check_size(fn, result, "result", "sf_step_result", "initialize it with sf_step_result_init()");
-    write_result(fn, lso->lso.last_result(), result, "result");
-  });
+  return get_result("sf_loss_scale_optimizer_last_result", lso, "lso", result, [&] { return lso->lso.last_result(); });
 }
 
-#define SF_LSO_GETTER(name, type, arg, expr)                                               \
-  sf_status sf_loss_scale_optimizer_##name(const sf_loss_scale_optimizer* lso, type* arg) { \
-    constexpr const char* fn = "sf_loss_scale_optimizer_" #name;                          \
-    return guard(fn, [&] {                                                                \
-      need(fn, lso, "lso");                                                               \
-      *need(fn, arg, #arg) = lso->lso.expr;                                               \
-    });                                                                                   \
-  }
-SF_LSO_GETTER(loss_scale, double, scale, loss_scale())
-SF_LSO_GETTER(dynamic, bool, dynamic, dynamic())
-SF_LSO_GETTER(dynamic_counter, int64_t, counter, dynamic_counter())
-SF_LSO_GETTER(dynamic_growth_steps, int64_t, steps, dynamic_growth_steps())
-#undef SF_LSO_GETTER
+SF_C_GETTER(sf_loss_scale_optimizer_loss_scale, sf_loss_scale_optimizer, lso, double, scale, lso.loss_scale())
+SF_C_GETTER(sf_loss_scale_optimizer_dynamic, sf_loss_scale_optimizer, lso, bool, dynamic, lso.dynamic())
+SF_C_GETTER(sf_loss_scale_optimizer_dynamic_counter, sf_loss_scale_optimizer, lso, int64_t, counter,
+            lso.dynamic_counter())
+SF_C_GETTER(sf_loss_scale_optimizer_dynamic_growth_steps, sf_loss_scale_optimizer, lso, int64_t, steps,
+            lso.dynamic_growth_steps())
 
 sf_status sf_loss_scale_optimizer_get_hyper(const sf_loss_scale_optimizer* lso, const char* name, double* value) {
   constexpr const char* fn = "sf_loss_scale_optimizer_get_hyper";
-  return guard(fn, [&] {
-    need(fn, lso, "lso");
-    need(fn, name, "name");
-    *need(fn, value, "value") = lso->lso.get_hyper(name);
-  });
+  return get_value(fn, lso, "lso", value, "value", [&] { return lso->lso.get_hyper(need(fn, name, "name")); });
 }
 
 sf_status sf_loss_scale_optimizer_set_hyper(sf_loss_scale_optimizer* lso, const char* name, double value) {
   constexpr const char* fn = "sf_loss_scale_optimizer_set_hyper";
-  return guard(fn, [&] {
-    need(fn, lso, "lso");
-    need(fn, name, "name");
-    lso->lso.set_hyper(name, value);
-  });
+  return guard(fn, [&] { need(fn, lso, "lso")->lso.set_hyper(need(fn, name, "name"), value); });
 }
 
 }  // extern "C"

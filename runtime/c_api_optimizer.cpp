@@ -9,22 +9,7 @@
 
 #include "runtime/c_api_support.hpp"
 
-using stepfuse::c_api::bad_argument;
-using stepfuse::c_api::check_size;
-using stepfuse::c_api::config_from_c;
-using stepfuse::c_api::config_to_c;
-using stepfuse::c_api::copy_text;
-using stepfuse::c_api::default_config;
-using stepfuse::c_api::enum_value;
-using stepfuse::c_api::full_options;
-using stepfuse::c_api::guard;
-using stepfuse::c_api::make_optimizer;
-using stepfuse::c_api::need;
-using stepfuse::c_api::options_from_c;
-using stepfuse::c_api::options_to_c;
-using stepfuse::c_api::to_params;
-using stepfuse::c_api::valid_kind;
-using stepfuse::c_api::write_result;
+using namespace stepfuse::c_api;  // guard, need, the checks and conversions (runtime/c_api_support.hpp)
 
 extern "C" {
 
@@ -93,12 +78,7 @@ sf_status sf_optimizer_step_scaled(sf_optimizer* opt, double loss_scale, sf_step
 }
 
 sf_status sf_optimizer_last_result(const sf_optimizer* opt, sf_step_result* result) {
-  constexpr const char* fn = "sf_optimizer_last_result";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    check_size(fn, result, "result", "sf_step_result", "initialize it with sf_step_result_init()");
-    write_result(fn, opt->opt.last_result(), result, "result");
-  });
+  return get_result("sf_optimizer_last_result", opt, "opt", result, [&] { return opt->opt.last_result(); });
 }
 
 sf_status sf_optimizer_get_config(const sf_optimizer* opt, sf_optimizer_config* out) {
@@ -122,8 +102,7 @@ sf_status sf_optimizer_set_config(sf_optimizer* opt, const sf_optimizer_config* 
 sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options* out) {
   constexpr const char* fn = "sf_optimizer_get_options";
   return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, out, "out");
+    need_all(fn, opt, "opt", out, "out");
     if (out->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1) {  // an older header's struct: its fields only
       sf_optimizer_options full;
       full.struct_size = sizeof full;
@@ -143,35 +122,21 @@ sf_status sf_optimizer_set_lr(sf_optimizer* opt, double lr) {
 }
 
 sf_status sf_optimizer_get_lr(const sf_optimizer* opt, double* lr) {
-  constexpr const char* fn = "sf_optimizer_get_lr";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    *need(fn, lr, "lr") = opt->opt.lr();
-  });
+  return get_value("sf_optimizer_get_lr", opt, "opt", lr, "lr", [&] { return opt->opt.lr(); });
 }
 
 sf_status sf_optimizer_step_count(const sf_optimizer* opt, int64_t* count) {
-  constexpr const char* fn = "sf_optimizer_step_count";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    *need(fn, count, "count") = opt->opt.step_count();
-  });
+  return get_value("sf_optimizer_step_count", opt, "opt", count, "count", [&] { return opt->opt.step_count(); });
 }
 
 sf_status sf_optimizer_last_grad_norm(const sf_optimizer* opt, double* norm) {
-  constexpr const char* fn = "sf_optimizer_last_grad_norm";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    *need(fn, norm, "norm") = opt->opt.last_grad_norm();
-  });
+  return get_value("sf_optimizer_last_grad_norm", opt, "opt", norm, "norm", [&] { return opt->opt.last_grad_norm(); });
 }
 
 sf_status sf_optimizer_last_tensor_grad_norms(const sf_optimizer* opt, const double** norms, size_t* count) {
   constexpr const char* fn = "sf_optimizer_last_tensor_grad_norms";
   return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, norms, "norms");
-    need(fn, count, "count");
+    need_all(fn, opt, "opt", norms, "norms", count, "count");
     const std::vector<double>& v = opt->opt.last_tensor_grad_norms();
     *norms = v.data();
     *count = v.size();
@@ -179,19 +144,11 @@ sf_status sf_optimizer_last_tensor_grad_norms(const sf_optimizer* opt, const dou
 }
 
 sf_status sf_optimizer_num_params(const sf_optimizer* opt, size_t* count) {
-  constexpr const char* fn = "sf_optimizer_num_params";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    *need(fn, count, "count") = opt->opt.num_params();
-  });
+  return get_value("sf_optimizer_num_params", opt, "opt", count, "count", [&] { return opt->opt.num_params(); });
 }
 
 sf_status sf_optimizer_num_threads(const sf_optimizer* opt, int* threads) {
-  constexpr const char* fn = "sf_optimizer_num_threads";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    *need(fn, threads, "threads") = opt->opt.num_threads();
-  });
+  return get_value("sf_optimizer_num_threads", opt, "opt", threads, "threads", [&] { return opt->opt.num_threads(); });
 }
 
 sf_status sf_optimizer_backend(const sf_optimizer* opt, const char** name) {
@@ -203,18 +160,13 @@ sf_status sf_optimizer_backend(const sf_optimizer* opt, const char** name) {
 }
 
 sf_status sf_optimizer_state_names(const sf_optimizer* opt, size_t* count) {
-  constexpr const char* fn = "sf_optimizer_state_names";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    *need(fn, count, "count") = opt->state_names.size();
-  });
+  return get_value("sf_optimizer_state_names", opt, "opt", count, "count", [&] { return opt->state_names.size(); });
 }
 
 sf_status sf_optimizer_state_name(const sf_optimizer* opt, size_t index, const char** name) {
   constexpr const char* fn = "sf_optimizer_state_name";
   return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, name, "name");
+    need_all(fn, opt, "opt", name, "name");
     if (index >= opt->state_names.size())
       bad_argument(fn, "index " + std::to_string(index) + " is out of range (the optimizer has " +
                            std::to_string(opt->state_names.size()) + " state names)");
@@ -226,10 +178,7 @@ sf_status sf_optimizer_state(const sf_optimizer* opt, size_t param, const char* 
                              int64_t* numel) {
   constexpr const char* fn = "sf_optimizer_state";
   return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, name, "name");
-    need(fn, data, "data");
-    need(fn, numel, "numel");
+    need_all(fn, opt, "opt", name, "name", data, "data", numel, "numel");
     const std::span<const float> s = opt->opt.state(param, name);
     *data = s.data();
     *numel = static_cast<int64_t>(s.size());
@@ -240,10 +189,7 @@ sf_status sf_optimizer_mutable_state(sf_optimizer* opt, size_t param, const char
                                      int64_t* numel) {
   constexpr const char* fn = "sf_optimizer_mutable_state";
   return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, name, "name");
-    need(fn, data, "data");
-    need(fn, numel, "numel");
+    need_all(fn, opt, "opt", name, "name", data, "data", numel, "numel");
     const std::span<float> s = opt->opt.mutable_state(param, name);
     *data = s.data();
     *numel = static_cast<int64_t>(s.size());
@@ -253,9 +199,7 @@ sf_status sf_optimizer_mutable_state(sf_optimizer* opt, size_t param, const char
 sf_status sf_optimizer_master(const sf_optimizer* opt, size_t param, const float** data, int64_t* numel) {
   constexpr const char* fn = "sf_optimizer_master";
   return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, data, "data");
-    need(fn, numel, "numel");
+    need_all(fn, opt, "opt", data, "data", numel, "numel");
     const std::span<const float> m = opt->opt.master(param);
     *data = m.empty() ? nullptr : m.data();
     *numel = static_cast<int64_t>(m.size());

@@ -10,14 +10,7 @@
 #include "stepfuse/error.hpp"
 #include "stepfuse/update_program.hpp"
 
-using stepfuse::c_api::bad_argument;
-using stepfuse::c_api::copy_text;
-using stepfuse::c_api::enum_value;
-using stepfuse::c_api::guard;
-using stepfuse::c_api::make_optimizer;
-using stepfuse::c_api::need;
-using stepfuse::c_api::to_options;
-using stepfuse::c_api::to_params;
+using namespace stepfuse::c_api;  // guard, need, the checks and conversions (runtime/c_api_support.hpp)
 
 // The C enums are the C++ ones, value for value.
 static_assert(SF_ROLE_GRAD == static_cast<int>(stepfuse::StreamRole::grad) &&
@@ -146,8 +139,7 @@ extern "C" {
 sf_status sf_program_builder_create(const char* name, sf_program_builder** out) {
   constexpr const char* fn = "sf_program_builder_create";
   return guard(fn, [&] {
-    need(fn, name, "name");
-    need(fn, out, "out");
+    need_all(fn, name, "name", out, "out");
     *out = new sf_program_builder{name, {}, {}, {}};
   });
 }
@@ -158,12 +150,9 @@ sf_status sf_program_builder_stream(sf_program_builder* builder, const char* nam
                                     int* stream) {
   constexpr const char* fn = "sf_program_builder_stream";
   return guard(fn, [&] {
-    need(fn, builder, "builder");
-    need(fn, name, "name");
-    need(fn, stream, "stream");
-    const int r = enum_value(role);
-    if (r < SF_ROLE_GRAD || r > SF_ROLE_STATE)
-      bad_argument(fn, "role = " + std::to_string(r) + " is not an sf_stream_role (SF_ROLE_GRAD, SF_ROLE_PARAM, SF_ROLE_STATE)");
+    need_all(fn, builder, "builder", name, "name", stream, "stream");
+    const int r = enum_in_range(fn, role, SF_ROLE_GRAD, SF_ROLE_STATE, "role",
+                                "an sf_stream_role (SF_ROLE_GRAD, SF_ROLE_PARAM, SF_ROLE_STATE)");
     builder->streams.push_back({name, static_cast<stepfuse::StreamRole>(r), init});
     *stream = static_cast<int>(builder->streams.size() - 1);
   });
@@ -173,12 +162,8 @@ sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* nam
                                     double b, sf_value* out) {
   constexpr const char* fn = "sf_program_builder_scalar";
   return guard(fn, [&] {
-    need(fn, builder, "builder");
-    need(fn, name, "name");
-    need(fn, out, "out");
-    const int k = enum_value(rule);
-    if (k < SF_SCALAR_FIXED || k > SF_SCALAR_DIV_LINEAR)
-      bad_argument(fn, "rule = " + std::to_string(k) + " is not an sf_scalar_rule_kind");
+    need_all(fn, builder, "builder", name, "name", out, "out");
+    const int k = enum_in_range(fn, rule, SF_SCALAR_FIXED, SF_SCALAR_DIV_LINEAR, "rule", "an sf_scalar_rule_kind");
     const stepfuse::ScalarRule r{static_cast<stepfuse::ScalarRule::Kind>(k), a, b};
     std::size_t s = 0;
     while (s < builder->scalars.size() && builder->scalars[s].name != name) ++s;
@@ -196,8 +181,7 @@ sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* nam
 sf_status sf_program_builder_load(sf_program_builder* builder, int stream, sf_value* out) {
   constexpr const char* fn = "sf_program_builder_load";
   return guard(fn, [&] {
-    need(fn, builder, "builder");
-    need(fn, out, "out");
+    need_all(fn, builder, "builder", out, "out");
     if (stream < 0) bad_argument(fn, "stream = " + std::to_string(stream) + " is negative");
     *out = emit(builder, stepfuse::Op::load, static_cast<std::uint32_t>(stream), 0, 0, 0, 0.0f);
   });
@@ -215,8 +199,7 @@ sf_status sf_program_builder_store(sf_program_builder* builder, int stream, sf_v
 sf_status sf_program_builder_constant(sf_program_builder* builder, float x, sf_value* out) {
   constexpr const char* fn = "sf_program_builder_constant";
   return guard(fn, [&] {
-    need(fn, builder, "builder");
-    need(fn, out, "out");
+    need_all(fn, builder, "builder", out, "out");
     *out = emit(builder, stepfuse::Op::constant, 0, 0, 0, 0, x);
   });
 }
@@ -225,13 +208,10 @@ sf_status sf_program_builder_op(sf_program_builder* builder, sf_op op, sf_value 
                                 sf_value* out) {
   constexpr const char* fn = "sf_program_builder_op";
   return guard(fn, [&] {
-    need(fn, builder, "builder");
-    need(fn, out, "out");
-    const int o = enum_value(op);
-    if (o < SF_OP_ADD || o > SF_OP_EQ)
-      bad_argument(fn, "op = " + std::to_string(o) +
-                           " is not an sf_op (SF_OP_ADD .. SF_OP_EQ; loads, stores, constants, scalars and converts have "
-                           "their own functions)");
+    need_all(fn, builder, "builder", out, "out");
+    const int o = enum_in_range(fn, op, SF_OP_ADD, SF_OP_EQ, "op",
+                                "an sf_op (SF_OP_ADD .. SF_OP_EQ; loads, stores, constants, scalars and converts have "
+                                "their own functions)");
     const auto kind = static_cast<stepfuse::Op>(o);
     const int arity = stepfuse::op_arity(kind);
     *out = emit(builder, kind, 0, a, arity > 1 ? b : 0, arity > 2 ? c : 0, 0.0f);
@@ -241,10 +221,8 @@ sf_status sf_program_builder_op(sf_program_builder* builder, sf_op op, sf_value 
 sf_status sf_program_builder_convert(sf_program_builder* builder, sf_value a, sf_dtype to, sf_value* out) {
   constexpr const char* fn = "sf_program_builder_convert";
   return guard(fn, [&] {
-    need(fn, builder, "builder");
-    need(fn, out, "out");
-    const int d = enum_value(to);
-    if (d < SF_F32 || d > SF_BF16) bad_argument(fn, "to = " + std::to_string(d) + " is not an sf_dtype");
+    need_all(fn, builder, "builder", out, "out");
+    const int d = enum_in_range(fn, to, SF_F32, SF_BF16, "to", "an sf_dtype");
     *out = emit(builder, stepfuse::Op::convert, static_cast<std::uint32_t>(d), a, 0, 0, 0.0f);
   });
 }
@@ -252,8 +230,7 @@ sf_status sf_program_builder_convert(sf_program_builder* builder, sf_value a, sf
 sf_status sf_program_builder_build(const sf_program_builder* builder, sf_program** out) {
   constexpr const char* fn = "sf_program_builder_build";
   return guard(fn, [&] {
-    need(fn, builder, "builder");
-    need(fn, out, "out");
+    need_all(fn, builder, "builder", out, "out");
     *out = new sf_program{build(*builder)};
   });
 }
@@ -282,20 +259,12 @@ sf_status sf_optimizer_create_custom(const sf_program* program, const sf_param* 
 
 sf_status sf_optimizer_get_scalar(const sf_optimizer* opt, const char* name, double* value) {
   constexpr const char* fn = "sf_optimizer_get_scalar";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, name, "name");
-    *need(fn, value, "value") = opt->opt.scalar(name);
-  });
+  return get_value(fn, opt, "opt", value, "value", [&] { return opt->opt.scalar(need(fn, name, "name")); });
 }
 
 sf_status sf_optimizer_set_scalar(sf_optimizer* opt, const char* name, double value) {
   constexpr const char* fn = "sf_optimizer_set_scalar";
-  return guard(fn, [&] {
-    need(fn, opt, "opt");
-    need(fn, name, "name");
-    opt->opt.set_scalar(name, value);
-  });
+  return guard(fn, [&] { need(fn, opt, "opt")->opt.set_scalar(need(fn, name, "name"), value); });
 }
 
 }  // extern "C"

@@ -181,9 +181,8 @@ void bad_struct_size(const char* fn, const char* name, std::uint32_t size, std::
 // ---- Conversions -----------------------------------------------------------------
 
 TensorView to_view(const char* fn, const sf_tensor_view& v, const std::string& what) {
-  const int dtype = enum_value(v.dtype);
-  if (dtype < SF_F32 || dtype > SF_BF16)
-    bad_argument(fn, what + ".dtype = " + std::to_string(dtype) + " is not an sf_dtype (SF_F32, SF_F16, SF_BF16)");
+  const int dtype =
+      enum_in_range(fn, v.dtype, SF_F32, SF_BF16, what + ".dtype", "an sf_dtype (SF_F32, SF_F16, SF_BF16)");
   return {v.data, v.numel, static_cast<DType>(dtype)};
 }
 
@@ -276,33 +275,23 @@ sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* o)
 
 OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& o) {
   OptimizerOptions out;
-  const int device_kind = enum_value(o.device.kind);
-  if (device_kind != SF_DEVICE_CPU && device_kind != SF_DEVICE_CUDA)
-    bad_argument(fn, "options->device.kind = " + std::to_string(device_kind) +
-                         " is not an sf_device_kind (SF_DEVICE_CPU, SF_DEVICE_CUDA)");
+  const int device_kind = enum_in_range(fn, o.device.kind, SF_DEVICE_CPU, SF_DEVICE_CUDA, "options->device.kind",
+                                        "an sf_device_kind (SF_DEVICE_CPU, SF_DEVICE_CUDA)");
   out.device = {static_cast<Device::Kind>(device_kind), o.device.index};
   out.cuda_stream = o.cuda_stream;
   if (o.has_max_grad_norm) out.max_grad_norm = o.max_grad_norm;
-  const int norm_type = enum_value(o.norm_type);
-  if (norm_type == SF_NORM_L2)
-    out.norm_type = 2.0;
-  else if (norm_type == SF_NORM_INF)
-    out.norm_type = INFINITY;
-  else
-    bad_argument(fn, "options->norm_type = " + std::to_string(norm_type) +
-                         " is not an sf_norm_type (SF_NORM_L2, SF_NORM_INF)");
+  const int norm_type = enum_in_range(fn, o.norm_type, SF_NORM_L2, SF_NORM_INF, "options->norm_type",
+                                      "an sf_norm_type (SF_NORM_L2, SF_NORM_INF)");
+  out.norm_type = norm_type == SF_NORM_L2 ? 2.0 : INFINITY;
   out.master_weights = o.master_weights;
-  const int fusion = enum_value(o.fusion);
-  if (fusion < SF_FUSION_FUSED || fusion > SF_FUSION_INTERPRETED)
-    bad_argument(fn, "options->fusion = " + std::to_string(fusion) +
-                         " is not an sf_fusion (SF_FUSION_FUSED, SF_FUSION_UNFUSED, SF_FUSION_INTERPRETED)");
+  const int fusion = enum_in_range(fn, o.fusion, SF_FUSION_FUSED, SF_FUSION_INTERPRETED, "options->fusion",
+                                   "an sf_fusion (SF_FUSION_FUSED, SF_FUSION_UNFUSED, SF_FUSION_INTERPRETED)");
   out.fusion = static_cast<Fusion>(fusion);
   out.num_threads = o.num_threads;
   out.track_grad_norm = o.track_grad_norm;
-  const int backend = enum_value(o.cpu_backend);
-  if (backend < SF_CPU_BACKEND_DEFAULT || backend > SF_CPU_BACKEND_LLVM)
-    bad_argument(fn, "options->cpu_backend = " + std::to_string(backend) +
-                         " is not an sf_cpu_backend (SF_CPU_BACKEND_DEFAULT, _AUTO, _HIGHWAY, _LLVM)");
+  const int backend =
+      enum_in_range(fn, o.cpu_backend, SF_CPU_BACKEND_DEFAULT, SF_CPU_BACKEND_LLVM, "options->cpu_backend",
+                    "an sf_cpu_backend (SF_CPU_BACKEND_DEFAULT, _AUTO, _HIGHWAY, _LLVM)");
   if (backend != SF_CPU_BACKEND_DEFAULT) out.cpu_backend = static_cast<CpuBackend>(backend - 1);
   out.llvm_contract = o.llvm_contract;
   return out;

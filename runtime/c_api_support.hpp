@@ -73,6 +73,34 @@ T* need(const char* fn, T* p, const char* name) {
   return p;
 }
 
+// need() for each (pointer, name) in turn: need_all(fn, opt, "opt", name, "name").
+inline void need_all(const char*) {}
+template <class T, class... Rest>
+void need_all(const char* fn, T* p, const char* name, Rest... rest) {
+  need(fn, p, name);
+  need_all(fn, rest...);
+}
+
+// The body of an entry point that reads one value from a handle: checks the handle and the
+// out pointer (`handle_name`, `out_name`: their names in stepfuse.h), then *out = read().
+// As in `*need(fn, out, ...) = expr`, read() runs first (C++17 evaluates the right side of
+// = first): what it checks itself (a name) is checked before `out`.
+template <class H, class T, class Read>
+sf_status get_value(const char* fn, const H* handle, const char* handle_name, T* out, const char* out_name,
+                    Read&& read) noexcept {
+  return guard(fn, [&] {
+    need(fn, handle, handle_name);
+    *need(fn, out, out_name) = read();
+  });
+}
+
+// A getter entry point of stepfuse.h, named in full: sf_status fn(const Handle* handle,
+// type* arg), checking both pointers and writing handle->expr into *arg (get_value).
+#define SF_C_GETTER(fn, Handle, handle, type, arg, expr)                                              \
+  sf_status fn(const Handle* handle, type* arg) {                                                     \
+    return stepfuse::c_api::get_value(#fn, handle, #handle, arg, #arg, [&] { return handle->expr; }); \
+  }
+
 // The message of check_size: `name`->struct_size is `size`, this library knows `expected`.
 [[noreturn]] void bad_struct_size(const char* fn, const char* name, std::uint32_t size, std::size_t expected,
                                   const char* type, const char* how);
@@ -93,6 +121,15 @@ int enum_value(const E& e) {
   static_assert(std::is_enum_v<E> && sizeof(E) == sizeof(int), "C enums are int-sized");
   int v;
   std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
+// An enum argument's value (read as enum_value does), which must lie in [lo, hi]; else
+// Error(invalid_argument) "fn: <name> = <value> is not <what>" (what: "an sf_dtype (...)").
+template <class E>
+int enum_in_range(const char* fn, const E& e, int lo, int hi, const std::string& name, const char* what) {
+  const int v = enum_value(e);
+  if (v < lo || v > hi) bad_argument(fn, name + " = " + std::to_string(v) + " is not " + what);
   return v;
 }
 
@@ -123,6 +160,18 @@ void options_to_c(const OptimizerOptions& options, sf_optimizer_options* out);
 
 // Writes r to the caller's `out` (the argument `name`), checking its size.
 void write_result(const char* fn, const StepResult& r, sf_step_result* out, const char* name);
+
+// The body of an entry point that copies a step's result out: checks the handle and
+// `result` (its size), then writes get() into it.
+template <class H, class Get>
+sf_status get_result(const char* fn, const H* handle, const char* handle_name, sf_step_result* result,
+                     Get&& get) noexcept {
+  return guard(fn, [&] {
+    need(fn, handle, handle_name);
+    check_size(fn, result, "result", "sf_step_result", "initialize it with sf_step_result_init()");
+    write_result(fn, get(), result, "result");
+  });
+}
 
 // ---- Handles and text --------------------------------------------------------------
 
