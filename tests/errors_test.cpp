@@ -5,6 +5,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reference/harness.hpp"
@@ -55,156 +56,49 @@ Matcher<const std::string&> beta(int i) {
   return i == 1 ? AnyOf(HasSubstr("beta1"), HasSubstr("betas")) : AnyOf(HasSubstr("beta2"), HasSubstr("betas"));
 }
 
+// A default C with each listed field set to v in turn, one BadConfig each.
+template <class C>
+void add_each(std::vector<BadConfig>& bad, double v,
+              std::initializer_list<std::pair<Matcher<const std::string&>, double C::*>> fields) {
+  for (const auto& [names, member] : fields) {
+    C c;
+    c.*member = v;
+    bad.push_back({c, names, v});
+  }
+}
+
 std::vector<BadConfig> bad_configs() {
+  using namespace optim;
   std::vector<BadConfig> bad;
   // Values PyTorch's __init__ checks reject (negative, NaN, betas outside [0, 1)),
   // and infinities (docs/architecture.md §4: non-finite hyperparameters).
   for (double v : {-0.5, kNaN, kInf}) {
-    {
-      optim::SGD c;
-      c.lr = v;
-      bad.push_back({c, field("lr"), v});
-    }
-    {
-      optim::SGD c;
-      c.momentum = v;
-      bad.push_back({c, field("momentum"), v});
-    }
-    {
-      optim::SGD c;
-      c.weight_decay = v;
-      bad.push_back({c, field("weight_decay"), v});
-    }
-    {
-      optim::Adam c;
-      c.lr = v;
-      bad.push_back({c, field("lr"), v});
-    }
-    {
-      optim::Adam c;
-      c.eps = v;
-      bad.push_back({c, field("eps"), v});
-    }
-    {
-      optim::Adam c;
-      c.weight_decay = v;
-      bad.push_back({c, field("weight_decay"), v});
-    }
-    {
-      optim::AdamW c;
-      c.lr = v;
-      bad.push_back({c, field("lr"), v});
-    }
-    {
-      optim::AdamW c;
-      c.eps = v;
-      bad.push_back({c, field("eps"), v});
-    }
-    {
-      optim::AdamW c;
-      c.weight_decay = v;
-      bad.push_back({c, field("weight_decay"), v});
-    }
-    {
-      optim::Adagrad c;
-      c.lr = v;
-      bad.push_back({c, field("lr"), v});
-    }
-    {
-      optim::Adagrad c;
-      c.eps = v;
-      bad.push_back({c, field("eps"), v});
-    }
-    {
-      optim::Adagrad c;
-      c.weight_decay = v;
-      bad.push_back({c, field("weight_decay"), v});
-    }
-    {
-      optim::RMSprop c;
-      c.lr = v;
-      bad.push_back({c, field("lr"), v});
-    }
-    {
-      optim::RMSprop c;
-      c.eps = v;
-      bad.push_back({c, field("eps"), v});
-    }
-    {
-      optim::RMSprop c;
-      c.weight_decay = v;
-      bad.push_back({c, field("weight_decay"), v});
-    }
-    {
-      optim::RMSprop c;
-      c.momentum = v;
-      bad.push_back({c, field("momentum"), v});
-    }
-    {
-      optim::Lion c;
-      c.lr = v;
-      bad.push_back({c, field("lr"), v});
-    }
-    {
-      optim::Lion c;
-      c.weight_decay = v;
-      bad.push_back({c, field("weight_decay"), v});
-    }
+    add_each<SGD>(bad, v, {{field("lr"), &SGD::lr}, {field("momentum"), &SGD::momentum},
+                           {field("weight_decay"), &SGD::weight_decay}});
+    add_each<Adam>(bad, v, {{field("lr"), &Adam::lr}, {field("eps"), &Adam::eps},
+                            {field("weight_decay"), &Adam::weight_decay}});
+    add_each<AdamW>(bad, v, {{field("lr"), &AdamW::lr}, {field("eps"), &AdamW::eps},
+                             {field("weight_decay"), &AdamW::weight_decay}});
+    add_each<Adagrad>(bad, v, {{field("lr"), &Adagrad::lr}, {field("eps"), &Adagrad::eps},
+                               {field("weight_decay"), &Adagrad::weight_decay}});
+    add_each<RMSprop>(bad, v, {{field("lr"), &RMSprop::lr}, {field("eps"), &RMSprop::eps},
+                               {field("weight_decay"), &RMSprop::weight_decay},
+                               {field("momentum"), &RMSprop::momentum}});
+    add_each<Lion>(bad, v, {{field("lr"), &Lion::lr}, {field("weight_decay"), &Lion::weight_decay}});
   }
   // PyTorch checks these only for being >= 0 (so NaN fails too).
   for (double v : {-0.5, kNaN}) {
-    {
-      optim::Adagrad c;
-      c.lr_decay = v;
-      bad.push_back({c, field("lr_decay"), v});
-    }
-    {
-      optim::Adagrad c;
-      c.initial_accumulator_value = v;
-      bad.push_back({c, field("initial_accumulator_value"), v});
-    }
-    {
-      optim::RMSprop c;
-      c.alpha = v;
-      bad.push_back({c, field("alpha"), v});
-    }
+    add_each<Adagrad>(bad, v, {{field("lr_decay"), &Adagrad::lr_decay},
+                               {field("initial_accumulator_value"), &Adagrad::initial_accumulator_value}});
+    add_each<RMSprop>(bad, v, {{field("alpha"), &RMSprop::alpha}});
   }
   // Betas outside [0, 1) (Adam's "Invalid beta parameter at index i").
   for (double v : {-0.1, 1.0, 1.5, kNaN, kInf}) {
-    {
-      optim::Adam c;
-      c.beta1 = v;
-      bad.push_back({c, beta(1), v});
-    }
-    {
-      optim::Adam c;
-      c.beta2 = v;
-      bad.push_back({c, beta(2), v});
-    }
-    {
-      optim::AdamW c;
-      c.beta1 = v;
-      bad.push_back({c, beta(1), v});
-    }
-    {
-      optim::AdamW c;
-      c.beta2 = v;
-      bad.push_back({c, beta(2), v});
-    }
+    add_each<Adam>(bad, v, {{beta(1), &Adam::beta1}, {beta(2), &Adam::beta2}});
+    add_each<AdamW>(bad, v, {{beta(1), &AdamW::beta1}, {beta(2), &AdamW::beta2}});
   }
   // Lion's betas: the paper's reference code asserts 0 <= beta <= 1.
-  for (double v : {-0.1, 1.5, kNaN}) {
-    {
-      optim::Lion c;
-      c.beta1 = v;
-      bad.push_back({c, beta(1), v});
-    }
-    {
-      optim::Lion c;
-      c.beta2 = v;
-      bad.push_back({c, beta(2), v});
-    }
-  }
+  for (double v : {-0.1, 1.5, kNaN}) add_each<Lion>(bad, v, {{beta(1), &Lion::beta1}, {beta(2), &Lion::beta2}});
   return bad;
 }
 
@@ -228,14 +122,10 @@ TEST(Errors, BadHyperparametersAreRejectedAtConstruction) {
 
 TEST(Errors, NesterovNeedsMomentumAndNoDampening) {
   Params p;
-  optim::SGD no_momentum;
-  no_momentum.nesterov = true;
+  const optim::SGD no_momentum{.nesterov = true};
   EXPECT_THAT(error_message([&] { Optimizer opt(no_momentum, p.list()); }),
               AllOf(HasSubstr("nesterov"), HasSubstr("momentum")));
-  optim::SGD dampened;
-  dampened.nesterov = true;
-  dampened.momentum = 0.9;
-  dampened.dampening = 0.25;
+  const optim::SGD dampened{.momentum = 0.9, .dampening = 0.25, .nesterov = true};
   EXPECT_THAT(error_message([&] { Optimizer opt(dampened, p.list()); }),
               AllOf(HasSubstr("nesterov"), HasSubstr("dampening"), HasSubstr("0.25")));
 }
@@ -243,23 +133,15 @@ TEST(Errors, NesterovNeedsMomentumAndNoDampening) {
 // The boundaries PyTorch accepts are accepted: zero lr, eps, momentum, betas, decay.
 TEST(Errors, BoundaryValuesAreAccepted) {
   Params p;
-  optim::SGD sgd;
-  sgd.lr = 0;
-  optim::Adam adam;
-  adam.lr = 0;
-  adam.eps = 0;
-  adam.beta1 = 0;
-  adam.beta2 = 0;
-  optim::AdamW adamw;
-  adamw.weight_decay = 0;
-  optim::Adagrad adagrad;
-  adagrad.eps = 0;
-  optim::RMSprop rms;
-  rms.alpha = 0;
-  optim::Lion lion;
-  lion.beta1 = 0;
-  lion.beta2 = 0;
-  for (const OptimizerConfig& c : std::vector<OptimizerConfig>{sgd, adam, adamw, adagrad, rms, lion}) {
+  const optim::SGD sgd{.lr = 0};
+  const std::vector<OptimizerConfig> boundary = {
+      sgd,
+      optim::Adam{.lr = 0, .beta1 = 0, .beta2 = 0, .eps = 0},
+      optim::AdamW{.weight_decay = 0},
+      optim::Adagrad{.eps = 0},
+      optim::RMSprop{.alpha = 0},
+      optim::Lion{.beta1 = 0, .beta2 = 0}};
+  for (const OptimizerConfig& c : boundary) {
     SCOPED_TRACE(std::string(optimizer_name(c)));
     EXPECT_NO_THROW({ Optimizer opt(c, p.list()); });
   }
