@@ -168,14 +168,20 @@ TEST(GradScalerDoc, DeviceOtherStringsRejected) {
 // "class torch.amp.GradScaler(device: str = 'cuda', init_scale: float = 65536.0,
 //  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
 //  enabled: bool = True)"
+// What an enabled scaler's constructor stored, as the getters return it.
+void expect_constructed(const GradScaler& s, double scale, double growth_factor, double backoff_factor,
+                        std::int64_t growth_interval, const std::string& device) {
+  EXPECT_EQ(s.get_scale(), scale);
+  EXPECT_EQ(s.get_growth_factor(), growth_factor);
+  EXPECT_EQ(s.get_backoff_factor(), backoff_factor);
+  EXPECT_EQ(s.get_growth_interval(), growth_interval);
+  EXPECT_TRUE(s.is_enabled());
+  EXPECT_EQ(s.device(), device);
+}
+
 TEST(GradScalerDoc, ConstructorDefaults) {
   GradScaler s;
-  EXPECT_EQ(s.get_scale(), 65536.0);
-  EXPECT_EQ(s.get_growth_factor(), 2.0);
-  EXPECT_EQ(s.get_backoff_factor(), 0.5);
-  EXPECT_EQ(s.get_growth_interval(), 2000);
-  EXPECT_TRUE(s.is_enabled());
-  EXPECT_EQ(s.device(), "cuda");
+  expect_constructed(s, 65536.0, 2.0, 0.5, 2000, "cuda");
   EXPECT_EQ(s.growth_tracker(), 0);
 }
 
@@ -183,12 +189,7 @@ TEST(GradScalerDoc, ConstructorDefaults) {
 // parameters are stored as given.
 TEST(GradScalerDoc, ConstructorStoresArguments) {
   GradScaler s("cpu", 1024.0, 3.0, 0.25, 7, true);
-  EXPECT_EQ(s.get_scale(), 1024.0);
-  EXPECT_EQ(s.get_growth_factor(), 3.0);
-  EXPECT_EQ(s.get_backoff_factor(), 0.25);
-  EXPECT_EQ(s.get_growth_interval(), 7);
-  EXPECT_TRUE(s.is_enabled());
-  EXPECT_EQ(s.device(), "cpu");
+  expect_constructed(s, 1024.0, 3.0, 0.25, 7, "cpu");
   // The scale is an fp32 value.
   GradScaler t("cpu", 0.1);
   EXPECT_EQ(t.get_scale(), f32(0.1));
@@ -710,8 +711,7 @@ TEST(GradScalerDoc, ScaleArithmeticIsFp32AsPyTorch) {
 TEST(GradScalerDoc, UpdateNewScaleSetsItAndKeepsTracker) {
   GradScaler s("cpu", 1024.0, 2.0, 0.5, 3);
   Net n(sgd(0.01), DType::f32, DType::f32, {10});
-  EXPECT_TRUE(clean_iteration(s, n, 1));
-  EXPECT_TRUE(clean_iteration(s, n, 2));
+  for (int it = 1; it <= 2; ++it) EXPECT_TRUE(clean_iteration(s, n, it));
   ASSERT_EQ(s.growth_tracker(), 2);
   n.set_grads(3, s.get_scale());
   EXPECT_TRUE(s.step(n.opt));

@@ -20,6 +20,7 @@
 #include <variant>
 #include <vector>
 
+#include "jit/config_fields.hpp"
 #include "reference/dtypes.hpp"
 #include "reference/harness.hpp"
 #include "reference/test_data.hpp"
@@ -31,50 +32,16 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Every field of a configuration, as text (the optim structs have no operator==).
-std::string describe(const optim::SGD& c) {
+// Every field of a configuration, as text (the optim structs have no operator==), in
+// the order the library lists them (jit/config_fields.hpp; the registry checks at compile
+// time that the list names every member).
+std::string describe(const OptimizerConfig& config) {
   std::ostringstream os;
   os.precision(17);
-  os << "SGD " << c.lr << " " << c.momentum << " " << c.dampening << " " << c.weight_decay << " " << c.nesterov << " "
-     << c.maximize;
+  os << optimizer_name(config);
+  std::visit([&](const auto& c) { jit::for_each_field(c, [&](std::string_view, const auto& v) { os << " " << v; }); },
+             config);
   return os.str();
-}
-std::string describe(const optim::Adam& c) {
-  std::ostringstream os;
-  os.precision(17);
-  os << "Adam " << c.lr << " " << c.beta1 << " " << c.beta2 << " " << c.eps << " " << c.weight_decay << " " << c.amsgrad
-     << " " << c.maximize;
-  return os.str();
-}
-std::string describe(const optim::AdamW& c) {
-  std::ostringstream os;
-  os.precision(17);
-  os << "AdamW " << c.lr << " " << c.beta1 << " " << c.beta2 << " " << c.eps << " " << c.weight_decay << " "
-     << c.amsgrad << " " << c.maximize;
-  return os.str();
-}
-std::string describe(const optim::Adagrad& c) {
-  std::ostringstream os;
-  os.precision(17);
-  os << "Adagrad " << c.lr << " " << c.lr_decay << " " << c.weight_decay << " " << c.initial_accumulator_value << " "
-     << c.eps << " " << c.maximize;
-  return os.str();
-}
-std::string describe(const optim::RMSprop& c) {
-  std::ostringstream os;
-  os.precision(17);
-  os << "RMSprop " << c.lr << " " << c.alpha << " " << c.eps << " " << c.weight_decay << " " << c.momentum << " "
-     << c.centered << " " << c.maximize;
-  return os.str();
-}
-std::string describe(const optim::Lion& c) {
-  std::ostringstream os;
-  os.precision(17);
-  os << "Lion " << c.lr << " " << c.beta1 << " " << c.beta2 << " " << c.weight_decay << " " << c.maximize;
-  return os.str();
-}
-std::string describe(const OptimizerConfig& c) {
-  return std::visit([](const auto& x) { return describe(x); }, c);
 }
 
 // The model of these tests (reference/test_util.hpp), with gradients clamped to
