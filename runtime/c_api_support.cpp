@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <new>
 #include <stdexcept>
@@ -13,6 +12,7 @@
 #include <variant>
 #include <vector>
 
+#include "jit/base/format.hpp"
 #include "jit/config_fields.hpp"
 #include "stepfuse/error.hpp"
 
@@ -66,11 +66,7 @@ sf_status status_of(ErrorCode code) {
   return SF_INTERNAL;
 }
 
-std::string num(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
+std::string num(double v) { return stepfuse::detail::format_number(v); }
 
 // ---- sf_optimizer_config by field name -------------------------------------------
 

@@ -4,10 +4,10 @@
 
 #include <array>
 #include <cmath>
-#include <cstdio>
 #include <string>
 #include <string_view>
 
+#include "jit/base/format.hpp"
 #include "jit/step_scalars.h"
 #include "stepfuse/error.hpp"
 #include "stepfuse/optim.hpp"
@@ -46,11 +46,7 @@ class Checker {
     throw Error(ErrorCode::invalid_argument, std::string(optimizer_) + ": invalid " + std::string(name) + " = " +
                                                  text(v) + " (" + rule + ")");
   }
-  static std::string text(double v) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.17g", v);
-    return buf;
-  }
+  static std::string text(double v) { return detail::format_number(v); }
 
  private:
   std::string_view optimizer_;
