@@ -305,6 +305,8 @@ struct Pair {
   // Optimizer::step_scaled(S) / step() on both.
   void step_scaled(double s) { cpu.step_scaled(s), dev.step(s, true); }
   void step() { cpu.step(), dev.step(1.0, false); }
+  // A plain step for scale 1, else a scaled one.
+  void step_at(double s) { s == 1.0 ? step() : step_scaled(s); }
 
   // Everything a step leaves behind.
   // results = false: before the first step (the device's result is then not defined).
@@ -355,7 +357,25 @@ struct Pair {
   EmulatedOptimizer dev;
 };
 
-std::uint32_t fresh_seed() { return std::random_device{}(); }
+// Fresh gradients of magnitude `magnitude` * S in `model`, a step at S on both sides
+// (Pair::step_at), and everything compared.
+void draw_step_compare(Model& model, std::mt19937& rng, Pair& p, double magnitude, double s, const std::string& when) {
+  model.draw_grads(rng, static_cast<float>(magnitude * s));
+  p.step_at(s);
+  p.expect_same(when);
+}
+
+// A fresh random seed per test, in every failure message (the test's data depend on it;
+// EmptyTensorsOnly and ReductionCombinesInTheCanonicalOrder draw theirs from a fixed one).
+class Seeded : public ::testing::Test {
+ protected:
+  const std::uint32_t seed = std::random_device{}();
+  const ::testing::ScopedTrace seed_trace{__FILE__, __LINE__, "seed " + std::to_string(seed)};
+  std::mt19937 rng{seed};
+};
+class EmulatedStep : public Seeded {};
+class EmulatedGradScaler : public Seeded {};
+class EmulatedScaleKernels : public Seeded {};
 
 // ---- every program ----
 
@@ -382,23 +402,18 @@ std::vector<ProgramCase> program_cases() {
   };
 }
 
-class EveryProgram : public ::testing::TestWithParam<ProgramCase> {};
+class EveryProgram : public Seeded, public ::testing::WithParamInterface<ProgramCase> {};
 
 // Scaled and plain steps alternating (the step count advances in the reduce's
 // finalize, then in the plain update), masters, mixed dtypes, blocks in shuffled order.
 TEST_P(EveryProgram, StepsMatchTheCpuBitwise) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
   Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
   Pair p(model, GetParam().config, {}, seed | 1);
   EXPECT_EQ(p.dev.spec_name(), std::string(jit::builtin_program(jit::select_builtin(GetParam().config)).name));
   p.expect_same("after construction", false);
   const double scales[] = {1024.0, 1.0, 3000.5, 1.0, 0.25};
   for (int k = 0; k < 5; ++k) {
-    model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
-    scales[k] == 1.0 ? p.step() : p.step_scaled(scales[k]);
-    p.expect_same("step " + std::to_string(k + 1));
+    draw_step_compare(model, rng, p, 0.5, scales[k], "step " + std::to_string(k + 1));
     EXPECT_TRUE(p.dev.step_state().applied);
   }
   EXPECT_EQ(p.dev.step_count(), 5);
@@ -413,17 +428,13 @@ const OptimizerConfig kAdamW = optim::AdamW{.lr = 1e-3, .weight_decay = 0.1};
 
 // Clipping on scaled and plain steps (a plain step with clipping reduces and
 // checks), a loss scale that is not an fp32 value, and clipping that does not clip.
-TEST(EmulatedStep, ClippingAndLossScales) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, ClippingAndLossScales) {
   Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
   Pair clipped(model, kAdamW, {.max_grad_norm = 0.5});  // |g| ~ 0.02 * sqrt(70 K): every step clips
   const double scales[] = {1024.0, 1.0, 65536.0, 1.0, 1000.1};
   for (int k = 0; k < 5; ++k) {
-    model.draw_grads(rng, static_cast<float>(0.02 * scales[k]));  // (f16 gradients stay finite)
-    scales[k] == 1.0 ? clipped.step() : clipped.step_scaled(scales[k]);
-    clipped.expect_same("clipped step " + std::to_string(k + 1));
+    // (f16 gradients stay finite)
+    draw_step_compare(model, rng, clipped, 0.02, scales[k], "clipped step " + std::to_string(k + 1));
     EXPECT_TRUE(clipped.dev.step_state().applied);
     EXPECT_LT(clipped.dev.step_state().clip_coef, 1.0);
   }
@@ -436,28 +447,20 @@ TEST(EmulatedStep, ClippingAndLossScales) {
   }
 }
 
-TEST(EmulatedStep, InfNormWithClipping) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, InfNormWithClipping) {
   Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
   Pair p(model, kAdamW, {.max_grad_norm = 0.75, .norm_type = INFINITY}, seed | 1);
   EXPECT_EQ(p.dev.spec_name(), "adam_inf");
   const double scales[] = {2048.0, 1.0, 3.0};
   for (int k = 0; k < 3; ++k) {
-    model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
-    scales[k] == 1.0 ? p.step() : p.step_scaled(scales[k]);
-    p.expect_same("step " + std::to_string(k + 1));
+    draw_step_compare(model, rng, p, 0.5, scales[k], "step " + std::to_string(k + 1));
     EXPECT_LT(p.dev.step_state().clip_coef, 1.0);
   }
 }
 
 // track_grad_norm: a plain step that reduces but does not check; non-finite
 // gradients are then applied (as PyTorch's plain step applies them).
-TEST(EmulatedStep, TrackGradNormOnPlainSteps) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, TrackGradNormOnPlainSteps) {
   Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
   OptimizerOptions options;
   options.track_grad_norm = true;
@@ -476,10 +479,7 @@ TEST(EmulatedStep, TrackGradNormOnPlainSteps) {
 }
 
 // plain = 1: one kernel; its last block counts the step.
-TEST(EmulatedStep, PlainStepsCountOnTheDevice) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, PlainStepsCountOnTheDevice) {
   Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
   Pair p(model, optim::Adam{.lr = 1e-3}, {}, seed | 1);
   for (int k = 1; k <= 4; ++k) {
@@ -493,7 +493,7 @@ TEST(EmulatedStep, PlainStepsCountOnTheDevice) {
 }
 
 // Only empty tensors: no chunks, one idle update block, which still counts the step.
-TEST(EmulatedStep, EmptyTensorsOnly) {
+TEST_F(EmulatedStep, EmptyTensorsOnly) {
   std::mt19937 rng(1);
   Model model(shapes_for({0, 0, 0, 0, 0}, sf_emu::kMixedMasters), false, 0, rng);
   Pair p(model, kAdamW, {});
@@ -506,7 +506,7 @@ TEST(EmulatedStep, EmptyTensorsOnly) {
 // Sums of very different sizes, so that another combination order (of the chunks
 // of a tensor, or of the tensors, in fp64) gives another norm: 2^54 + 1.81 rounds
 // to 2^54 each time, but 2^54 + 4 * 1.81 to 2^54 + 8, whose square root is not 2^27.
-TEST(EmulatedStep, ReductionCombinesInTheCanonicalOrder) {
+TEST_F(EmulatedStep, ReductionCombinesInTheCanonicalOrder) {
   std::mt19937 rng(1);
   Model model(shapes_for({4 * 16384 + 5, 3000, 2000, 1000, 7}, sf_emu::kMixedMasters), false, 0, rng);
   for (std::size_t t = 0; t < model.size(); ++t)
@@ -531,8 +531,7 @@ TEST(EmulatedStep, ReductionCombinesInTheCanonicalOrder) {
 // tensors sit at the cuts between chains and at the end. Tensors 0 and 6 hold 2^54
 // in their first chunk, then sums of 1.81 (one rounding away each) at round edges:
 // a chain that dropped its sum at a round, or added out of order, changes a norm.
-TEST(EmulatedStep, FinalizeChainsAcrossRounds) {
-  std::mt19937 rng(fresh_seed());
+TEST_F(EmulatedStep, FinalizeChainsAcrossRounds) {
   const std::int64_t k = 16384;
   Model model(shapes_for({65 * k + 3, 1, 0, 5 * k, 0, 3, 65 * k + 1, 0}, sf_emu::kMixedMasters), false, 0, rng);
   const auto small = [&](std::size_t t, std::int64_t at) {  // a sum of squares of 1.81
@@ -564,10 +563,7 @@ TEST(EmulatedStep, FinalizeChainsAcrossRounds) {
 // 16-bit gradient 8 bytes off (scalar reads) and keeps f32 gradients aligned (vector
 // reads), in the same spec as shift 0 (vector reads throughout). Sizes with tails
 // after the vector steps (1024 elements of 16 bits, 512 of f32), inf/NaN in both.
-TEST(EmulatedStep, ReduceVectorAndScalarReads) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, ReduceVectorAndScalarReads) {
   const std::vector<std::int64_t> sizes = {1023, 1024, 1025, 16384 + 1000, 513, 511, 3000, 40000, 2047, 7};
   for (const int shift : {0, 4}) {
     SCOPED_TRACE("shift " + std::to_string(shift));
@@ -598,10 +594,7 @@ TEST(EmulatedStep, ReduceVectorAndScalarReads) {
 
 // ---- non-finite gradients ----
 
-TEST(EmulatedStep, NonFiniteGradientsSkipThenContinue) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, NonFiniteGradientsSkipThenContinue) {
   Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
   for (const bool clip : {false, true}) {
     SCOPED_TRACE(clip ? "with clipping" : "without clipping");
@@ -639,10 +632,7 @@ TEST(EmulatedStep, NonFiniteGradientsSkipThenContinue) {
 
 // Finite gradients whose fp32 squares overflow (|g| ~ 1e20: a huge loss scale with
 // f32 or bf16 gradients): the chunk is summed again, scaled by a power of two.
-TEST(EmulatedStep, HugeGradientsUseTheRescaledSum) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, HugeGradientsUseTheRescaledSum) {
   // No f16 gradients (they cannot hold 1e20): the f16 combination's tensor is empty.
   Model model(shapes_for({1000, 20000, 0, 4097, 3, 17000, 5}, sf_emu::kMixedMasters), false, 0, rng);
   const double scale = std::ldexp(1.0, 70);
@@ -664,18 +654,13 @@ TEST(EmulatedStep, HugeGradientsUseTheRescaledSum) {
 
 // One buffer for all weights, one for all grads, one combination; sizes that keep
 // every tensor 8-byte aligned, and an empty tensor in the middle.
-TEST(EmulatedStep, FlatLayout) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, FlatLayout) {
   Model model(shapes_for({4096, 16388, 0, 40000, 4, 12}, sf_emu::kBf16Masters), true, 0, rng);
   Pair p(model, kAdamW, {.max_grad_norm = 10.0}, seed | 1);
   EXPECT_EQ(p.dev.spec_name(), "adam_flat");
   const double scales[] = {1024.0, 1.0, 100.0};
   for (int k = 0; k < 3; ++k) {
-    model.draw_grads(rng, static_cast<float>(0.05 * scales[k]));
-    scales[k] == 1.0 ? p.step() : p.step_scaled(scales[k]);
-    p.expect_same("step " + std::to_string(k + 1));
+    draw_step_compare(model, rng, p, 0.05, scales[k], "step " + std::to_string(k + 1));
   }
   OptimizerOptions options;
   options.norm_type = INFINITY;
@@ -690,10 +675,7 @@ TEST(EmulatedStep, FlatLayout) {
 }
 
 // Every buffer one element off its alignment: the scalar paths.
-TEST(EmulatedStep, UnalignedPointers) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, UnalignedPointers) {
   Model flat(shapes_for({4097, 1, 16385, 3}, sf_emu::kF16Masters), true, 1, rng);
   Pair pf(flat, kAdamW, {}, seed | 1);
   EXPECT_EQ(pf.dev.spec_name(), "adam_flat_unaligned");
@@ -704,17 +686,14 @@ TEST(EmulatedStep, UnalignedPointers) {
   for (int k = 0; k < 3; ++k) {
     flat.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
     table.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
-    scales[k] == 1.0 ? pf.step() : pf.step_scaled(scales[k]);
-    scales[k] == 1.0 ? pt.step() : pt.step_scaled(scales[k]);
+    pf.step_at(scales[k]);
+    pt.step_at(scales[k]);
     pf.expect_same("flat step " + std::to_string(k + 1));
     pt.expect_same("table step " + std::to_string(k + 1));
   }
 }
 
-TEST(EmulatedStep, NoMasters) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedStep, NoMasters) {
   Model model(shapes_for(kSizes, sf_emu::kMixedNoMasters), false, 0, rng);
   OptimizerOptions options;
   options.master_weights = false;
@@ -732,10 +711,7 @@ TEST(EmulatedStep, NoMasters) {
 // Device steps reading the scale from an sf_scaler_state and recording found_inf
 // there, then sf_update_scale, against the CPU GradScaler driven the same way.
 // Growth by 2^8 from 2^100 overflows fp32 (and is not kept) after a few growths.
-TEST(EmulatedGradScaler, MatchesTheCpuGradScaler) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedGradScaler, MatchesTheCpuGradScaler) {
   // Two reduce blocks: a finalize run by any but the last would record a found_inf.
   Model model(shapes_for({3000, 40000, 0, 4097, 17}, sf_emu::kMixedMasters), false, 0, rng);
   const double init = std::ldexp(1.0, 100), growth = 256.0, backoff = 0.5;
@@ -774,10 +750,7 @@ TEST(EmulatedGradScaler, MatchesTheCpuGradScaler) {
 
 // sf_scale_<dtype>: unscale_ (reciprocal = 1: x * fp32(1 / double(S))) and scale_
 // (x * S), rounded to storage, found_inf iff any input was inf/NaN.
-TEST(EmulatedScaleKernels, MatchTheCpuAndTheDefinition) {
-  const std::uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(EmulatedScaleKernels, MatchTheCpuAndTheDefinition) {
   std::normal_distribution<float> normal(0.0f, 1000.0f);
   const sf_emu::UtilityKernels& util = sf_emu::utility_kernels();
   for (const DType t : {DType::f32, DType::f16, DType::bf16}) {
