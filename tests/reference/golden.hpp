@@ -203,6 +203,34 @@ inline void expect_state_names(const stepfuse::Optimizer& opt, const std::vector
     ASSERT_TRUE(have.count(s)) << "the library keeps no state named \"" << s << "\"";
 }
 
+// The elements of one tensor checked against their tolerance: the worst error as a
+// fraction of the allowed error, and one failure message listing the first 8 that fail.
+class ElementTally {
+ public:
+  // ratio: error / allowed (inf for a value that is not finite); describe(os) writes the
+  // element's line of the message.
+  template <class Describe>
+  void add(double ratio, Describe&& describe) {
+    worst_ = std::max(worst_, ratio);
+    if (ratio <= 1.0) return;  // (NaN fails)
+    if (bad_ < 8) {
+      msg_.precision(9);
+      describe(msg_);
+    }
+    ++bad_;
+  }
+  // One expectation for the tensor (`what`, n elements); returns the worst ratio.
+  double finish(const std::string& what, std::size_t n) const {
+    EXPECT_EQ(bad_, 0u) << what << ": " << bad_ << " of " << n << " elements out of tolerance" << msg_.str();
+    return worst_;
+  }
+
+ private:
+  double worst_ = 0;
+  std::size_t bad_ = 0;
+  std::ostringstream msg_;
+};
+
 // Compares one tensor with the trace; one failure message listing the worst elements.
 // Returns the worst error as a fraction of the allowed error (for the summary line).
 inline double expect_close(const std::string& what, std::span<const float> got, const std::vector<float>& want) {
@@ -211,27 +239,16 @@ inline double expect_close(const std::string& what, std::span<const float> got, 
   double scale = kAtolMinScale;
   for (float w : want) scale = std::max(scale, std::fabs(static_cast<double>(w)));
   const double atol = kAtolFactor * scale;
-  double worst = 0;
-  std::size_t bad = 0;
-  std::ostringstream msg;
+  ElementTally tally;
   for (std::size_t i = 0; i < want.size(); ++i) {
     const double g = got[i], w = want[i];
     const double allowed = kRtol * std::fabs(w) + atol;
     const double err = std::fabs(g - w);
-    const double ratio = std::isfinite(g) ? err / allowed : INFINITY;
-    worst = std::max(worst, ratio);
-    if (!(ratio <= 1.0)) {
-      if (bad < 8) {
-        msg.precision(9);
-        msg << "\n  [" << i << "] got " << g << " want " << w << " (|diff| " << err << ", allowed "
-            << allowed << ")";
-      }
-      ++bad;
-    }
+    tally.add(std::isfinite(g) ? err / allowed : INFINITY, [&](std::ostream& os) {
+      os << "\n  [" << i << "] got " << g << " want " << w << " (|diff| " << err << ", allowed " << allowed << ")";
+    });
   }
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << want.size()
-                     << " elements out of tolerance" << msg.str();
-  return worst;
+  return tally.finish(what, want.size());
 }
 
 // A sharper check of the parameters: the change one step made (after - before, exact in
@@ -250,29 +267,19 @@ inline double expect_update_close(const std::string& what, const std::vector<flo
   EXPECT_EQ(got_after.size(), want_after.size()) << what;
   if (got_after.size() != want_after.size()) return INFINITY;
   constexpr double kEps = std::numeric_limits<float>::epsilon();
-  double worst = 0;
-  std::size_t bad = 0;
-  std::ostringstream msg;
+  ElementTally tally;
   for (std::size_t i = 0; i < want_after.size(); ++i) {
     const double got = double(got_after[i]) - double(got_before[i]);
     const double want = double(want_after[i]) - double(want_before[i]);
     const double mag = std::max(std::fabs(double(want_before[i])), std::fabs(double(want_after[i])));
     const double allowed = kUpdateRtol * std::fabs(want) + 4 * kEps * mag;
     const double err = std::fabs(got - want);
-    const double ratio = std::isfinite(got) ? err / allowed : INFINITY;
-    worst = std::max(worst, ratio);
-    if (!(ratio <= 1.0)) {
-      if (bad < 8) {
-        msg.precision(9);
-        msg << "\n  [" << i << "] changed by " << got << ", torch by " << want << " (|diff| " << err
-            << ", allowed " << allowed << ")";
-      }
-      ++bad;
-    }
+    tally.add(std::isfinite(got) ? err / allowed : INFINITY, [&](std::ostream& os) {
+      os << "\n  [" << i << "] changed by " << got << ", torch by " << want << " (|diff| " << err << ", allowed "
+         << allowed << ")";
+    });
   }
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << want_after.size()
-                     << " elements out of tolerance" << msg.str();
-  return worst;
+  return tally.finish(what, want_after.size());
 }
 
 inline bool bitwise_equal(std::span<const float> a, const std::vector<float>& b) {
