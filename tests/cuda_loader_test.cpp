@@ -2,6 +2,7 @@
 // compilation. Runs without a GPU (the driver checks then pin the "no CUDA
 // driver" path) and without the toolkit (the NVRTC tests skip); on a GPU machine
 // it also loads and runs a compiled kernel through the driver table.
+#include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -17,6 +18,7 @@
 
 #include "jit/cuda/nvrtc_compile.hpp"
 #include "jit/base/cuda_api.hpp"
+#include "reference/test_util.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/stepfuse.hpp"
 
@@ -25,6 +27,8 @@ extern char** environ;  // POSIX: the process environment, copied into the child
 namespace {
 
 using namespace stepfuse;
+using ::testing::HasSubstr;
+using ref::thrown_text;
 using jit::CudaOutput;
 using jit::CudaTarget;
 
@@ -227,20 +231,14 @@ TEST(NvrtcCompile, SyntaxErrorCarriesLogAndNumberedSource) {
       "  float x = 1.0f;\n"
       "  y[0] = x +* ;\n"
       "}\n";
-  try {
-    jit::nvrtc_compile(bad, "broken.cu", {90, CudaOutput::cubin});
-    FAIL() << "a syntax error compiled";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::compile_failed);
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("NVRTC failed to compile broken.cu for sm_90: NVRTC_ERROR_COMPILATION"), std::string::npos)
-        << msg;
-    // NVRTC's log names the program, the line and the problem.
-    EXPECT_NE(msg.find("--- log ---\nbroken.cu(3)"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("error"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("--- source ---\n   1| extern \"C\""), std::string::npos) << msg;
-    EXPECT_NE(msg.find("   3|   y[0] = x +* ;\n"), std::string::npos) << msg;
-  }
+  const std::string msg = thrown_text([&] { jit::nvrtc_compile(bad, "broken.cu", {90, CudaOutput::cubin}); },
+                                      ErrorCode::compile_failed);
+  EXPECT_THAT(msg, HasSubstr("NVRTC failed to compile broken.cu for sm_90: NVRTC_ERROR_COMPILATION"));
+  // NVRTC's log names the program, the line and the problem.
+  EXPECT_THAT(msg, HasSubstr("--- log ---\nbroken.cu(3)"));
+  EXPECT_THAT(msg, HasSubstr("error"));
+  EXPECT_THAT(msg, HasSubstr("--- source ---\n   1| extern \"C\""));
+  EXPECT_THAT(msg, HasSubstr("   3|   y[0] = x +* ;\n"));
 }
 
 TEST(NvrtcCompile, TargetForDevice) {
@@ -266,54 +264,44 @@ TEST(NvrtcCompile, TargetForDevice) {
   EXPECT_NE(ptx.find(".target sm_" + std::to_string(t.sm)), std::string::npos);
 
   // Older than the oldest supported arch.
-  try {
-    jit::target_for_device(3, 0);
-    FAIL() << "sm_30 accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::unsupported);
-    EXPECT_NE(std::string(e.what()).find("compute capability 3.0"), std::string::npos) << e.what();
-  }
-  try {
-    jit::target_for_device(9, 12);
-    FAIL() << "minor 12 accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-  }
+  EXPECT_THAT(thrown_text([] { jit::target_for_device(3, 0); }, ErrorCode::unsupported),
+              HasSubstr("compute capability 3.0"))
+      << "sm_30";
+  thrown_text([] { jit::target_for_device(9, 12); }, ErrorCode::invalid_argument);  // minor 12
 }
 
 TEST(NvrtcCompile, CheckNvrtcNamesTheResult) {
   REQUIRE_NVRTC();
   EXPECT_NO_THROW(cuda::check_nvrtc(cuda::NVRTC_SUCCESS, "x"));
-  try {
-    cuda::check_nvrtc(5, "nvrtcCompileProgram");
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::device_error);
-    EXPECT_NE(std::string(e.what()).find("nvrtcCompileProgram: NVRTC_ERROR_INVALID_OPTION"), std::string::npos)
-        << e.what();
-  }
+  EXPECT_THAT(thrown_text([] { cuda::check_nvrtc(5, "nvrtcCompileProgram"); }, ErrorCode::device_error),
+              HasSubstr("nvrtcCompileProgram: NVRTC_ERROR_INVALID_OPTION"));
+}
+
+// A child that loads `library` ("nvrtc", "driver") from `path`, where there is none: it
+// exits normally, loads nothing, and the public status is unavailable for the child's
+// reason, which starts with `reason_start`. Returns the child's report.
+ChildResult expect_not_found(const char* library, const std::string& path, const std::string& reason_start) {
+  const ChildResult r = run_child(library, path);
+  EXPECT_EQ(r.exit_status, 0) << r.out;
+  if (r.exit_status != 0) return r;
+  EXPECT_EQ(r.field("loaded"), "0") << r.out;
+  const std::string reason = r.field("reason");
+  EXPECT_TRUE(starts_with(reason, reason_start)) << reason;
+  EXPECT_EQ(r.field("public_available"), "0") << r.out;
+  EXPECT_EQ(r.field("public_reason"), reason);
+  return r;
 }
 
 TEST(NvrtcLoader, MissingLibraryListsPathTried) {
   const std::string missing = "/nonexistent/stepfuse-test/libnvrtc.so.13";
-  const ChildResult r = run_child("nvrtc", missing);
-  ASSERT_EQ(r.exit_status, 0) << r.out;
-  EXPECT_EQ(r.field("loaded"), "0") << r.out;
+  const ChildResult r = expect_not_found("nvrtc", missing, "NVRTC not found (tried: " + missing + ")");
   EXPECT_EQ(r.field("ok"), "0") << r.out;
-  const std::string reason = r.field("reason");
-  EXPECT_TRUE(starts_with(reason, "NVRTC not found (tried: " + missing + ")")) << reason;
-  EXPECT_EQ(r.field("public_available"), "0") << r.out;
-  EXPECT_EQ(r.field("public_reason"), reason);
 }
 
 TEST(NvrtcLoader, SetPathsAfterLoadIsRefused) {
   (void)cuda::nvrtc();  // loaded (or failed) now, in this process
-  try {
-    cuda::set_library_paths_for_testing("", "/elsewhere/libnvrtc.so");
-    FAIL() << "a path was accepted after the load";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::invalid_state);
-  }
+  // A path after the load is refused.
+  thrown_text([] { cuda::set_library_paths_for_testing("", "/elsewhere/libnvrtc.so"); }, ErrorCode::invalid_state);
 }
 
 // ---- Driver -------------------------------------------------------------------
@@ -350,32 +338,15 @@ TEST(DriverLoader, StatusAgreesWithCudaAvailable) {
 
 TEST(DriverLoader, CheckNamesTheResult) {
   EXPECT_NO_THROW(cuda::check(cuda::CUDA_SUCCESS, "cuInit"));
-  try {
-    cuda::check(100, "cuInit");
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::device_error);
-    // The driver's name when one is loaded, else the built-in fallback.
-    EXPECT_NE(std::string(e.what()).find("cuInit: CUDA_ERROR_NO_DEVICE"), std::string::npos) << e.what();
-  }
-  try {
-    cuda::check(12345, "cuFoo");
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::device_error);
-    EXPECT_NE(std::string(e.what()).find("cuFoo: "), std::string::npos) << e.what();
-  }
+  // The driver's name when one is loaded, else the built-in fallback.
+  EXPECT_THAT(thrown_text([] { cuda::check(100, "cuInit"); }, ErrorCode::device_error),
+              HasSubstr("cuInit: CUDA_ERROR_NO_DEVICE"));
+  EXPECT_THAT(thrown_text([] { cuda::check(12345, "cuFoo"); }, ErrorCode::device_error), HasSubstr("cuFoo: "));
 }
 
 TEST(DriverLoader, MissingLibraryIsNoCudaDriver) {
   const std::string missing = "/nonexistent/stepfuse-test/libcuda.so.1";
-  const ChildResult r = run_child("driver", missing);
-  ASSERT_EQ(r.exit_status, 0) << r.out;
-  EXPECT_EQ(r.field("loaded"), "0") << r.out;
-  const std::string reason = r.field("reason");
-  EXPECT_TRUE(starts_with(reason, "no CUDA driver (" + missing + ": ")) << reason;
-  EXPECT_EQ(r.field("public_available"), "0") << r.out;
-  EXPECT_EQ(r.field("public_reason"), reason);
+  expect_not_found("driver", missing, "no CUDA driver (" + missing + ": ");
 }
 
 TEST(DriverLoader, StubLibraryIsRecognized) {

@@ -38,21 +38,26 @@ inline std::string lower(std::string s) {
 }
 
 // Runs `f`, which must throw stepfuse::Error, with `code` when one is given, and returns
-// its message in lower case (messages are matched case-insensitively: "NaN", "nan", "Inf", "inf").
-inline std::string thrown_message(const std::function<void()>& f, std::optional<ErrorCode> code) {
+// its message as it is ("" when it did not throw one).
+inline std::string thrown_text(const std::function<void()>& f, std::optional<ErrorCode> code) {
   try {
     f();
   } catch (const Error& e) {
     if (code) {
       EXPECT_EQ(error_code_name(e.code()), error_code_name(*code)) << "message: " << e.what();
     }
-    return lower(e.what());
+    return e.what();
   } catch (const std::exception& e) {
     ADD_FAILURE() << "threw something other than stepfuse::Error: " << e.what();
     return {};
   }
   ADD_FAILURE() << "no exception";
   return {};
+}
+
+// thrown_text in lower case (messages are matched case-insensitively: "NaN", "nan", "Inf", "inf").
+inline std::string thrown_message(const std::function<void()>& f, std::optional<ErrorCode> code) {
+  return lower(thrown_text(f, code));
 }
 
 // Runs `f`, which must throw stepfuse::Error with `code`; returns the message in lower case.
