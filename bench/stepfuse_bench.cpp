@@ -42,6 +42,7 @@
 #include "bandwidth.hpp"
 #include "cli_support.hpp"
 #include "cuda_bench.hpp"
+#include "default_configs.hpp"
 #include "model_buffers.hpp"
 #include "presets.hpp"
 #include "rss.hpp"
@@ -70,12 +71,7 @@ constexpr double kProgressAfterSeconds = 3.0;
 
 // PyTorch's defaults for each optimizer.
 sf::OptimizerConfig make_config(const std::string& name) {
-  if (name == "adamw") return sf::optim::AdamW{};
-  if (name == "adam") return sf::optim::Adam{};
-  if (name == "sgd") return sf::optim::SGD{};
-  if (name == "adagrad") return sf::optim::Adagrad{};
-  if (name == "rmsprop") return sf::optim::RMSprop{};
-  if (name == "lion") return sf::optim::Lion{};
+  if (std::optional<sf::OptimizerConfig> config = sb::default_config_named(name)) return *config;
   throw UsageError("--optimizer: unknown optimizer '" + name + "'");
 }
 

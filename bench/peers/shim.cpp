@@ -12,10 +12,12 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "../default_configs.hpp"  // default_config_named
 #include "stepfuse/stepfuse.hpp"
 
 #define SF_PEER_API extern "C" __attribute__((visibility("default")))
@@ -88,12 +90,7 @@ std::vector<Field> fields(sf::optim::Lion& c) {
 }
 
 sf::OptimizerConfig default_config(std::string_view kind) {
-  if (kind == "sgd") return sf::optim::SGD{};
-  if (kind == "adam") return sf::optim::Adam{};
-  if (kind == "adamw") return sf::optim::AdamW{};
-  if (kind == "adagrad") return sf::optim::Adagrad{};
-  if (kind == "rmsprop") return sf::optim::RMSprop{};
-  if (kind == "lion") return sf::optim::Lion{};
+  if (std::optional<sf::OptimizerConfig> config = sf::bench::default_config_named(kind)) return *config;
   throw sf::Error(sf::ErrorCode::invalid_argument,
                   "unknown optimizer '" + std::string(kind) + "' (sgd, adam, adamw, adagrad, rmsprop, lion)");
 }

@@ -1,0 +1,24 @@
+// The built-in optimizers by their lower-case names, with PyTorch's defaults: stepfuse-bench's --optimizer and the peers' shim.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include "stepfuse/optimizer.hpp"
+
+namespace stepfuse::bench {
+
+// The optimizer named `name` ("sgd", "adam", "adamw", "adagrad", "rmsprop", "lion") with
+// its defaults, or nothing for another name (the caller words the error). Header-only:
+// the shim (bench/peers/shim.cpp) links the library alone.
+inline std::optional<OptimizerConfig> default_config_named(std::string_view name) {
+  if (name == "sgd") return optim::SGD{};
+  if (name == "adam") return optim::Adam{};
+  if (name == "adamw") return optim::AdamW{};
+  if (name == "adagrad") return optim::Adagrad{};
+  if (name == "rmsprop") return optim::RMSprop{};
+  if (name == "lion") return optim::Lion{};
+  return std::nullopt;
+}
+
+}  // namespace stepfuse::bench
