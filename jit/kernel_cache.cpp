@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "jit/base/atomic_file.hpp"
+#include "jit/base/fd.hpp"
 #include "jit/base/warning.hpp"
 
 #if !defined(XXH_VERSION_NUMBER) || XXH_VERSION_NUMBER < 800
@@ -103,23 +104,6 @@ std::string octal_mode(mode_t mode) {
   std::snprintf(text, sizeof text, "%04o", static_cast<unsigned>(mode & 07777));
   return text;
 }
-
-// Closes the descriptor on every path out.
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  // Closes now and reports whether close succeeded (after a write, close can
-  // report a deferred error, e.g. on NFS).
-  bool close() {
-    const int f = std::exchange(fd, -1);
-    return f < 0 || ::close(f) == 0;
-  }
-};
 
 bool read_all(int fd, void* data, std::size_t size) {
   auto* p = static_cast<char*>(data);
@@ -382,7 +366,7 @@ std::optional<std::string> KernelCache::load_from_disk(const std::string& key) {
     return std::nullopt;
   };
   try {
-    Fd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    detail::Fd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (file.fd < 0) {
       if (errno == ENOENT) return std::nullopt;
       return reject();

@@ -11,29 +11,14 @@
 #include <cstring>
 #include <utility>
 
+#include "jit/base/fd.hpp"
+
 namespace stepfuse::detail {
 
 namespace {
 
 // With the pid, tells apart the temporary files of every thread of every process.
 std::atomic<std::uint64_t> g_temp_counter{0};
-
-// Closes the descriptor on every path out.
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  // Closes now and reports whether close succeeded (after a write, close can report a
-  // deferred error, e.g. on NFS).
-  bool close() {
-    const int f = std::exchange(fd, -1);
-    return f < 0 || ::close(f) == 0;
-  }
-};
 
 // Removes the temporary file unless the rename took it.
 struct TempName {
