@@ -1,7 +1,7 @@
 // What the kernel ABI descriptions (JSON, format "stepfuse.kernel_abi") of every emit
 // target share: the JSON writer, the header, the program and scalar rule sections, and
 // the shape of a type and of a function's parameters. The CUDA description is
-// jit/cuda/kernel_abi.cpp, the CPU one runtime/emit.cpp.
+// jit/cuda/kernel_abi.cpp, the CPU one jit/llvm/kernel_abi.cpp.
 #pragma once
 
 #include <cstddef>
