@@ -25,6 +25,9 @@ class StepEngine {
   // fused pipeline: Fusion::fused and Fusion::interpreted are the same path for
   // it), on CUDA the kernels generated for it.
   StepEngine(UpdateProgram program, std::vector<Param> params, OptimizerOptions options);
+  // Not copied or moved: the backend refers to params() and options().
+  StepEngine(const StepEngine&) = delete;
+  StepEngine& operator=(const StepEngine&) = delete;
 
   // loss_scale: 1 for a plain step. Returns what the step did (also kept in last()).
   // On CUDA the step is only enqueued: the result is pending until last() reads it.
