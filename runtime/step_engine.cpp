@@ -127,7 +127,9 @@ void StepEngine::setup(const float* state_init) {
     // The compile-time fused kernels for a built-in with Fusion::fused; else the interpreter.
     const std::optional<jit::Builtin> fused =
         options_.fusion == Fusion::fused && !custom_ ? std::optional(builtin_) : std::nullopt;
-    backend_ = std::make_unique<cpu::FusedBackend>(*program_, fused, params_, options_, state_init);
+    // A custom program's names live in its storage, which a background compile keeps alive.
+    std::shared_ptr<const void> owner = custom_ ? std::make_shared<const UpdateProgram>(*custom_) : nullptr;
+    backend_ = std::make_unique<cpu::FusedBackend>(*program_, fused, params_, options_, state_init, std::move(owner));
   }
   tensor_norms_.assign(params_.size(), NAN);
 }

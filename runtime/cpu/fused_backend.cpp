@@ -11,7 +11,8 @@
 namespace stepfuse::cpu {
 
 FusedBackend::FusedBackend(const Program& program, std::optional<jit::Builtin> builtin, const std::vector<Param>& params,
-                           const OptimizerOptions& options, const float* state_init)
+                           const OptimizerOptions& options, const float* state_init,
+                           std::shared_ptr<const void> program_owner)
     : HostBackend(program, params, options, state_init) {
   const NormKind norm_kind = options_.norm_type == INFINITY ? NormKind::inf : NormKind::l2;
   const jit::Layout& l = host_.layout();
@@ -32,10 +33,10 @@ FusedBackend::FusedBackend(const Program& program, std::optional<jit::Builtin> b
     scratch_ = detail::AlignedBuffer(static_cast<std::size_t>(interpreters_->max_slots()) * Interpreter::kBlock *
                                      static_cast<std::size_t>(threads()));
   }
-  if (options_.fusion == Fusion::fused) setup_llvm(program);
+  if (options_.fusion == Fusion::fused) setup_llvm(program, std::move(program_owner));
 }
 
-void FusedBackend::setup_llvm(const Program& program) {
+void FusedBackend::setup_llvm(const Program& program, std::shared_ptr<const void> program_owner) {
   const CpuBackend choice = resolve_cpu_backend(options_.cpu_backend);
   if (choice == CpuBackend::highway || (choice == CpuBackend::automatic && !jit::llvm_built())) return;
   llvm_spec_.program = program;
@@ -57,7 +58,7 @@ void FusedBackend::setup_llvm(const Program& program) {
                       std::string("stepfuse: the LLVM CPU backend is not usable, using Highway: ") + e.what());
     return;
   }
-  llvm_build_ = build_in_background(llvm_spec_);
+  llvm_build_ = build_in_background(llvm_spec_, std::move(program_owner));
 }
 
 void FusedBackend::install_llvm(const jit::CpuKernels& k) {

@@ -20,9 +20,12 @@ namespace stepfuse::cpu {
 class FusedBackend final : public HostBackend {
  public:
   // builtin: the program's compile-time fused kernels (Fusion::fused), or nullopt
-  // for the interpreter (Fusion::interpreted, or a custom program).
+  // for the interpreter (Fusion::interpreted, or a custom program). program_owner:
+  // what `program` refers to (a custom program's storage; null for a built-in),
+  // kept alive by a background LLVM compile.
   FusedBackend(const Program& program, std::optional<jit::Builtin> builtin, const std::vector<Param>& params,
-               const OptimizerOptions& options, const float* state_init);
+               const OptimizerOptions& options, const float* state_init,
+               std::shared_ptr<const void> program_owner = {});
 
   StepResult step(const detail::StepRequest& request, std::vector<double>& tensor_norms) override;
   std::string_view name() const override;
@@ -36,7 +39,8 @@ class FusedBackend final : public HostBackend {
     JitInfFn llvm_inf = nullptr;
   };
   static ReducePartial reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n);
-  void setup_llvm(const Program& program);  // the LLVM kernels now, or a background build
+  // The LLVM kernels now, or a background build.
+  void setup_llvm(const Program& program, std::shared_ptr<const void> program_owner);
   void install_llvm(const jit::CpuKernels& kernels);
   void poll_llvm();  // adopts a finished background build (at the start of a step)
 

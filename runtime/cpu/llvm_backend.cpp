@@ -107,8 +107,9 @@ class CompileThread {
   std::thread thread_;
 };
 
-std::shared_ptr<JitBuild> build_in_background(jit::CpuSpec spec) {
+std::shared_ptr<JitBuild> build_in_background(jit::CpuSpec spec, std::shared_ptr<const void> keep_alive) {
   auto build = std::make_shared<JitBuild>();
+  build->keep_alive_ = std::move(keep_alive);  // the compile thread holds `build` while it compiles
   CompileThread::get().push(build, std::move(spec));
   return build;
 }

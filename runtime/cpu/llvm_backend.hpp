@@ -35,10 +35,13 @@ class JitBuild {
   std::atomic<bool> ready_ = false;
   std::shared_ptr<const jit::CpuKernels> kernels_;
   std::string error_;
+  std::shared_ptr<const void> keep_alive_;  // what the spec's program refers to
 };
 
 // Queues `spec` for the compile thread. A build nobody holds any more when its
-// turn comes is dropped.
-std::shared_ptr<JitBuild> build_in_background(jit::CpuSpec spec);
+// turn comes is dropped. keep_alive: held as long as the build, so what the spec's
+// program refers to (a custom program's storage: its names) outlives a compile that
+// is still running when the optimizer is destroyed.
+std::shared_ptr<JitBuild> build_in_background(jit::CpuSpec spec, std::shared_ptr<const void> keep_alive = {});
 
 }  // namespace stepfuse::cpu
