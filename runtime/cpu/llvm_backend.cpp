@@ -40,7 +40,8 @@ class CompileThread {
     return *thread;
   }
 
-  void push(std::shared_ptr<JitBuild> build, jit::CpuSpec spec) {
+  void push(std::shared_ptr<JitBuild> build, jit::CpuSpec spec, std::shared_ptr<const void> keep_alive) {
+    build->keep_alive_ = std::move(keep_alive);  // this thread holds `build` while it compiles
     {
       std::lock_guard lock(mu_);
       queue_.push_back({std::move(build), std::move(spec)});
@@ -109,8 +110,7 @@ class CompileThread {
 
 std::shared_ptr<JitBuild> build_in_background(jit::CpuSpec spec, std::shared_ptr<const void> keep_alive) {
   auto build = std::make_shared<JitBuild>();
-  build->keep_alive_ = std::move(keep_alive);  // the compile thread holds `build` while it compiles
-  CompileThread::get().push(build, std::move(spec));
+  CompileThread::get().push(build, std::move(spec), std::move(keep_alive));
   return build;
 }
 
