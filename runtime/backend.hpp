@@ -5,10 +5,13 @@
 // unfused (runtime/cpu/unfused_backend) and CUDA (runtime/cuda/cuda_backend).
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
+#include "jit/builtins.hpp"
 #include "jit/layout.hpp"
 #include "jit/step_scalars.h"
 #include "stepfuse/optimizer.hpp"
@@ -19,11 +22,45 @@ extern "C" {
 
 namespace stepfuse::detail {
 
+// What runs on each tensor: the programs of an optimizer's param groups. Groups of
+// one optimizer run variants of one kind (Adam and Adam with amsgrad, say), so
+// their programs may have different state streams; the state buffers are the
+// union of them by name, each over the whole layout, and a group's program
+// stream s reads buffer state_slot[g][s].
+struct StepPrograms {
+  struct Group {
+    const Program* program = nullptr;
+    std::optional<jit::Builtin> fused;        // the built-in's fused CPU kernels; nullopt: interpret
+    float state_init[kMaxStreams] = {};        // initial value per program stream
+  };
+  std::vector<Group> groups;
+  std::vector<std::uint32_t> tensor_group;      // per tensor: its group
+  std::vector<std::string_view> state_names;     // the state buffers, first-use order
+  std::vector<std::array<int, kMaxStreams>> state_slot;  // per group, per program stream: buffer, or -1
+
+  const Program& program_of(std::size_t tensor) const { return *groups[tensor_group[tensor]].program; }
+  int state_index(std::string_view name) const {  // a buffer's index, or -1
+    for (std::size_t i = 0; i < state_names.size(); ++i)
+      if (state_names[i] == name) return static_cast<int>(i);
+    return -1;
+  }
+  int num_states() const { return static_cast<int>(state_names.size()); }
+  // Fills state_names and state_slot from groups.
+  void index_states();
+};
+
+// A group's per-step scalar rules, and the global step count when it was added
+// (its step t is the optimizer's minus step_base).
+struct GroupRules {
+  sf_scalar_rule rules[kMaxScalars] = {};
+  std::int64_t step_base = 0;
+};
+
 // One step, as StepEngine asks for it.
 struct StepRequest {
   double loss_scale = 1.0;    // S: finite and > 0 (1 for a plain step)
   bool scaled = false;        // the gradients carry S: a step that finds inf/NaN is skipped
-  const sf_scalar_rule* rules = nullptr;  // the program's scalar rules, one per program scalar
+  const GroupRules* groups = nullptr;  // per group of the StepPrograms
   // CUDA only: S read on the device (a GradScaler's scale; then `scaled`), and the
   // scaler's device state, where the step records found_inf.
   const float* device_scale = nullptr;
@@ -47,7 +84,7 @@ class Backend {
 
   // Where each tensor's state and master live (tensor i at layout().offsets[i]).
   virtual const jit::Layout& layout() const = 0;
-  // Host views of a state stream (by program stream index) and of the masters,
+  // Host views of a state buffer (by StepPrograms::state_names index) and of the masters,
   // laid out by layout(). CUDA: a host copy, fetched from the device (waiting for
   // it) when the device has changed since, and copied back before the next step.
   virtual float* state_data(int stream) const = 0;

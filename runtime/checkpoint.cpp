@@ -108,7 +108,7 @@ void write_optimizer(const detail::StepEngine& e, detail::SectionWriter& w) {
   for (int s : streams) w.str(program.streams[s].name);
   for (std::size_t i = 0; i < params.size(); ++i) {
     const auto n = static_cast<std::size_t>(params[i].weight.numel);
-    for (int s : streams) w.floats(e.state_data(i, s), n);
+    for (int s : streams) w.floats(e.state_data(i, e.state_stream(program.streams[s].name)), n);
     if (const float* m = e.master_data(i)) w.floats(m, n);
   }
 }
@@ -201,7 +201,7 @@ ParsedOptimizer parse_optimizer(const detail::CheckpointFile& file, const detail
         },
         out.config);
     try {
-      e.check_config(out.config);
+      e.check_config(0, out.config);
     } catch (const Error& err) {
       mismatch(path, std::string("its hyperparameters are not valid here: ") + err.what());
     }
@@ -238,7 +238,7 @@ ParsedOptimizer parse_optimizer(const detail::CheckpointFile& file, const detail
     if (r.str() != prog.streams[s].name) mismatch(path, "its state tensors differ from this optimizer's");
   for (std::size_t i = 0; i < params.size(); ++i) {
     const auto bytes = static_cast<std::size_t>(params[i].weight.numel) * sizeof(float);
-    for (int s : streams) out.copies.emplace_back(e.state_data(i, s), r.bytes(bytes));
+    for (int s : streams) out.copies.emplace_back(e.state_data(i, e.state_stream(prog.streams[s].name)), r.bytes(bytes));
     if (has_master[i]) out.copies.emplace_back(e.master_data(i), r.bytes(bytes));
   }
   if (!r.done()) throw Error(ErrorCode::io_error, "checkpoint '" + path + "' is corrupt: extra bytes in the optimizer section");
@@ -251,8 +251,8 @@ void commit_optimizer(detail::StepEngine& e, const ParsedOptimizer& p) {
   if (p.program)
     e.set_custom_rules(*p.program);  // checked in parse_optimizer
   else
-    e.set_config(p.config);  // checked in parse_optimizer
-  e.set_step_count(p.step_count);
+    e.set_config(0, p.config);  // checked in parse_optimizer
+  e.set_steps(p.step_count, {0});
 }
 
 std::map<std::string, double> parse_scaler(const detail::CheckpointFile& file) {

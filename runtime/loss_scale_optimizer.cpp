@@ -133,24 +133,26 @@ std::string_view field_for(const std::vector<Hyper>& hypers, std::string_view op
 
 }  // namespace
 
-double LossScaleOptimizer::get_hyper(std::string_view name) const {
-  if (inner_->is_custom()) {  // a custom program's fixed scalars
+double LossScaleOptimizer::get_hyper(std::string_view name, std::size_t group) const {
+  if (group >= inner_->num_groups()) inner_->group_params(group);  // Error: out of range
+  if (inner_->is_custom()) {  // a custom program's fixed scalars (one group)
     const UpdateProgram p = inner_->update_program();
     return inner_->scalar(field_for(custom_hypers(p), "custom update program '" + std::string(p.name()) + "'", name));
   }
-  OptimizerConfig config = inner_->config();
+  OptimizerConfig config = inner_->config(group);
   return *jit::find_number(config, field_for(hypers_of(config), optimizer_name(config), name));
 }
 
-void LossScaleOptimizer::set_hyper(std::string_view name, double value) {
+void LossScaleOptimizer::set_hyper(std::string_view name, double value, std::size_t group) {
+  if (group >= inner_->num_groups()) inner_->group_params(group);  // Error: out of range
   if (inner_->is_custom()) {
     const UpdateProgram p = inner_->update_program();
     inner_->set_scalar(field_for(custom_hypers(p), "custom update program '" + std::string(p.name()) + "'", name), value);
     return;
   }
-  OptimizerConfig config = inner_->config();
+  OptimizerConfig config = inner_->config(group);
   *jit::find_number(config, field_for(hypers_of(config), optimizer_name(config), name)) = value;
-  inner_->set_config(config);  // validates; nothing changes on an Error
+  inner_->set_config(group, config);  // validates; nothing changes on an Error
 }
 
 }  // namespace stepfuse

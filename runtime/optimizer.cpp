@@ -1,6 +1,7 @@
 // stepfuse::Optimizer: the public front-end over the step engine.
 #include "stepfuse/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -11,7 +12,10 @@
 namespace stepfuse {
 
 Optimizer::Optimizer(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options)
-    : engine_(std::make_unique<detail::StepEngine>(std::move(config), std::move(params), options)) {}
+    : engine_(std::make_unique<detail::StepEngine>(std::vector<ParamGroup>{{std::move(params), std::move(config)}},
+                                                   options, /*name_groups=*/false)) {}
+Optimizer::Optimizer(std::vector<ParamGroup> groups, OptimizerOptions options)
+    : engine_(std::make_unique<detail::StepEngine>(std::move(groups), options, /*name_groups=*/true)) {}
 Optimizer::Optimizer(UpdateProgram program, std::vector<Param> params, OptimizerOptions options)
     : engine_(std::make_unique<detail::StepEngine>(std::move(program), std::move(params), options)) {}
 Optimizer::~Optimizer() = default;
@@ -22,7 +26,61 @@ void Optimizer::step() { engine_->step(1.0, false); }
 StepResult Optimizer::step_scaled(double loss_scale) { return engine_->step(loss_scale, true); }
 
 const OptimizerConfig& Optimizer::config() const { return engine_->config(); }
-void Optimizer::set_config(const OptimizerConfig& config) { engine_->set_config(config); }
+void Optimizer::set_config(const OptimizerConfig& config) {
+  // Every group, or none: check them all before changing any.
+  for (std::size_t g = 0; g < engine_->num_groups(); ++g) engine_->check_config(g, config);
+  for (std::size_t g = 0; g < engine_->num_groups(); ++g) engine_->set_config(g, config);
+}
+
+std::size_t Optimizer::num_groups() const { return engine_->num_groups(); }
+const OptimizerConfig& Optimizer::config(std::size_t group) const {
+  engine_->check_group(group, "config");
+  return engine_->config(group);
+}
+void Optimizer::set_config(std::size_t group, const OptimizerConfig& config) { engine_->set_config(group, config); }
+std::size_t Optimizer::group_of(std::size_t param) const {
+  if (param >= engine_->params().size())
+    throw Error(ErrorCode::invalid_argument, "group_of: param index " + std::to_string(param) +
+                                                 " is out of range (the optimizer has " +
+                                                 std::to_string(engine_->params().size()) + " params)");
+  return engine_->group_of(param);
+}
+std::span<const Param> Optimizer::group_params(std::size_t group) const {
+  engine_->check_group(group, "group_params");
+  return std::span<const Param>(engine_->params()).subspan(engine_->group_begin(group),
+                                                           engine_->group_end(group) - engine_->group_begin(group));
+}
+std::int64_t Optimizer::group_step_count(std::size_t group) const {
+  engine_->check_group(group, "group_step_count");
+  return engine_->group_step_count(group);
+}
+
+void Optimizer::add_param_group(ParamGroup group) {
+  if (engine_->custom_program() != nullptr)
+    throw Error(ErrorCode::invalid_state,
+                "add_param_group: a custom-program optimizer has one group (build another Optimizer for more tensors)");
+  detail::StepEngine& old = *engine_;
+  std::vector<ParamGroup> groups = old.param_groups();
+  groups.push_back(std::move(group));
+  // A new engine over every group (validated against the existing tensors; on an
+  // Error nothing changed), then the existing groups' state, masters and steps.
+  auto next = std::make_unique<detail::StepEngine>(std::move(groups), old.options(), /*name_groups=*/true);
+  const detail::StepPrograms& from = old.programs();
+  for (std::size_t i = 0; i < old.params().size(); ++i) {
+    const auto n = static_cast<std::size_t>(old.params()[i].weight.numel);
+    for (int b = 0; b < from.num_states(); ++b) {
+      if (!old.has_state(i, b)) continue;
+      const float* src = old.state_data(i, b);
+      std::copy(src, src + n, next->state_data(i, next->state_stream(from.state_names[static_cast<std::size_t>(b)])));
+    }
+    if (const float* m = old.master_data(i)) std::copy(m, m + n, next->master_data(i));
+  }
+  std::vector<std::int64_t> bases;
+  for (std::size_t g = 0; g < old.num_groups(); ++g) bases.push_back(old.step_base(g));
+  bases.push_back(old.step_count());  // the new group starts at step 0
+  next->set_steps(old.step_count(), bases);
+  engine_ = std::move(next);
+}
 
 namespace {
 
@@ -40,6 +98,19 @@ void require_fixed_lr(const UpdateProgram& p) {
 
 }  // namespace
 
+double Optimizer::lr(std::size_t group) const {
+  engine_->check_group(group, "lr");
+  if (engine_->custom_program() != nullptr) return lr();
+  return std::visit([](const auto& cfg) { return cfg.lr; }, engine_->config(group));
+}
+void Optimizer::set_lr(std::size_t group, double lr) {
+  engine_->check_group(group, "set_lr");
+  if (engine_->custom_program() != nullptr) return set_lr(lr);
+  OptimizerConfig c = engine_->config(group);
+  std::visit([&](auto& cfg) { cfg.lr = lr; }, c);
+  engine_->set_config(group, c);  // validates (a negative or non-finite lr is an Error; nothing changes)
+}
+
 void Optimizer::set_lr(double lr) {
   if (const UpdateProgram* custom = engine_->custom_program()) {
     require_fixed_lr(*custom);
@@ -48,9 +119,15 @@ void Optimizer::set_lr(double lr) {
     engine_->set_custom_rules(custom->with_value("lr", lr));
     return;
   }
-  OptimizerConfig c = engine_->config();
-  std::visit([&](auto& cfg) { cfg.lr = lr; }, c);
-  engine_->set_config(c);  // validates (a negative or non-finite lr is an Error; nothing changes)
+  // Every group, or none: check them all before changing any.
+  std::vector<OptimizerConfig> configs;
+  for (std::size_t g = 0; g < engine_->num_groups(); ++g) {
+    OptimizerConfig c = engine_->config(g);
+    std::visit([&](auto& cfg) { cfg.lr = lr; }, c);
+    engine_->check_config(g, c);  // a negative or non-finite lr is an Error
+    configs.push_back(std::move(c));
+  }
+  for (std::size_t g = 0; g < configs.size(); ++g) engine_->set_config(g, configs[g]);
 }
 double Optimizer::lr() const {
   if (const UpdateProgram* custom = engine_->custom_program()) {
@@ -111,13 +188,7 @@ std::string_view cpu_backend_name(CpuBackend backend) {
 std::size_t Optimizer::num_params() const { return engine_->params().size(); }
 const std::vector<Param>& Optimizer::params() const { return engine_->params(); }
 
-std::vector<std::string_view> Optimizer::state_names() const {
-  std::vector<std::string_view> names;
-  const Program& p = engine_->program();
-  for (int s = 0; s < p.num_streams; ++s)
-    if (p.streams[s].role == StreamRole::state) names.push_back(p.streams[s].name);
-  return names;
-}
+std::vector<std::string_view> Optimizer::state_names() const { return engine_->programs().state_names; }
 
 namespace {
 void check_param_index(std::size_t param, std::size_t n) {
@@ -134,9 +205,14 @@ std::span<float> Optimizer::mutable_state(std::size_t param, std::string_view na
     std::string known;
     for (auto n : state_names()) known += (known.empty() ? "" : ", ") + std::string(n);
     throw Error(ErrorCode::invalid_argument, "state '" + std::string(name) + "' does not exist for " +
-                                                 std::string(engine_->program().name) + " (its state: " +
+                                                 std::string(engine_->program(engine_->group_of(param)).name) + " (its state: " +
                                                  (known.empty() ? "none" : known) + ")");
   }
+  if (!engine_->has_state(param, s))
+    throw Error(ErrorCode::invalid_argument,
+                "state '" + std::string(name) + "' does not exist for param " + std::to_string(param) + ": its group (" +
+                    std::to_string(engine_->group_of(param)) + ") runs " +
+                    std::string(engine_->program(engine_->group_of(param)).name) + ", which keeps none");
   return {engine_->state_data(param, s), static_cast<std::size_t>(engine_->params()[param].weight.numel)};
 }
 std::span<const float> Optimizer::state(std::size_t param, std::string_view name) const {

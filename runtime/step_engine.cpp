@@ -20,32 +20,68 @@ namespace {
 
 [[noreturn]] void bad_argument(const std::string& message) { throw Error(ErrorCode::invalid_argument, message); }
 
-std::string param_name(std::size_t i, const char* field) {
-  return "params[" + std::to_string(i) + "]." + field;
-}
-
 bool valid_dtype(DType t) { return static_cast<unsigned>(t) <= static_cast<unsigned>(DType::bf16); }
 
-void validate_params(const std::vector<Param>& params) {
+// Where a param is, as the caller wrote it: "params[3]" or "groups[1].params[0]".
+struct ParamNames {
+  const std::vector<std::size_t>* group_begin = nullptr;  // null: one unnamed group
+  std::string operator()(std::size_t i) const {
+    if (group_begin == nullptr) return "params[" + std::to_string(i) + "]";
+    std::size_t g = 0;
+    while (g + 1 < group_begin->size() && (*group_begin)[g + 1] <= i) ++g;
+    return "groups[" + std::to_string(g) + "].params[" + std::to_string(i - (*group_begin)[g]) + "]";
+  }
+};
+
+// The most elements one tensor may have: keeps every size and offset computation
+// (rounding to 16 elements, bytes of an fp32 copy, chunk counts) far from
+// overflowing int64, and an absurd numel an Error instead of a failed allocation.
+constexpr std::int64_t kMaxNumel = std::int64_t{1} << 48;
+
+void validate_params(const std::vector<Param>& params, const ParamNames& name) {
   if (params.empty()) bad_argument("Optimizer: the parameter list is empty (pass at least one Param)");
-  std::unordered_set<const void*> seen;
+  struct Range {
+    std::uintptr_t begin, end;
+    std::size_t param;
+    const char* field;
+  };
+  std::vector<Range> ranges;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
     for (const auto& [view, field] : {std::pair{&p.weight, "weight"}, std::pair{&p.grad, "grad"}}) {
+      const std::string at = name(i) + "." + field;
       if (!valid_dtype(view->dtype))
-        bad_argument(param_name(i, field) + ".dtype = " + std::to_string(static_cast<int>(view->dtype)) +
+        bad_argument(at + ".dtype = " + std::to_string(static_cast<int>(view->dtype)) +
                      " is not a DType (use DType::f32, f16 or bf16)");
-      if (view->numel < 0) bad_argument(param_name(i, field) + ".numel = " + std::to_string(view->numel) + " is negative");
+      if (view->numel < 0) bad_argument(at + ".numel = " + std::to_string(view->numel) + " is negative");
+      if (view->numel > kMaxNumel)
+        bad_argument(at + ".numel = " + std::to_string(view->numel) + " is more than one tensor may have (2^48)");
       if (view->numel > 0 && view->data == nullptr)
-        bad_argument(param_name(i, field) + ".data is null with numel = " + std::to_string(view->numel));
+        bad_argument(at + ".data is null with numel = " + std::to_string(view->numel));
+      if (view->numel > 0) {
+        const auto begin = reinterpret_cast<std::uintptr_t>(view->data);
+        ranges.push_back({begin, begin + static_cast<std::uintptr_t>(view->numel) * dtype_size(view->dtype), i, field});
+      }
     }
     if (p.weight.numel != p.grad.numel)
-      bad_argument(param_name(i, "weight") + ".numel = " + std::to_string(p.weight.numel) + " but " +
-                   param_name(i, "grad") + ".numel = " + std::to_string(p.grad.numel) + " (they must match)");
-    if (p.weight.data != nullptr && p.weight.numel > 0 && !seen.insert(p.weight.data).second)
-      bad_argument(param_name(i, "weight") + ".data appears in more than one Param (each tensor may appear once)");
-    if (p.weight.numel > 0 && p.weight.data == p.grad.data)
-      bad_argument(param_name(i, "grad") + ".data is the same buffer as the weight");
+      bad_argument(name(i) + ".weight.numel = " + std::to_string(p.weight.numel) + " but " + name(i) +
+                   ".grad.numel = " + std::to_string(p.grad.numel) + " (they must match)");
+  }
+  // No two tensors may share memory: a weight listed twice would be updated twice,
+  // a shared gradient unscaled twice, and overlapping ranges race between threads.
+  std::sort(ranges.begin(), ranges.end(), [](const Range& x, const Range& y) { return x.begin < y.begin; });
+  for (std::size_t k = 1, last = 0; k < ranges.size(); ++k) {
+    const Range& prev = ranges[last];
+    const Range& r = ranges[k];
+    if (r.begin < prev.end) {
+      const std::string a = name(prev.param) + "." + prev.field, b = name(r.param) + "." + r.field;
+      if (prev.param == r.param)
+        bad_argument(a + " and " + b + " share memory (a gradient needs its own buffer)");
+      if (r.begin == prev.begin && std::string_view(r.field) == prev.field)
+        bad_argument(b + " is the same tensor as " + a + " (each tensor may appear once, in one group)");
+      bad_argument(b + " overlaps " + a + " in memory (tensors must not share memory)");
+    }
+    if (r.end > prev.end) last = k;
   }
 }
 
@@ -76,28 +112,85 @@ void validate_options(const OptimizerOptions& o) {
 
 }  // namespace
 
-StepEngine::StepEngine(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options)
-    : config_(std::move(config)), params_(std::move(params)), options_(options) {
-  jit::validate_config(config_);
-  validate_params(params_);
+void StepPrograms::index_states() {
+  state_names.clear();
+  state_slot.assign(groups.size(), {});
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const Program& p = *groups[g].program;
+    state_slot[g].fill(-1);
+    for (int s = 0; s < p.num_streams; ++s) {
+      if (p.streams[s].role != StreamRole::state) continue;
+      int b = state_index(p.streams[s].name);
+      if (b < 0) {
+        b = num_states();
+        state_names.push_back(p.streams[s].name);
+      }
+      state_slot[g][static_cast<std::size_t>(s)] = b;
+    }
+  }
+}
+
+StepEngine::StepEngine(std::vector<ParamGroup> groups, OptimizerOptions options, bool name_groups)
+    : options_(options) {
+  if (groups.empty()) bad_argument("Optimizer: no param groups (pass at least one ParamGroup)");
+  std::vector<std::size_t> begins;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    ParamGroup& pg = groups[g];
+    const std::string where = name_groups ? "groups[" + std::to_string(g) + "]" : std::string("Optimizer");
+    if (pg.params.empty())
+      bad_argument(where + ": the parameter list is empty (pass at least one Param" +
+                   (name_groups ? std::string(", or leave the group out)") : std::string(")")));
+    if (pg.config.index() != groups[0].config.index())
+      bad_argument(where + ".config is " + std::string(optimizer_name(pg.config)) + " but groups[0].config is " +
+                   std::string(optimizer_name(groups[0].config)) +
+                   " (every group of one Optimizer has the same optimizer kind; use one Optimizer per kind)");
+    try {
+      jit::validate_config(pg.config);
+    } catch (const Error& e) {
+      if (!name_groups) throw;
+      throw Error(e.code(), where + ".config: " + e.what());
+    }
+    Group group;
+    group.config = pg.config;
+    group.builtin = jit::select_builtin(pg.config);
+    group.begin = params_.size();
+    begins.push_back(params_.size());
+    for (Param& p : pg.params) params_.push_back(p);
+    group.end = params_.size();
+    groups_.push_back(std::move(group));
+  }
+  validate_params(params_, ParamNames{name_groups ? &begins : nullptr});
   validate_options(options_);
-  builtin_ = jit::select_builtin(config_);
-  program_ = &jit::builtin_program(builtin_);
-  jit::scalar_rules(config_, *program_, rules_);
-  float init[kMaxStreams] = {};
-  for (int s = 0; s < program_->num_streams; ++s) init[s] = jit::initial_state_value(config_, *program_, s);
-  setup(init);
+  rules_.resize(groups_.size());
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const Group& group = groups_[g];
+    StepPrograms::Group pg;
+    pg.program = &jit::builtin_program(group.builtin);
+    if (options_.fusion == Fusion::fused) pg.fused = group.builtin;
+    for (int s = 0; s < pg.program->num_streams; ++s)
+      pg.state_init[s] = jit::initial_state_value(group.config, *pg.program, s);
+    jit::scalar_rules(group.config, *pg.program, rules_[g].rules);
+    programs_.groups.push_back(pg);
+    programs_.tensor_group.insert(programs_.tensor_group.end(), group.end - group.begin, static_cast<std::uint32_t>(g));
+  }
+  setup();
 }
 
 StepEngine::StepEngine(UpdateProgram program, std::vector<Param> params, OptimizerOptions options)
     : custom_(std::make_unique<UpdateProgram>(std::move(program))), params_(std::move(params)), options_(options) {
-  validate_params(params_);
+  validate_params(params_, ParamNames{});
   validate_options(options_);
-  program_ = &custom_->program();  // lives in custom_'s storage, as long as the engine
-  for (int s = 0; s < program_->num_scalars; ++s) rules_[s] = jit::device_rule(custom_->scalars()[s].rule);
-  float init[kMaxStreams] = {};
-  for (int s = 0; s < program_->num_streams; ++s) init[s] = program_->streams[s].init;
-  setup(init);
+  Group group;
+  group.end = params_.size();
+  groups_.push_back(group);
+  StepPrograms::Group pg;
+  pg.program = &custom_->program();  // lives in custom_'s storage, as long as the engine
+  for (int s = 0; s < pg.program->num_streams; ++s) pg.state_init[s] = pg.program->streams[s].init;
+  programs_.groups.push_back(pg);
+  programs_.tensor_group.assign(params_.size(), 0);
+  rules_.resize(1);
+  for (int s = 0; s < pg.program->num_scalars; ++s) rules_[0].rules[s] = jit::device_rule(custom_->scalars()[s].rule);
+  setup();
 }
 
 void StepEngine::no_config(const char* what) {
@@ -108,55 +201,84 @@ void StepEngine::no_config(const char* what) {
 
 void StepEngine::set_custom_rules(const UpdateProgram& program) {
   if (!custom_) throw Error(ErrorCode::invalid_state, "a built-in optimizer's scalars come from its config; use set_config()");
-  if (to_string(program.program()) != to_string(*program_))
+  if (to_string(program.program()) != to_string(this->program()))
     bad_argument("the update program '" + std::string(program.name()) + "' is not the one this optimizer runs ('" +
-                 std::string(program_->name) + "'): only its scalar rules can change");
-  // Same program text: same scalars in the same order. Keep our storage (program_ points into it).
+                 std::string(this->program().name) + "'): only its scalar rules can change");
+  // Same program text: same scalars in the same order. Keep our storage (the programs point into it).
   *custom_ = custom_->with_rules(program.scalars());
-  for (int s = 0; s < program_->num_scalars; ++s) rules_[s] = jit::device_rule(custom_->scalars()[s].rule);
+  for (int s = 0; s < this->program().num_scalars; ++s) rules_[0].rules[s] = jit::device_rule(custom_->scalars()[s].rule);
 }
 
-void StepEngine::setup(const float* state_init) {
+void StepEngine::setup() {
+  programs_.index_states();
   if (options_.device.kind == Device::Kind::cuda) {
-    auto cuda = std::make_unique<CudaBackend>(*program_, params_, options_, state_init);
+    auto cuda = std::make_unique<CudaBackend>(programs_, params_, options_);
     cuda_ = cuda.get();
     backend_ = std::move(cuda);
   } else if (options_.fusion == Fusion::unfused) {
-    backend_ = std::make_unique<cpu::UnfusedBackend>(*program_, params_, options_, state_init);
+    backend_ = std::make_unique<cpu::UnfusedBackend>(programs_, params_, options_);
   } else {
-    // The compile-time fused kernels for a built-in with Fusion::fused; else the interpreter.
-    const std::optional<jit::Builtin> fused =
-        options_.fusion == Fusion::fused && !custom_ ? std::optional(builtin_) : std::nullopt;
     // A custom program's names live in its storage, which a background compile keeps alive.
     std::shared_ptr<const void> owner = custom_ ? std::make_shared<const UpdateProgram>(*custom_) : nullptr;
-    backend_ = std::make_unique<cpu::FusedBackend>(*program_, fused, params_, options_, state_init, std::move(owner));
+    backend_ = std::make_unique<cpu::FusedBackend>(programs_, params_, options_, std::move(owner));
   }
   tensor_norms_.assign(params_.size(), NAN);
 }
 
-int StepEngine::state_stream(std::string_view name) const {
-  const int s = program_->find_stream(name);
-  return s >= 0 && program_->streams[s].role == StreamRole::state ? s : -1;
+void StepEngine::check_group(std::size_t group, const char* what) const {
+  if (group >= groups_.size())
+    bad_argument(std::string(what) + ": group " + std::to_string(group) + " is out of range (the optimizer has " +
+                 std::to_string(groups_.size()) + (groups_.size() == 1 ? " group)" : " groups)"));
 }
 
-void StepEngine::set_config(const OptimizerConfig& config) {
-  if (custom_) no_config("set_config()");
-  check_config(config);
-  config_ = config;
-  jit::scalar_rules(config_, *program_, rules_);
+bool StepEngine::has_state(std::size_t param, int buffer) const {
+  const auto& slots = programs_.state_slot[programs_.tensor_group[param]];
+  return std::find(slots.begin(), slots.end(), buffer) != slots.end();
 }
 
-void StepEngine::check_config(const OptimizerConfig& config) const {
+void StepEngine::set_steps(std::int64_t step_count, const std::vector<std::int64_t>& step_bases) {
+  backend_->set_step_count(step_count);
+  for (std::size_t g = 0; g < rules_.size() && g < step_bases.size(); ++g) rules_[g].step_base = step_bases[g];
+}
+
+std::vector<ParamGroup> StepEngine::param_groups() const {
+  if (custom_) no_config("param groups");
+  std::vector<ParamGroup> out;
+  for (const Group& g : groups_)
+    out.push_back({std::vector<Param>(params_.begin() + static_cast<std::ptrdiff_t>(g.begin),
+                                      params_.begin() + static_cast<std::ptrdiff_t>(g.end)),
+                   g.config});
+  return out;
+}
+
+void StepEngine::set_config(std::size_t group, const OptimizerConfig& config) {
   if (custom_) no_config("set_config()");
-  if (config.index() != config_.index())
-    bad_argument("set_config: the optimizer is " + std::string(optimizer_name(config_)) + " but the new config is " +
+  check_config(group, config);
+  groups_[group].config = config;
+  jit::scalar_rules(config, *programs_.groups[group].program, rules_[group].rules);
+}
+
+void StepEngine::check_config(std::size_t group, const OptimizerConfig& config) const {
+  if (custom_) no_config("set_config()");
+  check_group(group, "set_config");
+  const OptimizerConfig& now = groups_[group].config;
+  const std::string where = groups_.size() > 1 ? "set_config(group " + std::to_string(group) + ")" : "set_config";
+  if (config.index() != now.index())
+    bad_argument(where + ": the optimizer is " + std::string(optimizer_name(now)) + " but the new config is " +
                  std::string(optimizer_name(config)) + " (build a new Optimizer to change the kind)");
-  jit::validate_config(config);
-  if (jit::select_builtin(config) != builtin_)
-    bad_argument("set_config: the new config needs update program '" +
-                 std::string(jit::builtin_program(jit::select_builtin(config)).name) + "' but this optimizer runs '" +
-                 std::string(program_->name) +
-                 "' (amsgrad, nesterov, centered and momentum on/off change the state; build a new Optimizer)");
+  try {
+    jit::validate_config(config);
+  } catch (const Error& e) {
+    if (groups_.size() == 1) throw;
+    throw Error(e.code(), where + ": " + e.what());
+  }
+  if (jit::select_builtin(config) != groups_[group].builtin)
+    bad_argument(where + ": the new config needs update program '" +
+                 std::string(jit::builtin_program(jit::select_builtin(config)).name) + "' but " +
+                 (groups_.size() > 1 ? "this group" : std::string("this optimizer")) + " runs '" +
+                 std::string(programs_.groups[group].program->name) +
+                 "' (amsgrad, nesterov, centered and momentum on/off change the state; build a new Optimizer or add "
+                 "a param group)");
 }
 
 const StepResult& StepEngine::last() const {
@@ -172,7 +294,7 @@ const std::vector<double>& StepEngine::tensor_norms() const {
 const StepResult& StepEngine::step_device_scale(const float* scale, sf_scaler_state* scaler) {
   StepRequest request;
   request.scaled = true;
-  request.rules = rules_;
+  request.groups = rules_.data();
   request.device_scale = scale;
   request.scaler = scaler;
   last_ = backend_->step(request, tensor_norms_);
@@ -185,7 +307,7 @@ const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   StepRequest request;
   request.loss_scale = loss_scale;
   request.scaled = scaled;
-  request.rules = rules_;
+  request.groups = rules_.data();
   last_ = backend_->step(request, tensor_norms_);
   return last_;
 }

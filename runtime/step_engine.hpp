@@ -20,12 +20,14 @@ namespace stepfuse::detail {
 // kernels, allocated and planned at construction. A fused step allocates nothing.
 class StepEngine {
  public:
-  StepEngine(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options);
-  // A custom update program: on the CPU the blocked interpreter runs it (in the
-  // fused pipeline: Fusion::fused and Fusion::interpreted are the same path for
-  // it), on CUDA the kernels generated for it.
+  // Built-in optimizers, one or more param groups of one kind. name_groups: say
+  // "groups[g].params[i]" in errors (else "params[i]", the one-config constructor's).
+  StepEngine(std::vector<ParamGroup> groups, OptimizerOptions options, bool name_groups);
+  // A custom update program (one group): on the CPU the blocked interpreter runs
+  // it (in the fused pipeline: Fusion::fused and Fusion::interpreted are the same
+  // path for it), on CUDA the kernels generated for it.
   StepEngine(UpdateProgram program, std::vector<Param> params, OptimizerOptions options);
-  // Not copied or moved: the backend refers to params() and options().
+  // Not copied or moved: the backend refers to params(), options() and the programs.
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
 
@@ -38,35 +40,56 @@ class StepEngine {
   bool on_cuda() const { return cuda_ != nullptr; }
   CudaBackend* cuda() const { return cuda_; }
 
-  // Built-ins only: Error(invalid_state) for a custom program.
-  const OptimizerConfig& config() const {
+  // Param groups (a custom program is one group).
+  std::size_t num_groups() const { return groups_.size(); }
+  std::size_t group_of(std::size_t param) const { return programs_.tensor_group[param]; }
+  std::size_t group_begin(std::size_t group) const { return groups_[group].begin; }
+  std::size_t group_end(std::size_t group) const { return groups_[group].end; }
+  // The group's steps: step_count() minus the steps before it was added.
+  std::int64_t group_step_count(std::size_t group) const { return step_count() - rules_[group].step_base; }
+  std::int64_t step_base(std::size_t group) const { return rules_[group].step_base; }
+  // Checkpoint restore and add_param_group: the global count and each group's base.
+  void set_steps(std::int64_t step_count, const std::vector<std::int64_t>& step_bases);
+  // Error(invalid_argument) naming the index unless group < num_groups().
+  void check_group(std::size_t group, const char* what) const;
+
+  // Built-ins only: Error(invalid_state) for a custom program. config() is group 0's.
+  const OptimizerConfig& config() const { return config(0); }
+  const OptimizerConfig& config(std::size_t group) const {
     if (custom_) no_config("config()");
-    return config_;
+    return groups_[group].config;
   }
-  void set_config(const OptimizerConfig& config);
+  void set_config(std::size_t group, const OptimizerConfig& config);
+  // Throws what set_config would throw for `config`, changing nothing.
+  void check_config(std::size_t group, const OptimizerConfig& config) const;
+  // The groups as ParamGroups (built-ins): what add_param_group rebuilds from.
+  std::vector<ParamGroup> param_groups() const;
   // The custom program (with its current scalar rules), or null for a built-in.
   const UpdateProgram* custom_program() const { return custom_.get(); }
   // Custom programs: replaces the scalar rules (same program, validated); takes
   // effect at the next step, no recompilation. Error(invalid_argument) if `program`
   // is another program; Error(invalid_state) for a built-in.
   void set_custom_rules(const UpdateProgram& program);
-  // Throws what set_config would throw for `config`, changing nothing.
-  void check_config(const OptimizerConfig& config) const;
   const OptimizerOptions& options() const { return options_; }
   const std::vector<Param>& params() const { return params_; }
-  const Program& program() const { return *program_; }
+  // Group 0's program (the only one with one group), and a group's.
+  const Program& program() const { return *programs_.groups[0].program; }
+  const Program& program(std::size_t group) const { return *programs_.groups[group].program; }
+  const StepPrograms& programs() const { return programs_; }
   std::int64_t step_count() const { return backend_->step_count(); }
-  void set_step_count(std::int64_t n) { backend_->set_step_count(n); }  // checkpoint restore
   const StepResult& last() const;
   const std::vector<double>& tensor_norms() const;
   int threads() const { return backend_->threads(); }
   std::string_view backend() const { return backend_->name(); }  // Optimizer::backend()
 
-  int state_stream(std::string_view name) const;  // program stream index, or -1
+  // A state buffer's index by name (the union of the groups' state streams), or -1.
+  int state_stream(std::string_view name) const { return programs_.state_index(name); }
+  // Whether param's group's program has state buffer `buffer`.
+  bool has_state(std::size_t param, int buffer) const;
   // On CUDA these are a host copy, fetched from the device (waiting for it) when
   // the device has changed since; the next step copies it back.
-  float* state_data(std::size_t param, int stream) const {
-    return backend_->state_data(stream) + backend_->layout().offsets[param];
+  float* state_data(std::size_t param, int buffer) const {
+    return backend_->state_data(buffer) + backend_->layout().offsets[param];
   }
   // fp32 master copy of a parameter, or null (f32 weights, or masters off).
   float* master_data(std::size_t param) const {
@@ -75,16 +98,20 @@ class StepEngine {
   }
 
  private:
-  void setup(const float* state_init);  // the backend, once the program and its rules are known
+  struct Group {
+    OptimizerConfig config;                // built-ins
+    jit::Builtin builtin = jit::Builtin::none;
+    std::size_t begin = 0, end = 0;        // its params in params_
+  };
+  void setup();  // the backend, once the programs and their rules are known
   [[noreturn]] static void no_config(const char* what);
 
-  OptimizerConfig config_;                // built-ins
-  std::unique_ptr<UpdateProgram> custom_;  // custom programs (then config_ is unused)
-  jit::Builtin builtin_ = jit::Builtin::none;
-  const Program* program_;
-  std::vector<Param> params_;
+  std::unique_ptr<UpdateProgram> custom_;  // custom programs (then Group::config is unused)
+  std::vector<Group> groups_;
+  std::vector<Param> params_;               // every group's, group after group
   OptimizerOptions options_;
-  sf_scalar_rule rules_[kMaxScalars] = {};  // the config's (or custom program's) scalar rules (jit/step_scalars.h)
+  StepPrograms programs_;
+  std::vector<GroupRules> rules_;           // per group: its scalar rules (jit/step_scalars.h) and step base
   std::unique_ptr<Backend> backend_;
   CudaBackend* cuda_ = nullptr;  // backend_, when it is the CUDA one
   mutable std::vector<double> tensor_norms_;

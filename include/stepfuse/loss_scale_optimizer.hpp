@@ -69,8 +69,14 @@ class LossScaleOptimizer {
   // optimizer's config. set_hyper validates as Optimizer::set_config does.
   // A custom-program inner optimizer's hyperparameters are its fixed scalars, each
   // under its own name, "lr" being "learning_rate" (Optimizer::scalar / set_scalar).
-  double get_hyper(std::string_view name) const;
-  void set_hyper(std::string_view name, double value);
+  //
+  // Keras has no param groups: with several, these address group 0 (the one
+  // Keras would see); the overloads taking a group address any group. A group
+  // index out of range is Error(invalid_argument).
+  double get_hyper(std::string_view name) const { return get_hyper(name, 0); }
+  void set_hyper(std::string_view name, double value) { set_hyper(name, value, 0); }
+  double get_hyper(std::string_view name, std::size_t group) const;
+  void set_hyper(std::string_view name, double value, std::size_t group);
   std::vector<std::string> hyper_names() const;  // the names get_hyper accepts, without aliases
 
   // Delegated to the inner optimizer.

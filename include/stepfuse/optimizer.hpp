@@ -77,6 +77,15 @@ struct StepResult {
   bool pending = false;
 };
 
+// A parameter group, as a torch.optim param group: tensors with their own
+// hyperparameters. Every group of one Optimizer has the same optimizer kind
+// (all AdamW, say); any hyperparameter or flag may differ (weight_decay 0 for
+// biases and norms, another lr for embeddings, amsgrad for some).
+struct ParamGroup {
+  std::vector<Param> params;
+  OptimizerConfig config;
+};
+
 namespace detail {
 class StepEngine;
 }
@@ -94,7 +103,20 @@ class Optimizer {
   // Throws Error(invalid_argument) for a bad hyperparameter, a null pointer with
   // numel > 0, a weight/grad size mismatch, or an unsupported dtype combination;
   // Error(unsupported) for a device this build or machine cannot use.
+  // One group: Optimizer({{params, config}}, options).
   Optimizer(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options = {});
+  // Parameter groups. One step still has one reduce pass, one global gradient norm
+  // over every group (max_grad_norm clips it, as clip_grad_norm_ over all
+  // parameters), one skip decision and one update pass; each tensor runs its
+  // group's hyperparameters, and a group whose flags change the program (amsgrad,
+  // nesterov, centered, momentum on/off) runs its own kernel variant in that same
+  // pass. params() lists every group's params, group after group; per-param
+  // indices (state(), master(), last_tensor_grad_norms()) index that list.
+  // Throws Error(invalid_argument) for no group, an empty group, groups of
+  // different optimizer kinds, a bad hyperparameter (naming the group), a tensor
+  // in two groups or twice in one (naming both places), and everything the
+  // one-group constructor rejects.
+  Optimizer(std::vector<ParamGroup> groups, OptimizerOptions options = {});
   // A custom update program (update_program.hpp; docs/update-programs.md), with the
   // same pipeline as the built-ins: unscale, inf/NaN check, clipping, GradScaler and
   // LossScaleOptimizer work unchanged. On the CPU the blocked interpreter runs the
@@ -122,17 +144,43 @@ class Optimizer {
 
   // Built-in optimizers only: on a custom-program optimizer config() and
   // set_config() throw Error(invalid_state) (use scalar() / set_scalar()).
+  // config() is group 0's (the only group's, with one group).
   const OptimizerConfig& config() const;
-  // Same optimizer kind (Error otherwise); takes effect at the next step, no recompilation.
-  // Changing a flag that changes the program (amsgrad, nesterov, centered, momentum
-  // on/off) is an Error: build a new Optimizer for that.
+  // Sets every group's config. Same optimizer kind (Error otherwise); takes effect
+  // at the next step, no recompilation. Changing a flag that changes the program
+  // (amsgrad, nesterov, centered, momentum on/off) is an Error: build a new
+  // Optimizer (or add a param group) for that.
   void set_config(const OptimizerConfig& config);
   // The learning rate: the config's lr; for a custom program, its scalar "lr",
   // which must have the fixed rule (Error(invalid_state) otherwise; scalars whose
   // rules use a learning rate, such as a bias-corrected step size, are changed
   // with set_scalar_rule()). A negative or non-finite lr is Error(invalid_argument).
+  // set_lr(lr) sets every group's lr; lr() is group 0's.
   void set_lr(double lr);
   double lr() const;
+
+  // Parameter groups (an optimizer built from one config has one group).
+  // A group index out of range is Error(invalid_argument).
+  std::size_t num_groups() const;
+  const OptimizerConfig& config(std::size_t group) const;
+  // As set_config(config), for one group: the same kind and the same program
+  // variant as that group runs now; no recompilation.
+  void set_config(std::size_t group, const OptimizerConfig& config);
+  double lr(std::size_t group) const;
+  void set_lr(std::size_t group, double lr);
+  // As torch's add_param_group: appends a group (its params follow the existing
+  // ones in params()), with fresh state and its own step count starting at 0 (so
+  // bias corrections start over for it, as in PyTorch). The existing groups keep
+  // their state, masters and step counts. Validated like the constructor's groups
+  // against every existing tensor; on an Error nothing changes. Replans the step
+  // (kernels for new dtype combinations or variants are compiled or found in the
+  // cache); call it between steps.
+  void add_param_group(ParamGroup group);
+  // The group of params()[param], and a group's params (a view into params()).
+  std::size_t group_of(std::size_t param) const;
+  std::span<const Param> group_params(std::size_t group) const;
+  // Steps the group has applied: step_count() minus the steps taken before it was added.
+  std::int64_t group_step_count(std::size_t group) const;
 
   // Custom update programs.
   bool is_custom() const;

@@ -1,6 +1,7 @@
 // The fused CPU backend: reduce pass -> step stage -> update pass.
 #include "runtime/cpu/fused_backend.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -10,86 +11,114 @@
 
 namespace stepfuse::cpu {
 
-FusedBackend::FusedBackend(const Program& program, std::optional<jit::Builtin> builtin, const std::vector<Param>& params,
-                           const OptimizerOptions& options, const float* state_init,
-                           std::shared_ptr<const void> program_owner)
-    : HostBackend(program, params, options, state_init) {
+FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vector<Param>& params,
+                           const OptimizerOptions& options, std::shared_ptr<const void> program_owner)
+    : HostBackend(programs, params, options) {
   const NormKind norm_kind = options_.norm_type == INFINITY ? NormKind::inf : NormKind::l2;
   const jit::Layout& l = host_.layout();
   kernels_.resize(params_.size());
+  tensor_jit_.resize(params_.size());
+  bool interpret = false;
+  std::vector<const Program*> tensor_programs(params_.size());
   for (std::size_t i = 0; i < params_.size(); ++i) {
+    const detail::StepPrograms::Group& group = programs_.groups[programs_.tensor_group[i]];
+    tensor_programs[i] = group.program;
+    auto it = std::find_if(jits_.begin(), jits_.end(), [&](const ProgramJit& j) { return j.program == group.program; });
+    if (it == jits_.end()) it = jits_.insert(jits_.end(), ProgramJit{group.program, {}, false, nullptr});
+    tensor_jit_[i] = static_cast<std::size_t>(it - jits_.begin());
     const jit::DtypeCombo& c = l.combos[static_cast<std::size_t>(l.tensor_combo[i])];
     TensorKernels& k = kernels_[i];
     k.reduce = reduce_kernel(c.grad, norm_kind);
-    if (!builtin) continue;
-    k.update = fused_update_kernel(*builtin, c.weight, c.grad, c.master);
+    if (!group.fused) {
+      interpret = true;
+      continue;
+    }
+    k.update = fused_update_kernel(*group.fused, c.weight, c.grad, c.master);
+    k.phase1 = fused_phase1_kernel(*group.fused, c.weight, c.grad, c.master);  // two-phase programs
     if (k.update == nullptr)
-      throw Error(ErrorCode::unsupported, "no fused CPU kernel for " + std::string(program.name) + " with " +
+      throw Error(ErrorCode::unsupported, "no fused CPU kernel for " + std::string(group.program->name) + " with " +
                                               std::string(dtype_name(c.weight)) + " weights and " +
                                               std::string(dtype_name(c.grad)) + " grads");
   }
-  if (!builtin) {
-    interpreters_ = std::make_unique<InterpreterSet>(program, l, /*f32_grads=*/false);
+  if (interpret) {
+    interpreters_ = std::make_unique<InterpreterSet>(tensor_programs, l, /*f32_grads=*/false);
     scratch_ = detail::AlignedBuffer(static_cast<std::size_t>(interpreters_->max_slots()) * Interpreter::kBlock *
                                      static_cast<std::size_t>(threads()));
   }
-  if (options_.fusion == Fusion::fused) setup_llvm(program, std::move(program_owner));
+  two_phase_ = TwoPhase(tensor_programs, l);
+  if (options_.fusion == Fusion::fused) setup_llvm(std::move(program_owner));
 }
 
-void FusedBackend::setup_llvm(const Program& program, std::shared_ptr<const void> program_owner) {
+void FusedBackend::setup_llvm(std::shared_ptr<const void> program_owner) {
   const CpuBackend choice = resolve_cpu_backend(options_.cpu_backend);
   if (choice == CpuBackend::highway || (choice == CpuBackend::automatic && !jit::llvm_built())) return;
-  llvm_spec_.program = program;
-  llvm_spec_.inf_norm = options_.norm_type == INFINITY;
-  llvm_spec_.contract = options_.llvm_contract;
-  llvm_spec_.combos = host_.layout().combos;
-  llvm_spec_.reduce_grads = host_.layout().reduce_grads;
-  if (choice == CpuBackend::llvm) {
-    install_llvm(*jit::cpu_kernels(llvm_spec_));  // compiles now; throws what LLVM reports
-    return;
+  for (ProgramJit& j : jits_) {
+    j.spec.program = *j.program;
+    j.spec.inf_norm = options_.norm_type == INFINITY;
+    j.spec.contract = options_.llvm_contract;
+    j.spec.combos = host_.layout().combos;
+    j.spec.reduce_grads = host_.layout().reduce_grads;
   }
-  try {
-    if (auto cached = jit::cpu_kernels_if_cached(llvm_spec_)) {
-      install_llvm(*cached);
+  for (std::size_t j = 0; j < jits_.size(); ++j) {
+    if (choice == CpuBackend::llvm) {
+      install_llvm(j, *jit::cpu_kernels(jits_[j].spec));  // compiles now; throws what LLVM reports
+      continue;
+    }
+    try {
+      if (auto cached = jit::cpu_kernels_if_cached(jits_[j].spec)) {
+        install_llvm(j, *cached);
+        continue;
+      }
+    } catch (const std::exception& e) {
+      detail::warn_once(std::string("llvm_load:") + e.what(),
+                        std::string("stepfuse: the LLVM CPU backend is not usable, using Highway: ") + e.what());
       return;
     }
-  } catch (const std::exception& e) {
-    detail::warn_once(std::string("llvm_load:") + e.what(),
-                      std::string("stepfuse: the LLVM CPU backend is not usable, using Highway: ") + e.what());
-    return;
+    jits_[j].build = build_in_background(jits_[j].spec, program_owner);
   }
-  llvm_build_ = build_in_background(llvm_spec_, std::move(program_owner));
 }
 
-void FusedBackend::install_llvm(const jit::CpuKernels& k) {
+void FusedBackend::install_llvm(std::size_t j, const jit::CpuKernels& k) {
   const jit::Layout& l = host_.layout();
   for (std::size_t i = 0; i < params_.size(); ++i) {  // the spec's combos and grads are the layout's
+    if (tensor_jit_[i] != j) continue;
     const auto ci = static_cast<std::size_t>(l.tensor_combo[i]);
     const auto gi = static_cast<std::size_t>(l.tensor_reduce[i]);
     TensorKernels& t = kernels_[i];
     t.update = reinterpret_cast<UpdateFn>(k.update[ci]);
-    if (llvm_spec_.inf_norm) t.llvm_inf = reinterpret_cast<JitInfFn>(k.reduce[gi]);
+    if (!k.phase1.empty()) t.phase1 = reinterpret_cast<Phase1Fn>(k.phase1[ci]);  // two-phase programs
+    if (jits_[j].spec.inf_norm) t.llvm_inf = reinterpret_cast<JitInfFn>(k.reduce[gi]);
     else t.llvm_l2 = reinterpret_cast<JitL2Fn>(k.reduce[gi]);
   }
-  interpreters_.reset();  // a custom program's interpreter, replaced by its compiled kernels
-  llvm_active_ = true;
-  llvm_build_.reset();
+  jits_[j].active = true;
+  jits_[j].build.reset();
+  if (all_llvm()) interpreters_.reset();  // a custom program's interpreter, replaced by its compiled kernels
+}
+
+bool FusedBackend::all_llvm() const {
+  return std::all_of(jits_.begin(), jits_.end(), [](const ProgramJit& j) { return j.active; });
 }
 
 void FusedBackend::poll_llvm() {
-  if (!llvm_build_ || !llvm_build_->ready()) return;
-  if (llvm_build_->kernels()) {
-    install_llvm(*llvm_build_->kernels());
-    return;
+  for (std::size_t j = 0; j < jits_.size(); ++j) {
+    ProgramJit& p = jits_[j];
+    if (!p.build || !p.build->ready()) continue;
+    if (p.build->kernels()) {
+      install_llvm(j, *p.build->kernels());
+      continue;
+    }
+    detail::warn_once("llvm_compile:" + p.build->error(),
+                      "stepfuse: compiling the LLVM CPU kernels failed, staying on " + std::string(name()) + ": " +
+                          p.build->error());
+    p.build.reset();
   }
-  detail::warn_once("llvm_compile:" + llvm_build_->error(),
-                    "stepfuse: compiling the LLVM CPU kernels failed, staying on " + std::string(name()) + ": " +
-                        llvm_build_->error());
-  llvm_build_.reset();
 }
 
 std::string_view FusedBackend::name() const {
-  if (llvm_active_ || (llvm_build_ && llvm_build_->ready() && llvm_build_->kernels())) return "llvm";
+  const bool llvm = std::all_of(jits_.begin(), jits_.end(), [](const ProgramJit& j) {
+    return j.active || (j.build && j.build->ready() && j.build->kernels());
+  });
+  if (llvm) return "llvm";
   return interpreters_ ? "interpreter" : "highway";
 }
 
@@ -132,8 +161,24 @@ StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<do
   r.grad_norm = stage.grad_norm;
   r.clip_coef = stage.clip_coef;
   if (!stage.applied) return r;
-  sf_eval_scalars(request.rules, num_scalars_, stage.step, stage.gscale, scalars_);
-  const std::vector<UpdateArgs>& args = host_.args();
+  eval_scalars(request, stage.step, stage.gscale);
+  // Two-phase programs: phase 1 over their chunks, then each tensor's norms, which
+  // phase 2 (the update below) reads through `args` (runtime/cpu/two_phase.hpp).
+  const std::vector<UpdateArgs>& args = two_phase_.any() ? two_phase_.args(host_.args()) : host_.args();
+  if (two_phase_.any()) {
+    const std::size_t per_thread = interpreters_ ? static_cast<std::size_t>(interpreters_->max_slots()) * Interpreter::kBlock : 0;
+    host_.for_chunks([&](std::size_t c, int t) {
+      const jit::Chunk& ch = l.chunks[c];
+      if (!two_phase_.two_phase(ch.tensor)) return;
+      const auto begin = static_cast<std::size_t>(ch.begin), len = static_cast<std::size_t>(ch.len);
+      if (interpreters_)
+        (*interpreters_)[interpreters_->group_of(ch.tensor)].run_phase1_blocked(
+            args[ch.tensor], begin, len, scratch_.data() + per_thread * static_cast<std::size_t>(t), two_phase_.sums(c));
+      else
+        kernels_[ch.tensor].phase1(args[ch.tensor], begin, len, two_phase_.sums(c));
+    });
+    two_phase_.combine();
+  }
   if (interpreters_) {
     const std::size_t per_thread = static_cast<std::size_t>(interpreters_->max_slots()) * Interpreter::kBlock;
     host_.for_chunks([&](std::size_t c, int t) {

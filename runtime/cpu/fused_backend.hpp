@@ -14,17 +14,17 @@
 #include "runtime/cpu/host_buffers.hpp"
 #include "runtime/cpu/interpreter.hpp"
 #include "runtime/cpu/llvm_backend.hpp"
+#include "runtime/cpu/two_phase.hpp"
 
 namespace stepfuse::cpu {
 
 class FusedBackend final : public HostBackend {
  public:
-  // builtin: the program's compile-time fused kernels (Fusion::fused), or nullopt
-  // for the interpreter (Fusion::interpreted, or a custom program). program_owner:
-  // what `program` refers to (a custom program's storage; null for a built-in),
-  // kept alive by a background LLVM compile.
-  FusedBackend(const Program& program, std::optional<jit::Builtin> builtin, const std::vector<Param>& params,
-               const OptimizerOptions& options, const float* state_init,
+  // Each group's program runs by its compile-time fused kernels (StepPrograms::
+  // Group::fused), else the interpreter; LLVM kernels (one spec per distinct
+  // program) replace either. program_owner: what the programs refer to (a custom
+  // program's storage; null for built-ins), kept alive by a background LLVM compile.
+  FusedBackend(const detail::StepPrograms& programs, const std::vector<Param>& params, const OptimizerOptions& options,
                std::shared_ptr<const void> program_owner = {});
 
   StepResult step(const detail::StepRequest& request, std::vector<double>& tensor_norms) override;
@@ -37,19 +37,28 @@ class FusedBackend final : public HostBackend {
     UpdateFn update = nullptr;           // Highway or LLVM
     JitL2Fn llvm_l2 = nullptr;           // LLVM reduce (then `reduce` is its rare path)
     JitInfFn llvm_inf = nullptr;
+    Phase1Fn phase1 = nullptr;           // a two-phase program's phase 1 (Highway or LLVM)
   };
   static ReducePartial reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n);
-  // The LLVM kernels now, or a background build.
-  void setup_llvm(const Program& program, std::shared_ptr<const void> program_owner);
-  void install_llvm(const jit::CpuKernels& kernels);
-  void poll_llvm();  // adopts a finished background build (at the start of a step)
+  // The LLVM kernels of one distinct program of the groups.
+  struct ProgramJit {
+    const Program* program = nullptr;
+    jit::CpuSpec spec;                 // what its LLVM kernels are compiled for
+    bool active = false;               // its LLVM kernels run its tensors
+    std::shared_ptr<JitBuild> build;   // automatic: the background compile, until adopted
+  };
+  // The LLVM kernels now, or background builds.
+  void setup_llvm(std::shared_ptr<const void> program_owner);
+  void install_llvm(std::size_t jit, const jit::CpuKernels& kernels);
+  void poll_llvm();  // adopts finished background builds (at the start of a step)
+  bool all_llvm() const;
 
   std::vector<TensorKernels> kernels_;
+  std::vector<ProgramJit> jits_;        // per distinct program
+  std::vector<std::size_t> tensor_jit_;  // per tensor: its program's index in jits_
   std::unique_ptr<InterpreterSet> interpreters_;  // the interpreter's (then kernels_[t].update is null)
   detail::AlignedBuffer scratch_;                 // the interpreter's per-thread blocks
-  jit::CpuSpec llvm_spec_;                        // what the LLVM kernels are compiled for
-  bool llvm_active_ = false;                      // the LLVM kernels run the step
-  std::shared_ptr<JitBuild> llvm_build_;          // automatic: the background compile, until adopted
+  TwoPhase two_phase_;                            // two-phase programs' chunk sums and norms
 };
 
 }  // namespace stepfuse::cpu

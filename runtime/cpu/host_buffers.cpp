@@ -6,8 +6,8 @@
 
 namespace stepfuse::cpu {
 
-HostBuffers::HostBuffers(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
-                         const float* state_init, const float* scalars) {
+HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector<Param>& params,
+                         const OptimizerOptions& options, const float (*scalars)[kMaxScalars]) {
   std::vector<jit::TensorShape> shapes;
   std::int64_t elements = 0;
   for (const Param& p : params) {
@@ -27,15 +27,22 @@ HostBuffers::HostBuffers(const Program& program, const std::vector<Param>& param
   partials_.resize(layout_.chunks.size());
 
   // Allocated once; filled by the threads that will use them (first touch).
-  for (int s = 0; s < program.num_streams; ++s)
-    if (program.streams[s].role == StreamRole::state)
-      state_[s] = detail::AlignedBuffer(static_cast<std::size_t>(layout_.state_elems));
+  // Every buffer spans every tensor; a tensor whose group's program lacks a
+  // stream keeps zeros there, unused.
+  const std::size_t nb = programs.state_names.size();
+  state_.resize(nb);
+  for (detail::AlignedBuffer& b : state_) b = detail::AlignedBuffer(static_cast<std::size_t>(layout_.state_elems));
   if (layout_.master_elems > 0) masters_ = detail::AlignedBuffer(static_cast<std::size_t>(layout_.master_elems));
+  std::vector<float> init(programs.groups.size() * nb, 0.0f);  // per group, per buffer
+  for (std::size_t g = 0; g < programs.groups.size(); ++g)
+    for (int s = 0; s < programs.groups[g].program->num_streams; ++s)
+      if (const int b = programs.state_slot[g][static_cast<std::size_t>(s)]; b >= 0)
+        init[g * nb + static_cast<std::size_t>(b)] = programs.groups[g].state_init[s];
   for_chunks([&](std::size_t c, int) {
     const jit::Chunk& ch = layout_.chunks[c];
     const std::int64_t at = layout_.offsets[ch.tensor] + ch.begin;
-    for (int s = 0; s < program.num_streams; ++s)
-      if (state_[s].size()) std::fill_n(state_[s].data() + at, ch.len, state_init[s]);
+    const std::size_t g = programs.tensor_group[ch.tensor];
+    for (std::size_t b = 0; b < nb; ++b) std::fill_n(state_[b].data() + at, ch.len, init[g * nb + b]);
     if (layout_.master_offsets[ch.tensor] >= 0) {
       const TensorView& w = params[ch.tensor].weight;
       widen(w.dtype, static_cast<const char*>(w.data) + ch.begin * static_cast<std::int64_t>(dtype_size(w.dtype)),
@@ -49,9 +56,12 @@ HostBuffers::HostBuffers(const Program& program, const std::vector<Param>& param
     a.grad = params[i].grad.data;
     a.weight = params[i].weight.data;
     a.master = layout_.master_offsets[i] >= 0 ? masters_.data() + layout_.master_offsets[i] : nullptr;
-    for (int s = 0; s < program.num_streams; ++s)
-      a.state[s] = state_[s].size() ? state_[s].data() + layout_.offsets[i] : nullptr;
-    a.scalars = scalars;
+    const std::uint32_t g = programs.tensor_group[i];
+    for (int s = 0; s < programs.groups[g].program->num_streams; ++s) {
+      const int b = programs.state_slot[g][static_cast<std::size_t>(s)];
+      a.state[s] = b >= 0 ? state_[static_cast<std::size_t>(b)].data() + layout_.offsets[i] : nullptr;
+    }
+    a.scalars = scalars[g];
   }
 }
 

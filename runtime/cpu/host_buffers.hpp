@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "jit/layout.hpp"
@@ -21,16 +22,16 @@ namespace stepfuse::cpu {
 class HostBuffers {
  public:
   // Plans the list, picks the thread count (OptimizerOptions::num_threads, or
-  // fewer threads for small lists), allocates the state streams (filled with
-  // state_init[s]) and the masters (widened from the weights), in parallel, by the
-  // threads that will use them. Each tensor's args point into them, and their
-  // scalars at `scalars`.
-  HostBuffers(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
-              const float* state_init, const float* scalars);
+  // fewer threads for small lists), allocates the state buffers (each tensor's
+  // filled with its group's initial value) and the masters (widened from the
+  // weights), in parallel, by the threads that will use them. Each tensor's args
+  // point into them, and their scalars at scalars[its group].
+  HostBuffers(const detail::StepPrograms& programs, const std::vector<Param>& params, const OptimizerOptions& options,
+              const float (*scalars)[kMaxScalars]);
 
   const jit::Layout& layout() const { return layout_; }
   detail::ThreadPool& pool() const { return *pool_; }
-  float* state(int stream) const { return state_[stream].data(); }  // null for grad/param streams
+  float* state(int buffer) const { return state_[buffer].data(); }  // by StepPrograms::state_names
   float* masters() const { return masters_.data(); }
   const std::vector<UpdateArgs>& args() const { return args_; }
 
@@ -68,20 +69,21 @@ class HostBuffers {
   jit::Layout layout_;
   std::vector<std::size_t> thread_chunks_;  // thread t runs chunks [thread_chunks_[t], thread_chunks_[t + 1])
   detail::ThreadPool* pool_ = nullptr;
-  detail::AlignedBuffer state_[kMaxStreams];
+  std::vector<detail::AlignedBuffer> state_;  // by StepPrograms::state_names
   detail::AlignedBuffer masters_;
   std::vector<UpdateArgs> args_;
   std::vector<ReducePartial> partials_;  // one per chunk
 };
 
 // What the CPU backends have in common: the host buffers, the step's scalars
-// (which every tensor's args point at), the step count, and the views of them.
+// per group (which every tensor's args point at), the step count, and the views
+// of them.
 class HostBackend : public detail::Backend {
  public:
-  HostBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
-              const float* state_init)
-      : params_(params), options_(options), num_scalars_(program.num_scalars),
-        host_(program, params, options, state_init, scalars_) {}
+  HostBackend(const detail::StepPrograms& programs, const std::vector<Param>& params, const OptimizerOptions& options)
+      : params_(params), options_(options), programs_(programs),
+        scalars_(std::make_unique<float[][kMaxScalars]>(programs.groups.size())),
+        host_(programs, params, options, scalars_.get()) {}
 
   StepResult read_result(std::vector<double>*) const override { return {}; }  // never pending
   std::int64_t step_count() const override { return step_count_; }
@@ -92,10 +94,18 @@ class HostBackend : public detail::Backend {
   int threads() const override { return host_.pool().size(); }
 
  protected:
+  // The scalar stage's last part: every group's scalars for applying global step
+  // `step` with the gradient multiplier gscale (jit/step_scalars.h).
+  void eval_scalars(const detail::StepRequest& request, std::int64_t step, double gscale) {
+    for (std::size_t g = 0; g < programs_.groups.size(); ++g)
+      sf_eval_scalars(request.groups[g].rules, programs_.groups[g].program->num_scalars,
+                      step - request.groups[g].step_base, gscale, scalars_[g]);
+  }
+
   const std::vector<Param>& params_;  // the engine's, which outlives the backend
   const OptimizerOptions& options_;
-  int num_scalars_;                   // the program's
-  float scalars_[kMaxScalars] = {};   // the step's scalars
+  const detail::StepPrograms& programs_;  // the engine's
+  std::unique_ptr<float[][kMaxScalars]> scalars_;  // per group: the step's scalars
   HostBuffers host_;
   std::int64_t step_count_ = 0;
 };

@@ -29,6 +29,7 @@ struct ExecCall {
   float* dst = nullptr;
   const void* lp_src = nullptr;  // widen
   void* lp_dst = nullptr;        // narrow
+  float* lanes = nullptr;        // reduce: the slot's 32 canonical accumulator lanes, in/out
   ExecSrc src[4];
 };
 using ExecFn = void (*)(const ExecCall& call, std::size_t n);
@@ -43,17 +44,30 @@ class Interpreter {
 
   int num_slots() const { return lowered_.num_slots; }
   int num_ops() const { return static_cast<int>(lowered_.code.size()); }
+  // A two-phase program: ops [0, phase2_begin()) are phase 1, the rest phase 2.
+  bool two_phase() const { return lowered_.two_phase; }
+  int phase2_begin() const { return lowered_.phase2_begin; }
 
-  // All ops over elements [begin, begin + n) of one tensor, kBlock at a time.
-  // `scratch` holds num_slots() * kBlock floats. Writes weight, master, state.
+  // The update (phase 2 of a two-phase program, whose args.norms are set) over
+  // elements [begin, begin + n) of one tensor, kBlock at a time. `scratch` holds
+  // num_slots() * kBlock floats. Writes weight, master, state.
   void run_blocked(const UpdateArgs& args, std::size_t begin, std::size_t n, float* scratch) const;
+  // Phase 1 of a two-phase program over one chunk, elements [begin, begin + n) (begin
+  // a multiple of 32 within the tensor, n <= kChunkElems), kBlock at a time: writes
+  // state, and sums[r] = the chunk's canonical fp32 sum of squares of reduction slot r
+  // (docs/architecture.md §5; 0 for slots it does not reduce), r < kMaxNormSlots.
+  void run_phase1_blocked(const UpdateArgs& args, std::size_t begin, std::size_t n, float* scratch, float* sums) const;
 
   // Op k over elements [begin, begin + n); slots[s] points at element `begin`
-  // of temporary s. Used by the unfused baseline.
-  void run_op(int k, const UpdateArgs& args, std::size_t begin, std::size_t n, float* const* slots) const;
+  // of temporary s. Used by the unfused baseline. A reduce op (phase 1) adds into
+  // lanes[attr * 32 .. attr * 32 + 31], the slot's accumulator lanes of the chunk
+  // (element i into lane i mod 32; begin a multiple of 32 within the chunk).
+  void run_op(int k, const UpdateArgs& args, std::size_t begin, std::size_t n, float* const* slots,
+              float* lanes = nullptr) const;
 
  private:
-  ExecCall resolve(const jit::LInstr& li, const UpdateArgs& args, std::size_t begin, float* const* slots) const;
+  ExecCall resolve(const jit::LInstr& li, const UpdateArgs& args, std::size_t begin, float* const* slots,
+                   float* lanes = nullptr) const;
 
   jit::LoweredProgram lowered_;
   DType weight_, grad_;
@@ -63,9 +77,15 @@ class Interpreter {
 // The interpreters of a tensor list: one per dtype combination present (tensors
 // with different dtypes run different lowered programs). f32_grads: every
 // gradient is read as fp32 (the unfused baseline reads its fp32 temporary).
+// The fixed pairwise tree over a chunk's 32 accumulator lanes (lanes[j] += lanes[j + w]
+// for w = 16, 8, 4, 2, 1; the reduce pass's, docs/architecture.md §5): lanes[0].
+float canonical_lane_tree(float* lanes);
+
 class InterpreterSet {
  public:
-  InterpreterSet(const Program& program, const jit::Layout& layout, bool f32_grads);
+  // tensor_programs[t]: the program tensor t runs (its param group's). One
+  // interpreter per distinct (program, dtype combination).
+  InterpreterSet(const std::vector<const Program*>& tensor_programs, const jit::Layout& layout, bool f32_grads);
   std::size_t size() const { return interpreters_.size(); }
   const Interpreter& operator[](std::size_t group) const { return *interpreters_[group]; }
   // The group (index above) of tensor t.

@@ -9,14 +9,23 @@
 
 namespace stepfuse::cpu {
 
-UnfusedBackend::UnfusedBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
-                               const float* state_init)
-    : HostBackend(program, params, options, state_init), interpreters_(program, host_.layout(), /*f32_grads=*/true) {
+namespace {
+std::vector<const Program*> tensor_programs(const detail::StepPrograms& programs) {
+  std::vector<const Program*> out;
+  for (const std::uint32_t g : programs.tensor_group) out.push_back(programs.groups[g].program);
+  return out;
+}
+}  // namespace
+
+UnfusedBackend::UnfusedBackend(const detail::StepPrograms& programs, const std::vector<Param>& params,
+                               const OptimizerOptions& options)
+    : HostBackend(programs, params, options), interpreters_(tensor_programs(programs), host_.layout(), /*f32_grads=*/true) {
   const std::size_t elems = static_cast<std::size_t>(host_.layout().state_elems);
   scratch_ = detail::AlignedBuffer(static_cast<std::size_t>(interpreters_.max_slots()) * elems);
   grad_tmp_ = detail::AlignedBuffer(elems);
   tmp_args_ = host_.args();
   for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + host_.layout().offsets[i];
+  two_phase_ = TwoPhase(tensor_programs(programs), host_.layout(), /*lanes=*/true);
 }
 
 StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<double>& tensor_norms) {
@@ -65,12 +74,38 @@ StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<
     });
   }
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
-  sf_eval_scalars(request.rules, num_scalars_, step_count_ + 1, 1.0, scalars_);
-  const std::vector<UpdateArgs>& args = use_tmp ? tmp_args_ : host_.args();
-  // Tensors with different dtypes run different lowered programs: one group after another.
+  eval_scalars(request, step_count_ + 1, 1.0);
+  const std::vector<UpdateArgs>& step_args = use_tmp ? tmp_args_ : host_.args();
+  // Two-phase programs: every group's phase-1 ops (a reduce op adds into its chunk's
+  // lanes), then each tensor's norms, which the update ops below (phase 2) read.
+  const std::vector<UpdateArgs>& args = two_phase_.any() ? two_phase_.args(step_args) : step_args;
+  if (two_phase_.any()) {
+    two_phase_.clear_lanes();
+    for (std::size_t group = 0; group < interpreters_.size(); ++group) {
+      const Interpreter& interp = interpreters_[group];
+      for (int k = 0; k < interp.phase2_begin(); ++k) {
+        host_.for_chunks([&](std::size_t c, int) {
+          const jit::Chunk& ch = l.chunks[c];
+          if (interpreters_.group_of(ch.tensor) != group) return;
+          float* slot_ptrs[kMaxInstrs];
+          for (int s = 0; s < interp.num_slots(); ++s)
+            slot_ptrs[s] = scratch_.data() + static_cast<std::size_t>(s) * static_cast<std::size_t>(l.state_elems) +
+                           l.offsets[ch.tensor] + ch.begin;
+          interp.run_op(k, args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len), slot_ptrs,
+                        two_phase_.lanes(c));
+        });
+      }
+    }
+    host_.for_chunks([&](std::size_t c, int) {
+      if (two_phase_.two_phase(l.chunks[c].tensor)) two_phase_.lanes_to_sums(c);
+    });
+    two_phase_.combine();
+  }
+  // Tensors with different dtypes or param-group programs run different lowered
+  // programs: one after another.
   for (std::size_t group = 0; group < interpreters_.size(); ++group) {
     const Interpreter& interp = interpreters_[group];
-    for (int k = 0; k < interp.num_ops(); ++k) {
+    for (int k = interp.phase2_begin(); k < interp.num_ops(); ++k) {  // (a two-phase program's phase 2)
       host_.for_chunks([&](std::size_t c, int) {
         const jit::Chunk& ch = l.chunks[c];
         if (interpreters_.group_of(ch.tensor) != group) return;

@@ -8,13 +8,13 @@
 #include "runtime/backend.hpp"
 #include "runtime/cpu/host_buffers.hpp"
 #include "runtime/cpu/interpreter.hpp"
+#include "runtime/cpu/two_phase.hpp"
 
 namespace stepfuse::cpu {
 
 class UnfusedBackend final : public HostBackend {
  public:
-  UnfusedBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
-                 const float* state_init);
+  UnfusedBackend(const detail::StepPrograms& programs, const std::vector<Param>& params, const OptimizerOptions& options);
 
   StepResult step(const detail::StepRequest& request, std::vector<double>& tensor_norms) override;
   std::string_view name() const override { return "unfused"; }
@@ -28,6 +28,7 @@ class UnfusedBackend final : public HostBackend {
   detail::AlignedBuffer scratch_;      // model-sized slots, one per interpreter temporary
   detail::AlignedBuffer grad_tmp_;     // the unscaled, clipped fp32 gradients
   std::vector<UpdateArgs> tmp_args_;   // host_.args() reading grad_tmp_
+  TwoPhase two_phase_;                 // two-phase programs' chunk lanes, sums and norms
 };
 
 }  // namespace stepfuse::cpu

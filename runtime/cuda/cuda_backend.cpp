@@ -46,8 +46,10 @@ CudaContext::CudaContext(int device) : device_(device) {
   sm_ = major * 10 + minor;
 }
 
+// Destructors never throw: a failing driver call is reported (cuda::report) and the
+// release goes on (jit/base/cuda_api.hpp).
 CudaContext::~CudaContext() {
-  if (ctx_ != nullptr) cuda::driver()->cuDevicePrimaryCtxRelease(dev_);
+  if (ctx_ != nullptr) cuda::report(cuda::driver()->cuDevicePrimaryCtxRelease(dev_), "cuDevicePrimaryCtxRelease");
 }
 
 void CudaContext::make_current() const { cuda::check(api().cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
@@ -67,7 +69,7 @@ CudaModule::CudaModule(const std::string& image, const char* what) {
 }
 
 CudaModule::~CudaModule() {
-  if (module_ != nullptr) cuda::driver()->cuModuleUnload(module_);
+  if (module_ != nullptr) cuda::report(cuda::driver()->cuModuleUnload(module_), "cuModuleUnload");
 }
 
 cuda::CUfunction CudaModule::get(const char* name) const {
@@ -83,12 +85,12 @@ DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (ptr_ != 0) cuda::driver()->cuMemFree(ptr_);
+  if (ptr_ != 0) cuda::report(cuda::driver()->cuMemFree(ptr_), "cuMemFree");
 }
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
-    if (ptr_ != 0) cuda::driver()->cuMemFree(ptr_);
+    if (ptr_ != 0) cuda::report(cuda::driver()->cuMemFree(ptr_), "cuMemFree");
     ptr_ = o.ptr_, bytes_ = o.bytes_;
     o.ptr_ = 0, o.bytes_ = 0;
   }
@@ -148,9 +150,26 @@ unsigned grid_for(std::int64_t n, unsigned block) {
 
 }  // namespace
 
-CudaBackend::CudaBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
-                         const float* state_init)
+namespace {
+// The one group's program (param groups on CUDA: see the check below).
+const StepPrograms& one_group(const StepPrograms& programs) {
+  if (programs.groups.size() != 1)
+    throw Error(ErrorCode::unsupported, "OptimizerOptions::device = cuda: " + std::to_string(programs.groups.size()) +
+                                            " param groups; the CUDA backend runs one group for now (use one group, "
+                                            "or Device::cpu())");
+  return programs;
+}
+}  // namespace
+
+CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>& params, const OptimizerOptions& options)
+    : CudaBackend(*one_group(programs).groups[0].program, programs, params, options,
+                  programs.groups[0].state_init) {}
+
+CudaBackend::CudaBackend(const Program& program, const StepPrograms& programs, const std::vector<Param>& params,
+                         const OptimizerOptions& options, const float* state_init)
     : program_(program), params_(params), options_(options) {
+  for (int s = 0; s < program.num_streams; ++s)
+    if (const int b = programs.state_slot[0][static_cast<std::size_t>(s)]; b >= 0) stream_of_buffer_.push_back(s);
   ctx_ = std::make_unique<CudaContext>(options.device.index);
   stream_ = static_cast<cuda::CUstream>(options.cuda_stream);
   const cuda::DriverApi& a = api();
@@ -218,10 +237,17 @@ CudaBackend::CudaBackend(const Program& program, const std::vector<Param>& param
 }
 
 CudaBackend::~CudaBackend() {
-  if (cuda::driver() != nullptr && ctx_) {
+  // Kernels still running use our buffers: wait for them. Never throws: a failure is
+  // reported (cuda::report), and the buffers are freed all the same.
+  const cuda::DriverApi* a = cuda::driver();
+  if (a == nullptr || !ctx_) return;
+  try {
     ctx_->make_current();
-    cuda::driver()->cuStreamSynchronize(stream_);  // kernels still running use our buffers
+  } catch (const std::exception& e) {
+    cuda::report_exception(e);
+    return;
   }
+  cuda::report(a->cuStreamSynchronize(stream_), "cuStreamSynchronize");
 }
 
 void CudaBackend::synchronize() const {
@@ -245,7 +271,7 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
     host_touched_ = false;
   }
   sf_hyper hyper{};
-  for (int k = 0; k < program_.num_scalars; ++k) hyper.rules[k] = request.rules[k];
+  for (int k = 0; k < program_.num_scalars; ++k) hyper.rules[k] = request.groups[0].rules[k];
   hyper.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
   const bool clip = options_.max_grad_norm.has_value();
   const bool reduce = request.scaled || clip || options_.track_grad_norm || request.device_scale != nullptr;
@@ -353,9 +379,9 @@ void CudaBackend::host_view() const {
   host_touched_ = true;
 }
 
-float* CudaBackend::state_data(int stream) const {
+float* CudaBackend::state_data(int buffer) const {
   host_view();
-  return host_state_[stream].data();
+  return host_state_[stream_of_buffer_[static_cast<std::size_t>(buffer)]].data();
 }
 
 float* CudaBackend::masters_data() const {

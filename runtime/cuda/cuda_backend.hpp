@@ -88,8 +88,7 @@ class CudaBackend final : public Backend {
   // `params` hold device pointers. Allocates and initializes state (`state_init`
   // per program stream) and masters on the device, compiles (or finds in the
   // cache) and loads the kernels.
-  CudaBackend(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
-              const float* state_init);
+  CudaBackend(const StepPrograms& programs, const std::vector<Param>& params, const OptimizerOptions& options);
   ~CudaBackend() override;
 
   // Enqueues a step on the stream (copying a host copy of the state that was
@@ -100,7 +99,7 @@ class CudaBackend final : public Backend {
   std::int64_t step_count() const override;
   void set_step_count(std::int64_t n) override;
   const jit::Layout& layout() const override { return layout_; }
-  float* state_data(int stream) const override;
+  float* state_data(int buffer) const override;
   float* masters_data() const override;
   std::string_view name() const override { return "cuda"; }
   int threads() const override { return 1; }
@@ -115,9 +114,12 @@ class CudaBackend final : public Backend {
   void synchronize() const;
 
  private:
+  CudaBackend(const Program& program, const StepPrograms& programs, const std::vector<Param>& params,
+              const OptimizerOptions& options, const float* state_init);
   const Program& program_;
   std::vector<Param> params_;
   OptimizerOptions options_;
+  std::vector<int> stream_of_buffer_;  // per state buffer (StepPrograms::state_names): its program stream
   std::unique_ptr<CudaContext> ctx_;
   cuda::CUstream stream_ = nullptr;
   jit::CudaSpec spec_;
