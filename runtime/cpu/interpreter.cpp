@@ -207,28 +207,53 @@ ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::s
 void Interpreter::run_blocked(const UpdateArgs& args, std::size_t begin, std::size_t n, float* scratch) const {
   float* slots[kMaxInstrs];
   for (int s = 0; s < lowered_.num_slots; ++s) slots[s] = scratch + static_cast<std::size_t>(s) * kBlock;
+  const auto first = lowered_.code.begin() + lowered_.phase2_begin;
   for (std::size_t b = begin; b < begin + n; b += kBlock) {
     const std::size_t len = begin + n - b < kBlock ? begin + n - b : kBlock;
-    for (const jit::LInstr& li : lowered_.code) exec_(resolve(li, args, b, slots), len);
+    for (auto li = first; li != lowered_.code.end(); ++li) exec_(resolve(*li, args, b, slots), len);
   }
 }
 
-void Interpreter::run_op(int k, const UpdateArgs& args, std::size_t begin, std::size_t n, float* const* slots) const {
-  exec_(resolve(lowered_.code[k], args, begin, slots), n);
+void Interpreter::run_phase1_blocked(const UpdateArgs& args, std::size_t begin, std::size_t n, float* scratch,
+                                     float* sums) const {
+  static_assert(kBlock % 32 == 0, "every block starts at lane 0 of the canonical reduce lanes");
+  float* slots[kMaxInstrs];
+  for (int s = 0; s < lowered_.num_slots; ++s) slots[s] = scratch + static_cast<std::size_t>(s) * kBlock;
+  alignas(64) float lanes[kMaxNormSlots * 32] = {};
+  const auto last = lowered_.code.begin() + lowered_.phase2_begin;
+  for (std::size_t b = begin; b < begin + n; b += kBlock) {
+    const std::size_t len = begin + n - b < kBlock ? begin + n - b : kBlock;
+    for (auto li = lowered_.code.begin(); li != last; ++li) exec_(resolve(*li, args, b, slots, lanes), len);
+  }
+  for (int r = 0; r < kMaxNormSlots; ++r) sums[r] = canonical_lane_tree(lanes + r * 32);
 }
 
-InterpreterSet::InterpreterSet(const Program& program, const jit::Layout& layout, bool f32_grads) {
-  std::vector<int> group_of_combo(jit::kNumComboIndices, -1);
-  for (const int k : layout.tensor_combo) {
-    jit::DtypeCombo c = layout.combos[static_cast<std::size_t>(k)];
+void Interpreter::run_op(int k, const UpdateArgs& args, std::size_t begin, std::size_t n, float* const* slots,
+                         float* lanes) const {
+  exec_(resolve(lowered_.code[k], args, begin, slots, lanes), n);
+}
+
+float canonical_lane_tree(float* lanes) {
+  for (int width = 16; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  return lanes[0];
+}
+
+InterpreterSet::InterpreterSet(const std::vector<const Program*>& tensor_programs, const jit::Layout& layout,
+                               bool f32_grads) {
+  std::vector<std::pair<const Program*, int>> keys;  // per interpreter: (program, combo index)
+  for (std::size_t t = 0; t < layout.tensor_combo.size(); ++t) {
+    jit::DtypeCombo c = layout.combos[static_cast<std::size_t>(layout.tensor_combo[t])];
     if (f32_grads) c.grad = DType::f32;
-    int& group = group_of_combo[static_cast<std::size_t>(c.index())];
-    if (group < 0) {
-      group = static_cast<int>(interpreters_.size());
-      interpreters_.push_back(std::make_unique<Interpreter>(program, c.weight, c.grad, c.master));
+    const std::pair key{tensor_programs[t], c.index()};
+    auto it = std::find(keys.begin(), keys.end(), key);
+    if (it == keys.end()) {
+      keys.push_back(key);
+      interpreters_.push_back(std::make_unique<Interpreter>(*key.first, c.weight, c.grad, c.master));
       max_slots_ = std::max(max_slots_, interpreters_.back()->num_slots());
+      it = keys.end() - 1;
     }
-    group_of_tensor_.push_back(static_cast<std::size_t>(group));
+    group_of_tensor_.push_back(static_cast<std::size_t>(it - keys.begin()));
   }
 }
 
