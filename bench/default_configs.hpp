@@ -8,7 +8,8 @@
 
 namespace stepfuse::bench {
 
-// The optimizer named `name` ("sgd", "adam", "adamw", "adagrad", "rmsprop", "lion") with
+// The optimizer named `name` ("sgd", "adam", "adamw", "adagrad", "rmsprop", "lion",
+// "nadam", "radam", "adamax", "adadelta", "rprop", "asgd", "lamb") with
 // its defaults, or nothing for another name (the caller words the error). Header-only:
 // the shim (bench/peers/shim.cpp) links the library alone.
 inline std::optional<OptimizerConfig> default_config_named(std::string_view name) {
@@ -18,6 +19,13 @@ inline std::optional<OptimizerConfig> default_config_named(std::string_view name
   if (name == "adagrad") return optim::Adagrad{};
   if (name == "rmsprop") return optim::RMSprop{};
   if (name == "lion") return optim::Lion{};
+  if (name == "nadam") return optim::NAdam{};
+  if (name == "radam") return optim::RAdam{};
+  if (name == "adamax") return optim::Adamax{};
+  if (name == "adadelta") return optim::Adadelta{};
+  if (name == "rprop") return optim::Rprop{};
+  if (name == "asgd") return optim::ASGD{};
+  if (name == "lamb") return optim::LAMB{};
   return std::nullopt;
 }
 

@@ -114,7 +114,8 @@ void write_abi_program(JsonWriter& j, const UpdateProgram& program) {
   for (int s = 0; s < p.num_scalars; ++s) {
     const ScalarDef& d = program.scalars()[static_cast<std::size_t>(s)];
     j.begin_object().integer("index", s).str("name", d.name).str("rule", scalar_rule_name(d.rule.kind));
-    j.integer("kind", static_cast<int>(d.rule.kind)).num("a", d.rule.a).num("b", d.rule.b).str("value", rule_text(d.rule));
+    j.integer("kind", static_cast<int>(d.rule.kind)).num("a", d.rule.a).num("b", d.rule.b).num("c", d.rule.c);
+    j.str("value", rule_text(d.rule));
     j.end_object();
   }
   j.end_array().end_object();
@@ -126,8 +127,19 @@ void write_abi_program(JsonWriter& j, const UpdateProgram& program) {
       .str("3", "SF_RULE_DIV_ONE_MINUS_POW: a / (1 - b^step)")
       .str("4", "SF_RULE_SQRT_ONE_MINUS_POW: sqrt(1 - b^step)")
       .str("5", "SF_RULE_DIV_LINEAR: a / (1 + (step - 1) * b)")
-      .str("evaluation", "in double with + - * / sqrt only (powers by repeated squaring, sf_powi), step = the 1-based "
-                         "index of the step being applied, then rounded once to fp32; sf_eval_rule in the header")
+      .str("6", "SF_RULE_ONE_MINUS_POW: 1 - b^step")
+      .str("7", "SF_RULE_NADAM_GRAD_COEF: -a * (1 - mu_step) / (1 - P_step), mu_t = b * (1 - 0.5 * 0.96^(t * c)), "
+                "P_t = mu_1 * ... * mu_t rounded to fp32 (sf_nadam_mu, sf_nadam_mu_product)")
+      .str("8", "SF_RULE_NADAM_MOMENTUM_COEF: -a * mu_(step+1) / (1 - P_step * mu_(step+1))")
+      .str("9", "SF_RULE_RADAM_RECT: rho_t > 5 ? sqrt((rho_t - 4) (rho_t - 2) rho_inf / ((rho_inf - 4) (rho_inf - 2) "
+                "rho_t)) : 0, rho_inf = 2 / (1 - b) - 1, rho_t = rho_inf - 2 step b^step / (1 - b^step)")
+      .str("10", "SF_RULE_ASGD_ETA: a / (1 + b * a * (step - 1))^c")
+      .str("11", "SF_RULE_ASGD_DECAY: 1 - b * eta, eta = SF_RULE_ASGD_ETA's value rounded to fp32")
+      .str("12", "SF_RULE_ASGD_MU: step == 1 ? 1 : 1 / max(1, step - 1 - a)")
+      .str("evaluation", "in double with + - * / sqrt and bit manipulation only (powers by repeated squaring, "
+                         "sf_powi; real powers, logarithms and exponentials in double-double, sf_pow, sf_log, sf_exp), "
+                         "step = the 1-based index of the step being applied, then rounded once to fp32; sf_eval_rule "
+                         "in the header, compiled without floating-point contraction")
       .end_object();
 }
 

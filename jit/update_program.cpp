@@ -17,7 +17,15 @@ static_assert(static_cast<int>(ScalarRule::Kind::fixed) == SF_RULE_FIXED &&
               static_cast<int>(ScalarRule::Kind::first_step) == SF_RULE_FIRST_STEP &&
               static_cast<int>(ScalarRule::Kind::div_one_minus_pow) == SF_RULE_DIV_ONE_MINUS_POW &&
               static_cast<int>(ScalarRule::Kind::sqrt_one_minus_pow) == SF_RULE_SQRT_ONE_MINUS_POW &&
-              static_cast<int>(ScalarRule::Kind::div_linear) == SF_RULE_DIV_LINEAR);
+              static_cast<int>(ScalarRule::Kind::div_linear) == SF_RULE_DIV_LINEAR &&
+              static_cast<int>(ScalarRule::Kind::one_minus_pow) == SF_RULE_ONE_MINUS_POW &&
+              static_cast<int>(ScalarRule::Kind::nadam_grad_coef) == SF_RULE_NADAM_GRAD_COEF &&
+              static_cast<int>(ScalarRule::Kind::nadam_momentum_coef) == SF_RULE_NADAM_MOMENTUM_COEF &&
+              static_cast<int>(ScalarRule::Kind::radam_rect) == SF_RULE_RADAM_RECT &&
+              static_cast<int>(ScalarRule::Kind::asgd_eta) == SF_RULE_ASGD_ETA &&
+              static_cast<int>(ScalarRule::Kind::asgd_decay) == SF_RULE_ASGD_DECAY &&
+              static_cast<int>(ScalarRule::Kind::asgd_mu) == SF_RULE_ASGD_MU &&
+              static_cast<int>(ScalarRule::Kind::asgd_mu) + 1 == SF_RULE_KIND_COUNT);
 
 namespace {
 
@@ -64,6 +72,13 @@ std::string_view scalar_rule_name(ScalarRule::Kind kind) {
     case ScalarRule::Kind::div_one_minus_pow: return "div_one_minus_pow";
     case ScalarRule::Kind::sqrt_one_minus_pow: return "sqrt_one_minus_pow";
     case ScalarRule::Kind::div_linear: return "div_linear";
+    case ScalarRule::Kind::one_minus_pow: return "one_minus_pow";
+    case ScalarRule::Kind::nadam_grad_coef: return "nadam_grad_coef";
+    case ScalarRule::Kind::nadam_momentum_coef: return "nadam_momentum_coef";
+    case ScalarRule::Kind::radam_rect: return "radam_rect";
+    case ScalarRule::Kind::asgd_eta: return "asgd_eta";
+    case ScalarRule::Kind::asgd_decay: return "asgd_decay";
+    case ScalarRule::Kind::asgd_mu: return "asgd_mu";
   }
   return "?";
 }
@@ -71,7 +86,7 @@ std::string_view scalar_rule_name(ScalarRule::Kind kind) {
 namespace jit {
 
 sf_scalar_rule device_rule(const ScalarRule& r) {
-  return sf_scalar_rule{kind_value(r.kind), 0, r.a, r.b};
+  return sf_scalar_rule{kind_value(r.kind), 0, r.a, r.b, r.c};
 }
 
 std::string rule_text(const ScalarRule& r) {
@@ -82,6 +97,18 @@ std::string rule_text(const ScalarRule& r) {
     case ScalarRule::Kind::div_one_minus_pow: return num(r.a) + " / (1 - " + num(r.b) + "^step)";
     case ScalarRule::Kind::sqrt_one_minus_pow: return "sqrt(1 - " + num(r.b) + "^step)";
     case ScalarRule::Kind::div_linear: return num(r.a) + " / (1 + (step - 1) * " + num(r.b) + ")";
+    case ScalarRule::Kind::one_minus_pow: return "1 - " + num(r.b) + "^step";
+    case ScalarRule::Kind::nadam_grad_coef:
+      return "nadam_grad_coef(lr " + num(r.a) + ", beta1 " + num(r.b) + ", momentum_decay " + num(r.c) + ")";
+    case ScalarRule::Kind::nadam_momentum_coef:
+      return "nadam_momentum_coef(lr " + num(r.a) + ", beta1 " + num(r.b) + ", momentum_decay " + num(r.c) + ")";
+    case ScalarRule::Kind::radam_rect: return "radam_rect(beta2 " + num(r.b) + ")";
+    case ScalarRule::Kind::asgd_eta:
+      return num(r.a) + " / (1 + " + num(r.b) + " * " + num(r.a) + " * (step - 1))^" + num(r.c);
+    case ScalarRule::Kind::asgd_decay:
+      return "1 - " + num(r.b) + " * " + num(r.a) + " / (1 + " + num(r.b) + " * " + num(r.a) + " * (step - 1))^" +
+             num(r.c);
+    case ScalarRule::Kind::asgd_mu: return "step == 1 ? 1 : 1 / max(1, step - 1 - " + num(r.a) + ")";
   }
   return "?";
 }
@@ -109,6 +136,30 @@ void check_rule(std::string_view program, std::string_view name, const ScalarRul
     case ScalarRule::Kind::div_linear:
       finite(r.a, "a");
       if (!(std::isfinite(r.b) && r.b >= 0.0)) bad(program, what + ": the decay b = " + num(r.b) + " must be finite and >= 0");
+      return;
+    case ScalarRule::Kind::one_minus_pow:
+    case ScalarRule::Kind::radam_rect:
+      if (!(r.b >= 0.0 && r.b < 1.0)) bad(program, what + ": the base b = " + num(r.b) + " must be in [0, 1)");
+      return;
+    case ScalarRule::Kind::nadam_grad_coef:
+    case ScalarRule::Kind::nadam_momentum_coef:
+      finite(r.a, "the learning rate a");
+      if (!(r.b >= 0.0 && r.b < 1.0)) bad(program, what + ": beta1 b = " + num(r.b) + " must be in [0, 1)");
+      if (!(std::isfinite(r.c) && r.c >= 0.0))
+        bad(program, what + ": the momentum decay c = " + num(r.c) + " must be finite and >= 0");
+      return;
+    case ScalarRule::Kind::asgd_eta:
+    case ScalarRule::Kind::asgd_decay:
+      finite(r.a, "the learning rate a");
+      finite(r.b, "lambd b");
+      finite(r.c, "the exponent c");
+      // The base 1 + b * a * (t - 1) stays >= 1 for every step.
+      if (!(r.a * r.b >= 0.0))
+        bad(program, what + ": a * b = " + num(r.a) + " * " + num(r.b) + " must be >= 0 (the base 1 + b * a * (t - 1) "
+                            "must stay positive)");
+      return;
+    case ScalarRule::Kind::asgd_mu:
+      finite(r.a, "t0 a");
       return;
   }
   bad(program, what + ": unknown rule kind " + std::to_string(kind_value(r.kind)) + " (use ScalarRule::Kind)");
@@ -195,7 +246,7 @@ UpdateProgram UpdateProgram::from_config(const OptimizerConfig& config) {
   std::vector<ScalarDef> defs;
   for (int s = 0; s < program.num_scalars; ++s)
     defs.push_back({std::string(program.scalars[s]),
-                    ScalarRule{static_cast<ScalarRule::Kind>(rules[s].kind), rules[s].a, rules[s].b}});
+                    ScalarRule{static_cast<ScalarRule::Kind>(rules[s].kind), rules[s].a, rules[s].b, rules[s].c}});
   return UpdateProgram(program, std::move(defs));
 }
 
@@ -216,6 +267,27 @@ ScalarDef UpdateProgram::bias_correction2_sqrt(std::string name, double beta2) {
 }
 ScalarDef UpdateProgram::lr_decay(std::string name, double lr, double decay) {
   return {std::move(name), {ScalarRule::Kind::div_linear, lr, decay}};
+}
+ScalarDef UpdateProgram::bias_correction(std::string name, double beta) {
+  return {std::move(name), {ScalarRule::Kind::one_minus_pow, 0.0, beta}};
+}
+ScalarDef UpdateProgram::nadam_grad_coef(std::string name, double lr, double beta1, double momentum_decay) {
+  return {std::move(name), {ScalarRule::Kind::nadam_grad_coef, lr, beta1, momentum_decay}};
+}
+ScalarDef UpdateProgram::nadam_momentum_coef(std::string name, double lr, double beta1, double momentum_decay) {
+  return {std::move(name), {ScalarRule::Kind::nadam_momentum_coef, lr, beta1, momentum_decay}};
+}
+ScalarDef UpdateProgram::radam_rect(std::string name, double beta2) {
+  return {std::move(name), {ScalarRule::Kind::radam_rect, 0.0, beta2}};
+}
+ScalarDef UpdateProgram::asgd_eta(std::string name, double lr, double lambd, double alpha) {
+  return {std::move(name), {ScalarRule::Kind::asgd_eta, lr, lambd, alpha}};
+}
+ScalarDef UpdateProgram::asgd_decay(std::string name, double lr, double lambd, double alpha) {
+  return {std::move(name), {ScalarRule::Kind::asgd_decay, lr, lambd, alpha}};
+}
+ScalarDef UpdateProgram::asgd_mu(std::string name, double t0) {
+  return {std::move(name), {ScalarRule::Kind::asgd_mu, t0}};
 }
 
 const Program& UpdateProgram::program() const { return storage_->program; }

@@ -21,7 +21,14 @@ static_assert(SF_SCALAR_FIXED == static_cast<int>(stepfuse::ScalarRule::Kind::fi
               SF_SCALAR_FIRST_STEP == static_cast<int>(stepfuse::ScalarRule::Kind::first_step) &&
               SF_SCALAR_DIV_ONE_MINUS_POW == static_cast<int>(stepfuse::ScalarRule::Kind::div_one_minus_pow) &&
               SF_SCALAR_SQRT_ONE_MINUS_POW == static_cast<int>(stepfuse::ScalarRule::Kind::sqrt_one_minus_pow) &&
-              SF_SCALAR_DIV_LINEAR == static_cast<int>(stepfuse::ScalarRule::Kind::div_linear));
+              SF_SCALAR_DIV_LINEAR == static_cast<int>(stepfuse::ScalarRule::Kind::div_linear) &&
+              SF_SCALAR_ONE_MINUS_POW == static_cast<int>(stepfuse::ScalarRule::Kind::one_minus_pow) &&
+              SF_SCALAR_NADAM_GRAD_COEF == static_cast<int>(stepfuse::ScalarRule::Kind::nadam_grad_coef) &&
+              SF_SCALAR_NADAM_MOMENTUM_COEF == static_cast<int>(stepfuse::ScalarRule::Kind::nadam_momentum_coef) &&
+              SF_SCALAR_RADAM_RECT == static_cast<int>(stepfuse::ScalarRule::Kind::radam_rect) &&
+              SF_SCALAR_ASGD_ETA == static_cast<int>(stepfuse::ScalarRule::Kind::asgd_eta) &&
+              SF_SCALAR_ASGD_DECAY == static_cast<int>(stepfuse::ScalarRule::Kind::asgd_decay) &&
+              SF_SCALAR_ASGD_MU == static_cast<int>(stepfuse::ScalarRule::Kind::asgd_mu));
 static_assert(SF_OP_ADD == static_cast<int>(stepfuse::Op::add) && SF_OP_SUB == static_cast<int>(stepfuse::Op::sub) &&
               SF_OP_MUL == static_cast<int>(stepfuse::Op::mul) && SF_OP_DIV == static_cast<int>(stepfuse::Op::div) &&
               SF_OP_FMA == static_cast<int>(stepfuse::Op::fma) && SF_OP_NEG == static_cast<int>(stepfuse::Op::neg) &&
@@ -158,13 +165,15 @@ sf_status sf_program_builder_stream(sf_program_builder* builder, const char* nam
   });
 }
 
-sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* name, sf_scalar_rule_kind rule, double a,
-                                    double b, sf_value* out) {
-  constexpr const char* fn = "sf_program_builder_scalar";
+namespace {
+
+// sf_program_builder_scalar and sf_program_builder_scalar3, named `fn`.
+sf_status builder_scalar(const char* fn, sf_program_builder* builder, const char* name, sf_scalar_rule_kind rule,
+                         double a, double b, double c, sf_value* out) {
   return guard(fn, [&] {
     need_all(fn, builder, "builder", name, "name", out, "out");
-    const int k = enum_in_range(fn, rule, SF_SCALAR_FIXED, SF_SCALAR_DIV_LINEAR, "rule", "an sf_scalar_rule_kind");
-    const stepfuse::ScalarRule r{static_cast<stepfuse::ScalarRule::Kind>(k), a, b};
+    const int k = enum_in_range(fn, rule, SF_SCALAR_FIXED, SF_SCALAR_ASGD_MU, "rule", "an sf_scalar_rule_kind");
+    const stepfuse::ScalarRule r{static_cast<stepfuse::ScalarRule::Kind>(k), a, b, c};
     std::size_t s = 0;
     while (s < builder->scalars.size() && builder->scalars[s].name != name) ++s;
     if (s == builder->scalars.size()) {
@@ -176,6 +185,18 @@ sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* nam
     }
     *out = emit(builder, stepfuse::Op::scalar, static_cast<std::uint32_t>(s), 0, 0, 0, 0.0f);
   });
+}
+
+}  // namespace
+
+sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* name, sf_scalar_rule_kind rule, double a,
+                                    double b, sf_value* out) {
+  return builder_scalar("sf_program_builder_scalar", builder, name, rule, a, b, 0.0, out);
+}
+
+sf_status sf_program_builder_scalar3(sf_program_builder* builder, const char* name, sf_scalar_rule_kind rule, double a,
+                                     double b, double c, sf_value* out) {
+  return builder_scalar("sf_program_builder_scalar3", builder, name, rule, a, b, c, out);
 }
 
 sf_status sf_program_builder_load(sf_program_builder* builder, int stream, sf_value* out) {

@@ -85,6 +85,10 @@ constexpr ConfigField kConfigFields[] = {
     SF_FIELD(initial_accumulator_value, false),
     SF_FIELD(amsgrad, true),   SF_FIELD(nesterov, true),     SF_FIELD(centered, true),
     SF_FIELD(maximize, true),
+    SF_FIELD(momentum_decay, false), SF_FIELD(rho, false),
+    SF_FIELD(eta_minus, false), SF_FIELD(eta_plus, false), SF_FIELD(step_size_min, false),
+    SF_FIELD(step_size_max, false), SF_FIELD(lambd, false),    SF_FIELD(t0, false),
+    SF_FIELD(decoupled_weight_decay, true),
 };
 #undef SF_FIELD
 

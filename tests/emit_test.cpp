@@ -524,7 +524,7 @@ TEST(EmitCpu, LinkedObjectStepsBitwiseAsTheLibrary) {
   }
   std::vector<sf_scalar_rule> rules;
   for (const ScalarDef& d : r.program.scalars())
-    rules.push_back({static_cast<int>(d.rule.kind), 0, d.rule.a, d.rule.b});
+    rules.push_back({static_cast<int>(d.rule.kind), 0, d.rule.a, d.rule.b, d.rule.c});
 
   for (int step = 1; step <= 3; ++step) {
     for (std::size_t i = 0; i < list.size(); ++i) {  // fresh gradients, the same for both sides

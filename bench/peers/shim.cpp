@@ -88,11 +88,37 @@ std::vector<Field> fields(sf::optim::Lion& c) {
   return {{"lr", &c.lr}, {"beta1", &c.beta1}, {"beta2", &c.beta2}, {"weight_decay", &c.weight_decay},
           {"maximize", nullptr, &c.maximize}};
 }
+std::vector<Field> fields(sf::optim::NAdam& c) {
+  return {{"lr", &c.lr}, {"beta1", &c.beta1}, {"beta2", &c.beta2}, {"eps", &c.eps}, {"weight_decay", &c.weight_decay},
+          {"momentum_decay", &c.momentum_decay}, {"decoupled_weight_decay", nullptr, &c.decoupled_weight_decay},
+          {"maximize", nullptr, &c.maximize}};
+}
+std::vector<Field> fields(sf::optim::RAdam& c) {
+  return {{"lr", &c.lr}, {"beta1", &c.beta1}, {"beta2", &c.beta2}, {"eps", &c.eps}, {"weight_decay", &c.weight_decay},
+          {"decoupled_weight_decay", nullptr, &c.decoupled_weight_decay}, {"maximize", nullptr, &c.maximize}};
+}
+std::vector<Field> fields(sf::optim::Adamax& c) {
+  return {{"lr", &c.lr}, {"beta1", &c.beta1}, {"beta2", &c.beta2}, {"eps", &c.eps}, {"weight_decay", &c.weight_decay},
+          {"maximize", nullptr, &c.maximize}};
+}
+std::vector<Field> fields(sf::optim::Adadelta& c) {
+  return {{"lr", &c.lr}, {"rho", &c.rho}, {"eps", &c.eps}, {"weight_decay", &c.weight_decay},
+          {"maximize", nullptr, &c.maximize}};
+}
+std::vector<Field> fields(sf::optim::Rprop& c) {
+  return {{"lr", &c.lr}, {"eta_minus", &c.eta_minus}, {"eta_plus", &c.eta_plus}, {"step_size_min", &c.step_size_min},
+          {"step_size_max", &c.step_size_max}, {"maximize", nullptr, &c.maximize}};
+}
+std::vector<Field> fields(sf::optim::ASGD& c) {
+  return {{"lr", &c.lr}, {"lambd", &c.lambd}, {"alpha", &c.alpha}, {"t0", &c.t0}, {"weight_decay", &c.weight_decay},
+          {"maximize", nullptr, &c.maximize}};
+}
 
 sf::OptimizerConfig default_config(std::string_view kind) {
   if (std::optional<sf::OptimizerConfig> config = sf::bench::default_config_named(kind)) return *config;
   throw sf::Error(sf::ErrorCode::invalid_argument,
-                  "unknown optimizer '" + std::string(kind) + "' (sgd, adam, adamw, adagrad, rmsprop, lion)");
+                  "unknown optimizer '" + std::string(kind) +
+                      "' (sgd, adam, adamw, adagrad, rmsprop, lion, nadam, radam, adamax, adadelta, rprop, asgd)");
 }
 
 sf::DType dtype_of(int code) {
@@ -133,7 +159,8 @@ SF_PEER_API const char* sf_peer_cpu_target() { return sf::cpu_target(); }
 
 // Builds an optimizer over n_params caller-owned tensors: weights[i] / grads[i] hold
 // numels[i] elements of dtype weight_dtypes[i] / grad_dtypes[i] (0 f32, 1 f16, 2 bf16).
-// kind: "adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", with PyTorch's defaults;
+// kind: "adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "nadam", "radam", "adamax",
+// "adadelta", "rprop", "asgd", with PyTorch's defaults;
 // hyper_names[k] = hyper_values[k] overrides one (flags as 0/1; an unknown name is an
 // error). max_grad_norm: 0 = no clipping. threads: 0 = the library default. fusion: 0
 // fused, 1 unfused, 2 interpreted. Allocates the state; the tensors must outlive it.

@@ -39,15 +39,49 @@ struct Lion {
   bool maximize = false;
 };
 
+// torch.optim.NAdam: decoupled_weight_decay as AdamW's (p *= 1 - lr * weight_decay),
+// else weight_decay is an L2 penalty added to the gradient.
+struct NAdam {
+  double lr = 2e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0, momentum_decay = 4e-3;
+  bool decoupled_weight_decay = false, maximize = false;
+};
+// torch.optim.RAdam: decoupled_weight_decay as NAdam's.
+struct RAdam {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  bool decoupled_weight_decay = false, maximize = false;
+};
+// torch.optim.Adamax
+struct Adamax {
+  double lr = 2e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  bool maximize = false;
+};
+// torch.optim.Adadelta
+struct Adadelta {
+  double lr = 1.0, rho = 0.9, eps = 1e-6, weight_decay = 0;
+  bool maximize = false;
+};
+// torch.optim.Rprop: etas = (eta_minus, eta_plus), step_sizes = (step_size_min, step_size_max).
+struct Rprop {
+  double lr = 1e-2, eta_minus = 0.5, eta_plus = 1.2, step_size_min = 1e-6, step_size_max = 50;
+  bool maximize = false;
+};
+// torch.optim.ASGD
+struct ASGD {
+  double lr = 1e-2, lambd = 1e-4, alpha = 0.75, t0 = 1e6, weight_decay = 0;
+  bool maximize = false;
+};
+
 }  // namespace optim
 
 // Every built-in optimizer, in sf_optimizer_kind's order (append only). Each has
 // its traits in its program file (jit/builtin/<name>.hpp), included by the
 // library's registry of built-in optimizers.
 using OptimizerConfig =
-    std::variant<optim::SGD, optim::Adam, optim::AdamW, optim::Adagrad, optim::RMSprop, optim::Lion>;
+    std::variant<optim::SGD, optim::Adam, optim::AdamW, optim::Adagrad, optim::RMSprop, optim::Lion,
+                 optim::NAdam, optim::RAdam, optim::Adamax, optim::Adadelta, optim::Rprop, optim::ASGD>;
 
-// "SGD", "Adam", "AdamW", "Adagrad", "RMSprop" or "Lion".
+// "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion", "NAdam", "RAdam", "Adamax",
+// "Adadelta", "Rprop" or "ASGD".
 std::string_view optimizer_name(const OptimizerConfig& config);
 
 }  // namespace stepfuse

@@ -154,12 +154,19 @@ typedef enum sf_optimizer_kind {
   SF_ADAGRAD = 3,
   SF_RMSPROP = 4,
   SF_LION = 5,
+  SF_NADAM = 6,
+  SF_RADAM = 7,
+  SF_ADAMAX = 8,
+  SF_ADADELTA = 9,
+  SF_RPROP = 10,
+  SF_ASGD = 11,
   /* Not a kind: one more than the last kind of this header. A new kind goes on a line
    * above it; the library fails to build if this count and its optimizers disagree. */
   SF_NUM_OPTIMIZER_KINDS
 } sf_optimizer_kind;
 
-/* "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion"; NULL for other values. */
+/* "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion", "NAdam", "RAdam", "Adamax",
+ * "Adadelta", "Rprop", "ASGD"; NULL for other values. */
 STEPFUSE_API const char* sf_optimizer_kind_name(sf_optimizer_kind kind);
 
 /* The hyperparameters of every kind, with PyTorch's names (torch.optim.*; Lion as in
@@ -169,6 +176,13 @@ STEPFUSE_API const char* sf_optimizer_kind_name(sf_optimizer_kind kind);
  *   Adagrad: lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize
  *   RMSprop: lr, alpha, eps, weight_decay, momentum, centered, maximize
  *   Lion:    lr, beta1, beta2, weight_decay, maximize
+ *   NAdam:   lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize
+ *   RAdam:   lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize
+ *   Adamax:  lr, beta1, beta2, eps, weight_decay, maximize
+ *   Adadelta: lr, rho, eps, weight_decay, maximize
+ *   Rprop:   lr, eta_minus, eta_plus, step_size_min, step_size_max, maximize
+ *            (PyTorch's etas and step_sizes pairs)
+ *   ASGD:    lr, lambd, alpha, t0, weight_decay, maximize
  * The fields of other kinds must be 0 / false (as sf_optimizer_config_init leaves
  * them): a non-zero one is SF_INVALID_ARGUMENT, as an unknown keyword is in PyTorch. */
 typedef struct sf_optimizer_config {
@@ -182,6 +196,12 @@ typedef struct sf_optimizer_config {
   double alpha;
   double lr_decay, initial_accumulator_value;
   bool amsgrad, nesterov, centered, maximize;
+  /* NAdam, RAdam, Adadelta, Rprop, ASGD (see above) */
+  double momentum_decay;
+  double rho;
+  double eta_minus, eta_plus, step_size_min, step_size_max;
+  double lambd, t0;
+  bool decoupled_weight_decay;
 } sf_optimizer_config;
 
 /* Sets struct_size, kind, and PyTorch's defaults for that kind (e.g. AdamW: lr 1e-3,
@@ -523,7 +543,17 @@ typedef enum sf_scalar_rule_kind {
   SF_SCALAR_FIRST_STEP = 2,         /* t == 1 ? a : b */
   SF_SCALAR_DIV_ONE_MINUS_POW = 3,  /* a / (1 - b^t): Adam's lr / bias_correction1 */
   SF_SCALAR_SQRT_ONE_MINUS_POW = 4, /* sqrt(1 - b^t): Adam's sqrt(bias_correction2) */
-  SF_SCALAR_DIV_LINEAR = 5          /* a / (1 + (t - 1) * b): Adagrad's lr decay */
+  SF_SCALAR_DIV_LINEAR = 5,         /* a / (1 + (t - 1) * b): Adagrad's lr decay */
+  SF_SCALAR_ONE_MINUS_POW = 6,      /* 1 - b^t: RAdam's bias_correction1 */
+  /* NAdam (lr a, beta1 b, momentum_decay c; mu_t = b (1 - 0.5 * 0.96^(t c)), P_t = mu_1 ... mu_t
+   * rounded to fp32): */
+  SF_SCALAR_NADAM_GRAD_COEF = 7,     /* -a (1 - mu_t) / (1 - P_t) */
+  SF_SCALAR_NADAM_MOMENTUM_COEF = 8, /* -a mu_{t+1} / (1 - P_t mu_{t+1}) */
+  SF_SCALAR_RADAM_RECT = 9,          /* RAdam's rectification (beta2 b); 0 while rho_t <= 5 */
+  /* ASGD (lr a, lambd b, alpha c): */
+  SF_SCALAR_ASGD_ETA = 10,           /* eta_t = a / (1 + b a (t - 1))^c */
+  SF_SCALAR_ASGD_DECAY = 11,         /* 1 - b eta_t (eta_t rounded to fp32) */
+  SF_SCALAR_ASGD_MU = 12             /* t == 1 ? 1 : 1 / max(1, t - 1 - a) (a = t0) */
 } sf_scalar_rule_kind;
 
 /* The value ops (load, store, const, scalar and convert have their own functions).
@@ -558,6 +588,11 @@ STEPFUSE_API sf_status sf_program_builder_stream(sf_program_builder* builder, co
  * rule) and emits its value. */
 STEPFUSE_API sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* name,
                                                  sf_scalar_rule_kind rule, double a, double b, sf_value* out);
+/* As sf_program_builder_scalar, with the rule's third parameter c (the NAdam and ASGD
+ * rules); sf_program_builder_scalar is this with c = 0. */
+STEPFUSE_API sf_status sf_program_builder_scalar3(sf_program_builder* builder, const char* name,
+                                                  sf_scalar_rule_kind rule, double a, double b, double c,
+                                                  sf_value* out);
 /* v = stream[i] */
 STEPFUSE_API sf_status sf_program_builder_load(sf_program_builder* builder, int stream, sf_value* out);
 /* stream[i] = v (each stream at most once; never the gradient; the param stream exactly once). */

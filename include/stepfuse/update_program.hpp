@@ -22,9 +22,11 @@ namespace stepfuse {
 
 // How a per-step scalar gets its value for applying step `t` (1-based), `gscale`
 // being the step's gradient multiplier (clip coefficient / loss scale). The value
-// is computed in double with IEEE-exact operations only, then rounded once to
-// fp32; host and GPU compute it bitwise alike. The values of Kind are those of
-// the device ABI's sf_rule_kind (stepfuse/device_abi.h).
+// is computed in double from + - * /, sqrt and bit manipulation only (powers,
+// logarithms and exponentials included: jit/step_scalars.h), then rounded once to
+// fp32; host and GPU compute it bitwise alike. The values of Kind are those of the
+// device ABI's sf_rule_kind (stepfuse/device_abi.h) and the C ABI's SF_SCALAR_*;
+// b^t is a power by repeated squaring, x^y for real y accurate to about a double ulp.
 struct ScalarRule {
   enum class Kind : std::uint8_t {
     fixed = 0,               // a
@@ -33,16 +35,29 @@ struct ScalarRule {
     div_one_minus_pow = 3,   // a / (1 - b^t)      (Adam's step size lr / bias_correction1)
     sqrt_one_minus_pow = 4,  // sqrt(1 - b^t)      (Adam's sqrt(bias_correction2))
     div_linear = 5,          // a / (1 + (t - 1) * b)   (Adagrad's lr decay)
+    one_minus_pow = 6,       // 1 - b^t            (RAdam's bias_correction1, NAdam's bias_correction2)
+    // NAdam with lr = a, beta1 = b, momentum_decay = c: mu_t = b * (1 - 0.5 * 0.96^(t * c)),
+    // P_t = mu_1 * ... * mu_t (in closed form, rounded to fp32 as PyTorch's mu_product):
+    nadam_grad_coef = 7,      // -a * (1 - mu_t) / (1 - P_t)
+    nadam_momentum_coef = 8,  // -a * mu_(t+1) / (1 - P_t * mu_(t+1))
+    // RAdam with beta2 = b: rho_inf = 2 / (1 - b) - 1, rho_t = rho_inf - 2 t b^t / (1 - b^t):
+    radam_rect = 9,  // rho_t > 5 ? sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t)) : 0
+    // ASGD with lr = a, lambd = b, alpha = c:
+    asgd_eta = 10,    // eta_t = a / (1 + b * a * (t - 1))^c   (lr on the first step)
+    asgd_decay = 11,  // 1 - b * eta_t, with eta_t rounded to fp32 first (PyTorch keeps eta in fp32)
+    asgd_mu = 12,     // t == 1 ? 1 : 1 / max(1, t - 1 - a)    (a = t0)
   };
   Kind kind = Kind::fixed;
-  double a = 0.0, b = 0.0;
+  double a = 0.0, b = 0.0, c = 0.0;
 
   // The rule's value in double (before the rounding to fp32).
   double eval(std::int64_t step, double gscale) const;
   bool operator==(const ScalarRule&) const = default;
 };
 
-// "fixed", "gscale", "first_step", "div_one_minus_pow", "sqrt_one_minus_pow", "div_linear".
+// "fixed", "gscale", "first_step", "div_one_minus_pow", "sqrt_one_minus_pow", "div_linear",
+// "one_minus_pow", "nadam_grad_coef", "nadam_momentum_coef", "radam_rect", "asgd_eta",
+// "asgd_decay", "asgd_mu".
 std::string_view scalar_rule_name(ScalarRule::Kind kind);
 
 // One scalar of a program and its rule.
@@ -84,6 +99,18 @@ class UpdateProgram {
   static ScalarDef bias_correction2_sqrt(std::string name, double beta2);
   // lr / (1 + (t - 1) * decay): Adagrad's decayed learning rate.
   static ScalarDef lr_decay(std::string name, double lr, double decay);
+  // 1 - beta^t: a bias correction itself (RAdam's bias_correction1).
+  static ScalarDef bias_correction(std::string name, double beta);
+  // NAdam's two step coefficients (ScalarRule::Kind::nadam_grad_coef, nadam_momentum_coef).
+  static ScalarDef nadam_grad_coef(std::string name, double lr, double beta1, double momentum_decay);
+  static ScalarDef nadam_momentum_coef(std::string name, double lr, double beta1, double momentum_decay);
+  // RAdam's rectification term, 0 while rho_t <= 5 (ScalarRule::Kind::radam_rect).
+  static ScalarDef radam_rect(std::string name, double beta2);
+  // ASGD's eta_t, the parameter decay 1 - lambd * eta_t and the averaging weight mu_t
+  // (ScalarRule::Kind::asgd_eta, asgd_decay, asgd_mu).
+  static ScalarDef asgd_eta(std::string name, double lr, double lambd, double alpha);
+  static ScalarDef asgd_decay(std::string name, double lr, double lambd, double alpha);
+  static ScalarDef asgd_mu(std::string name, double t0);
 
   const Program& program() const;  // string_views into this object's storage (shared by copies)
   std::string_view name() const { return program().name; }

@@ -23,9 +23,9 @@ struct ScalarWriter {
   const Program& program;
   sf_scalar_rule* out;
   void set(std::string_view name, double value) const { rule(name, SF_RULE_FIXED, value, 0.0); }
-  void rule(std::string_view name, sf_rule_kind kind, double a, double b = 0.0) const {
+  void rule(std::string_view name, sf_rule_kind kind, double a, double b = 0.0, double c = 0.0) const {
     const int s = program.find_scalar(name);
-    if (s >= 0) out[s] = sf_scalar_rule{kind, 0, a, b};
+    if (s >= 0) out[s] = sf_scalar_rule{kind, 0, a, b, c};
   }
   // gscale, the gradient multiplier of this step; negated to maximize.
   void gscale(bool maximize) const { rule("gscale", SF_RULE_GSCALE, maximize ? -1.0 : 1.0); }
@@ -41,6 +41,12 @@ class Checker {
   }
   void unit_interval(std::string_view name, double v) const {  // [0, 1)
     if (!std::isfinite(v) || v < 0.0 || v >= 1.0) fail(name, v, "must be in [0, 1)");
+  }
+  void closed_unit_interval(std::string_view name, double v) const {  // [0, 1]
+    if (!std::isfinite(v) || v < 0.0 || v > 1.0) fail(name, v, "must be in [0, 1]");
+  }
+  void finite(std::string_view name, double v) const {
+    if (!std::isfinite(v)) fail(name, v, "must be finite");
   }
   [[noreturn]] void fail(std::string_view name, double v, const std::string& rule) const {
     throw Error(ErrorCode::invalid_argument, std::string(optimizer_) + ": invalid " + std::string(name) + " = " +

@@ -16,6 +16,12 @@
 #include "jit/builtin/adagrad.hpp"
 #include "jit/builtin/rmsprop.hpp"
 #include "jit/builtin/lion.hpp"
+#include "jit/builtin/nadam.hpp"
+#include "jit/builtin/radam.hpp"
+#include "jit/builtin/adamax.hpp"
+#include "jit/builtin/adadelta.hpp"
+#include "jit/builtin/rprop.hpp"
+#include "jit/builtin/asgd.hpp"
 
 #include "jit/builtins.hpp"
 

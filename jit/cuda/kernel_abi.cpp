@@ -45,7 +45,8 @@ void write_types(JsonWriter& j) {
              "how one per-step scalar is computed: sf_eval_rule(rule, step, gscale), rounded to fp32",
              {SF_FIELD(sf_scalar_rule, kind, "int", "enum sf_rule_kind (see scalar_rule_kinds)"),
               SF_FIELD(sf_scalar_rule, pad_, "int", "0"), SF_FIELD(sf_scalar_rule, a, "double", "first parameter"),
-              SF_FIELD(sf_scalar_rule, b, "double", "second parameter")});
+              SF_FIELD(sf_scalar_rule, b, "double", "second parameter"),
+              SF_FIELD(sf_scalar_rule, c, "double", "third parameter")});
   write_type(j, "sf_hyper", sizeof(sf_hyper), alignof(sf_hyper),
              "the step's hyperparameters, passed to both kernels by value: changing them never recompiles",
              {SF_FIELD(sf_hyper, rules, "sf_scalar_rule[SF_MAX_SCALARS]",
@@ -177,7 +178,7 @@ std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program
 
   j.begin_array("step")
       .str({}, "setup (once): allocate and initialize device_memory, copy the tables, zero step_state")
-      .str({}, "fill sf_hyper: rules[k] = program.scalars[k] as {kind, 0, a, b}; max_grad_norm = the clip threshold or 0")
+      .str({}, "fill sf_hyper: rules[k] = program.scalars[k] as {kind, 0, a, b, c}; max_grad_norm = the clip threshold or 0")
       .str({}, "scaled or clipped step: sf_reduce(..., scale_value = S, check_finite = 1, ...) then sf_update(..., plain = 0), "
                "in order on one stream; nothing needs the host in between (a CUDA graph can hold both)")
       .str({}, "plain step (gradients unscaled, no clipping, no norm): sf_update(..., plain = 1) alone")

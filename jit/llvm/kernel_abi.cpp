@@ -114,7 +114,8 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
                   {{"kind", "int", offsetof(sf_scalar_rule, kind), "enum sf_rule_kind"},
                    {"pad_", "int", offsetof(sf_scalar_rule, pad_), "0"},
                    {"a", "double", offsetof(sf_scalar_rule, a), "first parameter"},
-                   {"b", "double", offsetof(sf_scalar_rule, b), "second parameter"}});
+                   {"b", "double", offsetof(sf_scalar_rule, b), "second parameter"},
+                   {"c", "double", offsetof(sf_scalar_rule, c), "third parameter"}});
   j.end_object();
 
   // ---- the functions ----
@@ -187,7 +188,7 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
       .str({}, "scalar stage: stage = sf_step_stage(found_inf, check_finite, norm, S, max_grad_norm or 0, steps "
                "applied so far), with check_finite = 1 when the step is loss-scaled or clips (a plain step passes "
                "found_inf = 0, norm = NaN, S = 1); when stage.applied, sf_eval_scalars(rules, num_scalars, stage.step, "
-               "stage.gscale, scalars) with rules[k] = {kind, 0, a, b} of program.scalars[k]")
+               "stage.gscale, scalars) with rules[k] = {kind, 0, a, b, c} of program.scalars[k]")
       .str({}, "update: for every tensor, args = {grad, weight, master, state bases, scalars}; call its update "
                "function over [0, numel) in any split (the reduce's chunks are a natural one)")
       .str({}, "steps applied so far = stage.step; new hyperparameters are new rules at the next scalar stage (never "
