@@ -29,6 +29,9 @@ std::string_view op_name(Op op) {
     case Op::cmp_le: return "le";
     case Op::cmp_eq: return "eq";
     case Op::convert: return "convert";
+    case Op::phase: return "phase";
+    case Op::reduce_sumsq: return "reduce_sumsq";
+    case Op::tensor_norm: return "tensor_norm";
   }
   return "?";
 }
@@ -64,6 +67,8 @@ std::string instr_text(const Program& p, int i) {
     case Op::constant: return s + " " + float_text(in.imm);
     case Op::scalar:
       return s + " " + (in.attr < p.num_scalars ? std::string(p.scalars[in.attr]) : std::string("<scalar ").append(std::to_string(in.attr)) + ">");
+    case Op::reduce_sumsq: return s + " r" + std::to_string(in.attr) + ", " + v(in.a);
+    case Op::tensor_norm: return s + " r" + std::to_string(in.attr);
     case Op::convert:
       return s + " " + v(in.a) + " to " +
              (in.attr <= 2 ? std::string(dtype_name(static_cast<DType>(in.attr))) : std::string("<dtype ").append(std::to_string(in.attr)) + ">");
@@ -152,6 +157,32 @@ std::string detail(const Program& p, int where, std::string_view problem) {
       if (ops[k] < where && !op_has_value(p.code[ops[k]].op))
         return " (operand " + std::to_string(k + 1) + " is instruction " + std::to_string(ops[k]) + ": " +
                instr_text(p, ops[k]) + ")";
+  }
+  if (problem.find("phase-1 value") != std::string_view::npos) {
+    int marker = 0;
+    while (marker < where && p.code[marker].op != Op::phase) ++marker;
+    for (int k = 0; k < arity; ++k)
+      if (ops[k] < marker)
+        return " (operand " + std::to_string(k + 1) + " is %" + std::to_string(ops[k]) +
+               " of phase 1; the phase marker is instruction " + std::to_string(marker) + ")";
+  }
+  if (problem.find("phase marker or a reduce_sumsq, which") != std::string_view::npos) {
+    for (int k = 0; k < arity; ++k)
+      if (ops[k] < where && !op_has_value(p.code[ops[k]].op))
+        return " (operand " + std::to_string(k + 1) + " is instruction " + std::to_string(ops[k]) + ": " +
+               instr_text(p, ops[k]) + ")";
+  }
+  if (problem.find("reduction slot is out of range") != std::string_view::npos)
+    return " (slot " + std::to_string(in.attr) + "; use 0 to " + std::to_string(kMaxNormSlots - 1) + ")";
+  if (problem.find("reduced twice") != std::string_view::npos || problem.find("never reduces") != std::string_view::npos) {
+    for (int i = 0; i < where; ++i)
+      if (p.code[i].op == Op::reduce_sumsq && p.code[i].attr == in.attr)
+        return " (slot " + std::to_string(in.attr) + " is reduced by instruction " + std::to_string(i) + ")";
+    return " (slot " + std::to_string(in.attr) + ")";
+  }
+  if (problem.find("param stream is stored in phase 1") != std::string_view::npos) {
+    for (int i = where; i < p.num_instrs && i < kMaxInstrs; ++i)
+      if (p.code[i].op == Op::phase) return " (the phase marker is instruction " + std::to_string(i) + ")";
   }
   if (problem.find("stream index") != std::string_view::npos)
     return " (stream " + std::to_string(in.attr) + "; the program declares " + std::to_string(p.num_streams) + " streams)";

@@ -115,6 +115,15 @@ struct Lowering {
       const Instr& in = p.code[i];
       switch (in.op) {
         case Op::scalar: where[i] = {LOperand::Kind::scalar, in.attr}; continue;
+        case Op::tensor_norm: where[i] = {LOperand::Kind::norm, in.attr}; continue;
+        case Op::reduce_sumsq: {
+          LInstr li = instr(LKind::reduce);
+          li.attr = in.attr;
+          li.src[0] = operand(in.a);
+          li.num_src = 1;
+          emit(li);
+          continue;
+        }
         case Op::constant: where[i] = {LOperand::Kind::constant, 0, in.imm}; continue;
         case Op::load: {
           const int s = in.attr;
@@ -251,6 +260,7 @@ std::string operand_text(const LOperand& o) {
     case LOperand::Kind::state: return std::string("state").append(std::to_string(o.index)) + "[]";
     case LOperand::Kind::scalar: return std::string("s").append(std::to_string(o.index));
     case LOperand::Kind::constant: return detail::format_float(o.imm);
+    case LOperand::Kind::norm: return std::string("norm").append(std::to_string(o.index));
   }
   return "?";
 }
@@ -259,16 +269,36 @@ std::string operand_text(const LOperand& o) {
 
 LoweredProgram lower(const Program& program, DType weight, DType grad, bool masters) {
   validate(program);
-  Lowering l{program, weight, grad, masters && weight != DType::f32, {}, {}, {}, {}};
-  l.run();
-  return std::move(l.out);
+  const bool m = masters && weight != DType::f32;
+  if (!is_two_phase(program)) {
+    Lowering l{program, weight, grad, m, {}, {}, {}, {}};
+    l.run();
+    return std::move(l.out);
+  }
+  // Each phase on its own: no value crosses the marker, so the two share the slots.
+  LoweredProgram out;
+  out.two_phase = true;
+  for (int part = 0; part < 2; ++part) {
+    const Program sub = phase_program(program, part);
+    Lowering l{sub, weight, grad, m, {}, {}, {}, {}};
+    l.run();
+    if (part == 1) out.phase2_begin = static_cast<int>(out.code.size());
+    out.code.insert(out.code.end(), l.out.code.begin(), l.out.code.end());
+    out.num_slots = std::max(out.num_slots, l.out.num_slots);
+  }
+  return out;
 }
 
 std::string to_string(const LoweredProgram& lowered) {
-  static constexpr const char* kNames[] = {"unary", "binary", "ternary", "madd", "msub", "axpby", "widen", "narrow", "copy"};
+  static constexpr const char* kNames[] = {"unary", "binary", "ternary", "madd", "msub",
+                                           "axpby", "widen",  "narrow",  "copy", "reduce"};
   std::string s;
-  for (const LInstr& li : lowered.code) {
-    s += li.kind == LKind::narrow ? std::string("weight[]") : operand_text(li.dst);
+  for (std::size_t k = 0; k < lowered.code.size(); ++k) {
+    const LInstr& li = lowered.code[k];
+    if (lowered.two_phase && k == static_cast<std::size_t>(lowered.phase2_begin)) s += "phase\n";
+    s += li.kind == LKind::narrow   ? std::string("weight[]")
+         : li.kind == LKind::reduce ? std::string("r").append(std::to_string(li.attr))
+                                    : operand_text(li.dst);
     s.append(" = ").append(kNames[static_cast<int>(li.kind)]);
     if (li.kind == LKind::widen) s.append(" ").append(li.src[0].kind == LOperand::Kind::grad ? "grad" : "weight");
     if (li.kind == LKind::unary || li.kind == LKind::binary || li.kind == LKind::ternary)
@@ -286,6 +316,12 @@ StreamUse stream_use(const Program& p) {
     if (p.code[i].op == Op::load) u.loads[p.code[i].attr] = true;
     if (p.code[i].op == Op::store) u.stores[p.code[i].attr] = true;
   }
+  return u;
+}
+
+PhaseStreamUse phase_stream_use(const Program& p) {
+  PhaseStreamUse u;
+  for (int part = 0; part < 2; ++part) u.part[part] = stream_use(phase_program(p, part));
   return u;
 }
 

@@ -19,6 +19,8 @@ namespace stepfuse {
 inline constexpr int kMaxStreams = 8;
 inline constexpr int kMaxScalars = 16;
 inline constexpr int kMaxInstrs = 64;
+// Per-tensor reduction slots of a two-phase program (reduce_sumsq, tensor_norm).
+inline constexpr int kMaxNormSlots = 4;
 
 enum class StreamRole : std::uint8_t {
   grad,   // the gradient: loaded (converted to fp32), never stored
@@ -44,26 +46,33 @@ enum class Op : std::uint8_t {
   select,    // v = a != 0 ? b : c   (a is usually a comparison)
   cmp_lt, cmp_le, cmp_eq,  // v = 1.0 when true, else 0.0
   convert,   // v = a rounded to dtype attr (round to nearest even) and widened back
+  // Two-phase programs (per-tensor reductions; docs/update-programs.md): phase 1
+  // runs per element and sums squares per tensor, the sums are combined in the
+  // canonical order, then phase 2 runs per element and reads each tensor's norms.
+  phase,         // the phase marker: phase 1 before it, phase 2 after (no operands, no value)
+  reduce_sumsq,  // phase 1: adds a * a to the tensor's sum of reduction slot attr (no value)
+  tensor_norm,   // phase 2: v = sqrt(the tensor's sum of slot attr), in fp64, rounded to fp32
 };
-inline constexpr int kNumOps = static_cast<int>(Op::convert) + 1;
+inline constexpr int kNumOps = static_cast<int>(Op::tensor_norm) + 1;
 
 std::string_view op_name(Op op);
 
 // How many value operands an op reads (0..3).
 constexpr int op_arity(Op op) {
   switch (op) {
-    case Op::load: case Op::constant: case Op::scalar: return 0;
-    case Op::store: case Op::neg: case Op::abs: case Op::sqrt: case Op::sign: case Op::convert: return 1;
+    case Op::load: case Op::constant: case Op::scalar: case Op::phase: case Op::tensor_norm: return 0;
+    case Op::store: case Op::neg: case Op::abs: case Op::sqrt: case Op::sign: case Op::convert:
+    case Op::reduce_sumsq: return 1;
     case Op::fma: case Op::select: return 3;
     default: return 2;
   }
 }
-constexpr bool op_has_value(Op op) { return op != Op::store; }
+constexpr bool op_has_value(Op op) { return op != Op::store && op != Op::phase && op != Op::reduce_sumsq; }
 
 // One instruction. The value it produces has the instruction's index as its id.
 struct Instr {
   Op op = Op::constant;
-  std::uint8_t attr = 0;   // stream index, scalar index or dtype
+  std::uint8_t attr = 0;   // stream index, scalar index, dtype or reduction slot
   std::uint16_t a = 0, b = 0, c = 0;  // operand value ids
   float imm = 0.0f;
 };
@@ -166,6 +175,14 @@ class ProgramBuilder {
   constexpr Value convert(Value a, DType to) {
     return emit({Op::convert, static_cast<std::uint8_t>(to), a.id});
   }
+  // Two-phase programs: the phase marker, and the per-tensor reductions it
+  // separates. reduce_sumsq (phase 1) adds v * v to the tensor's sum of `slot`
+  // (0 .. kMaxNormSlots - 1); tensor_norm (phase 2) is the square root of that
+  // sum, the same value for every element of the tensor. Phase-1 values do not
+  // cross the marker: phase 2 loads (stored state reads as stored) or recomputes.
+  constexpr void phase() { emit({Op::phase}); }
+  constexpr void reduce_sumsq(int slot, Value v) { emit({Op::reduce_sumsq, slot_attr(slot), v.id}); }
+  constexpr Value tensor_norm(int slot) { return emit({Op::tensor_norm, slot_attr(slot)}); }
 
   // The finished program. At compile time a malformed program is a compile
   // error; at run time it throws Error(invalid_argument) saying what is wrong.
@@ -186,6 +203,10 @@ class ProgramBuilder {
     ++attempted_;
     p_.code[p_.num_instrs] = i;
     return Value{p_.num_instrs++};
+  }
+  // A slot that does not fit the attr byte becomes 255, which validation rejects.
+  static constexpr std::uint8_t slot_attr(int slot) {
+    return slot >= 0 && slot < 255 ? static_cast<std::uint8_t>(slot) : std::uint8_t{255};
   }
   // Remembers the first capacity overflow (a stream or scalar declaration), for build().
   constexpr void note_overflow(const char* what, std::string_view name) {
@@ -222,8 +243,11 @@ constexpr const char* find_problem(const Program& p, int* where) {
   if (params != 1) return "a program needs exactly one stream with role param";
   for (int s = 0; s < p.num_scalars; ++s)
     if (p.scalars[s].empty()) return "a scalar has an empty name";
-  bool stored[kMaxStreams] = {};
+  bool stored[kMaxStreams] = {};        // stored anywhere so far
+  bool stored_phase[kMaxStreams] = {};  // stored in the current phase (a later load there is an error)
   bool param_stored = false;
+  int phase_at = -1, param_store_at = -1, first_reduce = -1;
+  bool reduced[kMaxNormSlots] = {};
   for (int i = 0; i < p.num_instrs; ++i) {
     *where = i;
     const Instr& in = p.code[i];
@@ -232,24 +256,59 @@ constexpr const char* find_problem(const Program& p, int* where) {
     const std::uint16_t ops[3] = {in.a, in.b, in.c};
     for (int k = 0; k < n; ++k) {
       if (ops[k] >= i) return "an operand refers to a value not yet defined (operands must come earlier)";
-      if (!op_has_value(p.code[ops[k]].op)) return "an operand refers to a store, which has no value";
+      if (p.code[ops[k]].op == Op::store) return "an operand refers to a store, which has no value";
+      if (!op_has_value(p.code[ops[k]].op))
+        return "an operand refers to the phase marker or a reduce_sumsq, which have no value";
+      if (ops[k] < phase_at)
+        return "an operand refers to a phase-1 value (values do not cross the phase marker: load or compute it again in phase 2)";
     }
     if (in.op == Op::load || in.op == Op::store) {
       if (in.attr >= p.num_streams) return "the stream index is out of range";
-      if (in.op == Op::load && stored[in.attr])
+      if (in.op == Op::load && stored_phase[in.attr])
         return "a load follows a store to the same stream (use the stored value instead)";
       if (in.op == Op::store) {
         if (p.streams[in.attr].role == StreamRole::grad) return "the grad stream is read-only";
         if (stored[in.attr]) return "a stream is stored twice";
-        stored[in.attr] = true;
-        param_stored |= p.streams[in.attr].role == StreamRole::param;
+        stored[in.attr] = stored_phase[in.attr] = true;
+        if (p.streams[in.attr].role == StreamRole::param) param_stored = true, param_store_at = i;
       }
     }
     if (in.op == Op::scalar && in.attr >= p.num_scalars) return "the scalar index is out of range";
     if (in.op == Op::convert && in.attr > static_cast<int>(DType::bf16)) return "convert to an unknown dtype";
+    if (in.op == Op::phase) {
+      if (phase_at >= 0) return "a program has at most one phase marker";
+      phase_at = i;
+      for (bool& s : stored_phase) s = false;  // phase 2 loads what phase 1 stored
+    }
+    if (in.op == Op::reduce_sumsq || in.op == Op::tensor_norm) {
+      if (in.attr >= kMaxNormSlots) return "the reduction slot is out of range";
+      if (in.op == Op::reduce_sumsq) {
+        if (phase_at >= 0)
+          return "reduce_sumsq after the phase marker (reductions belong to phase 1; phase 2 reads their norms)";
+        if (reduced[in.attr]) return "a reduction slot is reduced twice (add the values first, or use another slot)";
+        reduced[in.attr] = true;
+        if (first_reduce < 0) first_reduce = i;
+      } else {
+        if (phase_at < 0) return "tensor_norm before the phase marker (a tensor's norms are known in phase 2 only)";
+        if (!reduced[in.attr]) return "tensor_norm reads a slot that phase 1 never reduces";
+      }
+    }
   }
   *where = -1;
   if (!param_stored) return "the program never stores the param stream";
+  if (phase_at >= 0 && param_store_at < phase_at) {
+    *where = param_store_at;
+    return "the param stream is stored in phase 1 (with a phase marker the param is stored in phase 2, once the "
+           "per-tensor norms are known)";
+  }
+  if (first_reduce >= 0 && phase_at < 0) {
+    *where = first_reduce;
+    return "reduce_sumsq without a phase marker after it (its per-tensor norm could never be read)";
+  }
+  if (phase_at >= 0 && first_reduce < 0) {
+    *where = phase_at;
+    return "a phase marker without a reduce_sumsq before it (phase 2 would have no norm to read)";
+  }
   return nullptr;
 }
 

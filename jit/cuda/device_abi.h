@@ -12,6 +12,11 @@
  *               the clip coefficient, gscale, the program's scalars, the step count.
  *   sf_update   grid = num_update_blocks blocks of SF_UPDATE_THREADS; returns at once
  *               when the step found inf/NaN; else applies the update program.
+ * A two-phase program (per-tensor reductions) launches two more kernels between them
+ * (jit/cuda/kernels/phase1_kernel.cuh): sf_phase1 (phase 1, one warp per reduce chunk,
+ * each slot's canonical chunk sum of squares into a float table, SF_MAX_NORM_SLOTS per
+ * chunk) and sf_phase_combine (per tensor, the chunk sums in order in fp64, then the
+ * norms, SF_MAX_NORM_SLOTS floats per tensor); its sf_update (phase 2) reads the norms.
  * The utility module (the same for every spec):
  *   sf_update_scale   <<<1, 1>>>: the GradScaler's growth/backoff, on the device.
  *   sf_scale_{f32,f16,bf16}   data *= S or fp32(1/S), S read from the device.
@@ -26,6 +31,7 @@
 #define SF_UPDATE_ELEMS 4096 /* elements per update block: SF_UPDATE_THREADS threads x 4 x 4 */
 #define SF_MAX_SCALARS 16
 #define SF_MAX_STREAMS 8
+#define SF_MAX_NORM_SLOTS 4 /* per-tensor reduction slots of a two-phase program */
 
 /* One parameter tensor. Pointers are device addresses. */
 typedef struct sf_tensor {

@@ -11,15 +11,17 @@
 
 #include "jit/embedded_files.hpp"
 #include "jit/program_analysis.hpp"
+#include "stepfuse/error.hpp"
 
 namespace stepfuse::jit {
 
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 4;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 5;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
-                                    //    one element function per spec
+                                    //    one element function per spec; 5: two-phase programs (sf_phase1,
+                                    //    sf_phase_combine, sf_update's norms)
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -42,12 +44,23 @@ std::string float_literal(float x) {
 
 std::string v(int id) { return std::string(1, 'v').append(std::to_string(id)); }
 
+// What an element function is: the whole of a one-phase program (sf_body), or
+// one phase of a two-phase program (phase 1: sf_body1, which writes the values to
+// reduce to red[slot]; phase 2: sf_body, which reads the tensor's norms nm[slot]).
+enum class Part { whole, phase1, phase2 };
+
 // The program as one straight-line function on fp32 values in registers.
-std::string element_function(const Program& p, const std::string& name) {
+std::string element_function(const Program& p, const std::string& name, Part part = Part::whole) {
   std::ostringstream o;
-  o << "/* " << p.name << ": the update program, one element. */\n"
+  o << "/* " << p.name
+    << (part == Part::whole ? ": the update program, one element. */\n"
+        : part == Part::phase1 ? ": phase 1 of the update program, one element. */\n"
+                               : ": phase 2 of the update program, one element. */\n")
     << "SF_HD SF_INLINE void " << name
-    << "(const float* SF_RESTRICT sc, float g, float* SF_RESTRICT p, float* SF_RESTRICT st) {\n";
+    << "(const float* SF_RESTRICT sc, float g, float* SF_RESTRICT p, float* SF_RESTRICT st"
+    << (part == Part::phase1 ? ", float* SF_RESTRICT red" : part == Part::phase2 ? ", const float* SF_RESTRICT nm" : "")
+    << ") {\n";
+  if (part != Part::whole) o << "  (void)sc; (void)g; (void)p; (void)st;\n";  // a phase may use none of them
   for (int i = 0; i < p.num_instrs; ++i) {
     const Instr& in = p.code[i];
     const std::string a = v(in.a), b = v(in.b), c = v(in.c);
@@ -62,6 +75,12 @@ std::string element_function(const Program& p, const std::string& name) {
         o << "  " << (p.streams[in.attr].role == StreamRole::param ? std::string("*p") : "st[" + std::to_string(in.attr) + "]")
           << " = " << a << ";  /* " << p.streams[in.attr].name << " */\n";
         continue;
+      case Op::reduce_sumsq:
+        o << "  red[" << static_cast<int>(in.attr) << "] = " << a << ";\n";
+        continue;
+      case Op::phase:  // the parts of a two-phase program have none (jit::phase_program)
+        throw Error(ErrorCode::invalid_argument, "CUDA emitter: a phase marker inside one phase");
+      case Op::tensor_norm: expr = "nm[" + std::to_string(in.attr) + "]"; break;
       case Op::constant: expr = float_literal(in.imm); break;
       case Op::scalar: expr = "sc[" + std::to_string(in.attr) + "] /* " + std::string(p.scalars[in.attr]) + " */"; break;
       case Op::add: expr = a + " + " + b; break;
@@ -99,6 +118,8 @@ constexpr std::string_view kReduceChunkInf = embedded_file("jit/cuda/kernels/red
 constexpr std::string_view kReduceKernel = embedded_file("jit/cuda/kernels/reduce_kernel.cuh");
 constexpr std::string_view kUpdateSpan = embedded_file("jit/cuda/kernels/update_span.cuh");
 constexpr std::string_view kUpdateKernel = embedded_file("jit/cuda/kernels/update_kernel.cuh");
+constexpr std::string_view kPhase1Chunk = embedded_file("jit/cuda/kernels/phase1_chunk.cuh");
+constexpr std::string_view kPhase1Kernel = embedded_file("jit/cuda/kernels/phase1_kernel.cuh");
 constexpr std::string_view kScalerKernels = embedded_file("jit/cuda/kernels/scaler_kernels.cuh");
 constexpr std::string_view kScaleKernels = embedded_file("jit/cuda/kernels/scale_kernels.cuh");
 
@@ -110,7 +131,8 @@ std::string indent(const std::string& lines, int n) {
   return out;
 }
 
-std::string update_span(const Program& prog, const CudaSpec& spec, int k) {
+// `prog`: the program, or the phase-2 part of a two-phase one (two_phase).
+std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool two_phase) {
   const DtypeCombo& c = spec.combos[static_cast<std::size_t>(k)];
   const StreamUse use = stream_use(prog);
   const std::string G(dtype_tag(c.grad)), W(dtype_tag(c.weight));
@@ -152,7 +174,46 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k) {
                                          {"GATHER", indent(gather, 6)},
                                          {"SCATTER", indent(scatter, 6)},
                                          {"STORE4", indent(store4, 6)},
-                                         {"STORE1", indent(store1, 8)}});
+                                         {"STORE1", indent(store1, 8)},
+                                         {"NORMS_PARAM", two_phase ? ",\n                                         const float* SF_RESTRICT nm" : ""},
+                                         {"NORMS_ARG", two_phase ? ", nm" : ""}});
+}
+
+// Phase 1 of a two-phase program over one chunk, for combination k (`prog`: phase 1's part).
+std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
+  const DtypeCombo& c = spec.combos[static_cast<std::size_t>(k)];
+  const StreamUse use = stream_use(prog);
+  const std::string G(dtype_tag(c.grad)), W(dtype_tag(c.weight));
+  const int gs = prog.grad_stream(), ps = prog.param_stream();
+  std::string load, store, accumulate;
+  if (use.loads[gs]) load += "g = sf_load_" + G + "(t->grad, begin + i);\n";
+  if (use.loads[ps])
+    load += c.master ? "p = sf_load_f32(t->master, begin + i);\n" : "p = sf_load_" + W + "(t->weight, begin + i);\n";
+  for (int s = 0; s < prog.num_streams; ++s) {
+    if (prog.streams[s].role != StreamRole::state) continue;
+    const std::string S = std::to_string(s);
+    if (use.loads[s]) load += "s[" + S + "] = sf_load_f32(ss->s[" + S + "], so + i);\n";
+    if (use.stores[s]) store += "sf_store_f32(ss->s[" + S + "], so + i, s[" + S + "]);\n";
+  }
+  const unsigned slots = reduced_slots(prog);
+  for (int r = 0; r < kMaxNormSlots; ++r)
+    if (slots & (1u << r)) {
+      const std::string R = std::to_string(r);
+      accumulate += "acc[" + R + "] = acc[" + R + "] + red[" + R + "] * red[" + R + "];\n";
+    }
+  return fill(std::string(kPhase1Chunk), {{"K", std::to_string(k)},
+                                          {"LOAD1", indent(load, 4)},
+                                          {"STORE1", indent(store, 4)},
+                                          {"ACCUMULATE", indent(accumulate, 4)}});
+}
+
+// A two-phase spec must use the table layout: phase 2 reads each tensor's norms by
+// its index in the block table (a flat range has none).
+void check_two_phase_spec(const CudaSpec& spec) {
+  if (is_two_phase(spec.program) && spec.flat)
+    throw Error(ErrorCode::invalid_argument,
+                "CUDA emitter: program '" + std::string(spec.program.name) +
+                    "' has two phases (per-tensor norms), which need the table layout: flat = false");
 }
 
 }  // namespace
@@ -181,8 +242,11 @@ const std::string& cuda_embedded_headers() {
 
 std::string emit_element_functions(const CudaSpec& spec) {
   // One function for every combination: it works on fp32 values, and the span
-  // functions around it do each combination's loads and stores.
-  return cuda_embedded_headers() + element_function(spec.program, "sf_body");
+  // functions around it do each combination's loads and stores. A two-phase
+  // program has one per phase: sf_body1 (phase 1) and sf_body (phase 2).
+  if (!is_two_phase(spec.program)) return cuda_embedded_headers() + element_function(spec.program, "sf_body");
+  return cuda_embedded_headers() + element_function(phase_program(spec.program, 0), "sf_body1", Part::phase1) +
+         element_function(phase_program(spec.program, 1), "sf_body", Part::phase2);
 }
 
 namespace {
@@ -223,11 +287,28 @@ std::string reduce_part(const CudaSpec& spec) {
 }
 
 // The update kernel's part: one span function per combination, dispatched on
-// the tensor's combo (or one flat range).
-std::string update_part(const CudaSpec& spec) {
-  const Program& prog = spec.program;
+// the tensor's combo (or one flat range). A two-phase program's also holds
+// sf_phase1 and sf_phase_combine (phase1_kernel.cuh), which use the reduce's lane
+// tree: with_reduce_common adds its definitions (not when the reduce part is in the
+// same source already).
+std::string update_part(const CudaSpec& spec, bool with_reduce_common) {
+  check_two_phase_spec(spec);
+  const bool two_phase = is_two_phase(spec.program);
+  const Program prog = two_phase ? phase_program(spec.program, 1) : spec.program;
   std::string out;
-  for (std::size_t k = 0; k < spec.combos.size(); ++k) out += update_span(prog, spec, static_cast<int>(k));
+  if (two_phase) {
+    if (with_reduce_common) out += kReduceCommon;
+    const Program phase1 = phase_program(spec.program, 0);
+    std::string cases;
+    for (std::size_t k = 0; k < spec.combos.size(); ++k) {
+      out += phase1_chunk(phase1, spec, static_cast<int>(k));
+      cases += "    case " + std::to_string(k) + ": sf_phase1_chunk_" + std::to_string(k) +
+               "(t, ch.begin, ch.len, lane, &streams, sc, acc); break;\n";
+    }
+    if (!cases.empty()) cases.pop_back();
+    out += fill(std::string(kPhase1Kernel), {{"NUM_SCALARS", std::to_string(prog.num_scalars)}, {"PHASE1_CASES", cases}});
+  }
+  for (std::size_t k = 0; k < spec.combos.size(); ++k) out += update_span(prog, spec, static_cast<int>(k), two_phase);
   std::string dispatch;
   if (spec.flat) {
     dispatch =
@@ -237,11 +318,13 @@ std::string update_part(const CudaSpec& spec) {
   } else {
     dispatch = "  const sf_span b = blocks[blockIdx.x];\n  const sf_tensor* t = &tensors[b.tensor];\n  switch (t->combo) {\n";
     for (std::size_t k = 0; k < spec.combos.size(); ++k)
-      dispatch += "    case " + std::to_string(k) + ": sf_update_span_" + std::to_string(k) +
-                  "(t, b.begin, b.len, &streams, sc); break;\n";
+      dispatch += "    case " + std::to_string(k) + ": sf_update_span_" + std::to_string(k) + "(t, b.begin, b.len, &streams, sc" +
+                  (two_phase ? ", norms + (long long)b.tensor * SF_MAX_NORM_SLOTS" : "") + "); break;\n";
     dispatch += "    default: break;\n  }";
   }
-  out += fill(std::string(kUpdateKernel), {{"NUM_SCALARS", std::to_string(prog.num_scalars)}, {"DISPATCH", dispatch}});
+  out += fill(std::string(kUpdateKernel), {{"NUM_SCALARS", std::to_string(prog.num_scalars)},
+                                           {"DISPATCH", dispatch},
+                                           {"EXTRA_PARAMS", two_phase ? ", const float* SF_RESTRICT norms" : ""}});
   return out;
 }
 
@@ -267,12 +350,17 @@ std::string emit_cuda_reduce(const CudaSpec& spec) {
 
 std::string emit_cuda_update(const CudaSpec& spec) {
   return header("update kernel", canonical_text(spec)) + emit_element_functions(spec) + std::string(kVectorIo) +
-         update_part(spec);
+         update_part(spec, /*with_reduce_common=*/true);
 }
 
 std::string emit_cuda(const CudaSpec& spec) {
   return header("step kernels", canonical_text(spec)) + emit_element_functions(spec) + std::string(kVectorIo) +
-         reduce_part(spec) + update_part(spec);
+         reduce_part(spec) + update_part(spec, /*with_reduce_common=*/false);
+}
+
+std::vector<std::string> cuda_update_kernel_names(const Program& program) {
+  if (is_two_phase(program)) return {"sf_phase1", "sf_phase_combine", "sf_update"};
+  return {"sf_update"};
 }
 
 std::string emit_cuda_utilities() {

@@ -44,6 +44,10 @@ std::string emit_cuda(const CudaSpec& spec);
 std::string emit_cuda_reduce(const CudaSpec& spec);
 std::string emit_cuda_update(const CudaSpec& spec);
 std::string reduce_canonical_text(const CudaSpec& spec);
+// The kernels of the update source, in order: sf_update, and before it a two-phase
+// program's sf_phase1 and sf_phase_combine (jit/cuda/kernels/phase1_kernel.cuh). A
+// two-phase spec needs the table layout (flat: Error(invalid_argument)).
+std::vector<std::string> cuda_update_kernel_names(const Program& program);
 
 // The utility kernels, the same for every spec (device_abi.h): sf_update_scale,
 // sf_scale_<dtype>, sf_widen_<dtype>, sf_fill. Compiled once per arch.
@@ -54,7 +58,11 @@ std::string emit_cuda_utilities();
 //   void sf_body(const float* sc, float g, float* p, float* st)
 // sc: the program's scalars; g: the gradient (widened, not yet multiplied by
 // gscale); p: the parameter's fp32 value in/out; st: state values indexed by
-// program stream, in/out.
+// program stream, in/out. A two-phase program has two:
+//   void sf_body1(const float* sc, float g, float* p, float* st, float* red)   phase 1;
+//                 red[slot]: the values it reduces (their squares are summed)
+//   void sf_body(const float* sc, float g, float* p, float* st, const float* nm)  phase 2;
+//                 nm[slot]: the tensor's norms
 std::string emit_element_functions(const CudaSpec& spec);
 
 // Text of the headers embedded into every generated source (element math,

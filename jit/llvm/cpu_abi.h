@@ -13,6 +13,8 @@
 #define SF_CPU_REDUCE_LANES 32
 #define SF_CPU_MAX_STREAMS 8
 #define SF_CPU_MAX_SCALARS 16
+/* Per-tensor reduction slots of a two-phase program (stepfuse::kMaxNormSlots). */
+#define SF_CPU_MAX_NORM_SLOTS 4
 
 /* One tensor's base pointers (element 0) and the step's scalars. */
 typedef struct sf_cpu_update_args {
@@ -21,6 +23,8 @@ typedef struct sf_cpu_update_args {
   float* master;                    /* fp32 master copy, or NULL when the combo has none */
   float* state[SF_CPU_MAX_STREAMS]; /* by program stream index: state streams' buffers, else NULL */
   const float* scalars;             /* the program's per-step scalars */
+  const float* norms;               /* two-phase programs, phase 2: this tensor's norm of each reduction slot
+                                       (SF_CPU_MAX_NORM_SLOTS floats); else unused */
 } sf_cpu_update_args;
 
 #endif /* STEPFUSE_JIT_LLVM_CPU_ABI_H_ */

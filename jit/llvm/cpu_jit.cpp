@@ -9,11 +9,15 @@
 #include <llvm/Support/Error.h>
 #include <llvm/Support/MemoryBuffer.h>
 
+#include <pthread.h>
+
 #include <mutex>
 #include <string>
 #include <unordered_map>
 
+#include "jit/base/warning.hpp"
 #include "jit/kernel_cache.hpp"
+#include "jit/program_analysis.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::jit {
@@ -69,6 +73,8 @@ std::vector<std::string> symbols_of(const CpuSpec& spec) {
   std::vector<std::string> out;
   for (const DtypeCombo& c : spec.combos) out.push_back(cpu_update_symbol(c));
   for (DType g : spec.reduce_grads) out.push_back(cpu_reduce_symbol(g, spec.inf_norm));
+  if (is_two_phase(spec.program))
+    for (const DtypeCombo& c : spec.combos) out.push_back(cpu_phase1_symbol(c));
   return out;
 }
 
@@ -79,7 +85,21 @@ std::unordered_map<std::string, std::shared_ptr<const CpuKernels>>& linked() {
   return *map;
 }
 
+// fork(): linked_mu is held across it, so no link (and no ORC call) is in progress in
+// another thread when the child's copy is made; the child then links as the parent does.
+void hold_links_across_fork() {
+  static const bool registered = [] {
+    pthread_atfork([] { linked_mu.lock(); }, [] { linked_mu.unlock(); }, [] { linked_mu.unlock(); });
+    return true;
+  }();
+  (void)registered;
+}
+
+std::shared_ptr<const CpuKernels> link_object(const CpuSpec& spec, const std::string& key, const std::string& object,
+                                              CpuKernels::Source source);
+
 std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& target, bool compile) {
+  hold_links_across_fork();
   const std::string key = cpu_cache_key(spec, target);
   {
     std::lock_guard lock(linked_mu);
@@ -90,28 +110,50 @@ std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& 
     }
   }
   KernelCache& cache = KernelCache::shared();
-  CpuKernels::Source source = CpuKernels::Source::memory_cache;
-  std::shared_ptr<const std::string> object = cache.find(key);
-  if (!object) {
-    source = CpuKernels::Source::disk_cache;
-    object = cache.find_or_load(key);
+  for (bool evicted = false;; evicted = true) {
+    CpuKernels::Source source = CpuKernels::Source::memory_cache;
+    std::shared_ptr<const std::string> object = cache.find(key);
+    if (!object) {
+      source = CpuKernels::Source::disk_cache;
+      object = cache.find_or_load(key);
+    }
+    if (!object) {
+      if (!compile) return nullptr;
+      bool compiled = false;
+      object = cache.get(key, [&] {
+        compiled = true;
+        return cpu_compile_object(spec, target, CpuObjectKind::jit);
+      });
+      source = compiled ? CpuKernels::Source::compiled : CpuKernels::Source::memory_cache;
+    }
+    try {
+      return link_object(spec, key, *object, source);
+    } catch (const Error& e) {
+      // Cached bytes that passed the cache's checks (so written whole, under this very
+      // key) but do not link: evicted, or every later process would load them again
+      // (and CpuBackend::llvm would fail for good); compiled once more. Bytes compiled
+      // just now that do not link are an error.
+      if (evicted || source == CpuKernels::Source::compiled || e.code() != ErrorCode::compile_failed) throw;
+      cache.evict(key);
+      detail::warn_once("llvm_cached_object_evicted:" + key,
+                        "a cached LLVM object did not link (" + std::string(e.what()) +
+                            "); it was removed from the kernel cache and the kernels are compiled again");
+    }
   }
-  if (!object) {
-    if (!compile) return nullptr;
-    bool compiled = false;
-    object = cache.get(key, [&] {
-      compiled = true;
-      return cpu_compile_object(spec, target, CpuObjectKind::jit);
-    });
-    source = compiled ? CpuKernels::Source::compiled : CpuKernels::Source::memory_cache;
-  }
+}
+
+std::shared_ptr<const CpuKernels> link_object(const CpuSpec& spec, const std::string& key, const std::string& object,
+                                              CpuKernels::Source source) {
   const std::vector<std::string> symbols = symbols_of(spec);
   std::lock_guard lock(linked_mu);  // one link per spec (linking takes a few milliseconds)
   if (auto it = linked().find(key); it != linked().end()) return it->second;
-  const std::vector<void*> fns = Linker::get().link(*object, symbols);
+  const std::vector<void*> fns = Linker::get().link(object, symbols);
   auto out = std::make_shared<CpuKernels>();
-  out->update.assign(fns.begin(), fns.begin() + static_cast<std::ptrdiff_t>(spec.combos.size()));
-  out->reduce.assign(fns.begin() + static_cast<std::ptrdiff_t>(spec.combos.size()), fns.end());
+  const auto updates = static_cast<std::ptrdiff_t>(spec.combos.size());
+  const auto reduces = static_cast<std::ptrdiff_t>(spec.reduce_grads.size());
+  out->update.assign(fns.begin(), fns.begin() + updates);
+  out->reduce.assign(fns.begin() + updates, fns.begin() + updates + reduces);
+  out->phase1.assign(fns.begin() + updates + reduces, fns.end());
   out->source = source;
   linked().emplace(key, out);
   return out;

@@ -16,6 +16,7 @@ namespace stepfuse::jit {
 struct CpuKernels {
   std::vector<void*> update;  // sf_cpu_update_* per spec.combos, in order
   std::vector<void*> reduce;  // sf_cpu_reduce_* per spec.reduce_grads, in order
+  std::vector<void*> phase1;  // a two-phase program: sf_cpu_phase1_* per spec.combos, in order (else empty)
   enum class Source { linked, memory_cache, disk_cache, compiled };
   Source source = Source::compiled;  // how this call got them (linked: this process had them)
 };

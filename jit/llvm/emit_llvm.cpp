@@ -35,20 +35,22 @@
 #include <stdexcept>
 
 #include "jit/llvm/cpu_abi.h"
+#include "jit/program_analysis.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes for the same spec (the cache key has it).
-constexpr int kEmitterVersion = 2;
+constexpr int kEmitterVersion = 3;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms)
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
 // Byte offsets of the update functions' argument struct (jit/llvm/cpu_abi.h).
 constexpr unsigned kArgsGrad = offsetof(sf_cpu_update_args, grad), kArgsWeight = offsetof(sf_cpu_update_args, weight),
                    kArgsMaster = offsetof(sf_cpu_update_args, master), kArgsState = offsetof(sf_cpu_update_args, state),
-                   kArgsScalars = offsetof(sf_cpu_update_args, scalars);
+                   kArgsScalars = offsetof(sf_cpu_update_args, scalars), kArgsNorms = offsetof(sf_cpu_update_args, norms);
 static_assert(SF_CPU_MAX_STREAMS == kMaxStreams, "state[] holds every program stream");
+static_assert(SF_CPU_MAX_NORM_SLOTS == kMaxNormSlots, "norms[] holds every reduction slot");
 
 void init_llvm() {
   static std::once_flag once;
@@ -99,6 +101,7 @@ class Emitter {
       : ctx_(m.getContext()), mod_(m), b_(ctx_), target_(target), contract_(contract) {}
 
   void update_function(const Program& p, const DtypeCombo& c);
+  void phase1_function(const Program& p, const DtypeCombo& c);
   void reduce_function(DType g, bool inf_norm);
 
  private:
@@ -218,9 +221,13 @@ class Emitter {
     llvm::Value* master;
     llvm::Value* state[kMaxStreams];
     llvm::Value* scalars[kMaxScalars];
+    llvm::Value* norms[kMaxNormSlots];  // phase 2 of a two-phase program: the tensor's norms
   };
-  // The program over `w` elements starting at element i.
-  void body(const Program& p, const DtypeCombo& c, const Streams& s, llvm::Value* i, unsigned w) {
+  Streams args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args);
+  // The program over `w` elements starting at element i. Phase 1 of a two-phase
+  // program: reduced[slot] receives the values its reduce_sumsq ops reduce.
+  void body(const Program& p, const DtypeCombo& c, const Streams& s, llvm::Value* i, unsigned w,
+            llvm::Value** reduced = nullptr) {
     std::vector<llvm::Value*> v(p.num_instrs, nullptr);
     for (int k = 0; k < p.num_instrs; ++k) {
       const Instr& in = p.code[k];
@@ -239,8 +246,13 @@ class Emitter {
         }
         continue;
       }
+      if (in.op == Op::reduce_sumsq) {
+        reduced[in.attr] = v[in.a];
+        continue;
+      }
       if (in.op == Op::constant) v[k] = fconst(in.imm, w);
       else if (in.op == Op::scalar) v[k] = splat(s.scalars[in.attr], w);
+      else if (in.op == Op::tensor_norm) v[k] = splat(s.norms[in.attr], w);
       else {
         const int n = op_arity(in.op);
         v[k] = op(in, v[in.a], n > 1 ? v[in.b] : nullptr, n > 2 ? v[in.c] : nullptr);
@@ -269,9 +281,38 @@ class Emitter {
   bool in_update_ = false;
 };
 
+// The streams and scalars of `args` (a const sf_cpu_update_args*), loaded in the
+// current block: what `p` uses of them for combination c.
+Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args) {
+  const auto field = [&](unsigned offset, const char* name) {
+    llvm::Value* p8 = b_.CreateConstInBoundsGEP1_64(b_.getInt8Ty(), args, offset);
+    return b_.CreateAlignedLoad(i8p(), b_.CreatePointerCast(p8, i8p()->getPointerTo()), llvm::Align(8), name);
+  };
+  Streams s{};
+  s.grad = field(kArgsGrad, "grad");
+  s.weight = field(kArgsWeight, "weight");
+  s.master = c.master ? field(kArgsMaster, "master") : nullptr;
+  for (int k = 0; k < p.num_streams; ++k)
+    if (p.streams[k].role == StreamRole::state) s.state[k] = field(kArgsState + 8 * k, "state");
+  if (p.num_scalars > 0) {
+    llvm::Value* sc = b_.CreatePointerCast(field(kArgsScalars, "scalars"), f32()->getPointerTo());
+    for (int k = 0; k < p.num_scalars; ++k)
+      s.scalars[k] = b_.CreateAlignedLoad(f32(), b_.CreateConstInBoundsGEP1_64(f32(), sc, k), llvm::Align(4));
+  }
+  bool norms = false;
+  for (int k = 0; k < p.num_instrs; ++k) norms |= p.code[k].op == Op::tensor_norm;
+  if (norms) {
+    llvm::Value* nm = b_.CreatePointerCast(field(kArgsNorms, "norms"), f32()->getPointerTo());
+    for (int r = 0; r < kMaxNormSlots; ++r)
+      s.norms[r] = b_.CreateAlignedLoad(f32(), b_.CreateConstInBoundsGEP1_64(f32(), nm, r), llvm::Align(4));
+  }
+  return s;
+}
+
 // void sf_cpu_update_<combo>(const sf_cpu_update_args* args, uint64_t begin, uint64_t n):
 // a vector loop over whole vectors, then a scalar loop over the rest. Every
 // element gets the same IEEE operations either way, so the split is invisible.
+// `p`: a one-phase program, or the phase-2 part of a two-phase one.
 void Emitter::update_function(const Program& p, const DtypeCombo& c) {
   in_update_ = true;
   const unsigned W = static_cast<unsigned>(target_.vector_width);
@@ -288,21 +329,7 @@ void Emitter::update_function(const Program& p, const DtypeCombo& c) {
   auto* done = llvm::BasicBlock::Create(ctx_, "done", f);
 
   b_.SetInsertPoint(entry);
-  const auto field = [&](unsigned offset, const char* name) {
-    llvm::Value* p8 = b_.CreateConstInBoundsGEP1_64(b_.getInt8Ty(), args, offset);
-    return b_.CreateAlignedLoad(i8p(), b_.CreatePointerCast(p8, i8p()->getPointerTo()), llvm::Align(8), name);
-  };
-  Streams s{};
-  s.grad = field(kArgsGrad, "grad");
-  s.weight = field(kArgsWeight, "weight");
-  s.master = c.master ? field(kArgsMaster, "master") : nullptr;
-  for (int k = 0; k < p.num_streams; ++k)
-    if (p.streams[k].role == StreamRole::state) s.state[k] = field(kArgsState + 8 * k, "state");
-  if (p.num_scalars > 0) {
-    llvm::Value* sc = b_.CreatePointerCast(field(kArgsScalars, "scalars"), f32()->getPointerTo());
-    for (int k = 0; k < p.num_scalars; ++k)
-      s.scalars[k] = b_.CreateAlignedLoad(f32(), b_.CreateConstInBoundsGEP1_64(f32(), sc, k), llvm::Align(4));
-  }
+  const Streams s = args_streams(p, c, args);
   llvm::Value* end = b_.CreateAdd(begin, n, "end");
   llvm::Value* vend = b_.CreateAdd(begin, b_.CreateAnd(n, ~std::uint64_t{W - 1}), "vend");
   b_.CreateBr(vhead);
@@ -324,6 +351,96 @@ void Emitter::update_function(const Program& p, const DtypeCombo& c) {
   counted_loop(shead, sbody, done, vhead, vi, end, 1);
 
   b_.SetInsertPoint(done);
+  b_.CreateRetVoid();
+  in_update_ = false;
+}
+
+// void sf_cpu_phase1_<combo>(const sf_cpu_update_args* args, uint64_t begin, uint64_t n, float* sums):
+// phase 1 of a two-phase program (`p`: its phase-1 part) over one chunk. The
+// values and stores per element as the update's; the reduced values' squares
+// summed in the reduce pass's canonical order: element i (from begin) into lane
+// i mod 32 of a 32-lane accumulator per slot, 32 elements a step (the body at width
+// 32), the rest one by one into their lanes (skipping a lane adds what a zero pad
+// adds: nothing); then the fixed tree. sums[r] for every slot (0 when not reduced).
+void Emitter::phase1_function(const Program& p, const DtypeCombo& c) {
+  in_update_ = true;
+  llvm::Function* f = function(cpu_phase1_symbol(c), b_.getVoidTy(), {i8p(), i64(), i64(), f32()->getPointerTo()});
+  llvm::Value* args = f->getArg(0);
+  llvm::Value* begin = f->getArg(1);
+  llvm::Value* n = f->getArg(2);
+  llvm::Value* sums = f->getArg(3);
+  args->setName("args"), begin->setName("begin"), n->setName("n"), sums->setName("sums");
+  auto* entry = llvm::BasicBlock::Create(ctx_, "entry", f);
+  auto* vhead = llvm::BasicBlock::Create(ctx_, "group.head", f);
+  auto* vbody = llvm::BasicBlock::Create(ctx_, "group.body", f);
+  auto* shead = llvm::BasicBlock::Create(ctx_, "scalar.head", f);
+  auto* sbody = llvm::BasicBlock::Create(ctx_, "scalar.body", f);
+  auto* done = llvm::BasicBlock::Create(ctx_, "done", f);
+  const unsigned slots = reduced_slots(p);
+  llvm::Type* acc_t = vec(f32(), kLanes);
+  llvm::Constant* zero = fconst(0.0f, kLanes);
+
+  b_.SetInsertPoint(entry);
+  const Streams s = args_streams(p, c, args);
+  llvm::Value* end = b_.CreateAdd(begin, n, "end");
+  llvm::Value* gend = b_.CreateAdd(begin, b_.CreateAnd(n, ~std::uint64_t{kLanes - 1}), "gend");
+  b_.CreateBr(vhead);
+
+  // acc + x * x per reduced slot (no contraction: the sum is part of the numerics).
+  const auto loop = [&](llvm::BasicBlock* head, llvm::BasicBlock* body_block, llvm::BasicBlock* exit,
+                        llvm::BasicBlock* pred, llvm::Value* from, llvm::Value* to, llvm::Value* const* acc_in,
+                        unsigned w, llvm::PHINode** acc_out) {
+    b_.SetInsertPoint(head);
+    llvm::PHINode* i = b_.CreatePHI(i64(), 2, w == 1 ? "j" : "i");
+    i->addIncoming(from, pred);
+    for (int r = 0; r < kMaxNormSlots; ++r) {
+      if (!(slots & (1u << r))) continue;
+      acc_out[r] = b_.CreatePHI(acc_t, 2, "acc");
+      acc_out[r]->addIncoming(acc_in[r], pred);
+    }
+    b_.CreateCondBr(b_.CreateICmpULT(i, to), body_block, exit);
+    b_.SetInsertPoint(body_block);
+    llvm::Value* reduced[kMaxNormSlots] = {};
+    body(p, c, s, i, w, reduced);
+    for (int r = 0; r < kMaxNormSlots; ++r) {
+      if (!(slots & (1u << r))) continue;
+      llvm::Value* x = reduced[r];
+      llvm::Value* next;
+      if (w == kLanes) {
+        next = b_.CreateFAdd(acc_out[r], b_.CreateFMul(x, x));
+      } else {
+        llvm::Value* lane = b_.CreateTrunc(b_.CreateAnd(b_.CreateSub(i, begin), b_.getInt64(kLanes - 1)), i32());
+        llvm::Value* old = b_.CreateExtractElement(acc_out[r], lane);
+        next = b_.CreateInsertElement(acc_out[r], b_.CreateFAdd(old, b_.CreateFMul(x, x)), lane);
+      }
+      acc_out[r]->addIncoming(next, b_.GetInsertBlock());
+    }
+    i->addIncoming(b_.CreateAdd(i, b_.getInt64(w)), b_.GetInsertBlock());
+    b_.CreateBr(head);
+    return i;
+  };
+  llvm::Value* zeros[kMaxNormSlots] = {zero, zero, zero, zero};
+  llvm::PHINode* gacc[kMaxNormSlots] = {};
+  llvm::PHINode* gi = loop(vhead, vbody, shead, entry, begin, gend, zeros, kLanes, gacc);
+  llvm::Value* from_groups[kMaxNormSlots] = {gacc[0], gacc[1], gacc[2], gacc[3]};
+  llvm::PHINode* sacc[kMaxNormSlots] = {};
+  loop(shead, sbody, done, vhead, gi, end, from_groups, 1, sacc);
+
+  b_.SetInsertPoint(done);
+  for (int r = 0; r < kMaxNormSlots; ++r) {
+    llvm::Value* total = llvm::ConstantFP::get(f32(), 0.0);
+    if (slots & (1u << r)) {
+      // lanes[j] += lanes[j + width] for width = 16, 8, 4, 2, then lanes[0] + lanes[1] (as the reduce).
+      llvm::Value* lanes = sacc[r];
+      for (unsigned width = kLanes / 2; width >= 2; width /= 2) {
+        llvm::SmallVector<int, 16> lo, hi;
+        for (unsigned k = 0; k < width; ++k) lo.push_back(static_cast<int>(k)), hi.push_back(static_cast<int>(k + width));
+        lanes = b_.CreateFAdd(b_.CreateShuffleVector(lanes, lo), b_.CreateShuffleVector(lanes, hi));
+      }
+      total = b_.CreateFAdd(b_.CreateExtractElement(lanes, std::uint64_t{0}), b_.CreateExtractElement(lanes, std::uint64_t{1}));
+    }
+    b_.CreateAlignedStore(total, b_.CreateConstInBoundsGEP1_64(f32(), sums, static_cast<std::uint64_t>(r)), llvm::Align(4));
+  }
   b_.CreateRetVoid();
   in_update_ = false;
 }
@@ -443,7 +560,13 @@ std::unique_ptr<llvm::Module> build_module(llvm::LLVMContext& ctx, const CpuSpec
   m->setTargetTriple(target.triple);
   m->setDataLayout(tm.createDataLayout());
   Emitter e(*m, target, spec.contract);
-  for (const DtypeCombo& c : spec.combos) e.update_function(spec.program, c);
+  if (is_two_phase(spec.program)) {
+    const Program phase1 = phase_program(spec.program, 0), phase2 = phase_program(spec.program, 1);
+    for (const DtypeCombo& c : spec.combos) e.update_function(phase2, c);
+    for (const DtypeCombo& c : spec.combos) e.phase1_function(phase1, c);
+  } else {
+    for (const DtypeCombo& c : spec.combos) e.update_function(spec.program, c);
+  }
   for (DType g : spec.reduce_grads) e.reduce_function(g, spec.inf_norm);
   std::string problems;
   llvm::raw_string_ostream os(problems);
@@ -557,6 +680,11 @@ std::string cpu_cache_key(const CpuSpec& spec, const CpuTarget& target) {
 
 std::string cpu_update_symbol(const DtypeCombo& c) {
   return "sf_cpu_update_" + std::string(dtype_name(c.weight)) + "_" + std::string(dtype_name(c.grad)) +
+         (c.master ? "_m" : "");
+}
+
+std::string cpu_phase1_symbol(const DtypeCombo& c) {
+  return "sf_cpu_phase1_" + std::string(dtype_name(c.weight)) + "_" + std::string(dtype_name(c.grad)) +
          (c.master ? "_m" : "");
 }
 

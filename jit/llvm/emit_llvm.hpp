@@ -15,6 +15,11 @@
 //   void  sf_cpu_update_<w>_<g>[_m](const sf_cpu_update_args* args, uint64_t begin, uint64_t n);
 //       elements [begin, begin + n) of one tensor: reads grad, weight (or master),
 //       state; writes weight, master, state (layout of cpu::UpdateArgs).
+//   void  sf_cpu_phase1_<w>_<g>[_m](const sf_cpu_update_args* args, uint64_t begin, uint64_t n, float* sums);
+//       a two-phase program only (then the update function is its phase 2, reading
+//       args->norms): phase 1 over one reduce chunk [begin, begin + n) (begin a
+//       multiple of 32 within the tensor, n <= SF_CPU_CHUNK_ELEMS); writes state and
+//       sums[r] = the chunk's canonical fp32 sum of squares of slot r (0 if unused).
 //   float sf_cpu_reduce_l2_<g>(const void* grad, uint64_t n);
 //       the canonical fp32 sum of squares of n gradients (not finite: an inf/NaN
 //       element or squares overflowing fp32; the caller rescans, see reduce.cpp).
@@ -65,6 +70,7 @@ bool llvm_built();           // false when stepfuse was built without LLVM
 std::string llvm_version();  // "14.0.6", or "" when not built
 
 std::string cpu_update_symbol(const DtypeCombo& combo);
+std::string cpu_phase1_symbol(const DtypeCombo& combo);  // two-phase programs
 std::string cpu_reduce_symbol(DType grad, bool inf_norm);
 
 // Stable across runs and compilers; with the target and versions, the cache key.

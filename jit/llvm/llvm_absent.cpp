@@ -19,6 +19,7 @@ CpuTarget CpuTarget::host() { absent(); }
 CpuTarget CpuTarget::named(const std::string&, const std::string&, const std::string&) { absent(); }
 std::string CpuTarget::describe() const { return triple + " " + cpu; }
 std::string cpu_update_symbol(const DtypeCombo&) { absent(); }
+std::string cpu_phase1_symbol(const DtypeCombo&) { absent(); }
 std::string cpu_reduce_symbol(DType, bool) { absent(); }
 std::string cpu_canonical_text(const CpuSpec&) { absent(); }
 std::string cpu_cache_key(const CpuSpec&, const CpuTarget&) { absent(); }

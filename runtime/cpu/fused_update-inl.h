@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "hwy/highway.h"
+#include "jit/program_analysis.hpp"
 #include "runtime/cpu/convert-inl.h"
 #include "runtime/cpu/kernels.hpp"
 #include "runtime/cpu/vector_ops-inl.h"
@@ -28,11 +29,15 @@ struct Streams {
   void* weight;
   float* master;
   float* state[kMaxStreams];
+  const float* norms;  // phase 2 of a two-phase program: the tensor's norms
 };
 
-// Executes instruction I of program P on lanes [i, i + Lanes(d)).
-template <const Program& P, int I, DType W, DType G, bool M, class D, class V>
-HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i) {
+// Executes instruction I of program P on lanes [i, i + Lanes(d)). Phase 1 of a
+// two-phase program: `acc` holds the reduction slots' accumulators of these
+// lanes, and in a tail (kTail) only the first `live` lanes are real elements.
+template <const Program& P, int I, DType W, DType G, bool M, bool kTail = false, class D, class V>
+HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i, V* acc = nullptr,
+                     std::size_t live = 0) {
   constexpr Instr in = P.code[I];
   if constexpr (in.op == Op::load) {
     constexpr StreamRole role = P.streams[in.attr].role;
@@ -52,6 +57,13 @@ HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i) {
     v[I] = hn::Set(d, in.imm);
   } else if constexpr (in.op == Op::scalar) {
     v[I] = s[in.attr];
+  } else if constexpr (in.op == Op::tensor_norm) {
+    v[I] = hn::Set(d, st.norms[in.attr]);
+  } else if constexpr (in.op == Op::reduce_sumsq) {
+    // The reduce pass's canonical accumulation (acc + x * x, two roundings); padding adds 0.
+    V x = v[in.a];
+    if constexpr (kTail) x = hn::IfThenElseZero(hn::FirstN(d, live), x);
+    acc[in.attr] = hn::Add(acc[in.attr], hn::Mul(x, x));
   } else if constexpr (op_arity(in.op) == 1) {
     v[I] = Unary<in.op, in.attr>(d, v[in.a]);
   } else if constexpr (op_arity(in.op) == 2) {
@@ -65,6 +77,14 @@ template <const Program& P, DType W, DType G, bool M, class D, class V, std::siz
 HWY_INLINE void Body(D d, const V* s, const Streams& st, std::size_t i, std::index_sequence<I...>) {
   V v[sizeof...(I)];
   (Exec<P, static_cast<int>(I), W, G, M>(d, v, s, st, i), ...);
+}
+
+// Phase 1's body: the same, accumulating the reduce_sumsq values into `acc`.
+template <const Program& P, DType W, DType G, bool M, bool kTail, class D, class V, std::size_t... I>
+HWY_INLINE void Body1(D d, const V* s, const Streams& st, std::size_t i, V* acc, std::size_t live,
+                      std::index_sequence<I...>) {
+  V v[sizeof...(I) > 0 ? sizeof...(I) : 1];
+  (Exec<P, static_cast<int>(I), W, G, M, kTail>(d, v, s, st, i, acc, live), ...);
 }
 
 // Streams the program stores, as a bit mask (the tail copies only these back).
@@ -85,7 +105,8 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   V s[P.num_scalars > 0 ? P.num_scalars : 1];
   for (int k = 0; k < P.num_scalars; ++k) s[k] = hn::Set(d, a.scalars[k]);
   const Streams st{a.grad, a.weight, a.master,
-                   {a.state[0], a.state[1], a.state[2], a.state[3], a.state[4], a.state[5], a.state[6], a.state[7]}};
+                   {a.state[0], a.state[1], a.state[2], a.state[3], a.state[4], a.state[5], a.state[6], a.state[7]},
+                   a.norms};
   const std::size_t end = begin + n;
   std::size_t i = begin;
   for (; i + N <= end; i += N) Body<P, W, G, M>(d, s, st, i, kSeq);
@@ -103,7 +124,7 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   std::memcpy(grad_buf, static_cast<const char*>(a.grad) + i * gsize, rem * gsize);
   std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
   if constexpr (M) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
-  Streams tail{grad_buf, weight_buf, master_buf, {}};
+  Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms};
   for (int k = 0; k < P.num_streams; ++k) {
     if (P.streams[k].role != StreamRole::state) continue;
     std::memcpy(state_buf[k], a.state[k] + i, rem * sizeof(float));
@@ -122,6 +143,92 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   }
 }
 
+// Phase 1 of a two-phase program (P: its part 0, jit::phase_program) over one chunk's
+// elements [begin, begin + n) (begin a multiple of 32 within the tensor): the
+// values and state stores per element, and per reduction slot the canonical sum
+// of squares of docs/architecture.md §5, as the reduce pass computes a chunk's:
+// element i into lane i mod 32 (32 / N vectors of N lanes), the last partial group
+// zero-padded, then the fixed tree. sums[r]: slot r's sum (0 when not reduced).
+template <const Program& P, DType W, DType G, bool M>
+void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* sums) {
+  const hn::ScalableTag<float> d;
+  using V = hn::Vec<decltype(d)>;
+  constexpr std::size_t kLanes = 32, kN = hn::MaxLanes(d);
+  static_assert(kLanes % kN == 0, "vector width must divide 32");
+  constexpr std::size_t kVecs = kLanes / kN;
+  constexpr auto kSeq = std::make_index_sequence<P.num_instrs>();
+  V s[P.num_scalars > 0 ? P.num_scalars : 1];
+  for (int k = 0; k < P.num_scalars; ++k) s[k] = hn::Set(d, a.scalars[k]);
+  V acc[kVecs][kMaxNormSlots];
+  for (auto& row : acc)
+    for (V& x : row) x = hn::Zero(d);
+  const Streams st{a.grad, a.weight, a.master,
+                   {a.state[0], a.state[1], a.state[2], a.state[3], a.state[4], a.state[5], a.state[6], a.state[7]},
+                   a.norms};
+  const std::size_t end = begin + n;
+  std::size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes)
+    for (std::size_t k = 0; k < kVecs; ++k) Body1<P, W, G, M, false>(d, s, st, i + k * kN, acc[k], kN, kSeq);
+  if (i < end) {
+    // The last (< 32) elements through zero-padded copies, the same vector bodies;
+    // lanes past the end are masked out of the sums and not copied back.
+    const std::size_t rem = end - i;
+    alignas(64) float state_buf[kMaxStreams][kLanes] = {};
+    alignas(64) float master_buf[kLanes] = {};
+    alignas(64) float weight_buf[kLanes] = {};
+    alignas(64) float grad_buf[kLanes] = {};
+    const std::size_t wsize = dtype_size(W), gsize = dtype_size(G);
+    std::memcpy(grad_buf, static_cast<const char*>(a.grad) + i * gsize, rem * gsize);
+    std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
+    if constexpr (M) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
+    Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms};
+    for (int k = 0; k < P.num_streams; ++k) {
+      if (P.streams[k].role != StreamRole::state) continue;
+      std::memcpy(state_buf[k], a.state[k] + i, rem * sizeof(float));
+      tail.state[k] = state_buf[k];
+    }
+    for (std::size_t k = 0; k < kVecs; ++k) {
+      const std::size_t live = rem > k * kN ? rem - k * kN : 0;
+      Body1<P, W, G, M, true>(d, s, tail, k * kN, acc[k], live, kSeq);
+    }
+    constexpr unsigned kStored = StoredStreams<P>();
+    for (int k = 0; k < P.num_streams; ++k) {
+      if (!(kStored & (1u << k))) continue;
+      if (P.streams[k].role == StreamRole::param) {  // (validation keeps the param out of phase 1)
+        std::memcpy(static_cast<char*>(a.weight) + i * wsize, weight_buf, rem * wsize);
+        if constexpr (M) std::memcpy(a.master + i, master_buf, rem * sizeof(float));
+      } else {
+        std::memcpy(a.state[k] + i, state_buf[k], rem * sizeof(float));
+      }
+    }
+  }
+  for (int r = 0; r < kMaxNormSlots; ++r) {
+    alignas(64) float lanes[kLanes];
+    for (std::size_t k = 0; k < kVecs; ++k) hn::Store(acc[k][r], d, lanes + k * kN);
+    for (std::size_t width = kLanes / 2; width >= 1; width /= 2)
+      for (std::size_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    sums[r] = lanes[0];
+  }
+}
+
+// A two-phase program's parts as programs of their own (compile-time data).
+template <const Program& P>
+inline constexpr Program kPart0 = jit::phase_program(P, 0);
+template <const Program& P>
+inline constexpr Program kPart1 = jit::phase_program(P, 1);
+
+// The update kernel of P (phase 2 of a two-phase program) and its phase-1 kernel (null for one phase).
+template <const Program& P, DType W, DType G, bool M>
+constexpr UpdateFn UpdateEntry() {
+  if constexpr (jit::is_two_phase(P)) return &FusedUpdate<kPart1<P>, W, G, M>;
+  else return &FusedUpdate<P, W, G, M>;
+}
+template <const Program& P, DType W, DType G, bool M>
+constexpr Phase1Fn Phase1Entry() {
+  if constexpr (jit::is_two_phase(P)) return &FusedPhase1<kPart0<P>, W, G, M>;
+  else return nullptr;
+}
+
 // Table of kernels for the programs Ps..., indexed [program][jit::DtypeCombo::index()]:
 // weight-major, then grad, then masters (f32 weights have none).
 static_assert(jit::DtypeCombo{DType::f16, DType::bf16, true}.index() == 11 &&
@@ -129,27 +236,41 @@ static_assert(jit::DtypeCombo{DType::f16, DType::bf16, true}.index() == 11 &&
               "the rows below are in jit::DtypeCombo::index() order");
 template <const Program&... Ps>
 struct FusedTable {
-  template <const Program& P>
-  static constexpr UpdateFn Row(int combo) {
-    constexpr UpdateFn fns[jit::kNumComboIndices] = {
-        &FusedUpdate<P, DType::f32, DType::f32, false>,   nullptr,
-        &FusedUpdate<P, DType::f32, DType::f16, false>,   nullptr,
-        &FusedUpdate<P, DType::f32, DType::bf16, false>,  nullptr,
-        &FusedUpdate<P, DType::f16, DType::f32, false>,   &FusedUpdate<P, DType::f16, DType::f32, true>,
-        &FusedUpdate<P, DType::f16, DType::f16, false>,   &FusedUpdate<P, DType::f16, DType::f16, true>,
-        &FusedUpdate<P, DType::f16, DType::bf16, false>,  &FusedUpdate<P, DType::f16, DType::bf16, true>,
-        &FusedUpdate<P, DType::bf16, DType::f32, false>,  &FusedUpdate<P, DType::bf16, DType::f32, true>,
-        &FusedUpdate<P, DType::bf16, DType::f16, false>,  &FusedUpdate<P, DType::bf16, DType::f16, true>,
-        &FusedUpdate<P, DType::bf16, DType::bf16, false>, &FusedUpdate<P, DType::bf16, DType::bf16, true>,
+  // Entry<P, W, G, M>() for every jit::DtypeCombo::index(), null where there is none.
+  template <class Fn, template <const Program&, DType, DType, bool> class Entry, const Program& P>
+  static constexpr Fn Row(int combo) {
+    constexpr Fn fns[jit::kNumComboIndices] = {
+        Entry<P, DType::f32, DType::f32, false>::get(),   nullptr,
+        Entry<P, DType::f32, DType::f16, false>::get(),   nullptr,
+        Entry<P, DType::f32, DType::bf16, false>::get(),  nullptr,
+        Entry<P, DType::f16, DType::f32, false>::get(),   Entry<P, DType::f16, DType::f32, true>::get(),
+        Entry<P, DType::f16, DType::f16, false>::get(),   Entry<P, DType::f16, DType::f16, true>::get(),
+        Entry<P, DType::f16, DType::bf16, false>::get(),  Entry<P, DType::f16, DType::bf16, true>::get(),
+        Entry<P, DType::bf16, DType::f32, false>::get(),  Entry<P, DType::bf16, DType::f32, true>::get(),
+        Entry<P, DType::bf16, DType::f16, false>::get(),  Entry<P, DType::bf16, DType::f16, true>::get(),
+        Entry<P, DType::bf16, DType::bf16, false>::get(), Entry<P, DType::bf16, DType::bf16, true>::get(),
     };
     return fns[combo];
   }
-  static UpdateFn Get(int program, int combo) {
-    constexpr UpdateFn (*rows[])(int) = {&Row<Ps>...};
+  template <const Program& P, DType W, DType G, bool M>
+  struct UpdateOf {
+    static constexpr UpdateFn get() { return UpdateEntry<P, W, G, M>(); }
+  };
+  template <const Program& P, DType W, DType G, bool M>
+  struct Phase1Of {
+    static constexpr Phase1Fn get() { return Phase1Entry<P, W, G, M>(); }
+  };
+  template <class Fn, template <const Program&, DType, DType, bool> class Entry>
+  static Fn Lookup(int program, int combo) {
+    constexpr Fn (*rows[])(int) = {&Row<Fn, Entry, Ps>...};
     if (program < 0 || program >= static_cast<int>(sizeof...(Ps))) return nullptr;
     if (combo < 0 || combo >= jit::kNumComboIndices) return nullptr;
     return rows[program](combo);
   }
+  // The update kernel (a two-phase program's phase 2).
+  static UpdateFn Get(int program, int combo) { return Lookup<UpdateFn, UpdateOf>(program, combo); }
+  // A two-phase program's phase-1 kernel; null for a one-phase program.
+  static Phase1Fn GetPhase1(int program, int combo) { return Lookup<Phase1Fn, Phase1Of>(program, combo); }
 };
 
 }  // namespace stepfuse::cpu::HWY_NAMESPACE

@@ -110,6 +110,36 @@ void RunFused(const ExecCall& c, std::size_t n) {
   }
 }
 
+// lanes[i mod 32] += x[i] * x[i] for i < n, in element order (the reduce pass's
+// canonical lanes: element i of a chunk into lane i mod 32; a partial last group
+// zero-padded, which adds nothing). The lanes are 32 / Lanes(d) vectors.
+void RunReduce(const ExecCall& c, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  using V = hn::Vec<decltype(d)>;
+  constexpr std::size_t kLanes = 32, kN = hn::MaxLanes(d);
+  static_assert(kLanes % kN == 0, "vector width must divide 32");
+  constexpr std::size_t kVecs = kLanes / kN;
+  V acc[kVecs];
+  for (std::size_t k = 0; k < kVecs; ++k) acc[k] = hn::LoadU(d, c.lanes + k * kN);
+  const ExecSrc& s = c.src[0];
+  const auto group = [&](const float* x) {
+    for (std::size_t k = 0; k < kVecs; ++k) {
+      const V v = hn::LoadU(d, x + k * kN);
+      acc[k] = hn::Add(acc[k], hn::Mul(v, v));
+    }
+  };
+  alignas(64) float buf[kLanes];
+  std::size_t i = 0;
+  if (s.p == nullptr) std::fill_n(buf, kLanes, s.s);
+  for (; i + kLanes <= n; i += kLanes) group(s.p != nullptr ? s.p + i : buf);
+  if (i < n) {
+    if (s.p != nullptr) std::memcpy(buf, s.p + i, (n - i) * sizeof(float));
+    std::fill(buf + (n - i), buf + kLanes, 0.0f);
+    group(buf);
+  }
+  for (std::size_t k = 0; k < kVecs; ++k) hn::StoreU(acc[k], d, c.lanes + k * kN);
+}
+
 void RunCopy(const ExecCall& c, std::size_t n) {
   if (c.src[0].p == nullptr) std::fill_n(c.dst, n, c.src[0].s);
   else if (c.src[0].p != c.dst) std::memmove(c.dst, c.src[0].p, n * sizeof(float));
@@ -152,6 +182,7 @@ void Exec(const ExecCall& c, std::size_t n) {
     case LKind::widen: return widen(c.lp_type, c.lp_src, c.dst, n);
     case LKind::narrow: return narrow(c.src[0].p, c.lp_type, c.lp_dst, n);
     case LKind::copy: return RunCopy(c, n);
+    case LKind::reduce: return RunReduce(c, n);
   }
 }
 
@@ -170,8 +201,8 @@ Interpreter::Interpreter(const Program& program, DType weight, DType grad, bool 
       grad_(grad),
       exec_(HWY_DYNAMIC_DISPATCH(GetExec)()) {}
 
-ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::size_t begin,
-                              float* const* slots) const {
+ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::size_t begin, float* const* slots,
+                              float* lanes) const {
   using K = jit::LOperand::Kind;
   const auto at = [&](const jit::LOperand& o) -> float* {
     switch (o.kind) {
@@ -191,6 +222,7 @@ ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::s
     const jit::LOperand& o = li.src[k];
     if (o.kind == K::scalar) c.src[k] = {nullptr, a.scalars[o.index]};
     else if (o.kind == K::constant) c.src[k] = {nullptr, o.imm};
+    else if (o.kind == K::norm) c.src[k] = {nullptr, a.norms[o.index]};
     else c.src[k] = {at(o), 0.0f};
   }
   if (li.kind == jit::LKind::widen) {
@@ -200,6 +232,8 @@ ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::s
   } else if (li.kind == jit::LKind::narrow) {
     c.lp_type = weight_;
     c.lp_dst = static_cast<char*>(a.weight) + begin * dtype_size(weight_);
+  } else if (li.kind == jit::LKind::reduce) {
+    c.lanes = lanes + static_cast<std::size_t>(li.attr) * 32;
   }
   return c;
 }

@@ -43,8 +43,17 @@ using UpdateArgs = sf_cpu_update_args;
 // Updates elements [begin, begin + n) of one tensor. Writes weight, master and state.
 using UpdateFn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t n);
 
-// The fused loop generated at compile time for a built-in program, or null.
+// Phase 1 of a two-phase program over one chunk of one tensor, elements
+// [begin, begin + n) (begin a multiple of 32 within the tensor, n <= kChunkElems):
+// writes the state phase 1 stores, and sums[r] (r < kMaxNormSlots) = the chunk's
+// canonical fp32 sum of squares of reduction slot r (0 for slots not reduced).
+using Phase1Fn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t n, float* sums);
+
+// The fused loop generated at compile time for a built-in program, or null (a
+// two-phase program's: its phase 2).
 UpdateFn fused_update_kernel(jit::Builtin program, DType weight, DType grad, bool masters);
+// A two-phase built-in's phase-1 loop; null for a one-phase program.
+Phase1Fn fused_phase1_kernel(jit::Builtin program, DType weight, DType grad, bool masters);
 // The fused kernels are compiled in this many translation units, each a slice of
 // the built-in programs (runtime/cpu/update_kernels_<k>.cpp).
 inline constexpr int kUpdateSlices = 5;

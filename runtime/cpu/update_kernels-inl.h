@@ -10,6 +10,15 @@
 #include <cstddef>
 #include <utility>
 
+// The phase-1 lookup and dispatch of this slice, named after the update's
+// (GetUpdateKernel0Phase1, update_kernel_0_phase1).
+#ifndef STEPFUSE_UPDATE_CAT
+#define STEPFUSE_UPDATE_CAT_(a, b) a##b
+#define STEPFUSE_UPDATE_CAT(a, b) STEPFUSE_UPDATE_CAT_(a, b)
+#endif
+#define STEPFUSE_PHASE1_LOOKUP STEPFUSE_UPDATE_CAT(STEPFUSE_UPDATE_LOOKUP, Phase1)
+#define STEPFUSE_PHASE1_DISPATCH STEPFUSE_UPDATE_CAT(STEPFUSE_UPDATE_DISPATCH, _phase1)
+
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "jit/builtin/registry.hpp"
@@ -38,15 +47,28 @@ UpdateFn STEPFUSE_UPDATE_LOOKUP(int slot, int combo) {
   }
 }
 
+Phase1Fn STEPFUSE_PHASE1_LOOKUP(int slot, int combo) {
+  if constexpr (update_slice::kSize == 0) {
+    return nullptr;
+  } else {
+    using Table = decltype(update_slice::table_of(std::make_index_sequence<update_slice::kSize>{}));
+    return Table::GetPhase1(slot, combo);
+  }
+}
+
 }  // namespace stepfuse::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace stepfuse::cpu {
 HWY_EXPORT(STEPFUSE_UPDATE_LOOKUP);
+HWY_EXPORT(STEPFUSE_PHASE1_LOOKUP);
 // Declared in runtime/cpu/update.cpp.
 UpdateFn STEPFUSE_UPDATE_DISPATCH(int slot, int combo) {
   return HWY_DYNAMIC_DISPATCH(STEPFUSE_UPDATE_LOOKUP)(slot, combo);
+}
+Phase1Fn STEPFUSE_PHASE1_DISPATCH(int slot, int combo) {
+  return HWY_DYNAMIC_DISPATCH(STEPFUSE_PHASE1_LOOKUP)(slot, combo);
 }
 }  // namespace stepfuse::cpu
 #endif

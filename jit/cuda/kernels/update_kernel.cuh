@@ -1,12 +1,13 @@
 /* The update pass (sf_update). {NUM_SCALARS}: the program's scalars; {DISPATCH}:
- * the call of the block's span function (by combination, or one flat range). */
+ * the call of the block's span function (by combination, or one flat range);
+ * {EXTRA_PARAMS}: a two-phase program's (phase 2) table of the tensors' norms. */
 /* With plain = 0 it follows a reduce: it returns at once when
  * that step was skipped and reads the scalars the reduce's finalize wrote. With
  * plain = 1 (no loss scale, no clipping, no norm) it is the whole step: every
  * block evaluates the scalar rules itself and the last block counts the step. */
 extern "C" __global__ void __launch_bounds__(SF_UPDATE_THREADS)
 sf_update(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT blocks, long long flat_numel,
-          sf_streams streams, sf_step_state* st, const sf_hyper hyper, int plain) {
+          sf_streams streams, sf_step_state* st, const sf_hyper hyper, int plain{EXTRA_PARAMS}) {
   __shared__ float sc[SF_MAX_SCALARS];
   if (!plain && !*(const volatile int*)&st->applied) return;
   /* A plain step's stage: no reduce (norm NaN), S = 1, no clipping. */

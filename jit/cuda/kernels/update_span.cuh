@@ -1,8 +1,9 @@
 /* One update block's span of one tensor, for dtype combination {K}: loads, the
  * program's element function sf_body, stores. {VECTOR}: 1 when every stream is
- * aligned for 4-element accesses; {LOAD4} ... {STORE1}: the combination's accesses. */
+ * aligned for 4-element accesses; {LOAD4} ... {STORE1}: the combination's accesses;
+ * {NORMS_PARAM}, {NORMS_ARG}: a two-phase program's phase 2 gets the tensor's norms. */
 SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long long begin, int len,
-                                         const sf_streams* SF_RESTRICT ss, const float* SF_RESTRICT sc) {
+                                         const sf_streams* SF_RESTRICT ss, const float* SF_RESTRICT sc{NORMS_PARAM}) {
   const long long so = t->state_offset + begin;
   for (int i = threadIdx.x * 4; i < len; i += SF_UPDATE_THREADS * 4) {
     float g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -18,7 +19,7 @@ SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long lo
     for (int j = 0; j < 4; ++j) {
       float s[SF_MAX_STREAMS];
 {GATHER}
-      sf_body(sc, g[j], &p[j], s);
+      sf_body(sc, g[j], &p[j], s{NORMS_ARG});
 {SCATTER}
     }
     if ({VECTOR} && n == 4) {
