@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <variant>
 #include <vector>
 
 #include "reference/dtypes.hpp"
@@ -110,6 +111,46 @@ std::vector<NamedConfig> all_configs() {
   c.push_back({"Lion", lion(0, 0.9, 0.99, false)});
   c.push_back({"Lion_wd", lion(0.5, 0.95, 0.98, false)});
   c.push_back({"Lion_wd_maximize", lion(0.1, 0.9, 0.99, true)});
+
+  // NAdam and RAdam: both weight decays; non-default betas, eps (and momentum decay) in some.
+  for (int wd = 0; wd < 3; ++wd)  // none, L2, decoupled
+    for (int maximize = 0; maximize < 2; ++maximize) {
+      const std::string suffix = std::string(wd == 1 ? "_wd" : wd == 2 ? "_decoupled_wd" : "") + (maximize ? "_maximize" : "");
+      optim::NAdam nadam{.lr = 0.01, .weight_decay = wd ? 0.1 : 0.0, .decoupled_weight_decay = wd == 2,
+                         .maximize = maximize != 0};
+      optim::RAdam radam{.lr = 0.01, .weight_decay = wd ? 0.1 : 0.0, .decoupled_weight_decay = wd == 2,
+                         .maximize = maximize != 0};
+      if (maximize) {
+        nadam.beta1 = radam.beta1 = 0.8;
+        nadam.beta2 = radam.beta2 = 0.95;
+        nadam.eps = radam.eps = 1e-6;
+        nadam.momentum_decay = 0.05;
+      }
+      c.push_back({"NAdam" + suffix, nadam});
+      c.push_back({"RAdam" + suffix, radam});
+    }
+  c.push_back({"NAdam_large_eps_no_momentum_decay", optim::NAdam{.lr = 0.01, .eps = 0.05, .momentum_decay = 0}});
+
+  c.push_back({"Adamax", optim::Adamax{.lr = 0.01}});
+  c.push_back({"Adamax_wd_maximize", optim::Adamax{.lr = 0.01, .weight_decay = 0.05, .maximize = true}});
+  c.push_back({"Adamax_betas_large_eps", optim::Adamax{.lr = 0.01, .beta1 = 0.8, .beta2 = 0.9, .eps = 0.1}});
+
+  c.push_back({"Adadelta", optim::Adadelta{}});
+  c.push_back({"Adadelta_wd_maximize", optim::Adadelta{.lr = 0.5, .weight_decay = 0.05, .maximize = true}});
+  c.push_back({"Adadelta_rho_large_eps", optim::Adadelta{.rho = 0.5, .eps = 1e-3}});
+  c.push_back({"Adadelta_rho_1", optim::Adadelta{.lr = 0.1, .rho = 1.0}});
+
+  // Rprop: the clamps are hit from the second step on (0.02 * 1.3 > 0.024, 0.02 * 0.3 < 0.015).
+  c.push_back({"Rprop", optim::Rprop{}});
+  c.push_back({"Rprop_etas_clamped", optim::Rprop{.lr = 0.02, .eta_minus = 0.3, .eta_plus = 1.3,
+                                                  .step_size_min = 0.015, .step_size_max = 0.024}});
+  c.push_back({"Rprop_maximize", optim::Rprop{.lr = 0.01, .step_size_max = 0.011, .maximize = true}});
+
+  // ASGD: t0 = 0 averages from the third step on (mu = 1 / (t - 1)); the default t0 only copies.
+  c.push_back({"ASGD", optim::ASGD{}});
+  c.push_back({"ASGD_t0_0", optim::ASGD{.lr = 0.05, .lambd = 0.1, .alpha = 0.5, .t0 = 0}});
+  c.push_back({"ASGD_wd_maximize_negative_t0",
+               optim::ASGD{.lr = 0.02, .lambd = 0.01, .t0 = -1.5, .weight_decay = 0.05, .maximize = true}});
   return c;
 }
 
@@ -198,9 +239,11 @@ TEST_P(ReferenceMatrix, EveryStepMatchesReference) {
       SCOPED_TRACE(std::string(sm.name) + ", " + clip_name(clip) + (s.flat ? ", one flat buffer" : ", separate buffers"));
       Rig rig(s);
       check_initial_state(rig);
-      for (int k = 0; k < 3; ++k) {
+      // RAdam rectifies from the step where rho_t > 5 (the 6th or later): 7 steps for it.
+      const int steps = std::holds_alternative<optim::RAdam>(nc.config) ? 7 : 3;
+      for (int k = 0; k < steps; ++k) {
         SCOPED_TRACE("step " + std::to_string(k + 1));
-        check_step(rig, sm.mode, sm.scale, kStepFactors[k]);
+        check_step(rig, sm.mode, sm.scale, kStepFactors[k % 3]);
         if (::testing::Test::HasFailure()) return;  // one broken variant is enough to read
       }
     }
@@ -223,7 +266,13 @@ std::vector<NamedConfig> stateful_configs() {
           {"AdamW", optim::AdamW{.lr = 0.01}},
           {"Adagrad", optim::Adagrad{.lr = 0.1, .lr_decay = 0.1, .initial_accumulator_value = 0.1}},
           {"RMSprop", optim::RMSprop{.momentum = 0.9, .centered = true}},
-          {"Lion", optim::Lion{.lr = 0.01, .weight_decay = 0.1}}};
+          {"Lion", optim::Lion{.lr = 0.01, .weight_decay = 0.1}},
+          {"NAdam", optim::NAdam{.lr = 0.01, .weight_decay = 0.01, .decoupled_weight_decay = true}},
+          {"RAdam", optim::RAdam{.lr = 0.01, .weight_decay = 0.01}},
+          {"Adamax", optim::Adamax{.lr = 0.01, .weight_decay = 0.01}},
+          {"Adadelta", optim::Adadelta{.weight_decay = 0.01}},
+          {"Rprop", optim::Rprop{.lr = 0.02, .step_size_max = 0.03}},
+          {"ASGD", optim::ASGD{.lr = 0.05, .lambd = 0.1, .t0 = 0, .weight_decay = 0.01}}};
 }
 
 // ---- non-finite gradients -------------------------------------------------------
@@ -572,7 +621,7 @@ TEST(SetConfig, SetLrAndSetConfigTakeEffectNextStep) {
         [](auto& c) {
           using C = std::decay_t<decltype(c)>;
           c.lr *= 2;
-          c.weight_decay = c.weight_decay == 0 ? 0.02 : c.weight_decay * 3;
+          if constexpr (requires { c.weight_decay; }) c.weight_decay = c.weight_decay == 0 ? 0.02 : c.weight_decay * 3;
           c.maximize = !c.maximize;
           if constexpr (std::is_same_v<C, optim::SGD>) c.momentum = 0.5;
           if constexpr (std::is_same_v<C, optim::Adam> || std::is_same_v<C, optim::AdamW>) {
@@ -593,6 +642,28 @@ TEST(SetConfig, SetLrAndSetConfigTakeEffectNextStep) {
           if constexpr (std::is_same_v<C, optim::Lion>) {
             c.beta1 = 0.5;
             c.beta2 = 0.7;
+          }
+          if constexpr (std::is_same_v<C, optim::NAdam> || std::is_same_v<C, optim::RAdam> ||
+                        std::is_same_v<C, optim::Adamax>) {
+            c.beta1 = 0.5;
+            c.beta2 = 0.9;
+            c.eps = 1e-3;
+          }
+          if constexpr (std::is_same_v<C, optim::NAdam>) c.momentum_decay = 0.1;
+          if constexpr (std::is_same_v<C, optim::Adadelta>) {
+            c.rho = 0.5;
+            c.eps = 1e-3;
+          }
+          if constexpr (std::is_same_v<C, optim::Rprop>) {
+            c.eta_minus = 0.2;
+            c.eta_plus = 1.5;
+            c.step_size_min = 0.01;
+            c.step_size_max = 0.1;  // only affects later steps: the state keeps its step sizes
+          }
+          if constexpr (std::is_same_v<C, optim::ASGD>) {
+            c.lambd = 0.2;
+            c.alpha = 0.9;
+            c.t0 = 1;
           }
         },
         changed);

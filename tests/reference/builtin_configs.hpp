@@ -41,6 +41,18 @@ inline const std::vector<NamedBuiltin>& one_config_per_program() {
     centered_momentum.centered = true, centered_momentum.momentum = 0.5;
     optim::Lion lion;
     lion.lr = 1e-4, lion.weight_decay = 0.1;
+    optim::NAdam nadam;
+    nadam.lr = 3e-3, nadam.weight_decay = 1e-2, nadam.momentum_decay = 5e-3;
+    optim::RAdam radam;
+    radam.lr = 2e-3, radam.beta2 = 0.95, radam.weight_decay = 1e-2, radam.decoupled_weight_decay = true;
+    optim::Adamax adamax;
+    adamax.lr = 3e-3, adamax.beta1 = 0.8, adamax.weight_decay = 1e-3;
+    optim::Adadelta adadelta;
+    adadelta.lr = 0.5, adadelta.rho = 0.8, adadelta.weight_decay = 1e-3;
+    optim::Rprop rprop;
+    rprop.lr = 1e-3, rprop.eta_minus = 0.4, rprop.eta_plus = 1.3, rprop.step_size_max = 2e-3;
+    optim::ASGD asgd;
+    asgd.lr = 1e-2, asgd.lambd = 1e-3, asgd.alpha = 0.7, asgd.t0 = 1, asgd.weight_decay = 1e-3;
     return std::vector<NamedBuiltin>{{"SGD", sgd},
                                      {"SGD_momentum", momentum},
                                      {"SGD_nesterov", nesterov},
@@ -52,7 +64,13 @@ inline const std::vector<NamedBuiltin>& one_config_per_program() {
                                      {"RMSprop_centered", centered},
                                      {"RMSprop_momentum", rms_momentum},
                                      {"RMSprop_centered_momentum", centered_momentum},
-                                     {"Lion", lion}};
+                                     {"Lion", lion},
+                                     {"NAdam", nadam},
+                                     {"RAdam", radam},
+                                     {"Adamax", adamax},
+                                     {"Adadelta", adadelta},
+                                     {"Rprop", rprop},
+                                     {"ASGD", asgd}};
   }();
   return all;
 }

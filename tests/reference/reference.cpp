@@ -150,6 +150,147 @@ void update_lion(const optim::Lion& c, RefTensor& t, const std::vector<double>& 
   }
 }
 
+// torch.optim.NAdam (decoupled_weight_decay: p = p * (1 - lr * wd), else g = g + wd * p):
+//   mu_t = beta1 * (1 - 0.5 * 0.96^(t * momentum_decay));  mu_product = mu_1 * ... * mu_t
+//   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+//   denom = sqrt(v / (1 - beta2^t)) + eps
+//   p = p - lr * (1 - mu_t) / (1 - mu_product) * g / denom
+//         - lr * mu_{t+1} / (1 - mu_product * mu_{t+1}) * m / denom
+double nadam_mu(const optim::NAdam& c, std::int64_t t) {
+  return c.beta1 * (1 - 0.5 * std::pow(0.96, static_cast<double>(t) * c.momentum_decay));
+}
+void update_nadam(const optim::NAdam& c, RefTensor& t, const std::vector<double>& grad, std::int64_t step) {
+  std::vector<double>& m = state_of(t, "exp_avg");
+  std::vector<double>& v = state_of(t, "exp_avg_sq");
+  double mu_product = 1;
+  for (std::int64_t i = 1; i <= step; ++i) mu_product *= nadam_mu(c, i);
+  const double mu = nadam_mu(c, step), mu_next = nadam_mu(c, step + 1);
+  const double bias_correction2 = 1 - std::pow(c.beta2, static_cast<double>(step));
+  const double grad_coef = c.lr * (1 - mu) / (1 - mu_product);
+  const double momentum_coef = c.lr * mu_next / (1 - mu_product * mu_next);
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    double p = t.param[i];
+    double g = c.maximize ? -grad[i] : grad[i];
+    if (c.decoupled_weight_decay) p *= 1 - c.lr * c.weight_decay;
+    else g += c.weight_decay * p;
+    m[i] = c.beta1 * m[i] + (1 - c.beta1) * g;
+    v[i] = c.beta2 * v[i] + (1 - c.beta2) * g * g;
+    const double denom = std::sqrt(v[i] / bias_correction2) + c.eps;
+    t.param[i] = p - grad_coef * g / denom - momentum_coef * m[i] / denom;
+  }
+}
+
+// torch.optim.RAdam (weight decay as NAdam's):
+//   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+//   rho_inf = 2 / (1 - beta2) - 1;  rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t)
+//   m_hat = m / (1 - beta1^t)
+//   rho_t > 5: p = p - lr * m_hat * sqrt(1 - beta2^t) / (sqrt(v) + eps) * rect,
+//              rect = sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t))
+//   else:      p = p - lr * m_hat
+void update_radam(const optim::RAdam& c, RefTensor& t, const std::vector<double>& grad, std::int64_t step) {
+  std::vector<double>& m = state_of(t, "exp_avg");
+  std::vector<double>& v = state_of(t, "exp_avg_sq");
+  const double ts = static_cast<double>(step);
+  const double bias_correction1 = 1 - std::pow(c.beta1, ts);
+  const double bias_correction2 = 1 - std::pow(c.beta2, ts);
+  const double rho_inf = 2 / (1 - c.beta2) - 1;
+  const double rho_t = rho_inf - 2 * ts * std::pow(c.beta2, ts) / bias_correction2;
+  const bool rectified = rho_t > 5;
+  const double rect =
+      rectified ? std::sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) : 0;
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    double p = t.param[i];
+    double g = c.maximize ? -grad[i] : grad[i];
+    if (c.decoupled_weight_decay) p *= 1 - c.lr * c.weight_decay;
+    else g += c.weight_decay * p;
+    m[i] = c.beta1 * m[i] + (1 - c.beta1) * g;
+    v[i] = c.beta2 * v[i] + (1 - c.beta2) * g * g;
+    const double m_hat = m[i] / bias_correction1;
+    if (rectified)
+      t.param[i] = p - c.lr * m_hat * std::sqrt(bias_correction2) / (std::sqrt(v[i]) + c.eps) * rect;
+    else
+      t.param[i] = p - c.lr * m_hat;
+  }
+}
+
+// torch.optim.Adamax:
+//   g = -g if maximize;  g = g + wd * p
+//   m = beta1 * m + (1 - beta1) * g;  u = max(beta2 * u, |g| + eps)
+//   p = p - lr / (1 - beta1^t) * m / u
+void update_adamax(const optim::Adamax& c, RefTensor& t, const std::vector<double>& grad, std::int64_t step) {
+  std::vector<double>& m = state_of(t, "exp_avg");
+  std::vector<double>& u = state_of(t, "exp_inf");
+  const double clr = c.lr / (1 - std::pow(c.beta1, static_cast<double>(step)));
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    const double p = t.param[i];
+    double g = c.maximize ? -grad[i] : grad[i];
+    g += c.weight_decay * p;
+    m[i] = c.beta1 * m[i] + (1 - c.beta1) * g;
+    u[i] = std::max(c.beta2 * u[i], std::fabs(g) + c.eps);
+    t.param[i] = p - clr * m[i] / u[i];
+  }
+}
+
+// torch.optim.Adadelta:
+//   g = -g if maximize;  g = g + wd * p
+//   square_avg = rho * square_avg + (1 - rho) * g^2
+//   delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) * g
+//   acc_delta = rho * acc_delta + (1 - rho) * delta^2
+//   p = p - lr * delta
+void update_adadelta(const optim::Adadelta& c, RefTensor& t, const std::vector<double>& grad) {
+  std::vector<double>& sq = state_of(t, "square_avg");
+  std::vector<double>& acc = state_of(t, "acc_delta");
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    const double p = t.param[i];
+    double g = c.maximize ? -grad[i] : grad[i];
+    g += c.weight_decay * p;
+    sq[i] = c.rho * sq[i] + (1 - c.rho) * g * g;
+    const double delta = std::sqrt(acc[i] + c.eps) / std::sqrt(sq[i] + c.eps) * g;
+    acc[i] = c.rho * acc[i] + (1 - c.rho) * delta * delta;
+    t.param[i] = p - c.lr * delta;
+  }
+}
+
+// torch.optim.Rprop (step_size starts at lr):
+//   g = -g if maximize
+//   g * prev > 0: step_size = min(step_size * eta_plus, step_size_max)
+//   g * prev < 0: step_size = max(step_size * eta_minus, step_size_min), g = 0
+//   (clamped to [step_size_min, step_size_max] in every case)
+//   p = p - sign(g) * step_size;  prev = g
+void update_rprop(const optim::Rprop& c, RefTensor& t, const std::vector<double>& grad) {
+  std::vector<double>& prev = state_of(t, "prev");
+  std::vector<double>& step_size = state_of(t, "step_size");
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    double g = c.maximize ? -grad[i] : grad[i];
+    const double direction = g * prev[i];
+    const double factor = direction > 0 ? c.eta_plus : direction < 0 ? c.eta_minus : 1.0;
+    step_size[i] = std::min(std::max(step_size[i] * factor, c.step_size_min), c.step_size_max);
+    if (direction < 0) g = 0;
+    t.param[i] -= sign(g) * step_size[i];
+    prev[i] = g;
+  }
+}
+
+// torch.optim.ASGD (eta = lr and mu = 1 before the first step):
+//   g = -g if maximize;  g = g + wd * p
+//   eta = lr / (1 + lambd * lr * (t - 1))^alpha;  mu = 1 / max(1, t - 1 - t0)  (t > 1)
+//   p = p * (1 - lambd * eta) - eta * g
+//   ax = p if mu == 1, else ax + (p - ax) * mu
+void update_asgd(const optim::ASGD& c, RefTensor& t, const std::vector<double>& grad, std::int64_t step) {
+  std::vector<double>& ax = state_of(t, "ax");
+  const double done = static_cast<double>(step - 1);  // steps taken before this one
+  const double eta = c.lr / std::pow(1 + c.lambd * c.lr * done, c.alpha);
+  const double mu = step == 1 ? 1.0 : 1 / std::max(1.0, done - c.t0);
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    const double p = t.param[i];
+    double g = c.maximize ? -grad[i] : grad[i];
+    g += c.weight_decay * p;
+    const double updated = p * (1 - c.lambd * eta) - eta * g;
+    t.param[i] = updated;
+    ax[i] = mu == 1 ? updated : ax[i] + (updated - ax[i]) * mu;
+  }
+}
+
 }  // namespace
 
 std::vector<std::string> state_names(const OptimizerConfig& config) {
@@ -175,6 +316,12 @@ std::vector<std::string> state_names(const OptimizerConfig& config) {
             return n;
           },
           [](const optim::Lion&) -> std::vector<std::string> { return {"exp_avg"}; },
+          [](const optim::NAdam&) -> std::vector<std::string> { return {"exp_avg", "exp_avg_sq"}; },
+          [](const optim::RAdam&) -> std::vector<std::string> { return {"exp_avg", "exp_avg_sq"}; },
+          [](const optim::Adamax&) -> std::vector<std::string> { return {"exp_avg", "exp_inf"}; },
+          [](const optim::Adadelta&) -> std::vector<std::string> { return {"square_avg", "acc_delta"}; },
+          [](const optim::Rprop&) -> std::vector<std::string> { return {"prev", "step_size"}; },
+          [](const optim::ASGD&) -> std::vector<std::string> { return {"ax"}; },
       },
       config);
   std::sort(names.begin(), names.end());
@@ -184,6 +331,7 @@ std::vector<std::string> state_names(const OptimizerConfig& config) {
 double initial_state_value(const OptimizerConfig& config, std::string_view name) {
   if (const auto* a = std::get_if<optim::Adagrad>(&config); a != nullptr && name == "sum")
     return a->initial_accumulator_value;
+  if (const auto* r = std::get_if<optim::Rprop>(&config); r != nullptr && name == "step_size") return r->lr;
   return 0.0;
 }
 
@@ -238,6 +386,12 @@ void update(const OptimizerConfig& config, RefTensor& tensor, const std::vector<
                  [&](const optim::Adagrad& c) { update_adagrad(c, tensor, grad, step); },
                  [&](const optim::RMSprop& c) { update_rmsprop(c, tensor, grad); },
                  [&](const optim::Lion& c) { update_lion(c, tensor, grad); },
+                 [&](const optim::NAdam& c) { update_nadam(c, tensor, grad, step); },
+                 [&](const optim::RAdam& c) { update_radam(c, tensor, grad, step); },
+                 [&](const optim::Adamax& c) { update_adamax(c, tensor, grad, step); },
+                 [&](const optim::Adadelta& c) { update_adadelta(c, tensor, grad); },
+                 [&](const optim::Rprop& c) { update_rprop(c, tensor, grad); },
+                 [&](const optim::ASGD& c) { update_asgd(c, tensor, grad, step); },
              },
              config);
 }

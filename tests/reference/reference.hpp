@@ -1,7 +1,8 @@
 // The float64 reference optimizer step: the tests' independent second copy of the math.
 //
 // Plain scalar double code written straight from PyTorch's documented algorithms
-// (torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop; torch.nn.utils.clip_grad_norm_;
+// (torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop, NAdam, RAdam, Adamax, Adadelta,
+// Rprop, ASGD; torch.nn.utils.clip_grad_norm_;
 // the GradScaler's unscale and inf check) and, for Lion, from Chen et al. 2023,
 // "Symbolic Discovery of Optimization Algorithms". It deliberately uses nothing
 // from jit/ or runtime/: a bug in an update program must not be copied into its
@@ -24,7 +25,8 @@ namespace stepfuse::ref {
 // State names match the library's: SGD "momentum_buffer" (momentum != 0);
 // Adam/AdamW "exp_avg", "exp_avg_sq", "max_exp_avg_sq" (amsgrad); Adagrad "sum";
 // RMSprop "square_avg", "momentum_buffer" (momentum > 0), "grad_avg" (centered);
-// Lion "exp_avg".
+// Lion "exp_avg"; NAdam/RAdam "exp_avg", "exp_avg_sq"; Adamax "exp_avg", "exp_inf";
+// Adadelta "square_avg", "acc_delta"; Rprop "prev", "step_size"; ASGD "ax".
 struct RefTensor {
   std::vector<double> param;
   std::map<std::string, std::vector<double>> state;
@@ -51,7 +53,8 @@ inline constexpr double kClipEpsilon = 1e-6;
 
 // The state a tensor keeps under `config`, in a fixed (alphabetical) order.
 std::vector<std::string> state_names(const OptimizerConfig& config);
-// The value every element of state `name` starts at (0, or Adagrad's initial_accumulator_value).
+// The value every element of state `name` starts at (0, Adagrad's initial_accumulator_value,
+// Rprop's lr for "step_size"). The library stores it in fp32.
 double initial_state_value(const OptimizerConfig& config, std::string_view name);
 // A tensor with the given weights and freshly initialized state.
 RefTensor make_tensor(const OptimizerConfig& config, std::vector<double> param);
@@ -68,7 +71,8 @@ double clip_coefficient(double norm, double max_norm);
 
 // One optimizer update of one tensor with the (unscaled, clipped) gradient `grad`,
 // `step` being the 1-based index of this step (bias corrections, Adagrad's lr decay,
-// SGD's first-step momentum buffer).
+// SGD's first-step momentum buffer, NAdam's momentum cache, RAdam's rectification,
+// ASGD's eta and mu).
 void update(const OptimizerConfig& config, RefTensor& tensor, const std::vector<double>& grad,
             std::int64_t step);
 
