@@ -137,6 +137,12 @@ std::string detail(const Program& p, int where, std::string_view problem) {
       for (int s = 0; s < p.num_streams && s < kMaxStreams; ++s)
         if (p.streams[s].name.empty()) return " (stream " + std::to_string(s) + ")";
     }
+    if (problem.find("unknown role") != std::string_view::npos) {
+      for (int s = 0; s < p.num_streams && s < kMaxStreams; ++s)
+        if (static_cast<int>(p.streams[s].role) > static_cast<int>(StreamRole::state))
+          return " (" + stream_label(p, s) + " has role " + std::to_string(static_cast<int>(p.streams[s].role)) +
+                 "; use grad = 0, param = 1 or state = 2)";
+    }
     if (problem.find("scalar has an empty name") != std::string_view::npos) {
       for (int s = 0; s < p.num_scalars && s < kMaxScalars; ++s)
         if (p.scalars[s].empty()) return " (scalar " + std::to_string(s) + ")";
@@ -191,6 +197,8 @@ std::string detail(const Program& p, int where, std::string_view problem) {
   if (in.op == Op::load || in.op == Op::store) {
     if (in.attr < p.num_streams) return " (" + stream_label(p, in.attr) + ")";
   }
+  if (problem.find("attr is not 0") != std::string_view::npos)
+    return " (attr " + std::to_string(in.attr) + "; only load, store, scalar, convert, reduce_sumsq and tensor_norm use it)";
   if (problem.find("unknown dtype") != std::string_view::npos)
     return " (dtype " + std::to_string(in.attr) + "; use f32 = 0, f16 = 1 or bf16 = 2)";
   return {};

@@ -234,6 +234,9 @@ constexpr const char* find_problem(const Program& p, int* where) {
   int grads = 0, params = 0;
   for (int s = 0; s < p.num_streams; ++s) {
     if (p.streams[s].name.empty()) return "a stream has an empty name";
+    // Every enum field is checked where a program enters: a value outside the enumerators
+    // (a cast, a byte from a file) would otherwise reach the backends.
+    if (static_cast<int>(p.streams[s].role) > static_cast<int>(StreamRole::state)) return "a stream has an unknown role";
     for (int t = 0; t < s; ++t)
       if (p.streams[t].name == p.streams[s].name) return "two streams have the same name";
     grads += p.streams[s].role == StreamRole::grad;
@@ -275,6 +278,9 @@ constexpr const char* find_problem(const Program& p, int* where) {
     }
     if (in.op == Op::scalar && in.attr >= p.num_scalars) return "the scalar index is out of range";
     if (in.op == Op::convert && in.attr > static_cast<int>(DType::bf16)) return "convert to an unknown dtype";
+    if (in.attr != 0 && in.op != Op::load && in.op != Op::store && in.op != Op::scalar && in.op != Op::convert &&
+        in.op != Op::reduce_sumsq && in.op != Op::tensor_norm)
+      return "the op takes no stream, scalar, dtype or slot, but its attr is not 0";
     if (in.op == Op::phase) {
       if (phase_at >= 0) return "a program has at most one phase marker";
       phase_at = i;
