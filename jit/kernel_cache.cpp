@@ -2,6 +2,7 @@
 #include "jit/kernel_cache.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdio>
@@ -17,6 +19,7 @@
 #include <exception>
 #include <future>
 #include <utility>
+#include <vector>
 
 #include "jit/base/atomic_file.hpp"
 #include "jit/base/fd.hpp"
@@ -189,7 +192,51 @@ struct KernelCache::Slot {
   std::shared_future<std::shared_ptr<const std::string>> pending;
 };
 
+// fork(): a child has only the thread that forked. A slot still pending in the parent
+// (a compile or load by another thread) would be waited for forever there, so the child
+// forgets the pending slots and loads or compiles those keys itself. The cache's locks
+// are held across the fork, so the child's copies are consistent and free.
+struct KernelCache::ForkHandlers {
+  std::mutex mutex;  // guards caches
+  std::vector<KernelCache*> caches;
+
+  static ForkHandlers& get() {
+    static ForkHandlers* const handlers = [] {
+      auto* h = new ForkHandlers();  // never destroyed: caches may be destroyed during exit
+      pthread_atfork(&prepare, &parent, &child);
+      return h;
+    }();
+    return *handlers;
+  }
+  static void prepare() {
+    ForkHandlers& h = get();
+    h.mutex.lock();
+    for (KernelCache* c : h.caches) c->mu_.lock();
+  }
+  static void parent() {
+    ForkHandlers& h = get();
+    for (KernelCache* c : h.caches) c->mu_.unlock();
+    h.mutex.unlock();
+  }
+  static void child() {
+    ForkHandlers& h = get();
+    for (KernelCache* c : h.caches) {
+      for (auto it = c->slots_.begin(); it != c->slots_.end();) {
+        if (it->second->value) ++it;
+        else it = c->slots_.erase(it);
+      }
+      c->mu_.unlock();
+    }
+    h.mutex.unlock();
+  }
+};
+
 KernelCache::KernelCache(std::optional<std::filesystem::path> dir) : dir_(std::move(dir)) {
+  {
+    ForkHandlers& h = ForkHandlers::get();
+    std::lock_guard lock(h.mutex);
+    h.caches.push_back(this);
+  }
   if (!dir_) return;
   // Absolute now, so that a later chdir() does not move the cache.
   std::error_code ec;
@@ -203,7 +250,11 @@ KernelCache::KernelCache(std::optional<std::filesystem::path> dir) : dir_(std::m
   disk_ok_ = true;
 }
 
-KernelCache::~KernelCache() = default;
+KernelCache::~KernelCache() {
+  ForkHandlers& h = ForkHandlers::get();
+  std::lock_guard lock(h.mutex);
+  if (auto it = std::find(h.caches.begin(), h.caches.end(), this); it != h.caches.end()) h.caches.erase(it);
+}
 
 KernelCache& KernelCache::shared() {
   // Never destroyed: code running in other static destructors may still compile.

@@ -11,7 +11,8 @@
 // entry or none. An unreadable, torn, corrupt or mismatched entry is ignored and
 // recompiled (and rewritten). A directory that cannot be used (not creatable,
 // not writable, not owned by this user, or writable by group or others) warns
-// once and the cache works in memory only.
+// once and the cache works in memory only. In a child of fork(), the keys that
+// another thread of the parent was loading or compiling are loaded or compiled again.
 #pragma once
 
 #include <atomic>
@@ -44,6 +45,8 @@ class KernelCache {
   // std::nullopt: memory only.
   explicit KernelCache(std::optional<std::filesystem::path> dir);
   ~KernelCache();
+  KernelCache(const KernelCache&) = delete;
+  KernelCache& operator=(const KernelCache&) = delete;
 
   // The process-wide cache. Directory: $STEPFUSE_CACHE_DIR, else
   // $XDG_CACHE_HOME/stepfuse, else $HOME/.cache/stepfuse; STEPFUSE_CACHE_DIR=""
@@ -80,6 +83,7 @@ class KernelCache {
 
  private:
   struct Slot;
+  struct ForkHandlers;
   std::optional<std::string> load_from_disk(const std::string& key);
   void store_to_disk(const std::string& key, const std::string& bytes);
   void disable_disk(const std::string& why);

@@ -9,6 +9,8 @@
 #include <llvm/Support/Error.h>
 #include <llvm/Support/MemoryBuffer.h>
 
+#include <pthread.h>
+
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -82,7 +84,18 @@ std::unordered_map<std::string, std::shared_ptr<const CpuKernels>>& linked() {
   return *map;
 }
 
+// fork(): linked_mu is held across it, so no link (and no ORC call) is in progress in
+// another thread when the child's copy is made; the child then links as the parent does.
+void hold_links_across_fork() {
+  static const bool registered = [] {
+    pthread_atfork([] { linked_mu.lock(); }, [] { linked_mu.unlock(); }, [] { linked_mu.unlock(); });
+    return true;
+  }();
+  (void)registered;
+}
+
 std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& target, bool compile) {
+  hold_links_across_fork();
   const std::string key = cpu_cache_key(spec, target);
   {
     std::lock_guard lock(linked_mu);

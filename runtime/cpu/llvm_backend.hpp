@@ -22,10 +22,18 @@ using JitInfFn = float (*)(const void* grad, std::uint64_t n, std::uint32_t* non
 // Error(invalid_argument) for an unknown value in the environment.
 CpuBackend resolve_cpu_backend(const std::optional<CpuBackend>& option);
 
+// In a child of fork() whose parent had builds queued or compiling: starts the child's
+// own compile thread for them (once). Otherwise one relaxed load.
+void resume_after_fork();
+
 // One spec compiling on the process's compile thread (one thread, specs in turn).
 class JitBuild {
  public:
-  bool ready() const { return ready_.load(std::memory_order_acquire); }
+  bool ready() const {
+    if (ready_.load(std::memory_order_acquire)) return true;
+    resume_after_fork();
+    return false;
+  }
   // After ready(): the kernels, or null and error() says why.
   const std::shared_ptr<const jit::CpuKernels>& kernels() const { return kernels_; }
   const std::string& error() const { return error_; }
