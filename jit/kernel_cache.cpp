@@ -1,9 +1,11 @@
 // The kernel cache: an in-memory map with compile-once slots in front of a directory of entry files.
 #include "jit/kernel_cache.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 // Header-only: nothing to link (see the find_path in CMakeLists.txt).
@@ -18,6 +20,7 @@
 #include <cstring>
 #include <exception>
 #include <future>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -132,53 +135,140 @@ int make_directories(const std::filesystem::path& dir) {
   return 0;
 }
 
-// Why `dir` cannot hold the cache (after creating it if missing), or nothing. The
+// The cache directory, opened, or why it cannot hold the cache (fd -1).
+struct OpenedDirectory {
+  int fd = -1;
+  std::string problem;
+};
+
+// Opens `dir` (after creating it if missing) and checks the directory it opened. The
 // entries are machine code this process will run, so the directory must be private:
-// owned by us and writable by no one else (docs/architecture.md §6). Only the directory itself is
-// checked, not its parents.
-std::optional<std::string> check_directory(const std::filesystem::path& dir) {
+// owned by us and writable by no one else (docs/architecture.md §6). It is opened with
+// O_NOFOLLOW, so the directory itself may not be a symbolic link (its parents may):
+// what a link points to is decided by whoever can change the link. The checks are made
+// on the open directory (fstat), and the caller keeps it open and never follows the
+// path again, so the directory checked is the directory used.
+OpenedDirectory open_directory(const std::filesystem::path& dir) {
   const std::string shown = dir.string();
   const std::string memory_only = "; kernels are compiled in memory only (";
+  const auto fail = [](std::string problem) { return OpenedDirectory{-1, std::move(problem)}; };
   if (dir.empty()) {
-    return "kernel cache directory is an empty path; kernels are compiled in memory only (set "
-           "STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")";
+    return fail("kernel cache directory is an empty path; kernels are compiled in memory only (set "
+                "STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")");
   }
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0) {
+  const auto open_dir = [&] { return ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC); };
+  int fd = open_dir();
+  if (fd < 0) {
+    const int open_error = errno;
+    struct stat st {};
+    if (::lstat(dir.c_str(), &st) == 0) {
+      if (S_ISLNK(st.st_mode)) {
+        std::error_code ec;
+        const std::filesystem::path target = std::filesystem::read_symlink(dir, ec);
+        return fail("kernel cache directory " + shown + " is a symbolic link" +
+                    (ec ? std::string() : " (to " + target.string() + ")") +
+                    ", and cached kernels are code this process runs: the directory itself must not be a link, "
+                    "whose target whoever can change the link decides" + memory_only +
+                    "set STEPFUSE_CACHE_DIR to the real directory, or to \"off\")");
+      }
+      if (!S_ISDIR(st.st_mode)) {
+        return fail("kernel cache directory " + shown + " exists but is not a directory" + memory_only +
+                    "remove it or set STEPFUSE_CACHE_DIR to a directory of your own)");
+      }
+      return fail("kernel cache directory " + shown + " cannot be opened (" + errno_text(open_error) + ")" +
+                  memory_only + "fix its permissions to 0700 or set STEPFUSE_CACHE_DIR)");
+    }
     // ENOTDIR (a parent is a file): mkdir then says why it cannot be created.
     if (errno != ENOENT && errno != ENOTDIR) {
-      return "kernel cache directory " + shown + " cannot be examined (" + errno_text(errno) + ")" + memory_only +
-             "check the path or set STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")";
+      return fail("kernel cache directory " + shown + " cannot be examined (" + errno_text(errno) + ")" +
+                  memory_only + "check the path or set STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")");
     }
     if (const int err = make_directories(dir); err != 0) {
-      return "kernel cache directory " + shown + " cannot be created (" + errno_text(err) + ")" + memory_only +
-             "create it with mode 0700 or set STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")";
+      return fail("kernel cache directory " + shown + " cannot be created (" + errno_text(err) + ")" + memory_only +
+                  "create it with mode 0700 or set STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")");
     }
-    if (::stat(dir.c_str(), &st) != 0) {
-      return "kernel cache directory " + shown + " cannot be examined after creating it (" + errno_text(errno) +
-             ")" + memory_only + "set STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")";
+    fd = open_dir();
+    if (fd < 0) {
+      return fail("kernel cache directory " + shown + " cannot be opened after creating it (" + errno_text(errno) +
+                  ")" + memory_only + "set STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")");
     }
   }
-  if (!S_ISDIR(st.st_mode)) {
-    return "kernel cache directory " + shown + " exists but is not a directory" + memory_only +
-           "remove it or set STEPFUSE_CACHE_DIR to a directory of your own)";
+  detail::Fd opened(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    return fail("kernel cache directory " + shown + " cannot be examined (" + errno_text(errno) + ")" + memory_only +
+                "check the path or set STEPFUSE_CACHE_DIR to a directory of your own, or to \"off\")");
   }
   if (st.st_uid != ::geteuid()) {
-    return "kernel cache directory " + shown + " is owned by uid " + std::to_string(st.st_uid) +
-           ", not by this user (uid " + std::to_string(::geteuid()) + "), and cached kernels are code this process runs" +
-           memory_only + "set STEPFUSE_CACHE_DIR to a directory of your own)";
+    return fail("kernel cache directory " + shown + " is owned by uid " + std::to_string(st.st_uid) +
+                ", not by this user (uid " + std::to_string(::geteuid()) +
+                "), and cached kernels are code this process runs" + memory_only +
+                "set STEPFUSE_CACHE_DIR to a directory of your own)");
   }
+  // Strict: no write permission for group or others at all (a sticky bit does not make
+  // a shared directory private).
   if ((st.st_mode & 022) != 0) {
-    return "kernel cache directory " + shown + " is writable by other users (mode " + octal_mode(st.st_mode) +
-           "), and cached kernels are code this process runs" + memory_only +
-           "fix its permissions to 0700 or set STEPFUSE_CACHE_DIR)";
+    return fail("kernel cache directory " + shown + " is writable by other users (mode " + octal_mode(st.st_mode) +
+                "), and cached kernels are code this process runs" + memory_only +
+                "fix its permissions to 0700 or set STEPFUSE_CACHE_DIR)");
   }
   // AT_EACCESS: the effective uid decides, as it does for the writes themselves.
-  if (::faccessat(AT_FDCWD, dir.c_str(), W_OK | X_OK, AT_EACCESS) != 0) {
-    return "kernel cache directory " + shown + " is not writable by this user (mode " + octal_mode(st.st_mode) +
-           ")" + memory_only + "fix its permissions to 0700 or set STEPFUSE_CACHE_DIR)";
+  if (::faccessat(fd, ".", W_OK | X_OK, AT_EACCESS) != 0) {
+    return fail("kernel cache directory " + shown + " is not writable by this user (mode " + octal_mode(st.st_mode) +
+                ")" + memory_only + "fix its permissions to 0700 or set STEPFUSE_CACHE_DIR)");
   }
-  return std::nullopt;
+  return OpenedDirectory{std::exchange(opened.fd, -1), {}};
+}
+
+// An entry's file name: 32 hex digits and ".sfk".
+std::string entry_name(const std::string& key) { return hex_name(key) + ".sfk"; }
+
+bool is_entry_name(std::string_view name) {
+  if (name.size() != 36 || name.substr(32) != ".sfk") return false;
+  return std::all_of(name.begin(), name.begin() + 32, [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// A temporary file of write_file_atomically_at: ".<entry name>.tmp-<pid>-<n>".
+bool is_temp_name(std::string_view name) {
+  return name.size() > 1 + 36 + 5 && name[0] == '.' && is_entry_name(name.substr(1, 36)) &&
+         name.substr(37, 5) == ".tmp-";
+}
+
+// A temporary file this old was left by a writer that died (a write takes milliseconds).
+constexpr time_t kStaleTempSeconds = 10 * 60;
+
+// STEPFUSE_CACHE_MAX_SIZE: decimal bytes, or with a K, M or G suffix (powers of 1024,
+// either case). Nothing for anything else.
+std::optional<std::uint64_t> parse_size(std::string_view text) {
+  std::uint64_t unit = 1;
+  if (!text.empty()) {
+    switch (text.back()) {
+      case 'k': case 'K': unit = std::uint64_t{1} << 10; break;
+      case 'm': case 'M': unit = std::uint64_t{1} << 20; break;
+      case 'g': case 'G': unit = std::uint64_t{1} << 30; break;
+      default: break;
+    }
+    if (unit != 1) text.remove_suffix(1);
+  }
+  if (text.empty() || text.size() > 19) return std::nullopt;  // 19 digits cannot overflow 64 bits
+  std::uint64_t n = 0;
+  for (const char c : text) {
+    if (c < '0' || c > '9') return std::nullopt;
+    n = n * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  if (n > ~std::uint64_t{0} / unit) return std::nullopt;
+  return n * unit;
+}
+
+std::uint64_t max_disk_bytes_from_environment() {
+  const char* env = std::getenv("STEPFUSE_CACHE_MAX_SIZE");
+  if (env == nullptr || *env == '\0') return KernelCache::kDefaultMaxDiskBytes;
+  if (const auto bytes = parse_size(env)) return *bytes;
+  detail::warn_once(std::string("kernel_cache_max_size:") + env,
+                    std::string("STEPFUSE_CACHE_MAX_SIZE = '") + env +
+                        "' is not a size (use bytes, or a number with a K, M or G suffix, or 0 for no cap); the "
+                        "kernel cache keeps at most the default, 1G, of entries on disk");
+  return KernelCache::kDefaultMaxDiskBytes;
 }
 
 }  // namespace
@@ -211,11 +301,17 @@ struct KernelCache::ForkHandlers {
   static void prepare() {
     ForkHandlers& h = get();
     h.mutex.lock();
-    for (KernelCache* c : h.caches) c->mu_.lock();
+    for (KernelCache* c : h.caches) {
+      c->sweep_mu_.lock();
+      c->mu_.lock();
+    }
   }
   static void parent() {
     ForkHandlers& h = get();
-    for (KernelCache* c : h.caches) c->mu_.unlock();
+    for (KernelCache* c : h.caches) {
+      c->mu_.unlock();
+      c->sweep_mu_.unlock();
+    }
     h.mutex.unlock();
   }
   static void child() {
@@ -226,6 +322,7 @@ struct KernelCache::ForkHandlers {
         else it = c->slots_.erase(it);
       }
       c->mu_.unlock();
+      c->sweep_mu_.unlock();
     }
     h.mutex.unlock();
   }
@@ -237,23 +334,30 @@ KernelCache::KernelCache(std::optional<std::filesystem::path> dir) : dir_(std::m
     std::lock_guard lock(h.mutex);
     h.caches.push_back(this);
   }
+  max_disk_bytes_ = max_disk_bytes_from_environment();
   if (!dir_) return;
-  // Absolute now, so that a later chdir() does not move the cache.
+  // Absolute now, for messages (the directory itself is held open from here on).
   std::error_code ec;
   if (!dir_->empty()) {
     if (auto absolute = std::filesystem::absolute(*dir_, ec); !ec) dir_ = std::move(absolute);
   }
-  if (auto problem = check_directory(*dir_)) {
-    disable_disk(*problem);
+  OpenedDirectory opened = open_directory(*dir_);
+  if (opened.fd < 0) {
+    disable_disk(opened.problem);
     return;
   }
+  dir_fd_ = opened.fd;
   disk_ok_ = true;
+  sweep(std::string());
 }
 
 KernelCache::~KernelCache() {
-  ForkHandlers& h = ForkHandlers::get();
-  std::lock_guard lock(h.mutex);
-  if (auto it = std::find(h.caches.begin(), h.caches.end(), this); it != h.caches.end()) h.caches.erase(it);
+  {
+    ForkHandlers& h = ForkHandlers::get();
+    std::lock_guard lock(h.mutex);
+    if (auto it = std::find(h.caches.begin(), h.caches.end(), this); it != h.caches.end()) h.caches.erase(it);
+  }
+  if (dir_fd_ >= 0) ::close(dir_fd_);
 }
 
 KernelCache& KernelCache::shared() {
@@ -380,11 +484,27 @@ std::shared_ptr<const std::string> KernelCache::get(const std::string& key,
   return value;
 }
 
+void KernelCache::evict(const std::string& key) noexcept {
+  try {
+    {
+      std::lock_guard lock(mu_);
+      if (auto it = slots_.find(key); it != slots_.end() && it->second->value) slots_.erase(it);
+    }
+    if (dir_fd_ < 0) return;
+    if (::unlinkat(dir_fd_, entry_name(key).c_str(), 0) == 0) {
+      std::lock_guard lock(mu_);
+      ++stats_.disk_evictions;
+    }
+  } catch (const std::exception&) {
+    // Out of memory for the name: the entry stays; it is checked again when loaded.
+  }
+}
+
 bool KernelCache::disk_enabled() const { return disk_ok_.load(std::memory_order_relaxed); }
 
 std::filesystem::path KernelCache::entry_path(const std::string& key) const {
   if (!dir_) return {};
-  return *dir_ / (hex_name(key) + ".sfk");
+  return *dir_ / entry_name(key);
 }
 
 CacheStats KernelCache::stats() const {
@@ -410,20 +530,36 @@ void KernelCache::disable_disk(const std::string& why) {
 // miss) or a bad one (a reject, counted). Never throws: a disk problem is a miss.
 std::optional<std::string> KernelCache::load_from_disk(const std::string& key) {
   const auto start = std::chrono::steady_clock::now();
-  const std::filesystem::path path = entry_path(key);
   const auto reject = [this] {
     std::lock_guard lock(mu_);
     ++stats_.disk_rejects;
     return std::nullopt;
   };
+  // An entry this cache did not write as it writes them (only this user, or root, can
+  // put files in a private directory): not loaded, one warning per directory.
+  const auto refuse = [&](const std::string& problem) {
+    detail::warn_once("kernel_cache_entry:" + dir_->string(),
+                      "kernel cache entry " + entry_path(key).string() + " " + problem +
+                          ", and cached kernels are code this process runs: it was not loaded; the kernel is "
+                          "compiled and the entry rewritten (check what else writes to " + dir_->string() + ")");
+    return reject();
+  };
   try {
-    detail::Fd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    // O_NOFOLLOW: a symbolic link is refused, not followed; O_NONBLOCK: opening a FIFO
+    // does not wait for a writer (it is then refused as not a regular file).
+    detail::Fd file(::openat(dir_fd_, entry_name(key).c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
     if (file.fd < 0) {
       if (errno == ENOENT) return std::nullopt;
+      if (errno == ELOOP) return refuse("is a symbolic link");
       return reject();
     }
     struct stat st {};
-    if (::fstat(file.fd, &st) != 0 || !S_ISREG(st.st_mode)) return reject();
+    if (::fstat(file.fd, &st) != 0) return reject();
+    if (!S_ISREG(st.st_mode)) return refuse("is not a regular file");
+    if (st.st_uid != ::geteuid())
+      return refuse("is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
+                    std::to_string(::geteuid()) + ")");
+    if ((st.st_mode & 022) != 0) return refuse("is writable by group or others (mode " + octal_mode(st.st_mode) + ")");
     const auto size = static_cast<std::uint64_t>(st.st_size);
     if (size < kHeaderSize + kTrailerSize) return reject();
 
@@ -446,6 +582,8 @@ std::optional<std::string> KernelCache::load_from_disk(const std::string& key) {
     std::array<unsigned char, kTrailerSize> trailer;
     if (!read_all(file.fd, trailer.data(), trailer.size())) return reject();
     if (get_u64(trailer.data()) != entry_checksum(header.data(), stored_key, payload)) return reject();
+    // The size cap evicts the least recently used entries first, by modification time.
+    ::futimens(file.fd, nullptr);
 
     const double ms = ms_since(start);
     std::lock_guard lock(mu_);
@@ -464,7 +602,8 @@ std::optional<std::string> KernelCache::load_from_disk(const std::string& key) {
 // Never throws.
 void KernelCache::store_to_disk(const std::string& key, const std::string& bytes) {
   try {
-    const std::filesystem::path final_path = entry_path(key);
+    const std::filesystem::path final_path = entry_path(key);  // for messages
+    const std::string name = entry_name(key);
     std::array<unsigned char, kHeaderSize> header;
     std::memcpy(header.data(), kMagic, sizeof kMagic);
     put_u32(header.data() + 8, kFormatVersion);
@@ -475,7 +614,8 @@ void KernelCache::store_to_disk(const std::string& key, const std::string& bytes
     put_u64(trailer.data(), entry_checksum(header.data(), key, bytes));
 
     // Mode 0600: the entries are code this process runs, for this user only.
-    const auto failure = detail::write_file_atomically(final_path, 0600, [&](detail::AtomicFileSink& out) {
+    // Relative to the directory opened at construction, never by its path again.
+    const auto failure = detail::write_file_atomically_at(dir_fd_, name, 0600, [&](detail::AtomicFileSink& out) {
       out.write(header.data(), header.size());
       out.write(key.data(), key.size());
       out.write(bytes.data(), bytes.size());
@@ -488,11 +628,68 @@ void KernelCache::store_to_disk(const std::string& key, const std::string& bytes
                    ", or set STEPFUSE_CACHE_DIR)");
       return;
     }
-    std::lock_guard lock(mu_);
-    ++stats_.disk_writes;
+    {
+      std::lock_guard lock(mu_);
+      ++stats_.disk_writes;
+    }
+    sweep(name);
   } catch (const std::exception&) {
     // Out of memory building a path: skip this write, keep the entry in memory (the
     // helper has removed its temporary file).
+  }
+}
+
+void KernelCache::sweep(const std::string& keep) noexcept {
+  try {
+    std::lock_guard sweeping(sweep_mu_);
+    const int fd = ::openat(dir_fd_, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return;
+    DIR* d = ::fdopendir(fd);
+    if (d == nullptr) {
+      ::close(fd);
+      return;
+    }
+    struct Entry {
+      std::string name;
+      struct timespec mtime;
+      std::uint64_t bytes;
+    };
+    std::vector<Entry> entries;
+    std::uint64_t total = 0;
+    const time_t now = ::time(nullptr);
+    while (const dirent* e = ::readdir(d)) {
+      const std::string_view name = e->d_name;
+      const bool entry = is_entry_name(name), temp = !entry && is_temp_name(name);
+      if (!entry && !temp) continue;  // not the cache's: left alone
+      struct stat st {};
+      if (::fstatat(dir_fd_, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+      if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) continue;  // refused when read, not removed
+      if (temp) {
+        if (now - st.st_mtime > kStaleTempSeconds) ::unlinkat(dir_fd_, e->d_name, 0);
+        continue;
+      }
+      entries.push_back({std::string(name), st.st_mtim, static_cast<std::uint64_t>(st.st_size)});
+      total += static_cast<std::uint64_t>(st.st_size);
+    }
+    ::closedir(d);
+    if (max_disk_bytes_ == 0 || total <= max_disk_bytes_) return;
+    std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+      return a.mtime.tv_sec != b.mtime.tv_sec ? a.mtime.tv_sec < b.mtime.tv_sec : a.mtime.tv_nsec < b.mtime.tv_nsec;
+    });
+    std::uint64_t evicted = 0;
+    for (const Entry& e : entries) {
+      if (total <= max_disk_bytes_) break;
+      if (e.name == keep) continue;
+      // (Another process may have removed or replaced it meanwhile: either way it is gone.)
+      if (::unlinkat(dir_fd_, e.name.c_str(), 0) == 0 || errno == ENOENT) {
+        total -= e.bytes;
+        ++evicted;
+      }
+    }
+    std::lock_guard lock(mu_);
+    stats_.disk_evictions += evicted;
+  } catch (const std::exception&) {
+    // Out of memory listing the directory: no sweep this time.
   }
 }
 

@@ -1,14 +1,20 @@
-// Inputs that a careless or hostile caller can make: enum fields outside their
+// Inputs that a careless or hostile caller (or disk) can make: enum fields outside their
 // enumerators wherever a program enters (Program/find_problem, UpdateProgram, the LLVM
-// emitter, the C ABI).
+// emitter, the C ABI), and a cached LLVM object that passes the cache's checks but does not
+// link.
 #include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
+#include "jit/kernel_cache.hpp"
+#include "jit/llvm/cpu_jit.hpp"
 #include "jit/llvm/emit_llvm.hpp"
 #include "reference/test_util.hpp"
 #include "stepfuse/stepfuse.h"
@@ -19,6 +25,23 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+
+// This process's kernel cache is a fresh directory of its own, set before anything asks
+// for the shared cache, and removed at exit.
+struct PrivateCacheDir {
+  std::filesystem::path path;
+  PrivateCacheDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "stepfuse-hardening-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) != nullptr) {
+      path = pattern;
+      ::setenv("STEPFUSE_CACHE_DIR", (path / "cache").c_str(), 1);
+    }
+  }
+  ~PrivateCacheDir() {
+    std::error_code ec;
+    if (!path.empty()) std::filesystem::remove_all(path, ec);
+  }
+} g_cache_dir;
 
 // ---- Enum fields of a program ---------------------------------------------------------
 
@@ -168,6 +191,55 @@ TEST(EnumValidation, CApiRejectsEveryBadEnumArgument) {
   EXPECT_EQ(sf_program_builder_convert(b, g, as(3, SF_F32), &v), SF_INVALID_ARGUMENT);
   EXPECT_THAT(sf_last_error(), AllOf(HasSubstr("to = 3"), HasSubstr("sf_dtype")));
   sf_program_builder_destroy(b);
+}
+
+// ---- Cached objects that do not link ---------------------------------------------------
+
+jit::CpuSpec spec_of(const Program& p, DType weight) {
+  jit::CpuSpec spec;
+  spec.program = p;
+  spec.combos = {{weight, weight, weight != DType::f32}};
+  spec.reduce_grads = {weight};
+  return spec;
+}
+
+// An entry whose checksum and key are right but whose bytes do not link (a garbage
+// object, or another spec's object without this spec's symbols): before, every later
+// cpu_kernels() loaded it again and failed, so CpuBackend::llvm failed for good.
+TEST(CacheEviction, CachedObjectThatDoesNotLinkIsEvictedAndRecompiled) {
+  if (!jit::llvm_built()) GTEST_SKIP() << "this build has no LLVM backend";
+  jit::KernelCache& cache = jit::KernelCache::shared();
+  ASSERT_TRUE(cache.disk_enabled());
+  ASSERT_TRUE(cache.dir().has_value());
+  const jit::CpuTarget host = jit::CpuTarget::host();
+  Program p = sgd_with_state();
+  struct Case {
+    const char* what;
+    std::string bytes;
+    DType weight;
+  };
+  const jit::CpuSpec other = spec_of(p, DType::bf16);  // other symbols: sf_cpu_update_bf16_bf16_m
+  const std::vector<Case> cases = {{"not an object", "not an object at all", DType::f32},
+                                   {"another spec's object", jit::cpu_compile_object(other, host, jit::CpuObjectKind::jit),
+                                    DType::f16}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const jit::CpuSpec spec = spec_of(p, c.weight);
+    const std::string key = jit::cpu_cache_key(spec, host);
+    {
+      jit::KernelCache planter(*cache.dir());  // written as the cache writes entries
+      planter.get(key, [&] { return c.bytes; });
+    }
+    std::shared_ptr<const jit::CpuKernels> k;
+    EXPECT_NO_THROW(k = jit::cpu_kernels(spec));
+    ASSERT_NE(k, nullptr);
+    EXPECT_EQ(k->source, jit::CpuKernels::Source::compiled);
+    EXPECT_EQ(k->update.size(), 1u);
+    jit::KernelCache reader(*cache.dir());
+    const auto now = reader.find_or_load(key);
+    ASSERT_NE(now, nullptr) << "the recompiled object is cached again";
+    EXPECT_EQ(now->compare(0, 4, "\x7f" "ELF"), 0) << "the entry now holds an object file";
+  }
 }
 
 }  // namespace

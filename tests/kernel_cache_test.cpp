@@ -1,6 +1,8 @@
 // The kernel cache (docs/architecture.md §6): compile once per key, entries on disk that survive a new cache
-// and are rejected when torn, corrupt, stale or another key's, and a directory that is refused
-// with one warning unless it is private.
+// and are rejected when torn, corrupt, stale or another key's, a directory that is refused
+// with one warning unless it is private (and not a symlink), opened once and never followed
+// again by path, entry files refused unless private regular files, eviction, the size cap
+// and the removal of stale temporary files.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -634,6 +636,247 @@ TEST_F(KernelCacheTest, SharedCacheIsOneObjectOnTheDefaultDirectory) {
   EXPECT_EQ(&shared, &KernelCache::shared());
   EXPECT_EQ(shared.dir(), std::optional<fs::path>(dir)) << "the first call decides (no other test calls shared())";
   EXPECT_TRUE(shared.disk_enabled());
+}
+
+// ---- what the cache trusts: its directory, opened once, and each entry file ------------------
+
+// The directory that a path names is decided once, at construction: the cache keeps it
+// open and does every later open, rename and unlink relative to it.
+
+TEST_F(KernelCacheTest, SymlinkAsTheDirectoryIsRefused) {
+  const fs::path real = dir_.path() / "real";
+  fs::create_directory(real);
+  fs::permissions(real, fs::perms::owner_all);
+  const fs::path link = dir_.path() / "link";
+  fs::create_directory_symlink(real, link);
+  expect_refused(link, "is a symbolic link");
+  EXPECT_TRUE(list_dir(real).empty());
+}
+
+// Someone able to rename a parent swaps the cache directory for their own after the
+// cache was made, holding a well-formed entry under the predictable name. The cache
+// neither loads from nor writes to it.
+TEST_F(KernelCacheTest, DirectorySwappedAfterConstructionIsNotFollowed) {
+  const std::string key = make_key("swapped");
+  for (const bool as_symlink : {true, false}) {
+    SCOPED_TRACE(as_symlink ? "replaced by a symlink" : "replaced by another directory");
+    const fs::path dir = dir_.path() / (as_symlink ? "cache-a" : "cache-b");
+    const fs::path moved = dir_.path() / (as_symlink ? "moved-a" : "moved-b");
+    const fs::path theirs = dir_.path() / (as_symlink ? "theirs-a" : "theirs-b");
+    KernelCache cache(dir);
+    ASSERT_TRUE(cache.disk_enabled());
+    EXPECT_EQ(*cache.get(key, [] { return std::string("good"); }), "good");
+    cache.clear_memory();
+    fs::rename(dir, moved);
+    fs::create_directory(theirs);
+    fs::permissions(theirs, fs::perms::owner_all);
+    write_file(theirs / expected_name(key), build_entry(key, "evil"));
+    if (as_symlink) fs::create_directory_symlink(theirs, dir);
+    else fs::rename(theirs, dir);
+    EXPECT_EQ(*cache.get(key, must_not_compile()), "good") << "loaded from the directory it opened";
+    EXPECT_EQ(*cache.get(key + " other", [] { return std::string("new"); }), "new");
+    EXPECT_TRUE(fs::exists(moved / expected_name(key + " other"))) << "written where it was opened";
+    const fs::path now = as_symlink ? theirs : dir;
+    EXPECT_EQ(list_dir(now), std::vector<std::string>{expected_name(key)}) << "nothing written to theirs";
+    EXPECT_EQ(read_file(now / expected_name(key)), build_entry(key, "evil"));
+  }
+  EXPECT_TRUE(warnings().empty());
+}
+
+// An entry file the cache did not write as it writes them: loaded never, warned about
+// once per directory, recompiled and replaced by a private regular file.
+void expect_entry_refused(const fs::path& dir, const std::string& key, const std::string& reason) {
+  SCOPED_TRACE(reason);
+  KernelCache cache(dir);
+  ASSERT_TRUE(cache.disk_enabled());
+  Compiler compiler{"compiled"};
+  EXPECT_EQ(*cache.get(key, compiler.fn()), "compiled");
+  EXPECT_EQ(compiler.calls, 1);
+  EXPECT_EQ(cache.stats().disk_rejects, 1u);
+  EXPECT_EQ(cache.stats().disk_hits, 0u);
+  const auto w = warnings();
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_THAT(w[0], HasSubstr(cache.entry_path(key).string()));
+  EXPECT_THAT(w[0], HasSubstr(reason));
+  EXPECT_THAT(w[0], HasSubstr("not loaded"));
+  struct stat st {};
+  ASSERT_EQ(::lstat(cache.entry_path(key).c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_uid, ::geteuid());
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  KernelCache again(dir);
+  EXPECT_EQ(*again.get(key, must_not_compile()), "compiled");
+}
+
+TEST_F(KernelCacheTest, EntryThatIsASymlinkIsRefused) {
+  const std::string key = make_key("symlinked-entry");
+  const fs::path elsewhere = dir_.path() / "elsewhere";
+  fs::create_directory(elsewhere);
+  write_file(elsewhere / "entry", build_entry(key, "evil"));
+  const fs::path dir = dir_.path() / "cache";
+  KernelCache(dir).get("unrelated", [] { return std::string("x"); });  // creates the directory
+  fs::create_symlink(elsewhere / "entry", dir / expected_name(key));
+  expect_entry_refused(dir, key, "symbolic link");
+  EXPECT_EQ(read_file(elsewhere / "entry"), build_entry(key, "evil")) << "the link's target is left alone";
+}
+
+TEST_F(KernelCacheTest, EntryWritableByOthersIsRefused) {
+  for (const fs::perms extra : {fs::perms::group_write, fs::perms::others_write}) {
+    detail::reset_warnings_for_testing();
+    {
+      std::lock_guard lock(g_warnings_mutex);
+      g_warnings.clear();
+    }
+    const std::string key = make_key("writable-entry-" + std::to_string(static_cast<int>(extra)));
+    KernelCache probe(dir_.path());
+    write_file(probe.entry_path(key), build_entry(key, "evil"));
+    fs::permissions(probe.entry_path(key), fs::perms::owner_read | fs::perms::owner_write | extra);
+    expect_entry_refused(dir_.path(), key, "writable by group or others");
+  }
+}
+
+TEST_F(KernelCacheTest, EntryOfAnotherUserIsRefused) {
+  if (!running_as_root()) GTEST_SKIP() << "only root can give a file to another user";
+  const std::string key = make_key("foreign-entry");
+  KernelCache probe(dir_.path());
+  write_file(probe.entry_path(key), build_entry(key, "evil"));
+  fs::permissions(probe.entry_path(key), fs::perms::owner_read | fs::perms::owner_write);
+  ASSERT_EQ(::chown(probe.entry_path(key).c_str(), 65534, 65534), 0) << std::strerror(errno);
+  expect_entry_refused(dir_.path(), key, "owned by uid 65534");
+}
+
+TEST_F(KernelCacheTest, EntryThatIsNotARegularFileIsRefused) {
+  const std::string key = make_key("fifo-entry");
+  KernelCache probe(dir_.path());
+  ASSERT_EQ(::mkfifo(probe.entry_path(key).c_str(), 0600), 0) << std::strerror(errno);  // would block a plain open
+  expect_entry_refused(dir_.path(), key, "not a regular file");
+}
+
+// ---- eviction, the size cap, stale temporary files -------------------------------------------
+
+// Sets an environment variable for one scope (restored, set or unset, afterwards).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value) ::setenv(name, value, 1);
+    else ::unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (old_) ::setenv(name_, old_->c_str(), 1);
+    else ::unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+// Sets a file's modification time to `age` before now.
+void age_file(const fs::path& path, std::chrono::seconds age) {
+  struct timespec times[2];
+  ::clock_gettime(CLOCK_REALTIME, &times[0]);
+  times[0].tv_sec -= static_cast<time_t>(age.count());
+  times[1] = times[0];
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, AT_SYMLINK_NOFOLLOW), 0) << path;
+}
+
+TEST_F(KernelCacheTest, EvictForgetsTheKeyInMemoryAndOnDisk) {
+  KernelCache cache(dir_.path());
+  const std::string key = make_key("evict");
+  Compiler compiler{"bytes"};
+  cache.get(key, compiler.fn());
+  cache.get("other", [] { return std::string("kept"); });
+  ASSERT_TRUE(fs::exists(cache.entry_path(key)));
+  cache.evict(key);
+  EXPECT_FALSE(fs::exists(cache.entry_path(key)));
+  EXPECT_EQ(cache.find(key), nullptr);
+  EXPECT_EQ(*cache.get(key, compiler.fn()), "bytes");
+  EXPECT_EQ(compiler.calls, 2);
+  EXPECT_EQ(cache.stats().disk_evictions, 1u);
+  EXPECT_EQ(*cache.get("other", must_not_compile()), "kept");
+  cache.evict("never stored");  // nothing to do, no error
+  KernelCache(std::nullopt).evict(key);
+}
+
+TEST_F(KernelCacheTest, SizeCapEvictsTheLeastRecentlyUsedEntries) {
+  const ScopedEnv cap("STEPFUSE_CACHE_MAX_SIZE", "16K");
+  const auto key = [](char c) { return make_key(std::string("lru-") + c); };
+  const std::string payload = make_payload(4000, 11);  // entries of about 4.6 KiB: three fit in 16 KiB
+  {
+    KernelCache cache(dir_.path());
+    EXPECT_EQ(cache.max_disk_bytes(), 16u << 10);
+    for (char c : {'a', 'b', 'c'}) cache.get(key(c), [&] { return payload; });
+    EXPECT_EQ(cache.stats().disk_evictions, 0u);
+  }
+  KernelCache probe(dir_.path());
+  age_file(probe.entry_path(key('a')), 3000s);
+  age_file(probe.entry_path(key('b')), 2000s);
+  age_file(probe.entry_path(key('c')), 1000s);
+  KernelCache cache(dir_.path());
+  EXPECT_EQ(*cache.get(key('b'), must_not_compile()), payload);  // a disk hit makes b the most recent
+  cache.get(key('d'), [&] { return payload; });
+  const auto present = [&](char c) { return fs::exists(cache.entry_path(key(c))); };
+  EXPECT_FALSE(present('a')) << "the least recently used entry goes first";
+  EXPECT_TRUE(present('b'));
+  EXPECT_TRUE(present('c'));
+  EXPECT_TRUE(present('d'));
+  cache.get(key('e'), [&] { return payload; });
+  EXPECT_FALSE(present('c'));
+  EXPECT_TRUE(present('b'));
+  EXPECT_TRUE(present('d'));
+  EXPECT_TRUE(present('e'));
+  EXPECT_EQ(cache.stats().disk_evictions, 2u);
+  // An entry larger than the cap is still written (and kept until the next write).
+  cache.get(key('f'), [] { return make_payload(20000, 12); });
+  EXPECT_TRUE(present('f'));
+  EXPECT_TRUE(warnings().empty());
+}
+
+TEST_F(KernelCacheTest, SizeCapSettings) {
+  struct Case {
+    const char* value;
+    std::uint64_t expected;
+    bool warns;
+  };
+  const std::uint64_t def = KernelCache::kDefaultMaxDiskBytes;
+  for (const Case& c : {Case{nullptr, def, false}, Case{"", def, false}, Case{"0", 0, false},
+                        Case{"12345", 12345, false}, Case{"64K", 64u << 10, false}, Case{"3M", 3u << 20, false},
+                        Case{"2G", std::uint64_t{2} << 30, false}, Case{"2g", std::uint64_t{2} << 30, false},
+                        Case{"lots", def, true}, Case{"-1", def, true}, Case{"1.5G", def, true},
+                        Case{"99999999999999999999", def, true}, Case{"5T", def, true}}) {
+    SCOPED_TRACE(c.value ? c.value : "(unset)");
+    detail::reset_warnings_for_testing();
+    {
+      std::lock_guard lock(g_warnings_mutex);
+      g_warnings.clear();
+    }
+    const ScopedEnv cap("STEPFUSE_CACHE_MAX_SIZE", c.value);
+    KernelCache cache(dir_.path());
+    EXPECT_EQ(cache.max_disk_bytes(), c.expected);
+    const auto w = warnings();
+    EXPECT_EQ(w.size(), c.warns ? 1u : 0u);
+    if (c.warns && !w.empty()) EXPECT_THAT(w[0], HasSubstr("STEPFUSE_CACHE_MAX_SIZE"));
+  }
+}
+
+TEST_F(KernelCacheTest, StaleTemporaryFilesAreRemoved) {
+  const std::string key = make_key("temporaries");
+  const std::string name = expected_name(key);
+  const fs::path stale = dir_.path() / ("." + name + ".tmp-12345-0");
+  const fs::path fresh = dir_.path() / ("." + name + ".tmp-12345-1");
+  const fs::path other = dir_.path() / "notes.txt";
+  const fs::path old_other = dir_.path() / ".other.tmp-1-1";
+  for (const fs::path& p : {stale, fresh, other, old_other}) write_file(p, "partial");
+  age_file(stale, 3600s);
+  age_file(other, 3600s);
+  age_file(old_other, 3600s);
+  KernelCache cache(dir_.path());
+  EXPECT_FALSE(fs::exists(stale)) << "a temporary file an hour old is from a writer that died";
+  EXPECT_TRUE(fs::exists(fresh)) << "a recent one may still be being written";
+  EXPECT_TRUE(fs::exists(other)) << "files that are not the cache's are left alone";
+  EXPECT_TRUE(fs::exists(old_other));
+  EXPECT_TRUE(warnings().empty());
 }
 
 // ---- threads ---------------------------------------------------------------------------------

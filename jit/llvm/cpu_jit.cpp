@@ -15,6 +15,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "jit/base/warning.hpp"
 #include "jit/kernel_cache.hpp"
 #include "jit/program_analysis.hpp"
 #include "stepfuse/error.hpp"
@@ -94,6 +95,9 @@ void hold_links_across_fork() {
   (void)registered;
 }
 
+std::shared_ptr<const CpuKernels> link_object(const CpuSpec& spec, const std::string& key, const std::string& object,
+                                              CpuKernels::Source source);
+
 std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& target, bool compile) {
   hold_links_across_fork();
   const std::string key = cpu_cache_key(spec, target);
@@ -106,25 +110,44 @@ std::shared_ptr<const CpuKernels> kernels(const CpuSpec& spec, const CpuTarget& 
     }
   }
   KernelCache& cache = KernelCache::shared();
-  CpuKernels::Source source = CpuKernels::Source::memory_cache;
-  std::shared_ptr<const std::string> object = cache.find(key);
-  if (!object) {
-    source = CpuKernels::Source::disk_cache;
-    object = cache.find_or_load(key);
+  for (bool evicted = false;; evicted = true) {
+    CpuKernels::Source source = CpuKernels::Source::memory_cache;
+    std::shared_ptr<const std::string> object = cache.find(key);
+    if (!object) {
+      source = CpuKernels::Source::disk_cache;
+      object = cache.find_or_load(key);
+    }
+    if (!object) {
+      if (!compile) return nullptr;
+      bool compiled = false;
+      object = cache.get(key, [&] {
+        compiled = true;
+        return cpu_compile_object(spec, target, CpuObjectKind::jit);
+      });
+      source = compiled ? CpuKernels::Source::compiled : CpuKernels::Source::memory_cache;
+    }
+    try {
+      return link_object(spec, key, *object, source);
+    } catch (const Error& e) {
+      // Cached bytes that passed the cache's checks (so written whole, under this very
+      // key) but do not link: evicted, or every later process would load them again
+      // (and CpuBackend::llvm would fail for good); compiled once more. Bytes compiled
+      // just now that do not link are an error.
+      if (evicted || source == CpuKernels::Source::compiled || e.code() != ErrorCode::compile_failed) throw;
+      cache.evict(key);
+      detail::warn_once("llvm_cached_object_evicted:" + key,
+                        "a cached LLVM object did not link (" + std::string(e.what()) +
+                            "); it was removed from the kernel cache and the kernels are compiled again");
+    }
   }
-  if (!object) {
-    if (!compile) return nullptr;
-    bool compiled = false;
-    object = cache.get(key, [&] {
-      compiled = true;
-      return cpu_compile_object(spec, target, CpuObjectKind::jit);
-    });
-    source = compiled ? CpuKernels::Source::compiled : CpuKernels::Source::memory_cache;
-  }
+}
+
+std::shared_ptr<const CpuKernels> link_object(const CpuSpec& spec, const std::string& key, const std::string& object,
+                                              CpuKernels::Source source) {
   const std::vector<std::string> symbols = symbols_of(spec);
   std::lock_guard lock(linked_mu);  // one link per spec (linking takes a few milliseconds)
   if (auto it = linked().find(key); it != linked().end()) return it->second;
-  const std::vector<void*> fns = Linker::get().link(*object, symbols);
+  const std::vector<void*> fns = Linker::get().link(object, symbols);
   auto out = std::make_shared<CpuKernels>();
   const auto updates = static_cast<std::ptrdiff_t>(spec.combos.size());
   const auto reduces = static_cast<std::ptrdiff_t>(spec.reduce_grads.size());
