@@ -50,10 +50,14 @@ stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
     const std::string at = "request->tensors[" + std::to_string(i) + "]";
     const int w = enum_in_range(fn, r->tensors[i].weight, SF_F32, SF_BF16, at + ".weight", "an sf_dtype");
     const int g = enum_in_range(fn, r->tensors[i].grad, SF_F32, SF_BF16, at + ".grad", "an sf_dtype");
-    tensors.push_back({static_cast<stepfuse::DType>(w), static_cast<stepfuse::DType>(g), r->tensors[i].master});
+    const bool master = bool_value(fn, r->tensors[i].master, at + ".master");
+    tensors.push_back({static_cast<stepfuse::DType>(w), static_cast<stepfuse::DType>(g), master});
   }
   const int norm = enum_in_range(fn, r->norm_type, SF_NORM_L2, SF_NORM_INF, "request->norm_type", "an sf_norm_type");
   const int target = enum_in_range(fn, r->target, SF_EMIT_CUBIN, SF_EMIT_CPU, "request->target", "an sf_emit_target");
+  const bool flat = bool_value(fn, r->flat, "request->flat");
+  const bool aligned16 = bool_value(fn, r->aligned16, "request->aligned16");
+  const bool compile = bool_value(fn, r->compile, "request->compile");
   stepfuse::EmitTarget emit_target{static_cast<stepfuse::EmitTarget::Kind>(target), r->sm};
   if (has_cpu_fields) {
     const auto text = [](const char* s) { return s != nullptr ? std::string(s) : std::string(); };
@@ -65,11 +69,11 @@ stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
       r->program != nullptr ? r->program->program
                             : stepfuse::UpdateProgram::from_config(to_config(fn, r->config)),
       std::move(tensors),
-      r->flat,
-      r->aligned16,
+      flat,
+      aligned16,
       norm == SF_NORM_L2 ? 2.0 : INFINITY,
       std::move(emit_target),
-      r->compile};
+      compile};
 }
 
 }  // namespace

@@ -32,6 +32,7 @@ sf_status sf_grad_scaler_create(const sf_grad_scaler_options* options, sf_grad_s
     sf_grad_scaler_options_init(&o);
     if (options != nullptr) {
       check_size(fn, options, "options", "sf_grad_scaler_options", "initialize it with sf_grad_scaler_options_init()");
+      bool_value(fn, options->enabled, "options->enabled");  // before the bool is copied as one
       o = *options;
     }
     need_all(fn, out, "out", o.device, "options->device");
@@ -155,7 +156,7 @@ sf_status sf_grad_scaler_load_state_dict(sf_grad_scaler* scaler, const sf_grad_s
     need(fn, scaler, "scaler");
     check_size(fn, state, "state", "sf_grad_scaler_state", "initialize it with sf_grad_scaler_state_init()");
     std::map<std::string, double> m;
-    if (!state->empty) {
+    if (!bool_value(fn, state->empty, "state->empty")) {
       m["scale"] = state->scale;
       m["growth_factor"] = state->growth_factor;
       m["backoff_factor"] = state->backoff_factor;

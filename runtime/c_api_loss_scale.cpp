@@ -28,6 +28,7 @@ sf_status sf_loss_scale_optimizer_create(sf_optimizer* inner, const sf_loss_scal
     if (options != nullptr) {
       check_size(fn, options, "options", "sf_loss_scale_optimizer_options",
                  "initialize it with sf_loss_scale_optimizer_options_init()");
+      bool_value(fn, options->dynamic, "options->dynamic");  // before the bool is copied as one
       o = *options;
     }
     need(fn, out, "out");

@@ -223,7 +223,8 @@ OptimizerConfig config_from_c(const char* fn, const sf_optimizer_config& c) {
           using V = std::remove_cvref_t<decltype(v)>;
           const ConfigField& f = config_field(name);
           used[&f - kConfigFields] = true;
-          v = field_ref<V>(c, f);
+          if constexpr (std::is_same_v<V, bool>) v = bool_value(fn, field_ref<bool>(c, f), std::string("config->") + f.name);
+          else v = field_ref<V>(c, f);
         });
       },
       config);
@@ -231,7 +232,7 @@ OptimizerConfig config_from_c(const char* fn, const sf_optimizer_config& c) {
   for (std::size_t i = 0; i < std::size(kConfigFields); ++i) {
     const ConfigField& f = kConfigFields[i];
     if (used[i]) continue;
-    if (f.is_bool ? field_ref<bool>(c, f) : field_ref<double>(c, f) != 0.0)
+    if (f.is_bool ? bool_value(fn, field_ref<bool>(c, f), std::string("config->") + f.name) : field_ref<double>(c, f) != 0.0)
       bad_argument(fn, std::string("config->") + f.name + " = " +
                            (f.is_bool ? "true" : num(field_ref<double>(c, f))) + ", but " + kind + " has no " + f.name +
                            " (the fields of other kinds must be 0/false: start from "
@@ -279,21 +280,21 @@ OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& o) {
                                         "an sf_device_kind (SF_DEVICE_CPU, SF_DEVICE_CUDA)");
   out.device = {static_cast<Device::Kind>(device_kind), o.device.index};
   out.cuda_stream = o.cuda_stream;
-  if (o.has_max_grad_norm) out.max_grad_norm = o.max_grad_norm;
+  if (bool_value(fn, o.has_max_grad_norm, "options->has_max_grad_norm")) out.max_grad_norm = o.max_grad_norm;
   const int norm_type = enum_in_range(fn, o.norm_type, SF_NORM_L2, SF_NORM_INF, "options->norm_type",
                                       "an sf_norm_type (SF_NORM_L2, SF_NORM_INF)");
   out.norm_type = norm_type == SF_NORM_L2 ? 2.0 : INFINITY;
-  out.master_weights = o.master_weights;
+  out.master_weights = bool_value(fn, o.master_weights, "options->master_weights");
   const int fusion = enum_in_range(fn, o.fusion, SF_FUSION_FUSED, SF_FUSION_INTERPRETED, "options->fusion",
                                    "an sf_fusion (SF_FUSION_FUSED, SF_FUSION_UNFUSED, SF_FUSION_INTERPRETED)");
   out.fusion = static_cast<Fusion>(fusion);
   out.num_threads = o.num_threads;
-  out.track_grad_norm = o.track_grad_norm;
+  out.track_grad_norm = bool_value(fn, o.track_grad_norm, "options->track_grad_norm");
   const int backend =
       enum_in_range(fn, o.cpu_backend, SF_CPU_BACKEND_DEFAULT, SF_CPU_BACKEND_LLVM, "options->cpu_backend",
                     "an sf_cpu_backend (SF_CPU_BACKEND_DEFAULT, _AUTO, _HIGHWAY, _LLVM)");
   if (backend != SF_CPU_BACKEND_DEFAULT) out.cpu_backend = static_cast<CpuBackend>(backend - 1);
-  out.llvm_contract = o.llvm_contract;
+  out.llvm_contract = bool_value(fn, o.llvm_contract, "options->llvm_contract");
   return out;
 }
 

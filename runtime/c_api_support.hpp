@@ -133,7 +133,19 @@ int enum_in_range(const char* fn, const E& e, int lo, int hi, const std::string&
   return v;
 }
 
-// ---- Conversions (checking struct sizes and enums, naming the field) --------------
+// A bool field the caller filled, read through its byte, as enums are: a C caller can
+// store any byte there (memset, a char pointer, another compiler's bool), and in C++
+// loading a bool object that holds a byte other than 0 or 1 is undefined. 0 or 1, else
+// Error(invalid_argument) "fn: <name> = <byte> is not a bool (use 0/false or 1/true)".
+inline bool bool_value(const char* fn, const bool& b, const std::string& name) {
+  static_assert(sizeof(bool) == 1, "C bools are one byte");
+  unsigned char v;
+  std::memcpy(&v, &b, 1);
+  if (v > 1) bad_argument(fn, name + " = " + std::to_string(v) + " is not a bool (use 0/false or 1/true)");
+  return v == 1;
+}
+
+// ---- Conversions (checking struct sizes, enums and bools, naming the field) -------
 
 // `what` names the view in messages ("src", "params[2].grad").
 TensorView to_view(const char* fn, const sf_tensor_view& v, const std::string& what);

@@ -1,7 +1,7 @@
 // Inputs that a careless or hostile caller (or disk) can make: enum fields outside their
 // enumerators wherever a program enters (Program/find_problem, UpdateProgram, the LLVM
-// emitter, the C ABI), and a cached LLVM object that passes the cache's checks but does not
-// link.
+// emitter, the C ABI), C ABI bool fields holding bytes other than 0 and 1, and a cached
+// LLVM object that passes the cache's checks but does not link.
 #include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr
 #include <gtest/gtest.h>
 
@@ -191,6 +191,167 @@ TEST(EnumValidation, CApiRejectsEveryBadEnumArgument) {
   EXPECT_EQ(sf_program_builder_convert(b, g, as(3, SF_F32), &v), SF_INVALID_ARGUMENT);
   EXPECT_THAT(sf_last_error(), AllOf(HasSubstr("to = 3"), HasSubstr("sf_dtype")));
   sf_program_builder_destroy(b);
+}
+
+// ---- C ABI bools ---------------------------------------------------------------------------
+
+// Stores `byte` in a bool field as a C caller can (memset, a char pointer, another
+// compiler's bool): loading it as a C++ bool would be undefined.
+void set_byte(bool& field, unsigned char byte) { std::memcpy(&field, &byte, 1); }
+
+// A status and message: SF_INVALID_ARGUMENT naming "<field> = <byte>" and saying it is not a bool.
+void expect_not_a_bool(sf_status status, const std::string& field, int byte) {
+  EXPECT_EQ(status, SF_INVALID_ARGUMENT) << field;
+  if (status != SF_OK) {
+    EXPECT_THAT(sf_last_error(), AllOf(HasSubstr(field + " = " + std::to_string(byte)), HasSubstr("not a bool")));
+  }
+}
+
+struct CModel {
+  float w[5] = {1, 2, 3, 4, 5}, g[5] = {1, 1, 1, 1, 1};
+  sf_param param{{w, 5, SF_F32}, {g, 5, SF_F32}};
+};
+
+TEST(CApiBools, OptionsBoolsAreReadAsBytesAndChecked) {
+  struct Field {
+    const char* name;
+    bool sf_optimizer_options::*member;
+  };
+  const Field fields[] = {{"has_max_grad_norm", &sf_optimizer_options::has_max_grad_norm},
+                          {"master_weights", &sf_optimizer_options::master_weights},
+                          {"track_grad_norm", &sf_optimizer_options::track_grad_norm},
+                          {"llvm_contract", &sf_optimizer_options::llvm_contract}};
+  CModel m;
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  for (const Field& f : fields) {
+    for (const unsigned char byte : {2, 255}) {
+      SCOPED_TRACE(f.name);
+      sf_optimizer_options o;
+      sf_optimizer_options_init(&o);
+      o.max_grad_norm = 1.0;
+      set_byte(o.*f.member, byte);
+      sf_optimizer* opt = nullptr;
+      expect_not_a_bool(sf_optimizer_create(&cfg, &m.param, 1, &o, &opt), std::string("options->") + f.name, byte);
+      EXPECT_EQ(opt, nullptr);
+      sf_optimizer_destroy(opt);
+    }
+  }
+  // 0 and 1 are fine, as always.
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  set_byte(o.track_grad_norm, 1);
+  set_byte(o.master_weights, 0);
+  sf_optimizer* opt = nullptr;
+  EXPECT_EQ(sf_optimizer_create(&cfg, &m.param, 1, &o, &opt), SF_OK) << sf_last_error();
+  sf_optimizer_destroy(opt);
+}
+
+TEST(CApiBools, ConfigBoolsAreReadAsBytesAndChecked) {
+  struct Case {
+    sf_optimizer_kind kind;
+    const char* name;
+    bool sf_optimizer_config::*member;
+  };
+  const Case cases[] = {{SF_ADAM, "amsgrad", &sf_optimizer_config::amsgrad},
+                        {SF_SGD, "nesterov", &sf_optimizer_config::nesterov},
+                        {SF_RMSPROP, "centered", &sf_optimizer_config::centered},
+                        {SF_ADAMW, "maximize", &sf_optimizer_config::maximize},
+                        {SF_SGD, "amsgrad", &sf_optimizer_config::amsgrad},     // not SGD's: must be 0
+                        {SF_ADAM, "centered", &sf_optimizer_config::centered}};  // not Adam's: must be 0
+  CModel m;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(sf_optimizer_kind_name(c.kind)) + "." + c.name);
+    sf_optimizer_config cfg;
+    sf_optimizer_config_init(&cfg, c.kind);
+    if (c.kind == SF_SGD) cfg.momentum = 0.9;  // so nesterov = true would be valid
+    set_byte(cfg.*c.member, 2);
+    sf_optimizer* opt = nullptr;
+    expect_not_a_bool(sf_optimizer_create(&cfg, &m.param, 1, nullptr, &opt), std::string("config->") + c.name, 2);
+    sf_optimizer_destroy(opt);
+  }
+}
+
+TEST(CApiBools, ScalerAndLossScaleBoolsAreReadAsBytesAndChecked) {
+  sf_grad_scaler_options so;
+  sf_grad_scaler_options_init(&so);
+  so.device = "cpu";
+  set_byte(so.enabled, 2);
+  sf_grad_scaler* scaler = nullptr;
+  expect_not_a_bool(sf_grad_scaler_create(&so, &scaler), "options->enabled", 2);
+  sf_grad_scaler_destroy(scaler);
+  scaler = nullptr;
+
+  sf_grad_scaler_options_init(&so);
+  so.device = "cpu";
+  ASSERT_EQ(sf_grad_scaler_create(&so, &scaler), SF_OK) << sf_last_error();
+  sf_grad_scaler_state st;
+  sf_grad_scaler_state_init(&st);
+  ASSERT_EQ(sf_grad_scaler_state_dict(scaler, &st), SF_OK) << sf_last_error();
+  set_byte(st.empty, 3);
+  expect_not_a_bool(sf_grad_scaler_load_state_dict(scaler, &st), "state->empty", 3);
+  sf_grad_scaler_destroy(scaler);
+
+  CModel m;
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_SGD);
+  sf_optimizer* opt = nullptr;
+  ASSERT_EQ(sf_optimizer_create(&cfg, &m.param, 1, nullptr, &opt), SF_OK) << sf_last_error();
+  sf_loss_scale_optimizer_options lo;
+  sf_loss_scale_optimizer_options_init(&lo);
+  set_byte(lo.dynamic, 2);
+  sf_loss_scale_optimizer* lso = nullptr;
+  expect_not_a_bool(sf_loss_scale_optimizer_create(opt, &lo, &lso), "options->dynamic", 2);
+  sf_loss_scale_optimizer_destroy(lso);
+  sf_optimizer_destroy(opt);
+}
+
+TEST(CApiBools, EmitRequestBoolsAreReadAsBytesAndChecked) {
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  sf_emit_tensor tensor{SF_BF16, SF_BF16, true};
+  const auto request = [&] {
+    sf_emit_request r;
+    sf_emit_request_init(&r);
+    r.config = &cfg;
+    r.tensors = &tensor;
+    r.num_tensors = 1;
+    r.compile = false;  // source and ABI only: no NVRTC needed
+    return r;
+  };
+  {
+    sf_emit_request r = request();
+    set_byte(r.flat, 2);
+    sf_emitted_kernel* k = nullptr;
+    expect_not_a_bool(sf_emit(&r, &k), "request->flat", 2);
+    sf_emitted_kernel_destroy(k);
+  }
+  {
+    sf_emit_request r = request();
+    set_byte(r.aligned16, 4);
+    sf_emitted_kernel* k = nullptr;
+    expect_not_a_bool(sf_emit(&r, &k), "request->aligned16", 4);
+    sf_emitted_kernel_destroy(k);
+  }
+  {
+    sf_emit_request r = request();
+    set_byte(r.compile, 2);
+    sf_emitted_kernel* k = nullptr;
+    expect_not_a_bool(sf_emit(&r, &k), "request->compile", 2);
+    sf_emitted_kernel_destroy(k);
+  }
+  {
+    sf_emit_request r = request();
+    set_byte(tensor.master, 2);
+    sf_emitted_kernel* k = nullptr;
+    expect_not_a_bool(sf_emit(&r, &k), "request->tensors[0].master", 2);
+    sf_emitted_kernel_destroy(k);
+    tensor.master = true;
+  }
+  sf_emit_request r = request();
+  sf_emitted_kernel* k = nullptr;
+  EXPECT_EQ(sf_emit(&r, &k), SF_OK) << sf_last_error();
+  sf_emitted_kernel_destroy(k);
 }
 
 // ---- Cached objects that do not link ---------------------------------------------------
