@@ -9,10 +9,12 @@
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "jit/base/warning.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::cuda {
@@ -34,6 +36,7 @@ using GetProcAddressFn = CUresult (*)(const char* symbol, void** pfn, int cuda_v
 struct TestPaths {
   std::mutex mutex;
   std::string libcuda, libnvrtc;
+  std::optional<DriverApi> fake_driver;  // set_driver_for_testing
   std::atomic<bool> driver_started{false}, nvrtc_started{false};
 };
 TestPaths& test_paths() {
@@ -125,6 +128,11 @@ DriverState load_driver() {
     std::lock_guard lock(tp.mutex);
     tp.driver_started = true;
     path = tp.libcuda.empty() ? "libcuda.so.1" : tp.libcuda;
+    if (tp.fake_driver) {
+      s.api = *tp.fake_driver;
+      s.status.ok = true;
+      return s;
+    }
   }
   // RTLD_LOCAL: the driver's symbols stay out of the global namespace, so they
   // cannot satisfy (or clash with) another library's references by accident.
@@ -373,6 +381,30 @@ void check(CUresult result, const char* what) {
               std::string(what) + ": " + cu_result_text(api ? *api : DriverApi{}, result));
 }
 
+bool report(CUresult result, const char* what) noexcept {
+  if (result == CUDA_SUCCESS) return true;
+  try {
+    const DriverApi* api = driver();
+    const std::string text = cu_result_text(api ? *api : DriverApi{}, result);
+    detail::warn_once(std::string("cuda_release:") + what + ":" + std::to_string(result),
+                      std::string(what) + " failed while releasing CUDA resources: " + text +
+                          " (ignored: a destructor cannot report it otherwise; the device may be in a bad state)");
+  } catch (...) {
+    // Out of memory for the message: nothing more can be done from a destructor.
+  }
+  return false;
+}
+
+void report_exception(const std::exception& e) noexcept {
+  try {
+    detail::warn_once(std::string("cuda_release:") + e.what(),
+                      std::string(e.what()) +
+                          " (while releasing CUDA resources; ignored: a destructor cannot report it otherwise; the "
+                          "device may be in a bad state)");
+  } catch (...) {
+  }
+}
+
 void check_nvrtc(nvrtcResult result, const char* what) {
   if (result == NVRTC_SUCCESS) return;
   const NvrtcApi* api = nvrtc();
@@ -380,6 +412,16 @@ void check_nvrtc(nvrtcResult result, const char* what) {
   const std::string message =
       std::string(what) + ": " + (text ? text : "nvrtcResult " + std::to_string(result));
   throw Error(result == kNvrtcErrorCompilation ? ErrorCode::compile_failed : ErrorCode::device_error, message);
+}
+
+void set_driver_for_testing(const DriverApi& api) {
+  auto& tp = test_paths();
+  std::lock_guard lock(tp.mutex);
+  if (tp.driver_started)
+    throw Error(ErrorCode::invalid_state,
+                "set_driver_for_testing: the driver table is already loaded in this process; call it before the "
+                "first driver() use (e.g. from a static initializer)");
+  tp.fake_driver = api;
 }
 
 void set_library_paths_for_testing(const std::string& libcuda, const std::string& libnvrtc) {

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <utility>
 
@@ -161,9 +162,20 @@ std::pair<int, int> nvrtc_version();
 
 // Throws Error(device_error) "<what>: <CUresult name>: <description>" unless ok.
 void check(CUresult result, const char* what);
+// For destructors, which must not throw: true when ok; otherwise sends "<what> failed
+// while releasing CUDA resources: <CUresult name>: <description>" to the warning
+// handler (once per call and result in the process) and returns false. Never throws.
+bool report(CUresult result, const char* what) noexcept;
+// The same for an Error a destructor caught from a call that throws (cuda::check's
+// message names the call and the CUresult). Never throws.
+void report_exception(const std::exception& e) noexcept;
 // Throws Error(device_error) "<what>: <nvrtcGetErrorString>" unless ok; NVRTC_ERROR_COMPILATION
 // gives Error(compile_failed) (nvrtc_compile reports compile errors itself, with the log).
 void check_nvrtc(nvrtcResult result, const char* what);
+
+// For tests without a GPU: driver() returns this table (status ok) instead of loading
+// libcuda. Only before the first driver() use; afterwards throws Error(invalid_state).
+void set_driver_for_testing(const DriverApi& api);
 
 // For tests: load the tables from these paths instead (empty = default search).
 // Only before the first use of the table concerned; afterwards throws Error(invalid_state).

@@ -1,0 +1,382 @@
+// The CUDA host code against a fake driver table (no GPU needed): "device memory" is
+// host memory, kernels are recorded and not run, and any driver call can be made to
+// fail. What it checks: destructors that meet a failing driver call report it through
+// the warning handler instead of throwing (which would terminate the process).
+// The driver table is installed by a static initializer, before anything in this
+// process can load the real one; the step kernels are compiled by NVRTC (the tests
+// that need them skip without it).
+#include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "jit/base/cuda_api.hpp"
+#include "jit/base/warning.hpp"
+#include "runtime/cuda/cuda_backend.hpp"
+#include "runtime/cuda/cuda_scaler.hpp"
+#include "stepfuse/stepfuse.hpp"
+
+namespace stepfuse {
+namespace {
+
+using ::testing::HasSubstr;
+using cuda::CUresult;
+
+constexpr CUresult kOk = 0;
+constexpr CUresult kFailure = 700;  // CUDA_ERROR_ILLEGAL_ADDRESS: a sticky error
+
+// ---- The fake driver -------------------------------------------------------------------
+
+// Which calls fail: by name, from the n-th call on (0: the next one), or not at all.
+struct Faults {
+  std::mutex mutex;
+  std::map<std::string, int> fail_after;  // name -> calls still to succeed
+  struct Launch {
+    std::string kernel;
+    void* first_arg = nullptr;  // the tensor pointer, for the scale kernels
+  };
+  std::vector<Launch> launches;
+  std::vector<std::string> function_names;  // CUfunction = index + 1
+};
+Faults& faults() {
+  static Faults f;
+  return f;
+}
+
+// Whether this call fails.
+bool fails(const char* name) {
+  Faults& f = faults();
+  std::lock_guard lock(f.mutex);
+  auto it = f.fail_after.find(name);
+  if (it == f.fail_after.end()) return false;
+  if (it->second > 0) {
+    --it->second;
+    return false;
+  }
+  return true;
+}
+#define FAKE_CALL(name) \
+  if (fails(#name)) return kFailure
+
+void fail(const std::string& name, int after = 0) {
+  std::lock_guard lock(faults().mutex);
+  faults().fail_after[name] = after;
+}
+void heal() {
+  std::lock_guard lock(faults().mutex);
+  faults().fail_after.clear();
+}
+std::vector<Faults::Launch> launches() {
+  std::lock_guard lock(faults().mutex);
+  return faults().launches;
+}
+
+cuda::DriverApi fake_driver() {
+  cuda::DriverApi a{};
+  a.cuInit = [](unsigned) -> CUresult { return kOk; };
+  a.cuDriverGetVersion = [](int* v) -> CUresult {
+    *v = 12000;
+    return kOk;
+  };
+  a.cuGetErrorName = [](CUresult r, const char** name) -> CUresult {
+    *name = r == kFailure ? "CUDA_ERROR_ILLEGAL_ADDRESS" : "CUDA_ERROR_FAKE";
+    return kOk;
+  };
+  a.cuGetErrorString = [](CUresult, const char** text) -> CUresult {
+    *text = "injected by the fake driver";
+    return kOk;
+  };
+  a.cuDeviceGetCount = [](int* n) -> CUresult {
+    *n = 1;
+    return kOk;
+  };
+  a.cuDeviceGet = [](cuda::CUdevice* d, int ordinal) -> CUresult {
+    *d = ordinal;
+    return kOk;
+  };
+  a.cuDeviceGetName = [](char* name, int len, cuda::CUdevice) -> CUresult {
+    std::strncpy(name, "fake", static_cast<std::size_t>(len));
+    return kOk;
+  };
+  a.cuDeviceGetAttribute = [](int* v, int attribute, cuda::CUdevice) -> CUresult {
+    *v = attribute == cuda::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR   ? 9
+         : attribute == cuda::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR ? 0
+                                                                           : 64;
+    return kOk;
+  };
+  a.cuDeviceTotalMem = [](std::size_t* b, cuda::CUdevice) -> CUresult {
+    *b = std::size_t{80} << 30;
+    return kOk;
+  };
+  a.cuDevicePrimaryCtxRetain = [](cuda::CUcontext* c, cuda::CUdevice) -> CUresult {
+    FAKE_CALL(cuDevicePrimaryCtxRetain);
+    static int context;
+    *c = reinterpret_cast<cuda::CUcontext>(&context);
+    return kOk;
+  };
+  a.cuDevicePrimaryCtxRelease = [](cuda::CUdevice) -> CUresult {
+    FAKE_CALL(cuDevicePrimaryCtxRelease);
+    return kOk;
+  };
+  a.cuCtxSetCurrent = [](cuda::CUcontext) -> CUresult {
+    FAKE_CALL(cuCtxSetCurrent);
+    return kOk;
+  };
+  a.cuCtxSynchronize = []() -> CUresult {
+    FAKE_CALL(cuCtxSynchronize);
+    return kOk;
+  };
+  a.cuModuleLoadDataEx = [](cuda::CUmodule* m, const void*, unsigned, int*, void**) -> CUresult {
+    FAKE_CALL(cuModuleLoadDataEx);
+    static int module;
+    *m = reinterpret_cast<cuda::CUmodule>(&module);
+    return kOk;
+  };
+  a.cuModuleUnload = [](cuda::CUmodule) -> CUresult {
+    FAKE_CALL(cuModuleUnload);
+    return kOk;
+  };
+  a.cuModuleGetFunction = [](cuda::CUfunction* fn, cuda::CUmodule, const char* name) -> CUresult {
+    FAKE_CALL(cuModuleGetFunction);
+    Faults& f = faults();
+    std::lock_guard lock(f.mutex);
+    f.function_names.emplace_back(name);
+    *fn = reinterpret_cast<cuda::CUfunction>(static_cast<std::uintptr_t>(f.function_names.size()));
+    return kOk;
+  };
+  a.cuLaunchKernel = [](cuda::CUfunction fn, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        cuda::CUstream, void** params, void**) -> CUresult {
+    FAKE_CALL(cuLaunchKernel);
+    Faults& f = faults();
+    std::lock_guard lock(f.mutex);
+    const auto index = reinterpret_cast<std::uintptr_t>(fn) - 1;
+    Faults::Launch l;
+    l.kernel = index < f.function_names.size() ? f.function_names[index] : "?";
+    if (params != nullptr && params[0] != nullptr) std::memcpy(&l.first_arg, params[0], sizeof(void*));
+    f.launches.push_back(l);
+    return kOk;
+  };
+  a.cuMemAlloc = [](cuda::CUdeviceptr* p, std::size_t bytes) -> CUresult {
+    FAKE_CALL(cuMemAlloc);
+    void* mem = std::calloc(1, bytes + 256);
+    *p = static_cast<cuda::CUdeviceptr>(reinterpret_cast<std::uintptr_t>(mem));
+    return kOk;
+  };
+  a.cuMemFree = [](cuda::CUdeviceptr p) -> CUresult {
+    FAKE_CALL(cuMemFree);
+    std::free(reinterpret_cast<void*>(static_cast<std::uintptr_t>(p)));
+    return kOk;
+  };
+  a.cuPointerGetAttribute = [](void* data, int attribute, cuda::CUdeviceptr) -> CUresult {
+    if (attribute == cuda::CU_POINTER_ATTRIBUTE_MEMORY_TYPE) *static_cast<unsigned*>(data) = cuda::CU_MEMORYTYPE_DEVICE;
+    else *static_cast<int*>(data) = 0;
+    return kOk;
+  };
+  a.cuMemcpyHtoD = [](cuda::CUdeviceptr dst, const void* src, std::size_t n) -> CUresult {
+    FAKE_CALL(cuMemcpyHtoD);
+    std::memcpy(reinterpret_cast<void*>(static_cast<std::uintptr_t>(dst)), src, n);
+    return kOk;
+  };
+  a.cuMemcpyDtoH = [](void* dst, cuda::CUdeviceptr src, std::size_t n) -> CUresult {
+    FAKE_CALL(cuMemcpyDtoH);
+    std::memcpy(dst, reinterpret_cast<const void*>(static_cast<std::uintptr_t>(src)), n);
+    return kOk;
+  };
+  a.cuMemcpyHtoDAsync = [](cuda::CUdeviceptr dst, const void* src, std::size_t n, cuda::CUstream) -> CUresult {
+    FAKE_CALL(cuMemcpyHtoDAsync);
+    std::memcpy(reinterpret_cast<void*>(static_cast<std::uintptr_t>(dst)), src, n);
+    return kOk;
+  };
+  a.cuMemcpyDtoHAsync = [](void* dst, cuda::CUdeviceptr src, std::size_t n, cuda::CUstream) -> CUresult {
+    FAKE_CALL(cuMemcpyDtoHAsync);
+    std::memcpy(dst, reinterpret_cast<const void*>(static_cast<std::uintptr_t>(src)), n);
+    return kOk;
+  };
+  a.cuMemcpyDtoDAsync = [](cuda::CUdeviceptr dst, cuda::CUdeviceptr src, std::size_t n, cuda::CUstream) -> CUresult {
+    FAKE_CALL(cuMemcpyDtoDAsync);
+    std::memmove(reinterpret_cast<void*>(static_cast<std::uintptr_t>(dst)),
+                 reinterpret_cast<const void*>(static_cast<std::uintptr_t>(src)), n);
+    return kOk;
+  };
+  a.cuMemsetD8Async = [](cuda::CUdeviceptr dst, unsigned char v, std::size_t n, cuda::CUstream) -> CUresult {
+    FAKE_CALL(cuMemsetD8Async);
+    std::memset(reinterpret_cast<void*>(static_cast<std::uintptr_t>(dst)), v, n);
+    return kOk;
+  };
+  a.cuStreamCreate = [](cuda::CUstream* s, unsigned) -> CUresult {
+    static int stream;
+    *s = reinterpret_cast<cuda::CUstream>(&stream);
+    return kOk;
+  };
+  a.cuStreamDestroy = [](cuda::CUstream) -> CUresult { return kOk; };
+  a.cuStreamSynchronize = [](cuda::CUstream) -> CUresult {
+    FAKE_CALL(cuStreamSynchronize);
+    return kOk;
+  };
+  a.cuStreamIsCapturing = [](cuda::CUstream, int* status) -> CUresult {
+    *status = 0;
+    return kOk;
+  };
+  a.cuStreamBeginCapture = [](cuda::CUstream, int) -> CUresult { return kOk; };
+  a.cuStreamEndCapture = [](cuda::CUstream, cuda::CUgraph*) -> CUresult { return kOk; };
+  a.cuGraphInstantiate = [](cuda::CUgraphExec*, cuda::CUgraph, unsigned long long) -> CUresult { return kOk; };
+  a.cuGraphLaunch = [](cuda::CUgraphExec, cuda::CUstream) -> CUresult { return kOk; };
+  a.cuGraphExecDestroy = [](cuda::CUgraphExec) -> CUresult { return kOk; };
+  a.cuGraphDestroy = [](cuda::CUgraph) -> CUresult { return kOk; };
+  a.cuEventCreate = [](cuda::CUevent*, unsigned) -> CUresult { return kOk; };
+  a.cuEventRecord = [](cuda::CUevent, cuda::CUstream) -> CUresult { return kOk; };
+  a.cuEventSynchronize = [](cuda::CUevent) -> CUresult { return kOk; };
+  a.cuEventElapsedTime = [](float* ms, cuda::CUevent, cuda::CUevent) -> CUresult {
+    *ms = 0;
+    return kOk;
+  };
+  a.cuEventDestroy = [](cuda::CUevent) -> CUresult { return kOk; };
+  return a;
+}
+
+[[maybe_unused]] const bool kFakeDriverInstalled = [] {
+  cuda::set_driver_for_testing(fake_driver());
+  return true;
+}();
+
+// ---- Warnings ----------------------------------------------------------------------------
+
+std::mutex g_warnings_mutex;
+std::vector<std::string> g_warnings;
+void capture_warning(std::string_view message) {
+  std::lock_guard lock(g_warnings_mutex);
+  g_warnings.emplace_back(message);
+}
+
+class FakeDriver : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    heal();
+    detail::reset_warnings_for_testing();
+    {
+      std::lock_guard lock(g_warnings_mutex);
+      g_warnings.clear();
+    }
+    previous_ = set_warning_handler(&capture_warning);
+  }
+  void TearDown() override {
+    heal();
+    set_warning_handler(previous_);
+  }
+  static std::vector<std::string> warnings() {
+    std::lock_guard lock(g_warnings_mutex);
+    return g_warnings;
+  }
+  // Exactly one warning, naming `call` and the injected error.
+  static void expect_reported(const std::string& call) {
+    const auto w = warnings();
+    ASSERT_EQ(w.size(), 1u) << call;
+    EXPECT_THAT(w[0], HasSubstr(call));
+    EXPECT_THAT(w[0], HasSubstr("CUDA_ERROR_ILLEGAL_ADDRESS"));
+  }
+  WarningHandler previous_ = nullptr;
+};
+
+bool have_nvrtc() { return nvrtc_available().available; }
+
+// ---- Destructors ---------------------------------------------------------------------------
+
+TEST_F(FakeDriver, TheFakeDriverIsTheOneInUse) {
+  ASSERT_TRUE(cuda_available().available) << cuda_available().reason;
+  detail::DeviceBuffer b(64);
+  EXPECT_NE(b.get(), 0u);
+}
+
+TEST_F(FakeDriver, DeviceBufferDestructorReportsAFailingFree) {
+  {
+    detail::DeviceBuffer b(64);
+    fail("cuMemFree");
+  }
+  expect_reported("cuMemFree");
+  heal();
+  detail::DeviceBuffer a(32), b(32);
+  fail("cuMemFree");
+  a = std::move(b);  // the move assignment frees too, and is noexcept
+  heal();
+}
+
+TEST_F(FakeDriver, ContextDestructorReportsAFailingRelease) {
+  {
+    detail::CudaContext ctx(0);
+    fail("cuDevicePrimaryCtxRelease");
+  }
+  expect_reported("cuDevicePrimaryCtxRelease");
+}
+
+TEST_F(FakeDriver, ModuleDestructorReportsAFailingUnload) {
+  {
+    detail::CudaModule m("image", "test");
+    fail("cuModuleUnload");
+  }
+  expect_reported("cuModuleUnload");
+}
+
+TEST_F(FakeDriver, ScalerStateDestructorReportsFailures) {
+  {
+    detail::CudaScalerState s(0);
+    fail("cuMemFree");
+    fail("cuDevicePrimaryCtxRelease");
+  }
+  const auto w = warnings();
+  ASSERT_EQ(w.size(), 2u);
+  EXPECT_THAT(w[0] + w[1], HasSubstr("cuMemFree"));
+  EXPECT_THAT(w[0] + w[1], HasSubstr("cuDevicePrimaryCtxRelease"));
+}
+
+// Weights and gradients "on the device" (the fake's device memory is host memory).
+struct DeviceModel {
+  std::vector<float> w0 = std::vector<float>(1000, 1.0f), g0 = std::vector<float>(1000, 0.5f);
+  std::vector<float> w1 = std::vector<float>(3000, 2.0f), g1 = std::vector<float>(3000, 0.25f);
+  std::vector<float> w2 = std::vector<float>(77, 3.0f), g2 = std::vector<float>(77, 1.0f);
+  std::vector<Param> params() {
+    return {{{w0.data(), 1000, DType::f32}, {g0.data(), 1000, DType::f32}},
+            {{w1.data(), 3000, DType::f32}, {g1.data(), 3000, DType::f32}},
+            {{w2.data(), 77, DType::f32}, {g2.data(), 77, DType::f32}}};
+  }
+};
+
+OptimizerOptions on_cuda() {
+  OptimizerOptions o;
+  o.device = Device::cuda(0);
+  return o;
+}
+
+// ~CudaBackend waits for the stream after making its context current; both can fail
+// (a sticky error, a driver gone bad). Before, make_current() threw out of the
+// destructor and the process terminated.
+TEST_F(FakeDriver, OptimizerOnCudaIsDestroyedWhenTheDriverFails) {
+  if (!have_nvrtc()) GTEST_SKIP() << "NVRTC is not available: the step kernels cannot be compiled";
+  for (const char* call : {"cuCtxSetCurrent", "cuStreamSynchronize"}) {
+    SCOPED_TRACE(call);
+    detail::reset_warnings_for_testing();
+    {
+      std::lock_guard lock(g_warnings_mutex);
+      g_warnings.clear();
+    }
+    DeviceModel m;
+    {
+      Optimizer opt(optim::AdamW{}, m.params(), on_cuda());
+      opt.step();
+      fail(call);
+    }
+    heal();
+    const auto w = warnings();
+    ASSERT_FALSE(w.empty());
+    EXPECT_THAT(w[0], HasSubstr(call));
+  }
+}
+
+}  // namespace
+}  // namespace stepfuse
