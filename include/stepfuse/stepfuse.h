@@ -313,8 +313,40 @@ STEPFUSE_API sf_status sf_optimizer_set_config(sf_optimizer* opt, const sf_optim
 /* The options the optimizer was created with (out->struct_size must be set, e.g. by
  * sf_optimizer_options_init; every field is overwritten). */
 STEPFUSE_API sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options* out);
+/* set_lr sets every param group's lr; get_lr reads group 0's. */
 STEPFUSE_API sf_status sf_optimizer_set_lr(sf_optimizer* opt, double lr);
 STEPFUSE_API sf_status sf_optimizer_get_lr(const sf_optimizer* opt, double* lr);
+
+/* Param groups, as torch.optim's: tensors with their own hyperparameters. Every
+ * group of one optimizer has the same kind; any hyperparameter or flag may differ
+ * (weight_decay 0 for biases and norms, another lr for embeddings, amsgrad for
+ * some). One step still has one reduce pass, one global gradient norm over every
+ * group (max_grad_norm clips it), one skip decision and one update pass. Params are
+ * numbered group after group (sf_optimizer_state and the per-tensor norms use that
+ * numbering). sf_optimizer_create is one group. */
+typedef struct sf_param_group {
+  const sf_param* params;              /* num_params params (not NULL when num_params > 0) */
+  size_t num_params;                   /* > 0 */
+  const sf_optimizer_config* config;   /* not NULL; struct_size set */
+} sf_param_group;
+/* As sf_optimizer_create, with groups. Errors name the group ("groups[1].config:
+ * ..."); the same tensor in two groups, or twice in one, is SF_INVALID_ARGUMENT naming
+ * both places. */
+STEPFUSE_API sf_status sf_optimizer_create_groups(const sf_param_group* groups, size_t num_groups,
+                                                  const sf_optimizer_options* options, sf_optimizer** out);
+STEPFUSE_API sf_status sf_optimizer_num_groups(const sf_optimizer* opt, size_t* count);
+/* A group's hyperparameters; a group index out of range is SF_INVALID_ARGUMENT. */
+STEPFUSE_API sf_status sf_optimizer_get_group_config(const sf_optimizer* opt, size_t group, sf_optimizer_config* out);
+STEPFUSE_API sf_status sf_optimizer_set_group_config(sf_optimizer* opt, size_t group,
+                                                     const sf_optimizer_config* config);
+STEPFUSE_API sf_status sf_optimizer_get_group_lr(const sf_optimizer* opt, size_t group, double* lr);
+STEPFUSE_API sf_status sf_optimizer_set_group_lr(sf_optimizer* opt, size_t group, double lr);
+/* Appends a group (torch's add_param_group): its params follow the existing ones, with
+ * fresh state and a step count of their own starting at 0; the existing groups keep
+ * their state. Call it between steps. On error nothing changes. */
+STEPFUSE_API sf_status sf_optimizer_add_param_group(sf_optimizer* opt, const sf_param_group* group);
+/* The group of param `param` (in the group-after-group numbering). */
+STEPFUSE_API sf_status sf_optimizer_group_of(const sf_optimizer* opt, size_t param, size_t* group);
 /* Steps applied (skipped steps do not count). On a GPU: waits. */
 STEPFUSE_API sf_status sf_optimizer_step_count(const sf_optimizer* opt, int64_t* count);
 /* Norm of the unscaled gradients of the last step; +inf when they were not finite,

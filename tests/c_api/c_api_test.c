@@ -1350,6 +1350,99 @@ static void test_cpu_backends(void) {
   for (int k = 0; k < 3; ++k) sf_optimizer_destroy(opt[k]);
 }
 
+/* Param groups from C: two groups equal two optimizers (no clipping: groups do not
+ * interact), per-group config and lr, add_param_group, and errors naming the group. */
+static void test_param_groups(void) {
+  enum { kA = 300, kB = 45 };
+  static float wg[2][kA], gg[2][kA], w1[kA], g1[kA], w2[kB], g2[kB], wx[kB], gx[kB];
+  for (int i = 0; i < kA; ++i) {
+    wg[0][i] = w1[i] = bf16_value(0.5, 1.5);
+    gg[0][i] = g1[i] = bf16_value(0.1, 1.0);
+  }
+  for (int i = 0; i < kB; ++i) {
+    wg[1][i] = w2[i] = bf16_value(0.5, 1.5);
+    gg[1][i] = g2[i] = bf16_value(0.1, 1.0);
+    wx[i] = 1.0f;
+    gx[i] = 0.5f;
+  }
+  sf_optimizer_config decay, no_decay;
+  sf_optimizer_config_init(&decay, SF_ADAMW);
+  decay.lr = 0.1;
+  decay.weight_decay = 0.1;
+  sf_optimizer_config_init(&no_decay, SF_ADAMW);
+  no_decay.lr = 0.2;
+  no_decay.weight_decay = 0.0;
+  no_decay.amsgrad = 1;
+  const sf_param pa = {view_f32(wg[0], kA), view_f32(gg[0], kA)}, pb = {view_f32(wg[1], kB), view_f32(gg[1], kB)};
+  const sf_param p1 = {view_f32(w1, kA), view_f32(g1, kA)}, p2 = {view_f32(w2, kB), view_f32(g2, kB)};
+  const sf_param_group groups[2] = {{&pa, 1, &decay}, {&pb, 1, &no_decay}};
+  sf_optimizer *grouped = NULL, *one = NULL, *two = NULL;
+  CHECK_OK(sf_optimizer_create_groups(groups, 2, NULL, &grouped));
+  CHECK_OK(sf_optimizer_create(&decay, &p1, 1, NULL, &one));
+  CHECK_OK(sf_optimizer_create(&no_decay, &p2, 1, NULL, &two));
+  if (grouped == NULL || one == NULL || two == NULL) {
+    sf_optimizer_destroy(grouped), sf_optimizer_destroy(one), sf_optimizer_destroy(two);
+    return;
+  }
+  size_t count = 0, group = 9;
+  CHECK_OK(sf_optimizer_num_groups(grouped, &count));
+  CHECK(count == 2);
+  CHECK_OK(sf_optimizer_group_of(grouped, 1, &group));
+  CHECK(group == 1);
+  for (int step = 0; step < 3; ++step) {
+    CHECK_OK(sf_optimizer_step(grouped));
+    CHECK_OK(sf_optimizer_step(one));
+    CHECK_OK(sf_optimizer_step(two));
+  }
+  CHECK(memcmp(wg[0], w1, sizeof w1) == 0);
+  CHECK(memcmp(wg[1], w2, sizeof w2) == 0);
+  const float *s_grouped = NULL, *s_two = NULL;
+  int64_t n = 0;
+  CHECK_OK(sf_optimizer_state(grouped, 1, "max_exp_avg_sq", &s_grouped, &n));
+  CHECK_OK(sf_optimizer_state(two, 0, "max_exp_avg_sq", &s_two, &n));
+  CHECK(n == kB && s_grouped != NULL && s_two != NULL && memcmp(s_grouped, s_two, sizeof(float) * kB) == 0);
+  CHECK_FAILS(sf_optimizer_state(grouped, 0, "max_exp_avg_sq", &s_grouped, &n), SF_INVALID_ARGUMENT, "group (0)");
+
+  double lr = 0;
+  CHECK_OK(sf_optimizer_set_group_lr(grouped, 1, 0.05));
+  CHECK_OK(sf_optimizer_get_group_lr(grouped, 1, &lr));
+  CHECK(lr == 0.05);
+  CHECK_OK(sf_optimizer_get_lr(grouped, &lr));
+  CHECK(lr == 0.1);
+  sf_optimizer_config got;
+  sf_optimizer_config_init(&got, SF_SGD);
+  CHECK_OK(sf_optimizer_get_group_config(grouped, 1, &got));
+  CHECK(got.kind == SF_ADAMW && got.weight_decay == 0.0 && got.amsgrad);
+  got.weight_decay = 0.01;
+  CHECK_OK(sf_optimizer_set_group_config(grouped, 1, &got));
+  CHECK_FAILS(sf_optimizer_get_group_lr(grouped, 2, &lr), SF_INVALID_ARGUMENT, "group 2 is out of range");
+  got.amsgrad = 0;
+  CHECK_FAILS(sf_optimizer_set_group_config(grouped, 1, &got), SF_INVALID_ARGUMENT, "group 1");
+
+  /* add_param_group: a new tensor is fine, one already in a group is not. */
+  const sf_param px = {view_f32(wx, kB), view_f32(gx, kB)};
+  const sf_param_group again = {&pa, 1, &decay}, extra = {&px, 1, &decay};
+  CHECK_FAILS(sf_optimizer_add_param_group(grouped, &again), SF_INVALID_ARGUMENT, "groups[0].params[0].weight");
+  CHECK_OK(sf_optimizer_add_param_group(grouped, &extra));
+  CHECK_OK(sf_optimizer_num_groups(grouped, &count));
+  CHECK(count == 3);
+  CHECK_OK(sf_optimizer_step(grouped));
+  CHECK(wx[0] < 1.0f);
+
+  /* Creation errors name the group. */
+  sf_optimizer* bad = NULL;
+  const sf_param_group twice[2] = {{&pa, 1, &decay}, {&pa, 1, &no_decay}};
+  CHECK_FAILS(sf_optimizer_create_groups(twice, 2, NULL, &bad), SF_INVALID_ARGUMENT, "groups[1].params[0].weight");
+  const sf_param_group empty[2] = {{&pa, 1, &decay}, {NULL, 0, &no_decay}};
+  CHECK_FAILS(sf_optimizer_create_groups(empty, 2, NULL, &bad), SF_INVALID_ARGUMENT, "groups[1]");
+  const sf_param_group no_config[1] = {{&pa, 1, NULL}};
+  CHECK_FAILS(sf_optimizer_create_groups(no_config, 1, NULL, &bad), SF_INVALID_ARGUMENT, "groups[0].config is NULL");
+  CHECK(bad == NULL);
+  sf_optimizer_destroy(grouped);
+  sf_optimizer_destroy(one);
+  sf_optimizer_destroy(two);
+}
+
 int main(void) {
   g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
   printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
@@ -1368,6 +1461,7 @@ int main(void) {
   test_program_errors();
   test_emit();
   test_cpu_backends();
+  test_param_groups();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
