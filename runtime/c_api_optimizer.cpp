@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "runtime/c_api_support.hpp"
+#include "stepfuse/error.hpp"
 
 using namespace stepfuse::c_api;  // guard, need, the checks and conversions (runtime/c_api_support.hpp)
 
@@ -123,6 +124,80 @@ sf_status sf_optimizer_set_lr(sf_optimizer* opt, double lr) {
 
 sf_status sf_optimizer_get_lr(const sf_optimizer* opt, double* lr) {
   return get_value("sf_optimizer_get_lr", opt, "opt", lr, "lr", [&] { return opt->opt.lr(); });
+}
+
+namespace {
+// A C param group as a ParamGroup; `where` names it in errors ("groups[1]").
+stepfuse::ParamGroup group_from_c(const char* fn, const sf_param_group& g, const std::string& where) {
+  if (g.config == nullptr)
+    throw stepfuse::Error(stepfuse::ErrorCode::invalid_argument,
+                          std::string(fn) + ": " + where + ".config is NULL (point it at an sf_optimizer_config)");
+  check_size(fn, g.config, (where + ".config").c_str(), "sf_optimizer_config",
+             "initialize it with sf_optimizer_config_init()");
+  if (g.num_params > 0 && g.params == nullptr)
+    throw stepfuse::Error(stepfuse::ErrorCode::invalid_argument, std::string(fn) + ": " + where +
+                                                                     ".params is NULL with num_params = " +
+                                                                     std::to_string(g.num_params));
+  return {to_params(fn, g.params, g.num_params), config_from_c(fn, *g.config)};
+}
+}  // namespace
+
+sf_status sf_optimizer_create_groups(const sf_param_group* groups, size_t num_groups,
+                                     const sf_optimizer_options* options, sf_optimizer** out) {
+  constexpr const char* fn = "sf_optimizer_create_groups";
+  return guard(fn, [&] {
+    const sf_optimizer_options full = options != nullptr ? full_options(fn, options) : sf_optimizer_options{};
+    need(fn, out, "out");
+    if (num_groups > 0) need(fn, groups, "groups");
+    std::vector<stepfuse::ParamGroup> gs;
+    for (size_t g = 0; g < num_groups; ++g) gs.push_back(group_from_c(fn, groups[g], "groups[" + std::to_string(g) + "]"));
+    const stepfuse::OptimizerOptions opts =
+        options != nullptr ? options_from_c(fn, full) : stepfuse::OptimizerOptions{};
+    *out = make_optimizer(stepfuse::Optimizer(std::move(gs), opts));
+  });
+}
+
+sf_status sf_optimizer_num_groups(const sf_optimizer* opt, size_t* count) {
+  return get_value("sf_optimizer_num_groups", opt, "opt", count, "count", [&] { return opt->opt.num_groups(); });
+}
+
+sf_status sf_optimizer_get_group_config(const sf_optimizer* opt, size_t group, sf_optimizer_config* out) {
+  constexpr const char* fn = "sf_optimizer_get_group_config";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    check_size(fn, out, "out", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+    config_to_c(opt->opt.config(group), out);
+  });
+}
+
+sf_status sf_optimizer_set_group_config(sf_optimizer* opt, size_t group, const sf_optimizer_config* config) {
+  constexpr const char* fn = "sf_optimizer_set_group_config";
+  return guard(fn, [&] {
+    need(fn, opt, "opt");
+    check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+    opt->opt.set_config(group, config_from_c(fn, *config));
+  });
+}
+
+sf_status sf_optimizer_get_group_lr(const sf_optimizer* opt, size_t group, double* lr) {
+  return get_value("sf_optimizer_get_group_lr", opt, "opt", lr, "lr", [&] { return opt->opt.lr(group); });
+}
+
+sf_status sf_optimizer_set_group_lr(sf_optimizer* opt, size_t group, double lr) {
+  constexpr const char* fn = "sf_optimizer_set_group_lr";
+  return guard(fn, [&] { need(fn, opt, "opt")->opt.set_lr(group, lr); });
+}
+
+sf_status sf_optimizer_add_param_group(sf_optimizer* opt, const sf_param_group* group) {
+  constexpr const char* fn = "sf_optimizer_add_param_group";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", group, "group");
+    opt->opt.add_param_group(group_from_c(fn, *group, "group"));
+  });
+}
+
+sf_status sf_optimizer_group_of(const sf_optimizer* opt, size_t param, size_t* group) {
+  return get_value("sf_optimizer_group_of", opt, "opt", group, "group", [&] { return opt->opt.group_of(param); });
 }
 
 sf_status sf_optimizer_step_count(const sf_optimizer* opt, int64_t* count) {

@@ -120,14 +120,14 @@ void Optimizer::set_lr(double lr) {
     return;
   }
   // Every group, or none: check them all before changing any.
-  std::vector<OptimizerConfig> configs;
-  for (std::size_t g = 0; g < engine_->num_groups(); ++g) {
+  // (No container: set_lr allocates nothing, as a step does not.)
+  const auto with_lr = [&](std::size_t g) {
     OptimizerConfig c = engine_->config(g);
     std::visit([&](auto& cfg) { cfg.lr = lr; }, c);
-    engine_->check_config(g, c);  // a negative or non-finite lr is an Error
-    configs.push_back(std::move(c));
-  }
-  for (std::size_t g = 0; g < configs.size(); ++g) engine_->set_config(g, configs[g]);
+    return c;
+  };
+  for (std::size_t g = 0; g < engine_->num_groups(); ++g) engine_->check_config(g, with_lr(g));  // lr < 0: an Error
+  for (std::size_t g = 0; g < engine_->num_groups(); ++g) engine_->set_config(g, with_lr(g));
 }
 double Optimizer::lr() const {
   if (const UpdateProgram* custom = engine_->custom_program()) {

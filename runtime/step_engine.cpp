@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "jit/base/format.hpp"
 #include "jit/update_program_rules.hpp"
@@ -19,6 +19,13 @@ namespace stepfuse::detail {
 namespace {
 
 [[noreturn]] void bad_argument(const std::string& message) { throw Error(ErrorCode::invalid_argument, message); }
+
+// An Error's message without the "stepfuse: " every message starts with, to prefix it with where it applies.
+std::string message_of(const Error& e) {
+  std::string_view m = e.what();
+  if (m.starts_with("stepfuse: ")) m.remove_prefix(10);
+  return std::string(m);
+}
 
 bool valid_dtype(DType t) { return static_cast<unsigned>(t) <= static_cast<unsigned>(DType::bf16); }
 
@@ -66,6 +73,15 @@ void validate_params(const std::vector<Param>& params, const ParamNames& name) {
     if (p.weight.numel != p.grad.numel)
       bad_argument(name(i) + ".weight.numel = " + std::to_string(p.weight.numel) + " but " + name(i) +
                    ".grad.numel = " + std::to_string(p.grad.numel) + " (they must match)");
+  }
+  // The same weight twice: say so in the caller's terms first.
+  std::unordered_map<const void*, std::size_t> weights;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].weight.numel == 0) continue;
+    const auto [it, fresh] = weights.emplace(params[i].weight.data, i);
+    if (!fresh)
+      bad_argument(name(i) + ".weight is the same tensor as " + name(it->second) +
+                   ".weight (each tensor may appear once, in one group)");
   }
   // No two tensors may share memory: a weight listed twice would be updated twice,
   // a shared gradient unscaled twice, and overlapping ranges race between threads.
@@ -148,7 +164,7 @@ StepEngine::StepEngine(std::vector<ParamGroup> groups, OptimizerOptions options,
       jit::validate_config(pg.config);
     } catch (const Error& e) {
       if (!name_groups) throw;
-      throw Error(e.code(), where + ".config: " + e.what());
+      throw Error(e.code(), where + ".config: " + message_of(e));
     }
     Group group;
     group.config = pg.config;
@@ -262,18 +278,21 @@ void StepEngine::check_config(std::size_t group, const OptimizerConfig& config) 
   if (custom_) no_config("set_config()");
   check_group(group, "set_config");
   const OptimizerConfig& now = groups_[group].config;
-  const std::string where = groups_.size() > 1 ? "set_config(group " + std::to_string(group) + ")" : "set_config";
+  // Built only for a message: checking a valid config allocates nothing.
+  const auto where = [&] {
+    return groups_.size() > 1 ? "set_config(group " + std::to_string(group) + ")" : std::string("set_config");
+  };
   if (config.index() != now.index())
-    bad_argument(where + ": the optimizer is " + std::string(optimizer_name(now)) + " but the new config is " +
+    bad_argument(where() + ": the optimizer is " + std::string(optimizer_name(now)) + " but the new config is " +
                  std::string(optimizer_name(config)) + " (build a new Optimizer to change the kind)");
   try {
     jit::validate_config(config);
   } catch (const Error& e) {
     if (groups_.size() == 1) throw;
-    throw Error(e.code(), where + ": " + e.what());
+    throw Error(e.code(), where() + ": " + message_of(e));
   }
   if (jit::select_builtin(config) != groups_[group].builtin)
-    bad_argument(where + ": the new config needs update program '" +
+    bad_argument(where() + ": the new config needs update program '" +
                  std::string(jit::builtin_program(jit::select_builtin(config)).name) + "' but " +
                  (groups_.size() > 1 ? "this group" : std::string("this optimizer")) + " runs '" +
                  std::string(programs_.groups[group].program->name) +
