@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "stepfuse/program.hpp"
 #include "stepfuse/types.hpp"
 
 namespace stepfuse::bench {
@@ -15,13 +16,24 @@ namespace stepfuse::bench {
 // minimum, so achieved GB/s = these bytes / step time, for fused and unfused alike.
 struct StepBytes {
   double reduce = 0;  // per parameter, reduce pass
-  double update = 0;  // per parameter, update pass
+  double update = 0;  // per parameter, update pass (both of a two-phase program's, summed)
+  double phase1 = 0;  // of `update`: a two-phase program's phase 1 (0 for one pass)
+  int update_passes = 1;  // 2 for a two-phase program (per-tensor norms: LAMB)
   double per_param() const { return reduce + update; }
-  std::string breakdown() const;  // e.g. "reduce 4 + update 28 = 32 B/param"
+  // "reduce 4 + update 28 = 32 B/param"; two passes: "reduce 4 + update 24 + 16 = 44 B/param"
+  std::string breakdown() const;
 };
 
 // `masters` is ignored for f32 weights. `reduce_pass`: true for a step with a loss scale
 // or clipping (step_scaled, or step() with max_grad_norm), false for a plain step().
 StepBytes step_bytes(DType weights, DType grads, bool masters, int state_streams, bool reduce_pass);
+
+// The same from what `program` reads and writes, pass by pass: each update pass reads
+// the gradient if it loads it, the parameter (master) if it loads it, each state stream
+// it loads, and writes what it stores (the parameter: master and weight, or the weight).
+// For a program that loads and stores every stream this is the formula above; a
+// two-phase program (docs/update-programs.md: LAMB's trust ratio) has two update passes,
+// each counted by what its phase loads and stores (phase 2 reads again what it needs).
+StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass);
 
 }  // namespace stepfuse::bench

@@ -139,6 +139,15 @@ stepfuse::UpdateProgram build(const sf_program_builder& b) {
   return stepfuse::UpdateProgram(p, std::move(defs));  // validates and copies every name
 }
 
+// A reduction slot as a call gives it: 0 .. SF_PROGRAM_MAX_NORM_SLOTS - 1.
+std::uint32_t norm_slot(const char* fn, int slot) {
+  static_assert(SF_PROGRAM_MAX_NORM_SLOTS == stepfuse::kMaxNormSlots);
+  if (slot < 0 || slot >= SF_PROGRAM_MAX_NORM_SLOTS)
+    bad_argument(fn, "slot = " + std::to_string(slot) + " is not a reduction slot (use 0 to " +
+                         std::to_string(SF_PROGRAM_MAX_NORM_SLOTS - 1) + ")");
+  return static_cast<std::uint32_t>(slot);
+}
+
 }  // namespace
 
 extern "C" {
@@ -245,6 +254,30 @@ sf_status sf_program_builder_convert(sf_program_builder* builder, sf_value a, sf
     need_all(fn, builder, "builder", out, "out");
     const int d = enum_in_range(fn, to, SF_F32, SF_BF16, "to", "an sf_dtype");
     *out = emit(builder, stepfuse::Op::convert, static_cast<std::uint32_t>(d), a, 0, 0, 0.0f);
+  });
+}
+
+sf_status sf_program_builder_phase(sf_program_builder* builder) {
+  constexpr const char* fn = "sf_program_builder_phase";
+  return guard(fn, [&] {
+    need(fn, builder, "builder");
+    emit(builder, stepfuse::Op::phase, 0, 0, 0, 0, 0.0f);
+  });
+}
+
+sf_status sf_program_builder_reduce_sumsq(sf_program_builder* builder, int slot, sf_value value) {
+  constexpr const char* fn = "sf_program_builder_reduce_sumsq";
+  return guard(fn, [&] {
+    need(fn, builder, "builder");
+    emit(builder, stepfuse::Op::reduce_sumsq, norm_slot(fn, slot), value, 0, 0, 0.0f);
+  });
+}
+
+sf_status sf_program_builder_tensor_norm(sf_program_builder* builder, int slot, sf_value* out) {
+  constexpr const char* fn = "sf_program_builder_tensor_norm";
+  return guard(fn, [&] {
+    need_all(fn, builder, "builder", out, "out");
+    *out = emit(builder, stepfuse::Op::tensor_norm, norm_slot(fn, slot), 0, 0, 0, 0.0f);
   });
 }
 

@@ -16,6 +16,7 @@
 #include "jit/cuda/nvrtc_compile.hpp"
 #include "jit/llvm/emit_llvm.hpp"
 #include "jit/llvm/kernel_abi.hpp"
+#include "jit/program_analysis.hpp"
 #include "runtime/cpu/kernels.hpp"
 #include "jit/cuda/cuda_layout.hpp"
 #include "stepfuse/error.hpp"
@@ -92,6 +93,8 @@ EmittedKernel emit_cpu(const EmitRequest& request, const jit::Layout& c) {
   std::vector<std::string> names;
   for (const jit::DtypeCombo& k : spec.combos) names.push_back(jit::cpu_update_symbol(k));
   for (const DType g : spec.reduce_grads) names.push_back(jit::cpu_reduce_symbol(g, spec.inf_norm));
+  if (jit::is_two_phase(spec.program))  // a two-phase program's phase 1 (jit/llvm/emit_llvm.hpp)
+    for (const jit::DtypeCombo& k : spec.combos) names.push_back(jit::cpu_phase1_symbol(k));
   EmittedKernel k;
   k.source = jit::cpu_module_ir(spec, target, /*optimized=*/false);
   if (request.compile) k.binary = jit::cpu_compile_object(spec, target);
@@ -107,6 +110,12 @@ EmittedKernel emit_cpu(const EmitRequest& request, const jit::Layout& c) {
 EmittedKernel emit(const EmitRequest& request) {
   const jit::Layout c = check_request("emit", request);
   if (request.target.kind == EmitTarget::Kind::cpu) return emit_cpu(request, c);
+  if (jit::is_two_phase(request.program.program()))
+    throw Error(ErrorCode::unsupported,
+                "emit: update program '" + std::string(request.program.name()) +
+                    "' has two phases (per-tensor norms); the CUDA kernel ABI does not describe its sf_phase1 and "
+                    "sf_phase_combine kernels yet: emit it for a CPU target (EmitTarget::cpu()), or run it through "
+                    "an Optimizer on the GPU");
   jit::CudaSpec spec;
   spec.program = request.program.program();
   spec.combos = c.combos;

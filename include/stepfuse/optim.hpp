@@ -70,6 +70,13 @@ struct ASGD {
   double lr = 1e-2, lambd = 1e-4, alpha = 0.75, t0 = 1e6, weight_decay = 0;
   bool maximize = false;
 };
+// LAMB (You et al. 2020) as NVIDIA Apex's FusedLAMB (adam_w_mode, bias correction,
+// grad averaging; trust ratio ||p|| / ||u|| per tensor when weight_decay != 0). Apex's
+// own global grad-norm clipping is OptimizerOptions::max_grad_norm here.
+struct LAMB {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-6, weight_decay = 0.01;
+  bool maximize = false;
+};
 
 }  // namespace optim
 
@@ -78,10 +85,11 @@ struct ASGD {
 // library's registry of built-in optimizers.
 using OptimizerConfig =
     std::variant<optim::SGD, optim::Adam, optim::AdamW, optim::Adagrad, optim::RMSprop, optim::Lion,
-                 optim::NAdam, optim::RAdam, optim::Adamax, optim::Adadelta, optim::Rprop, optim::ASGD>;
+                 optim::NAdam, optim::RAdam, optim::Adamax, optim::Adadelta, optim::Rprop, optim::ASGD,
+                 optim::LAMB>;
 
 // "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion", "NAdam", "RAdam", "Adamax",
-// "Adadelta", "Rprop" or "ASGD".
+// "Adadelta", "Rprop", "ASGD" or "LAMB".
 std::string_view optimizer_name(const OptimizerConfig& config);
 
 }  // namespace stepfuse

@@ -160,13 +160,14 @@ typedef enum sf_optimizer_kind {
   SF_ADADELTA = 9,
   SF_RPROP = 10,
   SF_ASGD = 11,
+  SF_LAMB = 12,
   /* Not a kind: one more than the last kind of this header. A new kind goes on a line
    * above it; the library fails to build if this count and its optimizers disagree. */
   SF_NUM_OPTIMIZER_KINDS
 } sf_optimizer_kind;
 
 /* "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion", "NAdam", "RAdam", "Adamax",
- * "Adadelta", "Rprop", "ASGD"; NULL for other values. */
+ * "Adadelta", "Rprop", "ASGD", "LAMB"; NULL for other values. */
 STEPFUSE_API const char* sf_optimizer_kind_name(sf_optimizer_kind kind);
 
 /* The hyperparameters of every kind, with PyTorch's names (torch.optim.*; Lion as in
@@ -183,6 +184,7 @@ STEPFUSE_API const char* sf_optimizer_kind_name(sf_optimizer_kind kind);
  *   Rprop:   lr, eta_minus, eta_plus, step_size_min, step_size_max, maximize
  *            (PyTorch's etas and step_sizes pairs)
  *   ASGD:    lr, lambd, alpha, t0, weight_decay, maximize
+ *   LAMB:    lr, beta1, beta2, eps, weight_decay, maximize (NVIDIA Apex's FusedLAMB)
  * The fields of other kinds must be 0 / false (as sf_optimizer_config_init leaves
  * them): a non-zero one is SF_INVALID_ARGUMENT, as an unknown keyword is in PyTorch. */
 typedef struct sf_optimizer_config {
@@ -636,13 +638,29 @@ STEPFUSE_API sf_status sf_program_builder_op(sf_program_builder* builder, sf_op 
                                              sf_value* out);
 /* v = a rounded to `to` (round to nearest even) and widened back to fp32. */
 STEPFUSE_API sf_status sf_program_builder_convert(sf_program_builder* builder, sf_value a, sf_dtype to, sf_value* out);
+/* Two-phase programs (per-tensor reductions, e.g. LAMB's or LARS's trust ratio;
+ * docs/update-programs.md): phase 1 runs per element and adds the squares of values
+ * into a tensor's reduction slots; the sums are combined per tensor in the canonical
+ * order; phase 2 runs per element and reads each tensor's norms. Values do not cross
+ * the marker (phase 2 loads again: state stored in phase 1 reads as stored), and the
+ * param stream is stored in phase 2. Slots are 0 .. SF_PROGRAM_MAX_NORM_SLOTS - 1. */
+#define SF_PROGRAM_MAX_NORM_SLOTS 4
+/* The phase marker: what comes before is phase 1, what comes after phase 2 (at most one). */
+STEPFUSE_API sf_status sf_program_builder_phase(sf_program_builder* builder);
+/* Phase 1: adds value * value to the tensor's sum of reduction slot `slot` (each slot once). */
+STEPFUSE_API sf_status sf_program_builder_reduce_sumsq(sf_program_builder* builder, int slot, sf_value value);
+/* Phase 2: v = sqrt(the tensor's sum of `slot`), summed in fp64, rounded to fp32 (the
+ * same value for every element of a tensor). */
+STEPFUSE_API sf_status sf_program_builder_tensor_norm(sf_program_builder* builder, int slot, sf_value* out);
 /* Validates what was built and makes an immutable program (the builder is unchanged
  * and may go on). A malformed program is SF_INVALID_ARGUMENT whose message names the
  * op, its instruction index and the problem: an operand not defined yet, a load after
  * a store to the same stream, a store to the gradient, a stream stored twice, no
  * store of the param stream, not exactly one grad and one param stream, more than 64
  * instructions, 8 streams or 16 scalars, no scalar with the gscale rule, a bad rule
- * parameter, a name that is not an identifier. */
+ * parameter, a name that is not an identifier; with two phases: a tensor_norm before
+ * the marker or of a slot phase 1 does not reduce, a reduce_sumsq after it or of a
+ * slot twice, a value of phase 1 used in phase 2, a param store in phase 1. */
 STEPFUSE_API sf_status sf_program_builder_build(const sf_program_builder* builder, sf_program** out);
 /* NULL is a no-op. An optimizer created from a program does not need it afterwards. */
 STEPFUSE_API void sf_program_destroy(sf_program* program);

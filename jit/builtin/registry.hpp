@@ -22,6 +22,7 @@
 #include "jit/builtin/adadelta.hpp"
 #include "jit/builtin/rprop.hpp"
 #include "jit/builtin/asgd.hpp"
+#include "jit/builtin/lamb.hpp"
 
 #include "jit/builtins.hpp"
 

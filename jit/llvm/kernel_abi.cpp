@@ -9,6 +9,7 @@
 #include "jit/abi_json.hpp"
 #include "jit/embedded_files.hpp"
 #include "jit/llvm/cpu_abi.h"
+#include "jit/program_analysis.hpp"
 #include "jit/step_scalars.h"
 #include "jit/update_program_rules.hpp"
 #include "stepfuse/version.hpp"
@@ -17,13 +18,17 @@ namespace stepfuse::jit {
 
 static_assert(sizeof(void*) == 8, "the CPU emit ABI is for 64-bit targets");
 static_assert(SF_CPU_CHUNK_ELEMS == kChunkElems, "the CPU ABI's chunk is the canonical chunk (jit/layout.hpp)");
-static_assert(SF_CPU_MAX_STREAMS == kMaxStreams && SF_CPU_MAX_SCALARS == kMaxScalars,
+static_assert(SF_CPU_MAX_STREAMS == kMaxStreams && SF_CPU_MAX_SCALARS == kMaxScalars &&
+                  SF_CPU_MAX_NORM_SLOTS == kMaxNormSlots,
               "the CPU ABI's limits are the update program's (stepfuse/program.hpp)");
 
 namespace {
 
 std::string update_declaration(const std::string& name) {
   return "void " + name + "(const sf_cpu_update_args* args, uint64_t begin, uint64_t n);";
+}
+std::string phase1_declaration(const std::string& name) {
+  return "void " + name + "(const sf_cpu_update_args* args, uint64_t begin, uint64_t n, float* sums);";
 }
 std::string reduce_declaration(const std::string& name, bool inf_norm) {
   return inf_norm ? "float " + name + "(const void* grad, uint64_t n, uint32_t* nonfinite);"
@@ -50,6 +55,7 @@ CpuSpec cpu_spec(const EmitRequest& r, const Layout& c) {
 std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpec& spec, const CpuTarget& target,
                              const std::vector<std::string>& names) {
   const bool inf = spec.inf_norm;
+  const bool two_phase = is_two_phase(spec.program);
   JsonWriter j;
   begin_kernel_abi(j);
   write_abi_program(j, r.program);
@@ -90,6 +96,7 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
       .integer("SF_CPU_REDUCE_LANES", 32)
       .integer("SF_CPU_MAX_SCALARS", kMaxScalars)
       .integer("SF_CPU_MAX_STREAMS", SF_CPU_MAX_STREAMS)
+      .integer("SF_CPU_MAX_NORM_SLOTS", SF_CPU_MAX_NORM_SLOTS)
       .end_object();
 
   // ---- types ----
@@ -107,7 +114,10 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
         "state[k]: the tensor's buffer of state stream k (program stream index; numel floats), read and written; null "
         "for grad, param and unused slots"},
        {"scalars", "const float*", offsetof(sf_cpu_update_args, scalars),
-        "the program's per-step scalars (program.scalars order), from the scalar stage; read"}});
+        "the program's per-step scalars (program.scalars order), from the scalar stage; read"},
+       {"norms", "const float*", offsetof(sf_cpu_update_args, norms),
+        "a two-phase program's update (phase 2): the tensor's norm of each reduction slot (SF_CPU_MAX_NORM_SLOTS "
+        "floats, see step); read. Unused by a one-phase program"}});
   write_type(j, "sf_scalar_rule", sizeof(sf_scalar_rule), alignof(sf_scalar_rule),
                   "how one per-step scalar is computed: sf_eval_rule(rule, step, gscale), rounded to fp32 (the "
                   "caller's scalar stage)",
@@ -153,6 +163,23 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
     write_params(j, std::span(params).first(inf ? 3 : 2));  // nonfinite: the inf-norm reduce only
     j.end_object();
   }
+  const std::size_t phase1_first = c.combos.size() + spec.reduce_grads.size();
+  for (std::size_t k = 0; two_phase && k < c.combos.size(); ++k) {
+    const std::string& name = names[phase1_first + k];
+    j.begin_object().str("name", name).str("role", "phase1").integer("combo", static_cast<long long>(k));
+    j.str("c_declaration", phase1_declaration(name)).str("returns", "void");
+    j.str("description", "phase 1 of the two-phase program over one chunk of one tensor: the values and the state "
+                         "stores of phase 1 per element, and sums[r] = the chunk's fp32 sum of squares of reduction "
+                         "slot r in the canonical order (element i from begin into lane i mod 32, then lanes[j] += "
+                         "lanes[j + w] for w = 16, 8, 4, 2, 1), 0 for slots the program does not reduce");
+    const AbiParam params[] = {
+        {"args", "const sf_cpu_update_args*", "the tensor's base pointers and the step's scalars (norms unused)"},
+        {"begin", "uint64_t", "the chunk's first element within the tensor: a multiple of SF_CPU_CHUNK_ELEMS"},
+        {"n", "uint64_t", "elements: SF_CPU_CHUNK_ELEMS, or fewer for a tensor's last chunk"},
+        {"sums", "float*", "out: SF_CPU_MAX_NORM_SLOTS floats, the chunk's sum of squares per slot"}};
+    write_params(j, params);
+    j.end_object();
+  }
   j.end_array();
 
   // ---- memory, the step, threading ----
@@ -189,8 +216,13 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
                "applied so far), with check_finite = 1 when the step is loss-scaled or clips (a plain step passes "
                "found_inf = 0, norm = NaN, S = 1); when stage.applied, sf_eval_scalars(rules, num_scalars, stage.step, "
                "stage.gscale, scalars) with rules[k] = {kind, 0, a, b, c} of program.scalars[k]")
-      .str({}, "update: for every tensor, args = {grad, weight, master, state bases, scalars}; call its update "
-               "function over [0, numel) in any split (the reduce's chunks are a natural one)")
+      .str({}, two_phase ? "update, a two-phase program: phase 1: for every chunk of every tensor (reduce.chunks), "
+                           "its phase1 function into that chunk's sums; then per tensor and slot r, norm = "
+                           "(float)sqrt(the chunk sums added in fp64 in chunk order from 0); then phase 2: for every "
+                           "tensor, args as below with norms = its SF_CPU_MAX_NORM_SLOTS norms, its update function "
+                           "over [0, numel) in any split"
+                         : "update: for every tensor, args = {grad, weight, master, state bases, scalars}; call its "
+                           "update function over [0, numel) in any split (the reduce's chunks are a natural one)")
       .str({}, "steps applied so far = stage.step; new hyperparameters are new rules at the next scalar stage (never "
                "recompile)")
       .end_array();
@@ -225,9 +257,11 @@ std::string cpu_abi_header(const EmitRequest& r, const CpuTarget& target, const 
        std::to_string(offsetof(sf_cpu_update_args, scalars)) + ") ? 1 : -1];\n\n" +
        "#ifdef __cplusplus\n} /* extern \"C\" */\n#endif\n#endif /* STEPFUSE_CPU_ABI_H_ */\n\n"
        "/* The functions of this spec. */\n#ifdef __cplusplus\nextern \"C\" {\n#endif\n";
+  const std::size_t phase1_first = spec.combos.size() + spec.reduce_grads.size();
   for (std::size_t k = 0; k < names.size(); ++k)
     h += k < spec.combos.size() ? update_declaration(names[k]) + "\n"
-                                     : reduce_declaration(names[k], spec.inf_norm) + "\n";
+         : k < phase1_first     ? reduce_declaration(names[k], spec.inf_norm) + "\n"
+                                : phase1_declaration(names[k]) + "\n";
   h += "#ifdef __cplusplus\n} /* extern \"C\" */\n#endif\n";
   return h;
 }

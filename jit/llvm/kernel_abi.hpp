@@ -18,7 +18,8 @@ namespace stepfuse::jit {
 CpuSpec cpu_spec(const EmitRequest& r, const Layout& c);
 
 // `names`: the update functions (one per spec combo), then the reduce functions
-// (one per spec grad dtype), as cpu_update_symbol / cpu_reduce_symbol name them.
+// (one per spec grad dtype), as cpu_update_symbol / cpu_reduce_symbol name them, then
+// for a two-phase program the phase-1 functions (one per combo, cpu_phase1_symbol).
 std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpec& spec, const CpuTarget& target,
                              const std::vector<std::string>& names);
 std::string cpu_abi_header(const EmitRequest& r, const CpuTarget& target, const CpuSpec& spec,
