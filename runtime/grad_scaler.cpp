@@ -139,7 +139,7 @@ void GradScaler::scale_(std::span<const TensorView> outputs) const {
 GradScaler::PerOptimizer& GradScaler::state_of(const Optimizer& opt) {
   for (PerOptimizer& s : per_optimizer_)
     if (s.opt == &opt) return s;
-  return per_optimizer_.emplace_back(PerOptimizer{&opt, Stage::ready, false});
+  return per_optimizer_.emplace_back(PerOptimizer{&opt, Stage::ready, false, 0});
 }
 
 void GradScaler::unscale_(Optimizer& opt) {
@@ -151,17 +151,26 @@ void GradScaler::unscale_(Optimizer& opt) {
   if (s.stage == Stage::stepped)
     throw Error(ErrorCode::invalid_state,
                 "GradScaler::unscale_: unscale_() is being called after step() (call it before step(), once per iteration)");
+  const std::vector<TensorView> grads = grads_of(opt);
   if (detail::CudaScalerState* dev = device_state_for(opt)) {
-    // In place on the GPU, by fp32(1/S) read there; found_inf recorded there.
-    for (const TensorView& g : grads_of(opt)) dev->scale_tensor(g, true, static_cast<cuda::CUstream>(cuda_stream_));
+    // In place on the GPU, by fp32(1/S) read there; found_inf recorded there. One launch
+    // per gradient, and an enqueued launch cannot be taken back: a launch that fails
+    // part-way leaves the gradients before it unscaled, so the progress is recorded
+    // (stage unscaling) and a retry goes on from there instead of unscaling them twice.
+    for (std::size_t i = s.unscaled; i < grads.size(); ++i) {
+      dev->scale_tensor(grads[i], true, static_cast<cuda::CUstream>(cuda_stream_));
+      s.unscaled = i + 1;
+      s.stage = Stage::unscaling;
+    }
     s.found_inf = false;  // known on the device only
+    s.unscaled = 0;
     s.stage = Stage::unscaled;
     return;
   }
   pull();
   // The reciprocal computed in double and rounded to float, as PyTorch does.
   const float inv = static_cast<float>(1.0 / static_cast<double>(current_scale_));
-  const std::vector<TensorView> grads = grads_of(opt);
+  // All or nothing: the stage changes only once every gradient is done.
   s.found_inf = detail::scale_tensors(grads, inv, true, detail::ThreadPool::shared(opt.num_threads()));
   s.stage = Stage::unscaled;
 }
@@ -176,6 +185,11 @@ bool GradScaler::step(Optimizer& opt) {
   if (s.stage == Stage::stepped)
     throw Error(ErrorCode::invalid_state,
                 "GradScaler::step: step() has already been called for this optimizer since the last update()");
+  if (s.stage == Stage::unscaling)
+    throw Error(ErrorCode::invalid_state,
+                "GradScaler::step: unscale_() failed part-way for this optimizer (" + std::to_string(s.unscaled) +
+                    " of " + std::to_string(opt.num_params()) +
+                    " gradients were unscaled); call unscale_() again to finish it before step()");
   if (detail::CudaScalerState* dev = device_state_for(opt)) {
     // On the GPU: the scale is read and found_inf recorded by the kernels. After
     // unscale_() the gradients are stepped at scale 1 (a device 1.0), and a
@@ -213,9 +227,10 @@ void GradScaler::update(std::optional<double> new_scale) {
   if (new_scale) {
     check_scale("update: new_scale", *new_scale);
     pull();  // the tracker
-    current_scale_ = static_cast<float>(*new_scale);
-    if (cuda_) cuda_->push(current_scale_, growth_tracker_, growth_factor_, backoff_factor_, growth_interval_,
+    const float scale = static_cast<float>(*new_scale);
+    if (cuda_) cuda_->push(scale, growth_tracker_, growth_factor_, backoff_factor_, growth_interval_,
                            static_cast<cuda::CUstream>(cuda_stream_), /*end_iteration=*/true);
+    current_scale_ = scale;  // after the device write, which may throw
   } else if (cuda_) {
     bool recorded = false, found_inf = false;
     for (const PerOptimizer& s : per_optimizer_) {
@@ -254,23 +269,31 @@ double GradScaler::get_scale() const {
   return static_cast<double>(current_scale_);
 }
 
+// The setters write the device first, then the host: a device write that throws
+// leaves both as they were.
 void GradScaler::set_growth_factor(double new_factor) {
   check_growth_factor(new_factor);
   pull();
+  if (cuda_)
+    cuda_->push(current_scale_, growth_tracker_, new_factor, backoff_factor_, growth_interval_,
+                static_cast<cuda::CUstream>(cuda_stream_));
   growth_factor_ = new_factor;
-  push();
 }
 void GradScaler::set_backoff_factor(double new_factor) {
   check_backoff_factor(new_factor);
   pull();
+  if (cuda_)
+    cuda_->push(current_scale_, growth_tracker_, growth_factor_, new_factor, growth_interval_,
+                static_cast<cuda::CUstream>(cuda_stream_));
   backoff_factor_ = new_factor;
-  push();
 }
 void GradScaler::set_growth_interval(std::int64_t new_interval) {
   check_growth_interval(new_interval);
   pull();
+  if (cuda_)
+    cuda_->push(current_scale_, growth_tracker_, growth_factor_, backoff_factor_, new_interval,
+                static_cast<cuda::CUstream>(cuda_stream_));
   growth_interval_ = new_interval;
-  push();
 }
 
 std::map<std::string, double> GradScaler::state_dict() const {
@@ -308,12 +331,21 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   check_backoff_factor(backoff);
   const std::int64_t interval = integer("growth_interval", get("growth_interval"), 1, INT32_MAX);
   const std::int64_t tracker = integer("_growth_tracker", get("_growth_tracker"), 0, INT32_MAX);
+  // Then the device (which may throw), then the host. A device scale this scaler shares
+  // with a copy is not written: this one gets a scale of its own, so loading into a copy
+  // (as a checkpoint load does, to commit only once everything else succeeded) leaves
+  // the original as it was.
+  std::shared_ptr<detail::CudaScalerState> device = cuda_;
+  if (device && device.use_count() > 1) device = std::make_shared<detail::CudaScalerState>(device->device());
+  if (device)
+    device->push(static_cast<float>(scale), static_cast<std::int32_t>(tracker), growth, backoff, interval,
+                 static_cast<cuda::CUstream>(cuda_stream_));
+  cuda_ = std::move(device);
   current_scale_ = static_cast<float>(scale);
   growth_factor_ = growth;
   backoff_factor_ = backoff;
   growth_interval_ = interval;
   growth_tracker_ = static_cast<std::int32_t>(tracker);
-  push();
 }
 
 }  // namespace stepfuse

@@ -1,7 +1,10 @@
 // The CUDA host code against a fake driver table (no GPU needed): "device memory" is
 // host memory, kernels are recorded and not run, and any driver call can be made to
 // fail. What it checks: destructors that meet a failing driver call report it through
-// the warning handler instead of throwing (which would terminate the process).
+// the warning handler instead of throwing (which would terminate the process); a
+// GradScaler's load_state_dict and the setters change nothing when the device write
+// fails, a copy's load_state_dict does not write the scale it shares with the
+// original, and a CUDA unscale_() that fails part-way never unscales a gradient twice.
 // The driver table is installed by a static initializer, before anything in this
 // process can load the real one; the step kernels are compiled by NVRTC (the tests
 // that need them skip without it).
@@ -376,6 +379,78 @@ TEST_F(FakeDriver, OptimizerOnCudaIsDestroyedWhenTheDriverFails) {
     ASSERT_FALSE(w.empty());
     EXPECT_THAT(w[0], HasSubstr(call));
   }
+}
+
+// ---- GradScaler transactions ----------------------------------------------------------------
+
+const std::map<std::string, double> kState = {
+    {"scale", 8.0}, {"growth_factor", 3.0}, {"backoff_factor", 0.25}, {"growth_interval", 7}, {"_growth_tracker", 2}};
+
+TEST_F(FakeDriver, ScalerLoadStateDictChangesNothingWhenTheDeviceWriteFails) {
+  if (!have_nvrtc()) GTEST_SKIP() << "NVRTC is not available: the step kernels cannot be compiled";
+  DeviceModel m;
+  Optimizer opt(optim::SGD{.lr = 0.1}, m.params(), on_cuda());
+  GradScaler scaler("cuda", 1024.0);
+  scaler.step(opt);  // the scale moves to the device
+  scaler.update(1024.0);
+  ASSERT_EQ(scaler.where_scale_lives(), Device::cuda(0));
+  const auto before = scaler.state_dict();
+  fail("cuMemcpyHtoDAsync");
+  EXPECT_THROW(scaler.load_state_dict(kState), Error);
+  heal();
+  EXPECT_EQ(scaler.state_dict(), before) << "a failed load left some values changed";
+  fail("cuMemcpyHtoDAsync");
+  EXPECT_THROW(scaler.set_growth_factor(5.0), Error);
+  EXPECT_THROW(scaler.set_backoff_factor(0.75), Error);
+  EXPECT_THROW(scaler.set_growth_interval(11), Error);
+  heal();
+  EXPECT_EQ(scaler.state_dict(), before) << "a failed setter left its value changed";
+  scaler.load_state_dict(kState);
+  EXPECT_EQ(scaler.state_dict(), kState);
+}
+
+// Copies share the device scale; loading into a copy (as a checkpoint load does before it
+// commits) must not write the original's.
+TEST_F(FakeDriver, ScalerCopyLoadStateDictLeavesTheOriginalAlone) {
+  if (!have_nvrtc()) GTEST_SKIP() << "NVRTC is not available: the step kernels cannot be compiled";
+  DeviceModel m;
+  Optimizer opt(optim::SGD{.lr = 0.1}, m.params(), on_cuda());
+  GradScaler scaler("cuda", 1024.0);
+  scaler.step(opt);
+  scaler.update(1024.0);
+  const auto before = scaler.state_dict();
+  GradScaler copy = scaler;
+  copy.load_state_dict(kState);
+  EXPECT_EQ(copy.state_dict(), kState);
+  EXPECT_EQ(scaler.state_dict(), before) << "loading into a copy wrote the original's device scale";
+  scaler = copy;  // the commit
+  EXPECT_EQ(scaler.state_dict(), kState);
+}
+
+// unscale_ launches one kernel per gradient. A launch failing part-way leaves some
+// gradients unscaled: a retry must do the others only, and step() must not treat the
+// gradients as all scaled (or all unscaled) meanwhile.
+TEST_F(FakeDriver, ScalerUnscaleFailingPartWayNeverUnscalesTwice) {
+  if (!have_nvrtc()) GTEST_SKIP() << "NVRTC is not available: the step kernels cannot be compiled";
+  DeviceModel m;
+  Optimizer opt(optim::SGD{.lr = 0.1}, m.params(), on_cuda());
+  GradScaler scaler("cuda", 1024.0);
+  scaler.step(opt);
+  scaler.update();
+  const std::size_t first = launches().size();
+  fail("cuLaunchKernel", 1);  // the second gradient's launch fails
+  EXPECT_THROW(scaler.unscale_(opt), Error);
+  heal();
+  EXPECT_THROW(scaler.step(opt), Error) << "step() after a partial unscale_";
+  scaler.unscale_(opt);  // finishes the job
+  EXPECT_THROW(scaler.unscale_(opt), Error) << "a second unscale_ once all are unscaled";
+  std::map<void*, int> unscaled;
+  for (std::size_t i = first; i < launches().size(); ++i)
+    if (launches()[i].kernel.rfind("sf_scale_", 0) == 0) ++unscaled[launches()[i].first_arg];
+  ASSERT_EQ(unscaled.size(), 3u);
+  for (const auto& [ptr, n] : unscaled) EXPECT_EQ(n, 1) << "gradient at " << ptr << " unscaled " << n << " times";
+  EXPECT_TRUE(scaler.step(opt));
+  scaler.update();
 }
 
 }  // namespace

@@ -46,7 +46,8 @@ class GradScaler {
   // scale(double)) wait for it. "cuda" where no GPU is usable keeps the scale on
   // the CPU and warns once per process (see set_warning_handler), so the default
   // works everywhere. Any other string is an Error. Copies of a scaler whose
-  // scale is on a GPU share that scale.
+  // scale is on a GPU share that scale (for steps, updates and the setters); a
+  // copy's load_state_dict() gives it a scale of its own.
   // Throws Error(invalid_argument) for init_scale not finite and > 0,
   // growth_factor not finite and > 1, backoff_factor not in (0, 1),
   // growth_interval < 1.
@@ -62,7 +63,11 @@ class GradScaler {
   void scale_(std::span<const TensorView> outputs) const;
 
   // Divides the optimizer's gradients in place by S (multiplies by the fp32
-  // reciprocal, as PyTorch does) and records whether any was inf/NaN. Optional:
+  // reciprocal, as PyTorch does) and records whether any was inf/NaN. On the CPU it
+  // is all or nothing. On a GPU it enqueues one kernel per gradient: if one cannot be
+  // enqueued, the Error leaves the gradients before it unscaled, and until a second
+  // unscale_() finishes the others (it does not unscale any twice), step() is
+  // Error(invalid_state). Optional:
   // for code that inspects or clips gradients before step(). f16/bf16 gradients
   // are rounded back to their storage format (values below its range flush to
   // zero; the fused step() has no such loss). A second call for the same
@@ -110,7 +115,9 @@ class GradScaler {
   std::map<std::string, double> state_dict() const;
   // Restores a state_dict(). No-op when disabled. An empty map is an Error (it was
   // saved from a disabled scaler), as is a missing entry or an invalid value;
-  // nothing changes on an Error. Extra entries are ignored.
+  // nothing changes on an Error (nor when writing the device scale fails). Extra
+  // entries are ignored. A scaler whose device scale is shared (with its copy or
+  // original) gets a device scale of its own here: the other's is not written.
   void load_state_dict(const std::map<std::string, double>& state);
 
   // "cuda" or "cpu", as given; where_scale_lives() is where it actually is.
@@ -119,11 +126,13 @@ class GradScaler {
   std::int64_t growth_tracker() const;
 
  private:
-  enum class Stage : std::uint8_t { ready, unscaled, stepped };
+  // unscaling: a GPU unscale_() failed part-way, after `unscaled` gradients.
+  enum class Stage : std::uint8_t { ready, unscaling, unscaled, stepped };
   struct PerOptimizer {
     const Optimizer* opt;
     Stage stage;
     bool found_inf;
+    std::size_t unscaled;
   };
   PerOptimizer& state_of(const Optimizer& opt);
   static void check_growth_factor(double v);
