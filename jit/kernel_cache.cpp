@@ -329,26 +329,32 @@ struct KernelCache::ForkHandlers {
 };
 
 KernelCache::KernelCache(std::optional<std::filesystem::path> dir) : dir_(std::move(dir)) {
-  {
+  max_disk_bytes_ = max_disk_bytes_from_environment();
+  if (dir_) {
+    // Absolute now, for messages (the directory itself is held open from here on).
+    std::error_code ec;
+    if (!dir_->empty()) {
+      if (auto absolute = std::filesystem::absolute(*dir_, ec); !ec) dir_ = std::move(absolute);
+    }
+    OpenedDirectory opened = open_directory(*dir_);
+    if (opened.fd < 0) {
+      disable_disk(opened.problem);
+    } else {
+      dir_fd_ = opened.fd;
+      disk_ok_ = true;
+      sweep(std::string());
+    }
+  }
+  // Last, once nothing can throw any more (a constructor that throws runs no destructor
+  // to take it out again).
+  try {
     ForkHandlers& h = ForkHandlers::get();
     std::lock_guard lock(h.mutex);
     h.caches.push_back(this);
+  } catch (...) {
+    if (dir_fd_ >= 0) ::close(dir_fd_);
+    throw;
   }
-  max_disk_bytes_ = max_disk_bytes_from_environment();
-  if (!dir_) return;
-  // Absolute now, for messages (the directory itself is held open from here on).
-  std::error_code ec;
-  if (!dir_->empty()) {
-    if (auto absolute = std::filesystem::absolute(*dir_, ec); !ec) dir_ = std::move(absolute);
-  }
-  OpenedDirectory opened = open_directory(*dir_);
-  if (opened.fd < 0) {
-    disable_disk(opened.problem);
-    return;
-  }
-  dir_fd_ = opened.fd;
-  disk_ok_ = true;
-  sweep(std::string());
 }
 
 KernelCache::~KernelCache() {
