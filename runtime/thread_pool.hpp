@@ -21,7 +21,7 @@ namespace stepfuse::detail {
 //
 // fork(): a child process has none of its parent's threads; its pools start new
 // workers at their first run() there (the parent's are abandoned, never joined), so a
-// child can step the optimizers it inherited (docs/architecture.md §2). Calling fork()
+// child can step the optimizers it inherited (docs/architecture.md §6). Calling fork()
 // from inside fn is not supported.
 class ThreadPool {
  public:
