@@ -14,30 +14,38 @@
 namespace stepfuse::bench {
 namespace {
 
+// A tensor of the given dims (numel their product).
+TensorShape shaped(std::string name, std::vector<std::int64_t> dims) {
+  std::int64_t n = 1;
+  for (const std::int64_t d : dims) n *= d;
+  return {std::move(name), n, std::move(dims)};
+}
+
 // GPT-2 small (HF transformers GPT2LMHeadModel.named_parameters(), lm_head tied to wte):
-// 148 tensors, 124,439,808 parameters. Linear weights are Conv1D [in, out].
+// 148 tensors, 124,439,808 parameters. Linear weights are Conv1D [in, out]; biases and
+// layer norms are 1-D (98 tensors, 121,344 parameters).
 std::vector<TensorShape> gpt2_124m() {
   constexpr std::int64_t d = 768, vocab = 50257, ctx = 1024, layers = 12;
   std::vector<TensorShape> t;
-  t.push_back({"transformer.wte.weight", vocab * d});
-  t.push_back({"transformer.wpe.weight", ctx * d});
+  t.push_back(shaped("transformer.wte.weight", {vocab, d}));
+  t.push_back(shaped("transformer.wpe.weight", {ctx, d}));
   for (std::int64_t l = 0; l < layers; ++l) {
     const std::string h = "transformer.h." + std::to_string(l) + ".";
-    t.push_back({h + "ln_1.weight", d});
-    t.push_back({h + "ln_1.bias", d});
-    t.push_back({h + "attn.c_attn.weight", d * 3 * d});
-    t.push_back({h + "attn.c_attn.bias", 3 * d});
-    t.push_back({h + "attn.c_proj.weight", d * d});
-    t.push_back({h + "attn.c_proj.bias", d});
-    t.push_back({h + "ln_2.weight", d});
-    t.push_back({h + "ln_2.bias", d});
-    t.push_back({h + "mlp.c_fc.weight", d * 4 * d});
-    t.push_back({h + "mlp.c_fc.bias", 4 * d});
-    t.push_back({h + "mlp.c_proj.weight", 4 * d * d});
-    t.push_back({h + "mlp.c_proj.bias", d});
+    t.push_back(shaped(h + "ln_1.weight", {d}));
+    t.push_back(shaped(h + "ln_1.bias", {d}));
+    t.push_back(shaped(h + "attn.c_attn.weight", {d, 3 * d}));
+    t.push_back(shaped(h + "attn.c_attn.bias", {3 * d}));
+    t.push_back(shaped(h + "attn.c_proj.weight", {d, d}));
+    t.push_back(shaped(h + "attn.c_proj.bias", {d}));
+    t.push_back(shaped(h + "ln_2.weight", {d}));
+    t.push_back(shaped(h + "ln_2.bias", {d}));
+    t.push_back(shaped(h + "mlp.c_fc.weight", {d, 4 * d}));
+    t.push_back(shaped(h + "mlp.c_fc.bias", {4 * d}));
+    t.push_back(shaped(h + "mlp.c_proj.weight", {4 * d, d}));
+    t.push_back(shaped(h + "mlp.c_proj.bias", {d}));
   }
-  t.push_back({"transformer.ln_f.weight", d});
-  t.push_back({"transformer.ln_f.bias", d});
+  t.push_back(shaped("transformer.ln_f.weight", {d}));
+  t.push_back(shaped("transformer.ln_f.bias", {d}));
   return t;
 }
 
@@ -50,11 +58,11 @@ std::vector<TensorShape> resnet50() {
   std::vector<TensorShape> t;
   // Conv2d weight [out, in, k, k].
   auto conv = [&](const std::string& name, std::int64_t out, std::int64_t in, std::int64_t k) {
-    t.push_back({name + ".weight", out * in * k * k});
+    t.push_back(shaped(name + ".weight", {out, in, k, k}));
   };
   auto bn = [&](const std::string& name, std::int64_t c) {
-    t.push_back({name + ".weight", c});
-    t.push_back({name + ".bias", c});
+    t.push_back(shaped(name + ".weight", {c}));
+    t.push_back(shaped(name + ".bias", {c}));
   };
   constexpr std::int64_t kExpansion = 4;
   conv("conv1", 64, 3, 7);
@@ -78,8 +86,8 @@ std::vector<TensorShape> resnet50() {
       in = out;
     }
   }
-  t.push_back({"fc.weight", 1000 * in});  // Linear [1000, 2048]
-  t.push_back({"fc.bias", 1000});
+  t.push_back(shaped("fc.weight", {1000, in}));  // Linear [1000, 2048]
+  t.push_back(shaped("fc.bias", {1000}));
   return t;
 }
 
@@ -87,15 +95,15 @@ std::vector<TensorShape> resnet50() {
 std::vector<TensorShape> llama7b_layer() {
   constexpr std::int64_t d = 4096, ff = 11008;
   return {
-      {"self_attn.q_proj.weight", d * d},   {"self_attn.k_proj.weight", d * d},
-      {"self_attn.v_proj.weight", d * d},   {"self_attn.o_proj.weight", d * d},
-      {"mlp.gate_proj.weight", ff * d},     {"mlp.up_proj.weight", ff * d},
-      {"mlp.down_proj.weight", d * ff},     {"input_layernorm.weight", d},
-      {"post_attention_layernorm.weight", d},
+      shaped("self_attn.q_proj.weight", {d, d}),   shaped("self_attn.k_proj.weight", {d, d}),
+      shaped("self_attn.v_proj.weight", {d, d}),   shaped("self_attn.o_proj.weight", {d, d}),
+      shaped("mlp.gate_proj.weight", {ff, d}),     shaped("mlp.up_proj.weight", {ff, d}),
+      shaped("mlp.down_proj.weight", {d, ff}),     shaped("input_layernorm.weight", {d}),
+      shaped("post_attention_layernorm.weight", {d}),
   };
 }
 
-// 10,000 tensors of 1-4 K elements, sizes from a fixed sequence (the same every run),
+// 10,000 1-D tensors of 1-4 K elements, sizes from a fixed sequence (the same every run),
 // deliberately not multiples of the vector width.
 std::vector<TensorShape> many_small() {
   std::vector<TensorShape> t;
@@ -105,7 +113,7 @@ std::vector<TensorShape> many_small() {
     x ^= x << 13, x ^= x >> 7, x ^= x << 17;  // xorshift64
     std::string name = "t";  // (not "t" + to_string: GCC 12 -O3 warns falsely, -Wrestrict, PR 105329)
     name += std::to_string(i);
-    t.push_back({std::move(name), 1024 + static_cast<std::int64_t>(x % 3073)});
+    t.push_back(shaped(std::move(name), {1024 + static_cast<std::int64_t>(x % 3073)}));
   }
   return t;
 }
@@ -193,7 +201,7 @@ Preset make_preset(std::string_view spec) {
   if (spec.starts_with("flat:")) {
     if (!parse_count(spec.substr(5), &n) || n == 0)
       throw std::invalid_argument("preset '" + p.name + "': flat:N needs a positive element count N (e.g. flat:100M)");
-    p.tensors = {{"flat", n}};
+    p.tensors = {shaped("flat", {n})};
     p.description = "one tensor of " + std::to_string(n) + " elements";
     return p;
   }
@@ -232,17 +240,37 @@ Preset load_shapes_file(const std::string& path) {
     const std::string_view count_text = words.back();
     std::string name = "t";  // (appended, not "t" + to_string: see many_small)
     if (words.size() == 2) name = words[0]; else name += std::to_string(p.tensors.size());
+    const std::string for_tensor = words.size() == 2 ? " for tensor '" + name + "'" : std::string();
     std::int64_t n = 0;
-    if (!parse_count(count_text, &n))
-      at_line("'" + std::string(count_text) + "' is not an element count" +
-              (words.size() == 2 ? " for tensor '" + name + "'" : std::string()) +
-              " (expected a whole number >= 0, optionally with a k/M/G suffix: 38597376, 4096, 10M)");
+    std::vector<std::int64_t> dims;
+    // An 'x' before the last character makes it dims ("12x" stays a bad count, as it always was).
+    if (const std::size_t x = count_text.find('x'); x == std::string_view::npos || x + 1 == count_text.size()) {
+      if (!parse_count(count_text, &n))
+        at_line("'" + std::string(count_text) + "' is not an element count" + for_tensor +
+                " (expected a whole number >= 0, optionally with a k/M/G suffix: 38597376, 4096, 10M; or dims: "
+                "50257x768)");
+    } else {  // D0xD1[x...]: the dims of a tensor of rank 2 or more
+      n = 1;
+      for (std::size_t b = 0;;) {
+        const std::size_t e = std::min(count_text.find('x', b), count_text.size());
+        std::int64_t d = 0;
+        if (!parse_count(count_text.substr(b, e - b), &d))
+          at_line("'" + std::string(count_text) + "' is not a shape" + for_tensor +
+                  " (expected dims joined by 'x', each a whole number >= 0: 50257x768, 64x3x7x7)");
+        if (d > 0 && n > std::numeric_limits<std::int64_t>::max() / d)
+          at_line("the element count of '" + std::string(count_text) + "' overflows int64");
+        n *= d;
+        dims.push_back(d);
+        if (e == count_text.size()) break;
+        b = e + 1;
+      }
+    }
     if (n > std::numeric_limits<std::int64_t>::max() - total) at_line("the total element count overflows int64");
     if (const auto [it, fresh] = line_of.emplace(name, line_no); !fresh)
       at_line("tensor name '" + name + "' is already used on line " + std::to_string(it->second) +
               (words.size() == 1 ? " (a tensor without a name is named t<index>)" : ""));
     total += n;
-    p.tensors.push_back({std::move(name), n});
+    p.tensors.push_back({std::move(name), n, std::move(dims)});
   }
   if (in.bad()) fail(std::string("read error: ") + std::strerror(errno));
   if (p.tensors.empty()) fail("no tensors (expected one '[NAME] COUNT' per line)");
@@ -252,9 +280,20 @@ Preset load_shapes_file(const std::string& path) {
   return p;
 }
 
-std::string format_shapes(const std::vector<TensorShape>& tensors) {
+std::string format_shapes(const std::vector<TensorShape>& tensors, bool dims) {
   std::string s;
-  for (const TensorShape& t : tensors) s += t.name + " " + std::to_string(t.numel) + "\n";
+  for (const TensorShape& t : tensors) {
+    s += t.name + " ";
+    if (dims && t.is_matrix()) {
+      for (std::size_t k = 0; k < t.dims.size(); ++k) {
+        if (k > 0) s += 'x';
+        s += std::to_string(t.dims[k]);
+      }
+    } else {
+      s += std::to_string(t.numel);
+    }
+    s += "\n";
+  }
   return s;
 }
 

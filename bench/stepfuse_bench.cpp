@@ -19,6 +19,10 @@
 //      --fusion in the order fused (once per --cpu-backend, with the fused update pass
 //      alone), unfused, interpreted], interleaved so that drift in the machine affects
 //      all of them alike.
+// --groups on builds every optimizer with two param groups (bench/param_groups.hpp);
+// --groups compare builds each timed mode twice, with one group and with two, verifies
+// both (phase 2 runs once for each) and times them back to back in phase 3, in
+// alternating order, so that "two groups / one group" is a ratio of one run.
 // Each phase is a function below; run() calls them in order. The report (the table and
 // the JSON) is stepfuse_bench_report.cpp's; what the phases hand each other is declared
 // in stepfuse_bench.hpp.
@@ -44,6 +48,7 @@
 #include "cuda_bench.hpp"
 #include "default_configs.hpp"
 #include "model_buffers.hpp"
+#include "param_groups.hpp"
 #include "presets.hpp"
 #include "rss.hpp"
 #include "stats.hpp"
@@ -89,12 +94,15 @@ void check_applied(const sf::StepResult& r, const char* mode, int iteration) {
                       ") although every gradient is finite");
 }
 
-// An optimizer over `buf` on the CPU; a configuration the library rejects is a usage error
-// (exit code 1). (--backend cuda takes its own path: cuda_bench.cpp.)
-sf::Optimizer make_optimizer(const sf::OptimizerConfig& config, const sb::ModelBuffers& buf,
+// An optimizer over `buf` on the CPU, with c.config: one group, or (grouped) the decay
+// group of tensors [0, split) and the no-decay group of the rest (bench/param_groups.hpp).
+// A configuration the library rejects is a usage error (exit code 1). (--backend cuda takes
+// its own path: cuda_bench.cpp.)
+sf::Optimizer make_optimizer(const Case& c, bool grouped, std::size_t split, const sb::ModelBuffers& buf,
                              const sf::OptimizerOptions& opts) {
   try {
-    return sf::Optimizer(config, buf.params(), opts);
+    if (grouped) return sf::Optimizer(sb::decay_groups(buf.params(), split, c.config), opts);
+    return sf::Optimizer(c.config, buf.params(), opts);
   } catch (const sf::Error& e) {
     if (e.code() == sf::ErrorCode::invalid_argument || e.code() == sf::ErrorCode::unsupported)
       throw UsageError(std::string("the library rejects this configuration: ") + e.what());
@@ -152,6 +160,13 @@ std::vector<Variant> selected_variants(const std::vector<sf::Fusion>& modes,
   return variants;
 }
 
+GroupsMode parse_groups(const std::string& s) {
+  if (s == "off") return GroupsMode::off;
+  if (s == "on") return GroupsMode::on;
+  if (s == "compare") return GroupsMode::compare;
+  throw UsageError("--groups: unknown mode '" + s + "' (expected off, on or compare)");
+}
+
 // ---- Phase 0: the arguments ----------------------------------------------------------------
 
 // The tensor list of --shapes FILE, or else of --preset; a bad one is a usage error.
@@ -190,6 +205,24 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
                      "(leave --cpu-backend out)");
   if (a.cpu_backend_given && !c.timed_mode(sf::Fusion::fused))
     throw UsageError("--cpu-backend: chooses the code of the fused step, and --fusion times no fused step");
+  c.groups = parse_groups(a.groups);
+  if (c.groups != GroupsMode::off) {
+    if (a.backend == "cuda")
+      throw UsageError("--groups: stepfuse-bench times param groups on the CPU only (leave --groups out with "
+                       "--backend cuda)");
+    c.split = sb::to_group_order(c.preset.tensors);
+    for (std::size_t t = 0; t < c.split; ++t) c.split_params += c.preset.tensors[t].numel;
+    if (c.split == 0 || c.split == c.preset.tensors.size())
+      throw UsageError(std::string("--groups: splits the tensors into matrices (weight decay) and 1-D tensors (none), "
+                                   "but every tensor of ") +
+                       (from_file ? "the shapes file" : "preset " + c.preset.name) + " is " +
+                       (c.split == 0 ? "1-D" : "a matrix") +
+                       (from_file && c.split == 0 ? " (a tensor given by its element count is 1-D: give the dims of "
+                                                    "matrices, e.g. 'wte 50257x768')"
+                                                  : "") +
+                       "; use a list with both");
+    c.no_decay_config = sb::without_weight_decay(c.config);
+  }
 
   sf::OptimizerOptions& opts = c.options;
   if (a.clip > 0) opts.max_grad_norm = a.clip;
@@ -227,15 +260,20 @@ int run_cuda(const Args& a, const Case& c, std::chrono::steady_clock::time_point
 // that first LLVM optimizer's construction time in ms (0 when fused-llvm is not timed).
 double probe_configuration(const Case& c, Progress& progress) {
   double llvm_first_ms = 0;
-  sb::ModelBuffers tiny(std::vector<sb::TensorShape>{{"probe", 16}}, c.weights, c.grads);
+  // With --groups, a matrix and a 1-D tensor, so that the two groups are built too.
+  const bool groups = c.groups != GroupsMode::off;
+  sb::ModelBuffers tiny(groups ? std::vector<sb::TensorShape>{{"probe", 16, {4, 4}}, {"probe_1d", 16, {16}}}
+                               : std::vector<sb::TensorShape>{{"probe", 16}},
+                        c.weights, c.grads);
   tiny.fill_weights(1);
   tiny.fill_grads(c.loss_scale, 1);
   for (Variant v : kAllVariants) {  // all on Highway (phase 2 may build any), LLVM's when timed
     if (v == Variant::fused_llvm && !c.timed(v)) continue;
     if (v == Variant::fused_llvm) progress.say("compiling (or loading) the LLVM kernels");
     const auto t0 = std::chrono::steady_clock::now();
-    make_optimizer(c.config, tiny, c.options_for(v));
+    make_optimizer(c, groups, 1, tiny, c.options_for(v));
     if (v == Variant::fused_llvm) llvm_first_ms = seconds_since(t0) * 1e3;
+    if (c.groups == GroupsMode::compare) make_optimizer(c, false, 0, tiny, c.options_for(v));
   }
   return llvm_first_ms;
 }
@@ -268,7 +306,8 @@ FusedOnly fused_only_phase(const Args& a, const Case& c, Progress& progress) {
 
   std::vector<std::string> state_names;
   {
-    std::optional<sf::Optimizer> opt0 = make_optimizer(c.config, fb, c.options_for(c.first_fused));
+    std::optional<sf::Optimizer> opt0 =
+        make_optimizer(c, c.primary_grouped(), c.split, fb, c.options_for(c.first_fused));
     fo.threads = opt0->num_threads();
     for (auto name : opt0->state_names()) state_names.emplace_back(name);
     fo.state_streams = static_cast<int>(state_names.size());
@@ -299,7 +338,12 @@ FusedOnly fused_only_phase(const Args& a, const Case& c, Progress& progress) {
 // ("fused") takes part whenever a fused step is timed, as the reference or checked against
 // it; LLVM's ("fused-llvm") must equal it bit for bit, and so agrees with the reference
 // too. What was built for the check alone is freed before returning.
-Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress& progress) {
+// `grouped`: the optimizers have two param groups. `share` (--groups compare's second pass,
+// with two groups): the first pass's runs, whose buffers a variant timed there reuses
+// (refilled; the first pass is verified already and only timed from here on).
+Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress& progress, bool grouped,
+                             const Runs* share = nullptr) {
+  const std::string label = c.groups == GroupsMode::compare ? (grouped ? " (two groups)" : " (one group)") : "";
   const double S = c.loss_scale;
   const int threads = fo.threads;
   Verification ver;
@@ -320,10 +364,12 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
   };
   for (Variant v : kAllVariants) {
     if (!built(v)) continue;
-    progress.say(std::string("verifying: one ") + variant_name(v) + " step");
+    progress.say(std::string("verifying: one ") + variant_name(v) + " step" + label);
     ModeRun& r = runs[idx(v)];
     if (v == Variant::fused) {
       r.buf = fo.buffers.get();
+    } else if (share != nullptr && (*share)[idx(v)].buf != nullptr) {
+      r.buf = (*share)[idx(v)].buf;
     } else {
       r.own = std::make_unique<sb::ModelBuffers>(c.preset.tensors, c.weights, c.grads);
       r.buf = r.own.get();
@@ -331,7 +377,7 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
     r.buf->fill_weights(threads);
     r.buf->fill_grads(S, threads);
     const auto t0 = std::chrono::steady_clock::now();
-    r.opt.emplace(make_optimizer(c.config, *r.buf, c.options_for(v)));
+    r.opt.emplace(make_optimizer(c, grouped, c.split, *r.buf, c.options_for(v)));
     r.construct_ms = seconds_since(t0) * 1e3;
     if ((v == Variant::fused_llvm) != (r.opt->backend() == "llvm"))  // the option must have taken effect
       throw std::runtime_error(std::string("the ") + variant_name(v) + " optimizer runs '" +
@@ -340,20 +386,20 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
   }
   const ModeRun& rr = runs[idx(ref)];
   for (Variant v : checked) {
-    progress.say(std::string("verifying ") + variant_name(v) + " against " + variant_name(ref));
+    progress.say(std::string("verifying ") + variant_name(v) + " against " + variant_name(ref) + label);
     const ModeRun& r = runs[idx(v)];
     sb::VerifyReport vr = sb::compare_one_step(*r.opt, *r.buf, r.verify_result, *rr.opt, *rr.buf, rr.verify_result,
                                                S, threads, variant_name(v), variant_name(ref));
-    check_verified(vr, std::string(variant_name(v)) + " and " + variant_name(ref) + " steps disagree:",
+    check_verified(vr, std::string(variant_name(v)) + " and " + variant_name(ref) + " steps" + label + " disagree:",
                    "values outside the tolerance; worst");
     ver.verified.push_back({v, std::move(vr)});
   }
   if (c.timed(Variant::fused_llvm)) {
-    progress.say("verifying fused-llvm against fused (Highway), bit for bit");
+    progress.say("verifying fused-llvm against fused (Highway), bit for bit" + label);
     const ModeRun &rl = runs[idx(Variant::fused_llvm)], &rh = runs[idx(Variant::fused)];
     sb::VerifyReport vr = sb::compare_bitwise(*rl.opt, *rl.buf, rl.verify_result, *rh.opt, *rh.buf, rh.verify_result,
                                               S, threads, "llvm", "highway");
-    check_verified(vr, "the fused step on LLVM code is not bitwise the one on Highway's:",
+    check_verified(vr, "the fused step" + label + " on LLVM code is not bitwise the one on Highway's:",
                    "values differ in their bits; largest difference");
     ver.llvm_check = std::move(vr);
   }
@@ -363,7 +409,7 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
   for (Variant v : checked)
     if (std::isnan(ver.ref_result.grad_norm)) ver.ref_result = runs[idx(v)].verify_result;
   for (Variant v : kAllVariants)  // built for the check alone: free them before timing
-    if (!c.timed(v)) runs[idx(v)].opt.reset(), runs[idx(v)].own.reset();
+    if (!c.timed(v)) runs[idx(v)].opt.reset(), runs[idx(v)].own.reset(), runs[idx(v)].buf = nullptr;
   return ver;
 }
 
@@ -380,16 +426,18 @@ std::optional<sf::Optimizer> make_update_only(const Args& a, const Case& c, cons
     sf::OptimizerOptions o = c.options_for(c.first_fused);
     o.max_grad_norm.reset();
     o.track_grad_norm = false;
-    update_only.emplace(make_optimizer(c.config, *runs[idx(c.first_fused)].buf, o));
+    update_only.emplace(make_optimizer(c, c.primary_grouped(), c.split, *runs[idx(c.first_fused)].buf, o));
   }
   return update_only;
 }
 
 // Warm-up, then timed iterations of [the bandwidth probes, then each timed variant (and
 // after the first fused one, `update_only` when given)], interleaved so that drift in the
-// machine affects all of them alike. Each variant's samples go to its ModeRun.
-Timing time_interleaved(const Args& a, const Case& c, const FusedOnly& fo, Runs& runs, sf::Optimizer* update_only,
-                        sb::BandwidthProbe& probe, Progress& progress) {
+// machine affects all of them alike. Each variant's samples go to its ModeRun. With
+// `grouped` (--groups compare), each variant's two-group step runs right after its
+// one-group step on even iterations and right before it on odd ones.
+Timing time_interleaved(const Args& a, const Case& c, const FusedOnly& fo, Runs& runs, GroupedRuns* grouped,
+                        sf::Optimizer* update_only, sb::BandwidthProbe& probe, Progress& progress) {
   const double S = c.loss_scale;
   const int threads = fo.threads;
   const std::vector<Variant>& variants = c.variants;
@@ -399,10 +447,11 @@ Timing time_interleaved(const Args& a, const Case& c, const FusedOnly& fo, Runs&
   // A first guess at one iteration's length, in fused steps (good to a factor of two; the
   // measured time replaces it after the first iteration): the probes move ~1.6x a step's
   // bytes, the unfused step takes ~5x the fused one, the interpreted ~2x.
+  const double runs_per_variant = grouped ? 2.0 : 1.0;
   double iteration_s =
-      fo.step_s * (2.0 + (c.timed(Variant::fused) ? 1.0 : 0.0) + (c.timed(Variant::fused_llvm) ? 1.0 : 0.0) +
-                   (update_only ? 1.0 : 0.0) + (c.timed(Variant::unfused) ? 5.0 : 0.0) +
-                   (c.timed(Variant::interpreted) ? 2.0 : 0.0));
+      fo.step_s * (2.0 + (update_only ? 1.0 : 0.0) +
+                   runs_per_variant * ((c.timed(Variant::fused) ? 1.0 : 0.0) + (c.timed(Variant::fused_llvm) ? 1.0 : 0.0) +
+                                       (c.timed(Variant::unfused) ? 5.0 : 0.0) + (c.timed(Variant::interpreted) ? 2.0 : 0.0)));
   const auto t_loop = std::chrono::steady_clock::now();
   for (int it = 0; it < iterations; ++it) {
     const bool timed_it = it >= a.warmup;
@@ -428,20 +477,23 @@ Timing time_interleaved(const Args& a, const Case& c, const FusedOnly& fo, Runs&
     if (it % 2 == 1 && c.timed(Variant::fused) && c.timed(Variant::fused_llvm))
       std::swap(order[0], order[1]);  // fused, fused-llvm are the first two, in kAllVariants order
     for (Variant v : order) {
-      ModeRun& r = runs[idx(v)];
-      // The library's unfused mode unscales into an fp32 temporary and leaves the caller's
-      // gradients alone; restoring them anyway (untimed) keeps every iteration's input the
-      // same should a baseline ever write them in place, as eager PyTorch's unscale_ does.
-      if (v == Variant::unfused) r.buf->copy_grads_from(*fo.buffers, threads);
-      auto t0 = std::chrono::steady_clock::now();
-      const sf::StepResult res = r.opt->step_scaled(S);
-      const double t = seconds_since(t0);
-      check_applied(res, variant_name(v), it);
-      if (timed_it) r.samples.push_back(t);
-      if (v == c.first_fused && update_only) {
-        t0 = std::chrono::steady_clock::now();
-        update_only->step();
-        if (timed_it) timing.update_s.push_back(seconds_since(t0));
+      for (int k = 0; k < (grouped ? 2 : 1); ++k) {
+        const bool two = grouped && (k == 0) == (it % 2 == 1);  // --groups compare: one group first on even iterations
+        ModeRun& r = two ? grouped->runs[idx(v)] : runs[idx(v)];
+        // The library's unfused mode unscales into an fp32 temporary and leaves the caller's
+        // gradients alone; restoring them anyway (untimed) keeps every iteration's input the
+        // same should a baseline ever write them in place, as eager PyTorch's unscale_ does.
+        if (v == Variant::unfused) r.buf->copy_grads_from(*fo.buffers, threads);
+        auto t0 = std::chrono::steady_clock::now();
+        const sf::StepResult res = r.opt->step_scaled(S);
+        const double t = seconds_since(t0);
+        check_applied(res, two ? (std::string(variant_name(v)) + " (two groups)").c_str() : variant_name(v), it);
+        if (timed_it) r.samples.push_back(t);
+        if (v == c.first_fused && update_only && !two) {
+          t0 = std::chrono::steady_clock::now();
+          update_only->step();
+          if (timed_it) timing.update_s.push_back(seconds_since(t0));
+        }
       }
     }
   }
@@ -456,8 +508,8 @@ int run(const Args& a) {
 
   const bool from_file = !a.shapes_path.empty();
   sb::Preset preset = load_preset(a, from_file);
-  if (a.print_shapes) {
-    std::fputs(sb::format_shapes(preset.tensors).c_str(), stdout);
+  if (a.print_shapes) {  // with --groups, the dims of matrices (what --groups reads back)
+    std::fputs(sb::format_shapes(preset.tensors, a.groups != "off").c_str(), stdout);
     return std::fflush(stdout) == 0 && !std::ferror(stdout) ? kExitOk : kExitError;
   }
   const Case c = resolve_case(a, std::move(preset), from_file);
@@ -467,16 +519,21 @@ int run(const Args& a) {
 
   FusedOnly fo = fused_only_phase(a, c, progress);
   Runs runs;
-  const Verification ver = verify_variants(c, fo, runs, progress);
+  const Verification ver = verify_variants(c, fo, runs, progress, c.primary_grouped());
+  std::optional<GroupedRuns> grouped;  // --groups compare: each variant again, with two groups
+  if (c.groups == GroupsMode::compare) {
+    grouped.emplace();
+    grouped->ver = verify_variants(c, fo, grouped->runs, progress, true, &runs);
+  }
 
   std::optional<sf::Optimizer> update_only = make_update_only(a, c, runs);
   progress.say("allocating the bandwidth probe (" + with_commas(c.n) + " floats x 4)");
   sb::BandwidthProbe probe(c.n, fo.threads);
   progress.done();
-  const Timing timing =
-      time_interleaved(a, c, fo, runs, update_only ? &*update_only : nullptr, probe, progress);
+  GroupedRuns* g = grouped ? &*grouped : nullptr;
+  const Timing timing = time_interleaved(a, c, fo, runs, g, update_only ? &*update_only : nullptr, probe, progress);
 
-  report(a, c, fo, ver, runs, timing, probe, llvm_first_ms, t_start, json_out);
+  report(a, c, fo, ver, runs, g, timing, probe, llvm_first_ms, t_start, json_out);
   return kExitOk;
 }
 
@@ -496,9 +553,17 @@ int main(int argc, char** argv) {
   app.footer(presets +
              "\nShapes files (--shapes FILE), the format --print-shapes writes: one tensor per line,\n"
              "  [NAME] COUNT      e.g.  transformer.wte.weight 38597376   or   4096   or   mlp 10M\n"
-             "COUNT is an element count >= 0, optionally with a k/M/G suffix (powers of 1000); a tensor\n"
-             "without a NAME is named t<index> (from 0). Names are unique, without whitespace. Blank\n"
-             "lines and everything after a '#' are ignored. The list must hold at least one element.\n"
+             "  [NAME] D0xD1...   e.g.  transformer.wte.weight 50257x768  (the dims of a matrix)\n"
+             "COUNT is an element count >= 0, optionally with a k/M/G suffix (powers of 1000): a 1-D\n"
+             "tensor as far as --groups is concerned; dims (2 or more, joined by 'x') give a matrix or a\n"
+             "convolution's weight. A tensor without a NAME is named t<index> (from 0). Names are unique,\n"
+             "without whitespace. Blank lines and everything after a '#' are ignored. The list must hold\n"
+             "at least one element. --print-shapes writes COUNTs; with --groups, the dims of matrices.\n"
+             "\nParam groups (--groups on|compare), as transformer recipes make them: a decay group of the\n"
+             "matrices (the optimizer's weight_decay) and a no-decay group of the 1-D tensors (biases and\n"
+             "norms: weight_decay 0), the tensors in that order; one step has one global norm and clip over\n"
+             "both. 'compare' times every mode with one group and with two, back to back in alternating\n"
+             "order, and prints two groups / one group as the median of per-iteration time ratios.\n"
              "\nExit codes: 0 ok, 1 bad arguments (a bad shapes file, a configuration or backend the library "
              "rejects, --cpu-backend llvm without LLVM), 2 verification failed (a mode disagrees with the reference, "
              "the LLVM fused step is not bitwise Highway's, or a step was skipped), 3 other errors.");
@@ -552,6 +617,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
   app.add_option("--loss-scale", a.loss_scale, "loss scale S: gradients are stored multiplied by S")
+      ->capture_default_str();
+  app.add_option("--groups", a.groups,
+                 "param groups: off (one group), on (two: matrices with weight decay, 1-D tensors without, for "
+                 "every timed mode) or compare (one group and two, timed alternately; prints the ratio)")
+      ->check(CLI::IsMember({"off", "on", "compare"}))
+      ->type_name("MODE")
       ->capture_default_str();
   app.add_option("--json", a.json_path, "also write every figure to FILE as JSON")->type_name("FILE");
   app.add_flag("--json-only", a.json_only,

@@ -42,6 +42,7 @@ struct Args {
   double loss_scale = 1024.0;
   std::string json_path;
   bool json_only = false;
+  std::string groups = "off";      // --groups: off, on or compare (GroupsMode)
   bool fusion_given = false;       // --fusion was on the command line
   bool cpu_backend_given = false;  // --cpu-backend was on the command line
 };
@@ -80,6 +81,13 @@ inline CpuBackend cpu_backend_of(Variant v) {
 }
 inline bool have_llvm() { return llvm_version()[0] != '\0'; }
 
+// --groups: one param group; two (a decay group of matrices and a no-decay group of 1-D
+// tensors, bench/param_groups.hpp) for every timed variant; or both, timed alternately.
+enum class GroupsMode : std::uint8_t { off, on, compare };
+inline const char* groups_mode_name(GroupsMode g) {
+  return g == GroupsMode::off ? "off" : g == GroupsMode::on ? "on" : "compare";
+}
+
 inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -99,6 +107,15 @@ struct Case {
   std::int64_t n = 0;                      // parameters
   // The fused variant phase 1 steps and the update pass alone is timed with: the first timed.
   Variant first_fused = Variant::fused;
+  // --groups: with anything but off, preset.tensors is in group order (bench/param_groups.hpp):
+  // the decay group is tensors [0, split) with `config`, the no-decay group the rest with
+  // no_decay_config; split_params counts the decay group's parameters.
+  GroupsMode groups = GroupsMode::off;
+  std::size_t split = 0;
+  std::int64_t split_params = 0;
+  OptimizerConfig no_decay_config;
+  // Whether the optimizers of `runs` (and phase 1's, and the update pass alone's) have two groups.
+  bool primary_grouped() const { return groups == GroupsMode::on; }
 
   bool timed_mode(Fusion f) const;
   bool timed(Variant v) const;
@@ -142,6 +159,13 @@ struct Verification {
   StepResult ref_result;                    // the verification step's norm and clip coefficient
 };
 
+// --groups compare: every timed variant again with two param groups, over the same buffers
+// as its one-group run (its own state), verified on its own, and its samples.
+struct GroupedRuns {
+  Runs runs;
+  Verification ver;
+};
+
 // Phase 3: the samples besides each variant's own (ModeRun::samples).
 struct Timing {
   std::map<Pattern, std::vector<double>> bandwidth_s;  // seconds per probe run
@@ -150,10 +174,10 @@ struct Timing {
 };
 
 // The report: the table on stdout (unless --json-only) and the JSON (--json, --json-only).
-// Fills each timed variant's summary and GB/s in `runs`; throws std::runtime_error when
-// writing json_out fails.
+// Fills each timed variant's summary and GB/s in `runs` (and in grouped->runs, which is
+// null unless --groups compare); throws std::runtime_error when writing json_out fails.
 void report(const Args& a, const Case& c, const FusedOnly& fo, const Verification& ver, Runs& runs,
-            const Timing& timing, const BandwidthProbe& probe, double llvm_first_ms,
+            GroupedRuns* grouped, const Timing& timing, const BandwidthProbe& probe, double llvm_first_ms,
             std::chrono::steady_clock::time_point t_start, std::ofstream& json_out);
 
 }  // namespace stepfuse::bench::tool

@@ -12,6 +12,10 @@
 #                   fused-llvm row and the "llvm / highway" ratio line, the JSON's figures; OFF: the same
 #                   command exits 1 saying the build has no LLVM, and the default times Highway alone
 #   cpu_backend_usage  --cpu-backend bogus, and --cpu-backend without a fused mode: exit 1 with a clear message
+#   groups          a shapes file with matrices (dims) and 1-D tensors: --groups compare (every mode with one
+#                   group and two: the group sizes, the -2g rows, the ratio lines, the JSON's figures), --groups
+#                   on, --print-shapes --groups read back, and the usage errors (no 1-D tensor / no matrix,
+#                   --backend cuda, a bad shape)
 cmake_minimum_required(VERSION 3.20)
 foreach(var BENCH DIR CASE)
   if(NOT DEFINED ${var})
@@ -195,6 +199,75 @@ elseif(CASE STREQUAL "cpu_backend_usage")
   bench(--preset flat:1000 --fusion unfused --cpu-backend highway)
   expect_rc(1 "cpu_backend_usage (no fused mode)")
   expect_in("${err}" "--fusion times no fused step" "cpu_backend_usage (no fused mode)")
+
+elseif(CASE STREQUAL "groups")
+  file(WRITE "${DIR}/layers.shapes" "# two layers: matrices by their dims, biases and a norm by their counts\n"
+                                    "w1 64x100\nb1 100\nln.weight 100\nw2 100x30\nb2 30\n")
+  file(REMOVE "${DIR}/groups.json")
+  bench(--shapes "${DIR}/layers.shapes" --groups compare --fusion fused,unfused,interpreted --steps 3 --warmup 1
+        --rss-steps 1 --threads 1 --json "${DIR}/groups.json")
+  expect_rc(0 "groups (compare)")
+  expect_in("${out}" "param groups (--groups compare): decay: 2 tensors of rank >= 2, 9,400 parameters, weight_decay "
+                     "0.01; no decay: 3 1-D tensors, 230 parameters, weight_decay 0" "groups (compare) stdout")
+  expect_in("${out}" "verified before timing (two groups): one fused and one unfused step agree" "groups (compare)")
+  expect_in("${out}" "\n  fused-2g " "groups (compare) stdout (table row)")
+  expect_in("${out}" "\n  interpreted-2g " "groups (compare) stdout (table row)")
+  expect_in("${out}" "  two groups / one group, step time (median of per-iteration ratios" "groups (compare) ratios")
+  expect_in("${out}" "\n    unfused     " "groups (compare) ratio line")
+  file(READ "${DIR}/groups.json" j)
+  string(JSON mode GET "${j}" config groups)
+  string(JSON ngroups LENGTH "${j}" config param_groups)
+  string(JSON decay_tensors GET "${j}" config param_groups 0 tensors)
+  string(JSON nodecay_params GET "${j}" config param_groups 1 params)
+  string(JSON nodecay_wd GET "${j}" config param_groups 1 weight_decay)
+  string(JSON samples LENGTH "${j}" interpreted_two_groups samples_ms)
+  string(JSON ratio GET "${j}" fused_two_groups_over_one_group_time)
+  string(JSON per_it GET "${j}" per_iteration unfused_two_groups_over_one_group_time median)
+  string(JSON npairs LENGTH "${j}" verification_two_groups pairs)
+  if(NOT mode STREQUAL "compare" OR NOT ngroups EQUAL 2 OR NOT decay_tensors EQUAL 2 OR NOT nodecay_params EQUAL 230
+     OR NOT nodecay_wd EQUAL 0 OR NOT samples EQUAL 3 OR NOT ratio GREATER 0 OR NOT per_it GREATER 0
+     OR NOT npairs EQUAL 2)
+    message(FATAL_ERROR "groups: the JSON is wrong: groups=${mode} param_groups=${ngroups} decay tensors="
+                        "${decay_tensors} no-decay params=${nodecay_params} no-decay weight_decay=${nodecay_wd} "
+                        "two-group interpreted samples=${samples} fused ratio=${ratio} unfused per-iteration=${per_it} "
+                        "two-group verified pairs=${npairs}")
+  endif()
+  bench(--shapes "${DIR}/layers.shapes" --groups on --fusion fused --steps 2 --warmup 0 --rss-steps 1 --threads 1)
+  expect_rc(0 "groups (on)")
+  expect_in("${out}" "param groups (--groups on): decay: 2 tensors" "groups (on) stdout")
+  if(out MATCHES "-2g|two groups / one group")
+    message(FATAL_ERROR "groups (on): timed one group as well:\n${out}")
+  endif()
+  # --print-shapes --groups writes the dims of matrices, which read back to the same list.
+  bench(--shapes "${DIR}/layers.shapes" --groups on --print-shapes)
+  expect_rc(0 "groups (print-shapes)")
+  if(NOT out STREQUAL "w1 64x100\nb1 100\nln.weight 100\nw2 100x30\nb2 30\n")
+    message(FATAL_ERROR "groups (print-shapes): printed\n${out}")
+  endif()
+  bench(--preset resnet50 --groups on --print-shapes)
+  expect_in("${out}" "conv1.weight 64x3x7x7\nbn1.weight 64\n" "groups (resnet50 dims)")
+  file(WRITE "${DIR}/resnet50.shapes" "${out}")
+  set(first "${out}")
+  bench(--shapes "${DIR}/resnet50.shapes" --groups on --print-shapes)
+  if(NOT out STREQUAL first)
+    message(FATAL_ERROR "groups: --shapes of --print-shapes --groups prints a different list")
+  endif()
+  # Usage errors.
+  bench(--preset flat:1000 --groups on)
+  expect_rc(1 "groups (flat: no matrix)")
+  expect_in("${err}" "--groups: splits the tensors into matrices (weight decay) and 1-D tensors (none), but every "
+                     "tensor of preset flat:1000 is 1-D" "groups (flat)")
+  file(WRITE "${DIR}/counts.shapes" "wte 38597376\nln 768\n")
+  bench(--shapes "${DIR}/counts.shapes" --groups compare)
+  expect_rc(1 "groups (counts only)")
+  expect_in("${err}" "give the dims of matrices, e.g. 'wte 50257x768'" "groups (counts only)")
+  bench(--shapes "${DIR}/layers.shapes" --groups on --backend cuda)
+  expect_rc(1 "groups (cuda)")
+  expect_in("${err}" "--groups: stepfuse-bench times param groups on the CPU only" "groups (cuda)")
+  file(WRITE "${DIR}/badshape.shapes" "w 64xq\n")
+  bench(--shapes "${DIR}/badshape.shapes" --print-shapes)
+  expect_rc(1 "groups (bad shape)")
+  expect_in("${err}" "line 1: '64xq' is not a shape for tensor 'w' (expected dims joined by 'x'" "groups (bad shape)")
 
 else()
   message(FATAL_ERROR "stepfuse_bench_cli_test.cmake: unknown CASE '${CASE}'")

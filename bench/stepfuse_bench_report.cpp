@@ -12,6 +12,7 @@
 
 #include "bandwidth.hpp"
 #include "cli_support.hpp"
+#include "param_groups.hpp"
 #include "stats.hpp"
 #include "step_bytes.hpp"
 #include "stepfuse/stepfuse.hpp"
@@ -75,11 +76,15 @@ struct Figures {
   sb::StepBytes plain_bytes;  // what the update pass alone must move
   sb::Summary uo;  // the update pass alone
   double update_gbs = 0, reduce_s = 0, reduce_gbs = 0;
+  // --groups compare, per timed variant: median two-group time / median one-group time, and
+  // the same from each iteration's own pair of samples (taken back to back).
+  std::array<double, kAllVariants.size()> groups_median_ratio{};
+  std::array<sb::Summary, kAllVariants.size()> groups_per_iteration{};
 };
 
-// The figures, and each timed variant's summary and GB/s in `runs`.
-Figures compute_figures(const Args& a, const Case& c, const FusedOnly& fo, Runs& runs, const Timing& timing,
-                        const sb::BandwidthProbe& probe) {
+// The figures, and each timed variant's summary and GB/s in `runs` (and grouped->runs).
+Figures compute_figures(const Args& a, const Case& c, const FusedOnly& fo, Runs& runs, GroupedRuns* grouped,
+                        const Timing& timing, const sb::BandwidthProbe& probe) {
   const sf::DType wt = c.weights, gt = c.grads;
   const int state_streams = fo.state_streams;
   const std::int64_t n = c.n;
@@ -130,13 +135,39 @@ Figures compute_figures(const Args& a, const Case& c, const FusedOnly& fo, Runs&
   const double update_gbs = update_only ? plain_bytes.per_param() * static_cast<double>(n) / uo.median * 1e-9 : 0.0;
   const double reduce_s = update_only ? runs[idx(first_fused)].summary.median - uo.median : 0.0;
   const double reduce_gbs = update_only && reduce_s > 0 ? bytes.reduce * static_cast<double>(n) / reduce_s * 1e-9 : 0.0;
-  return Figures{bytes,          step_bytes,  std::move(bw_gbs), std::move(bw_sum), ref_gbs,   std::move(ratios),
-                 paired_frac,    plain_bytes, uo,                update_gbs,        reduce_s,  reduce_gbs};
+  Figures f{bytes,       step_bytes, std::move(bw_gbs), std::move(bw_sum), ref_gbs,  std::move(ratios),
+            paired_frac, plain_bytes, uo,                update_gbs,        reduce_s, reduce_gbs};
+  if (grouped) {
+    for (Variant v : variants) {
+      ModeRun &one = runs[idx(v)], &two = grouped->runs[idx(v)];
+      two.summary = sb::summarize(two.samples);
+      two.gbs = step_bytes / two.summary.median * 1e-9;
+      std::vector<double> paired;
+      for (std::size_t i = 0; i < one.samples.size(); ++i) paired.push_back(two.samples[i] / one.samples[i]);
+      f.groups_median_ratio[idx(v)] = two.summary.median / one.summary.median;
+      f.groups_per_iteration[idx(v)] = sb::summarize(paired);
+    }
+  }
+  return f;
 }
+
+// The two groups as the report describes them (--groups on or compare): decay, then no decay.
+struct GroupLine {
+  std::size_t tensors;
+  std::int64_t params;
+  double weight_decay;
+};
+std::array<GroupLine, 2> group_lines(const Case& c) {
+  return {GroupLine{c.split, c.split_params, sb::weight_decay_of(c.config)},
+          GroupLine{c.preset.tensors.size() - c.split, c.n - c.split_params, sb::weight_decay_of(c.no_decay_config)}};
+}
+// The row name of a variant's two-group run (--groups compare).
+std::string two_groups_name(Variant v) { return std::string(variant_name(v)) + "-2g"; }
 
 // The table, printed unless --json-only.
 std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, const Verification& ver, const Runs& runs,
-                         const Timing& timing, const Figures& f, const sb::BandwidthProbe& probe, double llvm_first_ms,
+                         const GroupedRuns* grouped, const Timing& timing, const Figures& f,
+                         const sb::BandwidthProbe& probe, double llvm_first_ms,
                          std::chrono::steady_clock::time_point t_start) {
   const double S = c.loss_scale;
   const std::int64_t n = c.n;
@@ -156,22 +187,37 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
   out += format("%s · weights %s%s · grads %s · clip %s · loss scale %g\n",
                 std::string(sf::optimizer_name(c.config)).c_str(), a.weights.c_str(), masters ? " + fp32 masters" : "",
                 a.grads.c_str(), clip.c_str(), S);
+  if (c.groups != GroupsMode::off) {
+    const auto g = group_lines(c);
+    out += format("param groups (--groups %s): decay: %s tensors of rank >= 2, %s parameters, weight_decay %g; "
+                  "no decay: %s 1-D tensors, %s parameters, weight_decay %g (tensors in that order)%s\n",
+                  groups_mode_name(c.groups), with_commas(static_cast<std::int64_t>(g[0].tensors)).c_str(),
+                  with_commas(g[0].params).c_str(), g[0].weight_decay,
+                  with_commas(static_cast<std::int64_t>(g[1].tensors)).c_str(), with_commas(g[1].params).c_str(),
+                  g[1].weight_decay,
+                  c.groups == GroupsMode::compare ? "; each mode timed with one group and with these two" : "");
+  }
   out += format("bytes the step must move: %s (%d state stream%s) = %.3f GB per step\n", f.bytes.breakdown().c_str(),
                 fo.state_streams, fo.state_streams == 1 ? "" : "s", f.step_bytes * 1e-9);
-  for (const Verified& v : ver.verified) {
-    const sb::VerifyReport& vr = v.report;
-    out += format("verified before timing: one %s and one %s step agree on %s values (%.1f%% bitwise, worst "
-                  "%.2f of the tolerance, rel %.0e)\n",
-                  variant_name(v.mode), variant_name(ver.ref), with_commas(vr.values_checked).c_str(),
-                  100.0 * static_cast<double>(vr.identical) /
-                      static_cast<double>(std::max<std::int64_t>(vr.values_checked, 1)),
-                  vr.worst_ratio, vr.rel_tol);
-  }
-  if (ver.llvm_check)
-    out += format("verified before timing: one fused-llvm and one fused (Highway) step are bitwise equal: %s values, "
-                  "the grad norm and the clip coefficient\n",
-                  with_commas(ver.llvm_check->values_checked).c_str());
-  out += format("  (grad norm %.6g, clip coef %.6g)\n", ver.ref_result.grad_norm, ver.ref_result.clip_coef);
+  // The verification lines of one configuration; `label` says which with --groups compare.
+  auto verified_lines = [&](const Verification& vs, const char* label) {
+    for (const Verified& v : vs.verified) {
+      const sb::VerifyReport& vr = v.report;
+      out += format("verified before timing%s: one %s and one %s step agree on %s values (%.1f%% bitwise, worst "
+                    "%.2f of the tolerance, rel %.0e)\n",
+                    label, variant_name(v.mode), variant_name(vs.ref), with_commas(vr.values_checked).c_str(),
+                    100.0 * static_cast<double>(vr.identical) /
+                        static_cast<double>(std::max<std::int64_t>(vr.values_checked, 1)),
+                    vr.worst_ratio, vr.rel_tol);
+    }
+    if (vs.llvm_check)
+      out += format("verified before timing%s: one fused-llvm and one fused (Highway) step are bitwise equal: %s "
+                    "values, the grad norm and the clip coefficient\n",
+                    label, with_commas(vs.llvm_check->values_checked).c_str());
+    out += format("  (grad norm %.6g, clip coef %.6g)\n", vs.ref_result.grad_norm, vs.ref_result.clip_coef);
+  };
+  verified_lines(ver, grouped ? " (one group)" : "");
+  if (grouped) verified_lines(grouped->ver, " (two groups)");
   out += format("\nmemory bandwidth, same run, %d thread%s, %s floats per array (median of %d, min-max):\n", threads,
                 threads == 1 ? "" : "s", with_commas(n).c_str(), a.steps);
   for (sb::Pattern p : sb::kAllPatterns) {
@@ -179,18 +225,25 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
     out += format("  %-10s %2d B/elem  %6.1f GB/s  (%.1f-%.1f)\n", std::string(sb::pattern_name(p)).c_str(),
                   sb::pattern_bytes_per_element(p), f.bw_gbs.at(p), b / f.bw_sum.at(p).max, b / f.bw_sum.at(p).min);
   }
-  out += format("\n%d timed steps per mode after %d warm-up, interleaved (%s%s):\n", a.steps, a.warmup,
+  out += format("\n%d timed steps per mode after %d warm-up, interleaved (%s%s%s):\n", a.steps, a.warmup,
                 mode_list.c_str(),
                 c.timed(Variant::fused) && c.timed(Variant::fused_llvm)
                     ? "; fused runs Highway's code, fused-llvm LLVM's, in alternating order"
-                    : c.timed(Variant::fused_llvm) ? "; fused-llvm runs LLVM's code" : "");
-  out += format("  %-11s %10s %9s %9s %9s %8s %12s\n", "mode", "median ms", "min", "max", "IQR", "GB/s", "% adam_like");
+                    : c.timed(Variant::fused_llvm) ? "; fused-llvm runs LLVM's code" : "",
+                grouped ? "; -2g: the same mode with two param groups, right after the one-group step on even "
+                          "iterations, right before it on odd ones"
+                        : "");
+  // The mode column is 11 wide, wider for the "-2g" rows of --groups compare.
+  const int name_w = grouped ? 14 : 11;
+  out += format("  %-*s %10s %9s %9s %9s %8s %12s\n", name_w, "mode", "median ms", "min", "max", "IQR", "GB/s",
+                "% adam_like");
   auto row = [&](const char* name, const sb::Summary& s, double gbs) {
-    out += format("  %-11s %10.2f %9.2f %9.2f %9.2f %8.1f %11.1f%%\n", name, s.median * 1e3, s.min * 1e3, s.max * 1e3,
-                  (s.p75 - s.p25) * 1e3, gbs, 100.0 * gbs / f.ref_gbs);
+    out += format("  %-*s %10.2f %9.2f %9.2f %9.2f %8.1f %11.1f%%\n", name_w, name, s.median * 1e3, s.min * 1e3,
+                  s.max * 1e3, (s.p75 - s.p25) * 1e3, gbs, 100.0 * gbs / f.ref_gbs);
   };
   for (Variant v : c.variants) {
     row(variant_name(v), runs[idx(v)].summary, runs[idx(v)].gbs);
+    if (grouped) row(two_groups_name(v).c_str(), grouped->runs[idx(v)].summary, grouped->runs[idx(v)].gbs);
     if (v == c.first_fused && timing.update_only) row("update", f.uo, f.update_gbs);
   }
   if (timing.update_only)
@@ -221,6 +274,16 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
                     r.per_iteration.min, r.per_iteration.max);
     out += "\n";
   }
+  if (grouped) {
+    // Per iteration: each iteration's one- and two-group steps ran back to back, so their
+    // ratio is what a busy machine disturbs least.
+    out += "  two groups / one group, step time (median of per-iteration ratios, min-max; ratio of median times):\n";
+    for (Variant v : c.variants) {
+      const sb::Summary& pi = f.groups_per_iteration[idx(v)];
+      out += format("    %-11s %.3fx (%.3f-%.3f; %.3fx)\n", variant_name(v), pi.median, pi.min, pi.max,
+                    f.groups_median_ratio[idx(v)]);
+    }
+  }
   if (c.timed(Variant::fused_llvm))  // at model size, most of the time is allocating and filling state and masters
     out += format("  LLVM optimizer construction: %.1f ms for the first (16 elements: its kernels compiled now, or "
                   "loaded from the kernel cache); at model size %.1f ms, Highway's %.1f ms\n",
@@ -239,7 +302,8 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
 
 // The JSON report.
 json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verification& ver, const Runs& runs,
-               const Timing& timing, const Figures& f, const sb::BandwidthProbe& probe, double llvm_first_ms) {
+               const GroupedRuns* grouped, const Timing& timing, const Figures& f, const sb::BandwidthProbe& probe,
+               double llvm_first_ms) {
   const double S = c.loss_scale;
   const std::int64_t n = c.n;
   const int threads = fo.threads;
@@ -272,7 +336,14 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
                  {"loss_scale", S},
                  {"steps", a.steps},
                  {"warmup", a.warmup},
-                 {"rss_steps", a.rss_steps}};
+                 {"rss_steps", a.rss_steps},
+                 {"groups", groups_mode_name(c.groups)}};
+  if (c.groups != GroupsMode::off) {  // the two groups, in params() order
+    const auto g = group_lines(c);
+    j["config"]["param_groups"] = json::array(
+        {{{"name", "decay"}, {"tensors", g[0].tensors}, {"params", g[0].params}, {"weight_decay", g[0].weight_decay}},
+         {{"name", "no_decay"}, {"tensors", g[1].tensors}, {"params", g[1].params}, {"weight_decay", g[1].weight_decay}}});
+  }
   j["step_bytes"] = {{"reduce_per_param", f.bytes.reduce},
                      {"update_per_param", f.bytes.update},
                      {"per_param", f.bytes.per_param()},
@@ -312,6 +383,16 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
   for (Variant v : c.variants)
     per_it[variant_key(v) + "_fraction_of_adam_like"] = summary_json(f.paired_frac[idx(v)], 1.0);
   for (const Ratio& r : f.ratios) per_it[ratio_key(r.pair)] = summary_json(r.per_iteration, 1.0);
+  // --groups compare: "<variant>_two_groups" (the mode with two groups) and
+  // "<variant>_two_groups_over_one_group_time" (median two-group time / median one-group
+  // time; per_iteration: the same from each iteration's pair).
+  if (grouped)
+    for (Variant v : c.variants) {
+      const ModeRun& r = grouped->runs[idx(v)];
+      j[variant_key(v) + "_two_groups"] = mode_json(r.summary, r.samples, r.gbs);
+      j[variant_key(v) + "_two_groups_over_one_group_time"] = f.groups_median_ratio[idx(v)];
+      per_it[variant_key(v) + "_two_groups_over_one_group_time"] = summary_json(f.groups_per_iteration[idx(v)], 1.0);
+    }
   j["per_iteration"] = per_it;
   // The top-level figures are the first pair's (fused against unfused by default);
   // "pairs" has every pair checked.
@@ -341,6 +422,24 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
                                             {"values_bitwise_equal", ver.llvm_check->identical},
                                             {"grad_norm", runs[idx(Variant::fused_llvm)].verify_result.grad_norm},
                                             {"clip_coef", runs[idx(Variant::fused_llvm)].verify_result.clip_coef}};
+  if (grouped) {  // the two-group optimizers' own check, as "verification" is the one-group ones'
+    const Verification& gv = grouped->ver;
+    json gpairs = json::array();
+    for (const Verified& v : gv.verified)
+      gpairs.push_back({{"mode", variant_name(v.mode)},
+                        {"reference", variant_name(gv.ref)},
+                        {"values_checked", v.report.values_checked},
+                        {"values_bitwise_equal", v.report.identical},
+                        {"worst_fraction_of_tolerance", v.report.worst_ratio},
+                        {"rel_tol", v.report.rel_tol},
+                        {"worst", v.report.worst}});
+    j["verification_two_groups"] = {{"ok", true},
+                                    {"grad_norm", gv.ref_result.grad_norm},
+                                    {"clip_coef", gv.ref_result.clip_coef},
+                                    {"reference", variant_name(gv.ref)},
+                                    {"pairs", gpairs},
+                                    {"llvm_vs_highway_bitwise_equal", gv.llvm_check ? json(true) : json(nullptr)}};
+  }
   if (c.timed(Variant::fused_llvm))
     j["llvm"] = {{"version", sf::llvm_version()},
                  {"cpu", sf::llvm_cpu()},
@@ -364,14 +463,14 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
 }  // namespace
 
 void report(const Args& a, const Case& c, const FusedOnly& fo, const Verification& ver, Runs& runs,
-            const Timing& timing, const BandwidthProbe& probe, double llvm_first_ms,
+            GroupedRuns* grouped, const Timing& timing, const BandwidthProbe& probe, double llvm_first_ms,
             std::chrono::steady_clock::time_point t_start, std::ofstream& json_out) {
-  const Figures f = compute_figures(a, c, fo, runs, timing, probe);
-  const std::string out = format_table(a, c, fo, ver, runs, timing, f, probe, llvm_first_ms, t_start);
+  const Figures f = compute_figures(a, c, fo, runs, grouped, timing, probe);
+  const std::string out = format_table(a, c, fo, ver, runs, grouped, timing, f, probe, llvm_first_ms, t_start);
   if (!a.json_only) std::fputs(out.c_str(), stdout);
 
   if (json_out.is_open() || a.json_only) {
-    const json j = make_json(a, c, fo, ver, runs, timing, f, probe, llvm_first_ms);
+    const json j = make_json(a, c, fo, ver, runs, grouped, timing, f, probe, llvm_first_ms);
     write_json_report(j.dump(2) + "\n", json_out, a.json_path, a.json_only);
   }
 }
