@@ -758,6 +758,37 @@ std::vector<NamedConfig> configs_for(Builtin b) {
     return {{"Lion", optim::Lion{}},
             {"Lion wd maximize", optim::Lion{.lr = 1e-3, .weight_decay = 0.1, .maximize = true}},
             {"Lion lr=0", optim::Lion{.lr = 0}}};
+  if (b == jit::builtin_named("nadam"))
+    return {{"NAdam", optim::NAdam{}},
+            {"NAdam wd maximize", optim::NAdam{.lr = 1e-2, .weight_decay = 0.1, .momentum_decay = 0.01, .maximize = true}},
+            {"NAdam decoupled wd betas", optim::NAdam{.beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.1,
+                                                      .decoupled_weight_decay = true}},
+            {"NAdam lr=0", optim::NAdam{.lr = 0}}};
+  if (b == jit::builtin_named("radam"))
+    return {{"RAdam", optim::RAdam{}},
+            {"RAdam beta2 0.9 wd maximize", optim::RAdam{.lr = 1e-2, .beta2 = 0.9, .weight_decay = 0.1, .maximize = true}},
+            {"RAdam decoupled wd", optim::RAdam{.beta1 = 0.8, .beta2 = 0.9, .eps = 1e-6, .weight_decay = 0.1,
+                                                .decoupled_weight_decay = true}},
+            {"RAdam lr=0", optim::RAdam{.lr = 0}}};
+  if (b == jit::builtin_named("adamax"))
+    return {{"Adamax", optim::Adamax{}},
+            {"Adamax wd maximize betas", optim::Adamax{.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6,
+                                                       .weight_decay = 0.1, .maximize = true}},
+            {"Adamax lr=0", optim::Adamax{.lr = 0}}};
+  if (b == jit::builtin_named("adadelta"))
+    return {{"Adadelta", optim::Adadelta{}},
+            {"Adadelta rho wd maximize", optim::Adadelta{.lr = 0.5, .rho = 0.8, .eps = 1e-4, .weight_decay = 0.1,
+                                                         .maximize = true}},
+            {"Adadelta lr=0", optim::Adadelta{.lr = 0}}};
+  if (b == jit::builtin_named("rprop"))
+    return {{"Rprop", optim::Rprop{}},
+            {"Rprop etas clamps maximize", optim::Rprop{.lr = 0.02, .eta_minus = 0.3, .eta_plus = 1.3,
+                                                        .step_size_min = 0.015, .step_size_max = 0.024, .maximize = true}}};
+  if (b == jit::builtin_named("asgd"))
+    return {{"ASGD", optim::ASGD{}},
+            {"ASGD t0=0 wd maximize", optim::ASGD{.lr = 0.05, .lambd = 0.1, .alpha = 0.5, .t0 = 0, .weight_decay = 0.1,
+                                                  .maximize = true}},
+            {"ASGD lr=0", optim::ASGD{.lr = 0}}};
   return {};
 }
 
@@ -771,7 +802,8 @@ constexpr StepPoint kSteps[] = {{1, 1.0}, {7, 0.3 / 64}};
 
 // Second moments and accumulators are never negative in a real run.
 bool nonnegative_state(std::string_view name) {
-  return name == "exp_avg_sq" || name == "max_exp_avg_sq" || name == "sum" || name == "square_avg";
+  return name == "exp_avg_sq" || name == "max_exp_avg_sq" || name == "sum" || name == "square_avg" ||
+         name == "exp_inf" || name == "acc_delta" || name == "step_size";
 }
 
 // Awkward fp32 values: zeros of both signs, f32 and f16 subnormals, values near the
@@ -1154,12 +1186,69 @@ std::optional<double> pytorch_scalar(const OptimizerConfig& config, std::string_
           if (name == "one_minus_alpha") return 1.0 - c.alpha;
           if (name == "eps") return c.eps;
           if (name == "momentum") return c.momentum;
-        } else {
+        } else if constexpr (std::is_same_v<T, optim::Lion>) {
           if (name == "decay") return 1.0 - c.lr * c.weight_decay;
           if (name == "beta1") return c.beta1;
           if (name == "one_minus_beta1") return 1.0 - c.beta1;
           if (name == "beta2") return c.beta2;
           if (name == "one_minus_beta2") return 1.0 - c.beta2;
+        } else if constexpr (std::is_same_v<T, optim::NAdam> || std::is_same_v<T, optim::RAdam>) {
+          if (name == "l2") return c.decoupled_weight_decay ? 0.0 : c.weight_decay;
+          if (name == "decay") return c.decoupled_weight_decay ? 1.0 - c.lr * c.weight_decay : 1.0;
+          if (name == "beta1") return c.beta1;
+          if (name == "one_minus_beta1") return 1.0 - c.beta1;
+          if (name == "beta2") return c.beta2;
+          if (name == "one_minus_beta2") return 1.0 - c.beta2;
+          if (name == "eps") return c.eps;
+          if constexpr (std::is_same_v<T, optim::NAdam>) {
+            // torch/optim/nadam.py: mu = beta1 * (1 - 0.5 * 0.96^(step * momentum_decay)); mu_product
+            // is the product of the mus (an fp32 tensor in PyTorch: here the exact product rounded
+            // to fp32 once; NadamMomentumCache below bounds the difference).
+            const auto mu = [&](double i) { return c.beta1 * (1.0 - 0.5 * std::pow(0.96, i * c.momentum_decay)); };
+            double product = 1;
+            for (std::int64_t i = 1; i <= step; ++i) product *= mu(static_cast<double>(i));
+            const double mu_product = static_cast<float>(product);
+            if (name == "bias_correction2") return 1.0 - std::pow(c.beta2, t);
+            if (name == "grad_coef") return -c.lr * (1.0 - mu(t)) / (1.0 - mu_product);
+            if (name == "momentum_coef") return -c.lr * mu(t + 1) / (1.0 - mu_product * mu(t + 1));
+          } else {
+            // torch/optim/radam.py
+            const double bias_correction2 = 1.0 - std::pow(c.beta2, t);
+            const double rho_inf = 2.0 / (1.0 - c.beta2) - 1.0;
+            const double rho_t = rho_inf - 2.0 * t * std::pow(c.beta2, t) / bias_correction2;
+            if (name == "lr") return c.lr;
+            if (name == "bias_correction1") return 1.0 - std::pow(c.beta1, t);
+            if (name == "bias_correction2_sqrt") return std::pow(bias_correction2, 0.5);
+            if (name == "rect")
+              return rho_t > 5.0 ? std::pow((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t), 0.5)
+                                 : 0.0;
+          }
+        } else if constexpr (std::is_same_v<T, optim::Adamax>) {
+          if (name == "weight_decay") return c.weight_decay;
+          if (name == "beta1") return c.beta1;
+          if (name == "one_minus_beta1") return 1.0 - c.beta1;
+          if (name == "beta2") return c.beta2;
+          if (name == "eps") return c.eps;
+          if (name == "clr") return c.lr / (1.0 - std::pow(c.beta1, t));
+        } else if constexpr (std::is_same_v<T, optim::Adadelta>) {
+          if (name == "weight_decay") return c.weight_decay;
+          if (name == "rho") return c.rho;
+          if (name == "one_minus_rho") return 1.0 - c.rho;
+          if (name == "eps") return c.eps;
+        } else if constexpr (std::is_same_v<T, optim::Rprop>) {
+          if (name == "eta_plus") return c.eta_plus;
+          if (name == "eta_minus") return c.eta_minus;
+          if (name == "step_size_min") return c.step_size_min;
+          if (name == "step_size_max") return c.step_size_max;
+        } else if constexpr (std::is_same_v<T, optim::ASGD>) {
+          // torch/optim/asgd.py: eta and mu are fp32 tensors, set after each step from the step
+          // count (eta = lr and mu = 1 before the first).
+          const double done = t - 1.0;
+          const double eta = static_cast<float>(c.lr / std::pow(1.0 + c.lambd * c.lr * done, c.alpha));
+          if (name == "weight_decay") return c.weight_decay;
+          if (name == "eta") return eta;
+          if (name == "decay") return 1.0 - c.lambd * eta;
+          if (name == "mu") return step == 1 ? 1.0 : 1.0 / std::max(1.0, done - c.t0);
         }
         return std::nullopt;
       },
@@ -1183,6 +1272,12 @@ TEST(CudaScalarRules, EvaluateToPyTorchFormulasWithinOneUlp) {
     std::vector<NamedConfig> configs = configs_for(builtin);
     // Betas near 1, where the bias corrections cancel most.
     if (builtin == jit::builtin_named("adam")) configs.push_back({"Adam betas near 1", optim::Adam{.beta1 = 0.99, .beta2 = 0.99999}});
+    if (builtin == jit::builtin_named("nadam"))
+      configs.push_back({"NAdam betas near 1", optim::NAdam{.beta1 = 0.99, .beta2 = 0.99999, .momentum_decay = 0.1}});
+    if (builtin == jit::builtin_named("radam"))
+      configs.push_back({"RAdam beta2 near 1", optim::RAdam{.beta1 = 0.99, .beta2 = 0.99999}});
+    if (builtin == jit::builtin_named("asgd"))
+      configs.push_back({"ASGD large lambd", optim::ASGD{.lr = 0.1, .lambd = 0.5, .alpha = 0.9, .t0 = 3}});
     for (const NamedConfig& nc : configs) {
       sf_scalar_rule rules[kMaxScalars];
       jit::scalar_rules(nc.config, prog, rules);
@@ -1228,7 +1323,8 @@ TEST(CudaScalarRules, RepeatedSquaringRoundsLikeStdPow) {
   for (double beta : betas)
     for (std::int64_t step : steps) {
       const double t = static_cast<double>(step);
-      const sf_scalar_rule rules[2] = {{SF_RULE_DIV_ONE_MINUS_POW, 0, 1e-3, beta}, {SF_RULE_SQRT_ONE_MINUS_POW, 0, 0.0, beta}};
+      const sf_scalar_rule rules[2] = {{SF_RULE_DIV_ONE_MINUS_POW, 0, 1e-3, beta, 0.0},
+                                       {SF_RULE_SQRT_ONE_MINUS_POW, 0, 0.0, beta, 0.0}};
       float got[2];
       jit::eval_scalars(rules, 2, step, 1.0, got);
       const float want[2] = {static_cast<float>(1e-3 / (1.0 - std::pow(beta, t))),
@@ -1252,6 +1348,103 @@ TEST(CudaScalarRules, RepeatedSquaringRoundsLikeStdPow) {
               first.empty() ? "" : "; first: ", first.c_str());
   EXPECT_LE(worst, 1);
   EXPECT_LE(static_cast<double>(mismatches), 1e-3 * static_cast<double>(total));
+}
+
+// The real powers, logarithms and exponentials of the rules (jit/step_scalars.h:
+// sf_pow, sf_log, sf_exp, sf_expm1), written with + - * / and bit manipulation only so
+// that host and device get the same bits: within about one double ulp of the true
+// value, i.e. at most 2 ulps from glibc's (itself within half an ulp), over the ranges
+// the rules use and far beyond; rounded to fp32 they nearly always equal std::pow's.
+std::int64_t ulp_distance64(double a, double b) {
+  auto ordered = [](double x) -> std::int64_t {
+    std::uint64_t u;
+    std::memcpy(&u, &x, 8);
+    return (u >> 63) ? -static_cast<std::int64_t>(u & 0x7FFFFFFFFFFFFFFFull) : static_cast<std::int64_t>(u);
+  };
+  return std::llabs(ordered(a) - ordered(b));
+}
+
+TEST(CudaScalarRules, RealPowersLogsAndExpsAreWithinAnUlpOfTheLibm) {
+  std::mt19937_64 rng(77);
+  auto uniform = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
+  std::int64_t pow_worst = 0, pow_total = 0, pow_f32_differ = 0;
+  double worst_x = 0, worst_y = 0;
+  for (int i = 0; i < 400000; ++i) {
+    double x = 0, y = 0;
+    switch (i % 5) {
+      case 0: x = std::exp(uniform(-700, 700)), y = uniform(-1, 1); break;          // any base, small exponents
+      case 1: x = uniform(0, 2), y = uniform(-100, 100); break;
+      case 2: x = 1 + uniform(-1e-3, 1e-3), y = uniform(-1e5, 1e5); break;       // ASGD's (1 + lambd lr t)^alpha
+      case 3: x = 0.96, y = uniform(0, 1e4); break;                               // NAdam's 0.96^(t md)
+      default: x = 1 + uniform(0, 1e3), y = uniform(0, 1); break;
+    }
+    const double want = std::pow(x, y), got = sf_pow(x, y);
+    if (!std::isnormal(want)) continue;
+    ++pow_total;
+    const std::int64_t d = ulp_distance64(got, want);
+    if (d > pow_worst) pow_worst = d, worst_x = x, worst_y = y;
+    pow_f32_differ += static_cast<float>(got) != static_cast<float>(want);
+  }
+  std::int64_t log_worst = 0, exp_worst = 0, expm1_worst = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const double x = std::exp(uniform(-745, 709));
+    log_worst = std::max(log_worst, ulp_distance64(sf_log(x), std::log(x)));
+    const double e = uniform(-708, 709);
+    exp_worst = std::max(exp_worst, ulp_distance64(sf_exp(e), std::exp(e)));
+    const double m = uniform(-1, 1) * std::pow(10.0, -uniform(0, 12));
+    expm1_worst = std::max(expm1_worst, ulp_distance64(sf_expm1(m), std::expm1(m)));
+  }
+  std::printf("sf_pow: %lld values, at most %lld ulps from std::pow (x %.17g, y %.17g), %lld round to another fp32; "
+              "sf_log %lld, sf_exp %lld, sf_expm1 %lld ulps at most\n",
+              static_cast<long long>(pow_total), static_cast<long long>(pow_worst), worst_x, worst_y,
+              static_cast<long long>(pow_f32_differ), static_cast<long long>(log_worst), static_cast<long long>(exp_worst),
+              static_cast<long long>(expm1_worst));
+  EXPECT_LE(pow_worst, 2);
+  EXPECT_LE(static_cast<double>(pow_f32_differ), 1e-4 * static_cast<double>(pow_total));
+  EXPECT_LE(log_worst, 1);
+  EXPECT_LE(exp_worst, 1);
+  EXPECT_LE(expm1_worst, 4);  // exp(x) - 1 for |x| >= 0.3
+  // Exact where PyTorch's are: ASGD's first step (1^alpha), x^0, and the special values.
+  EXPECT_EQ(sf_pow(1.0, 0.75), 1.0);
+  EXPECT_EQ(sf_pow(0.37, 0.0), 1.0);
+  EXPECT_EQ(sf_pow(2.0, 10.0), 1024.0);
+  EXPECT_EQ(sf_pow(0.0, 0.5), 0.0);
+  EXPECT_TRUE(std::isinf(sf_pow(0.0, -0.5)));
+  EXPECT_EQ(sf_pow(0.5, 2000.0), 0.0);
+  EXPECT_TRUE(std::isinf(sf_pow(2.0, 2000.0)));
+  EXPECT_TRUE(std::isnan(sf_pow(-2.0, 0.5)));
+  EXPECT_EQ(sf_exp(0.0), 1.0);
+  EXPECT_EQ(sf_log(1.0), 0.0);
+  EXPECT_EQ(ulp_distance64(sf_pow(3e-320, 0.5), std::pow(3e-320, 0.5)), 0);  // a subnormal base
+}
+
+// NAdam's momentum cache product P_t = mu_1 ... mu_t in closed form (sf_nadam_mu_product)
+// against the product itself: within an fp32 ulp of the double loop (both rounded to
+// fp32), and within t fp32 ulps of PyTorch's own running product in an fp32 tensor.
+TEST(CudaScalarRules, NadamMomentumCacheClosedFormMatchesTheProduct) {
+  std::int64_t checked = 0, worst_loop = 0, worst_torch = 0;
+  for (double beta1 : {0.0, 0.5, 0.9, 0.95, 0.99, 0.999})
+    for (double md : {0.0, 1e-300, 1e-5, 4e-3, 0.1, 1.0, 30.0, 1e4}) {
+      const auto mu = [&](std::int64_t i) { return beta1 * (1.0 - 0.5 * std::pow(0.96, static_cast<double>(i) * md)); };
+      double product = 1;
+      float torch_product = 1;  // mu_product *= mu: fp32 times the fp32 rounding of mu
+      for (std::int64_t t = 1; t <= 3000; ++t) {
+        product *= mu(t);
+        torch_product *= static_cast<float>(mu(t));
+        if (t > 100 && t % 97 != 0) continue;
+        const auto got = static_cast<float>(sf_nadam_mu_product(beta1, md, t));
+        ++checked;
+        const std::int64_t d_loop = ulp_distance32(got, static_cast<float>(product));
+        const std::int64_t d_torch = ulp_distance32(got, torch_product);
+        worst_loop = std::max(worst_loop, d_loop);
+        worst_torch = std::max(worst_torch, d_torch);
+        EXPECT_LE(d_loop, 1) << "beta1 " << beta1 << " md " << md << " t " << t << ": " << got << " vs " << product;
+        EXPECT_LE(d_torch, t) << "beta1 " << beta1 << " md " << md << " t " << t << ": " << got << " vs " << torch_product;
+      }
+    }
+  std::printf("NAdam mu_product: %lld checked; at most %lld fp32 ulps from the double product, %lld from PyTorch's fp32 "
+              "running product\n",
+              static_cast<long long>(checked), static_cast<long long>(worst_loop), static_cast<long long>(worst_torch));
 }
 
 }  // namespace

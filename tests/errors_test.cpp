@@ -99,6 +99,36 @@ std::vector<BadConfig> bad_configs() {
   }
   // Lion's betas: the paper's reference code asserts 0 <= beta <= 1.
   for (double v : {-0.1, 1.5, kNaN}) add_each<Lion>(bad, v, {{beta(1), &Lion::beta1}, {beta(2), &Lion::beta2}});
+
+  // NAdam, RAdam, Adamax, Adadelta, Rprop, ASGD: PyTorch's checks (>= 0, betas in [0, 1),
+  // Adadelta's rho in [0, 1], Rprop's 0 < eta_minus < 1 < eta_plus), and finiteness.
+  for (double v : {-0.5, kNaN, kInf}) {
+    add_each<NAdam>(bad, v, {{field("lr"), &NAdam::lr}, {field("eps"), &NAdam::eps},
+                             {field("weight_decay"), &NAdam::weight_decay},
+                             {field("momentum_decay"), &NAdam::momentum_decay}});
+    add_each<RAdam>(bad, v, {{field("lr"), &RAdam::lr}, {field("eps"), &RAdam::eps},
+                             {field("weight_decay"), &RAdam::weight_decay}});
+    add_each<Adamax>(bad, v, {{field("lr"), &Adamax::lr}, {field("eps"), &Adamax::eps},
+                              {field("weight_decay"), &Adamax::weight_decay}});
+    add_each<Adadelta>(bad, v, {{field("lr"), &Adadelta::lr}, {field("eps"), &Adadelta::eps},
+                                {field("weight_decay"), &Adadelta::weight_decay}, {field("rho"), &Adadelta::rho}});
+    add_each<Rprop>(bad, v, {{field("lr"), &Rprop::lr}});
+    add_each<ASGD>(bad, v, {{field("lr"), &ASGD::lr}, {field("lambd"), &ASGD::lambd}, {field("alpha"), &ASGD::alpha},
+                            {field("weight_decay"), &ASGD::weight_decay}});
+  }
+  for (double v : {-0.1, 1.0, 1.5, kNaN, kInf}) {
+    add_each<NAdam>(bad, v, {{beta(1), &NAdam::beta1}, {beta(2), &NAdam::beta2}});
+    add_each<RAdam>(bad, v, {{beta(1), &RAdam::beta1}, {beta(2), &RAdam::beta2}});
+    add_each<Adamax>(bad, v, {{beta(1), &Adamax::beta1}, {beta(2), &Adamax::beta2}});
+  }
+  add_each<Adadelta>(bad, 1.5, {{field("rho"), &Adadelta::rho}});
+  for (double v : {0.0, 1.0, 1.5, -0.5, kNaN, kInf}) add_each<Rprop>(bad, v, {{field("eta_minus"), &Rprop::eta_minus}});
+  for (double v : {1.0, 0.5, -2.0, kNaN, kInf}) add_each<Rprop>(bad, v, {{field("eta_plus"), &Rprop::eta_plus}});
+  for (double v : {kNaN, kInf, -kInf}) {
+    add_each<Rprop>(bad, v, {{field("step_size_min"), &Rprop::step_size_min},
+                             {field("step_size_max"), &Rprop::step_size_max}});
+    add_each<ASGD>(bad, v, {{field("t0"), &ASGD::t0}});
+  }
   return bad;
 }
 
@@ -140,7 +170,14 @@ TEST(Errors, BoundaryValuesAreAccepted) {
       optim::AdamW{.weight_decay = 0},
       optim::Adagrad{.eps = 0},
       optim::RMSprop{.alpha = 0},
-      optim::Lion{.beta1 = 0, .beta2 = 0}};
+      optim::Lion{.beta1 = 0, .beta2 = 0},
+      optim::NAdam{.lr = 0, .beta1 = 0, .beta2 = 0, .eps = 0, .momentum_decay = 0},
+      optim::RAdam{.beta1 = 0, .beta2 = 0, .eps = 0},
+      optim::Adamax{.beta1 = 0, .beta2 = 0, .eps = 0},
+      optim::Adadelta{.rho = 1, .eps = 0},
+      optim::Adadelta{.rho = 0},
+      optim::Rprop{.eta_minus = 0.999, .eta_plus = 1.001, .step_size_min = -1, .step_size_max = 0},
+      optim::ASGD{.lambd = 0, .alpha = 0, .t0 = -5}};
   for (const OptimizerConfig& c : boundary) {
     SCOPED_TRACE(std::string(optimizer_name(c)));
     EXPECT_NO_THROW({ Optimizer opt(c, p.list()); });

@@ -114,7 +114,8 @@ TEST(GoldenTraces, Present) {
   // Every optimizer that torch has is covered, so a lost traces/ directory cannot pass silently.
   std::set<std::string> kinds;
   for (const auto& name : trace_names(traces_dir())) kinds.insert(load_trace(traces_dir(), name).at("optimizer"));
-  EXPECT_EQ(kinds, (std::set<std::string>{"SGD", "Adam", "AdamW", "Adagrad", "RMSprop"}))
+  EXPECT_EQ(kinds, (std::set<std::string>{"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax",
+                                           "Adadelta", "Rprop", "ASGD"}))
       << "traces in " << traces_dir();
 }
 

@@ -247,6 +247,12 @@ std::vector<OptimizerConfig> every_program() {
   c.push_back(optim::RMSprop{.momentum = 0.9});
   c.push_back(optim::RMSprop{.weight_decay = 0.1, .momentum = 0.5, .centered = true});
   c.push_back(optim::Lion{.weight_decay = 0.1});
+  c.push_back(optim::NAdam{.weight_decay = 0.01, .decoupled_weight_decay = true});
+  c.push_back(optim::RAdam{.beta2 = 0.9, .weight_decay = 0.01});
+  c.push_back(optim::Adamax{.weight_decay = 0.01, .maximize = true});
+  c.push_back(optim::Adadelta{.weight_decay = 0.01});
+  c.push_back(optim::Rprop{.step_size_max = 0.011});
+  c.push_back(optim::ASGD{.lambd = 0.1, .t0 = 0});
   return c;
 }
 

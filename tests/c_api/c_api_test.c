@@ -318,6 +318,203 @@ static void test_adamw_first_step(void) {
   sf_optimizer_destroy(NULL);
 }
 
+/* ---- NAdam, RAdam, Adamax, Adadelta, Rprop, ASGD: defaults, first steps ------------ */
+
+enum { kNew = 257 };
+
+/* An optimizer of `cfg` over one f32 tensor; steps it once with g and checks the weights
+ * against want(w0, g) within 1e-6 relative (plus 1e-7). Returns the optimizer (or NULL). */
+static sf_optimizer* first_step(const sf_optimizer_config* cfg, float* w, float* g, const float* w0,
+                                double (*want)(const sf_optimizer_config*, double, double)) {
+  for (int i = 0; i < kNew; ++i) {
+    w[i] = w0[i];
+    g[i] = bf16_value(0.01, 1.0);
+  }
+  const sf_param p = {view_f32(w, kNew), view_f32(g, kNew)};
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create(cfg, &p, 1, NULL, &opt));
+  if (opt == NULL) return NULL;
+  CHECK_OK(sf_optimizer_step(opt));
+  int bad = 0;
+  for (int i = 0; i < kNew; ++i) {
+    const double expect = want(cfg, w0[i], g[i]);
+    bad += fabs(w[i] - expect) > 1e-6 * fabs(expect) + 1e-7;
+  }
+  CHECK(bad == 0);
+  if (bad > 0) fprintf(stderr, "  %s: %d weights differ from the first step's closed form\n", sf_optimizer_kind_name(cfg->kind), bad);
+  return opt;
+}
+
+static double sign_of(double x) { return x > 0 ? 1.0 : x < 0 ? -1.0 : 0.0; }
+static double nadam_mu(const sf_optimizer_config* c, double t) { return c->beta1 * (1 - 0.5 * pow(0.96, t * c->momentum_decay)); }
+/* Step 1: m = (1-b1) g, v = (1-b2) g^2, denom = |g| + eps; mu_product = mu_1. */
+static double want_nadam(const sf_optimizer_config* c, double p, double g) {
+  const double mu1 = nadam_mu(c, 1), mu2 = nadam_mu(c, 2), denom = fabs(g) + c->eps;
+  return p - c->lr * g / denom - c->lr * mu2 / (1 - mu1 * mu2) * (1 - c->beta1) * g / denom;
+}
+/* Step 1: rho_1 <= 5, so p -= lr * m / (1 - b1) = lr * g. */
+static double want_radam(const sf_optimizer_config* c, double p, double g) { return p - c->lr * g; }
+static double want_adamax(const sf_optimizer_config* c, double p, double g) {
+  return p - c->lr * g / (fabs(g) + c->eps);
+}
+static double want_adadelta(const sf_optimizer_config* c, double p, double g) {
+  return p - c->lr * sqrt(c->eps) / sqrt((1 - c->rho) * g * g + c->eps) * g;
+}
+/* Step 1: prev = 0, so the step size stays lr (within the clamps). */
+static double want_rprop(const sf_optimizer_config* c, double p, double g) { return p - sign_of(g) * c->lr; }
+/* Step 1: eta = lr, p = p (1 - lambd lr) - lr g. */
+static double want_asgd(const sf_optimizer_config* c, double p, double g) {
+  return p * (1 - c->lambd * c->lr) - c->lr * g;
+}
+
+static void test_new_optimizers(void) {
+  CHECK(strcmp(sf_optimizer_kind_name(SF_NADAM), "NAdam") == 0);
+  CHECK(strcmp(sf_optimizer_kind_name(SF_RADAM), "RAdam") == 0);
+  CHECK(strcmp(sf_optimizer_kind_name(SF_ADAMAX), "Adamax") == 0);
+  CHECK(strcmp(sf_optimizer_kind_name(SF_ADADELTA), "Adadelta") == 0);
+  CHECK(strcmp(sf_optimizer_kind_name(SF_RPROP), "Rprop") == 0);
+  CHECK(strcmp(sf_optimizer_kind_name(SF_ASGD), "ASGD") == 0);
+
+  /* PyTorch's defaults. */
+  sf_optimizer_config c;
+  memset(&c, 0xff, sizeof c);
+  sf_optimizer_config_init(&c, SF_NADAM);
+  CHECK(c.lr == 2e-3 && c.beta1 == 0.9 && c.beta2 == 0.999 && c.eps == 1e-8 && c.weight_decay == 0 &&
+        c.momentum_decay == 4e-3 && !c.decoupled_weight_decay && !c.maximize && c.rho == 0 && c.t0 == 0);
+  sf_optimizer_config_init(&c, SF_RADAM);
+  CHECK(c.lr == 1e-3 && c.beta1 == 0.9 && c.beta2 == 0.999 && c.eps == 1e-8 && c.momentum_decay == 0);
+  sf_optimizer_config_init(&c, SF_ADAMAX);
+  CHECK(c.lr == 2e-3 && c.beta1 == 0.9 && c.beta2 == 0.999 && c.eps == 1e-8 && c.weight_decay == 0);
+  sf_optimizer_config_init(&c, SF_ADADELTA);
+  CHECK(c.lr == 1.0 && c.rho == 0.9 && c.eps == 1e-6 && c.weight_decay == 0 && c.beta1 == 0);
+  sf_optimizer_config_init(&c, SF_RPROP);
+  CHECK(c.lr == 1e-2 && c.eta_minus == 0.5 && c.eta_plus == 1.2 && c.step_size_min == 1e-6 &&
+        c.step_size_max == 50 && c.eps == 0);
+  sf_optimizer_config_init(&c, SF_ASGD);
+  CHECK(c.lr == 1e-2 && c.lambd == 1e-4 && c.alpha == 0.75 && c.t0 == 1e6 && c.weight_decay == 0);
+
+  static float w[kNew], g[kNew], w0[kNew];
+  for (int i = 0; i < kNew; ++i) w0[i] = bf16_value(0.5, 1.5);
+  sf_optimizer* opt;
+
+  sf_optimizer_config_init(&c, SF_NADAM);
+  c.lr = 0.01, c.momentum_decay = 0.05;
+  sf_optimizer_destroy(first_step(&c, w, g, w0, want_nadam));
+  sf_optimizer_config_init(&c, SF_RADAM);
+  c.lr = 0.01;
+  sf_optimizer_destroy(first_step(&c, w, g, w0, want_radam));
+  sf_optimizer_config_init(&c, SF_ADAMAX);
+  c.lr = 0.01;
+  sf_optimizer_destroy(first_step(&c, w, g, w0, want_adamax));
+  sf_optimizer_config_init(&c, SF_ADADELTA);
+  c.rho = 0.8, c.eps = 1e-3;
+  sf_optimizer_destroy(first_step(&c, w, g, w0, want_adadelta));
+  sf_optimizer_config_init(&c, SF_ASGD);
+  c.lr = 0.05, c.lambd = 0.1;
+  opt = first_step(&c, w, g, w0, want_asgd);
+  if (opt != NULL) {
+    const float* ax = NULL;
+    int64_t n = 0;
+    CHECK_OK(sf_optimizer_state(opt, 0, "ax", &ax, &n));
+    CHECK(n == kNew && ax != NULL && memcmp(ax, w, sizeof w) == 0); /* mu = 1: ax is p */
+    sf_optimizer_config got;
+    got.struct_size = sizeof got;
+    CHECK_OK(sf_optimizer_get_config(opt, &got));
+    CHECK(got.kind == SF_ASGD && got.lambd == 0.1 && got.t0 == 1e6 && got.alpha == 0.75);
+    got.t0 = 0;
+    CHECK_OK(sf_optimizer_set_config(opt, &got));
+    sf_optimizer_destroy(opt);
+  }
+
+  /* Rprop: the step size starts at lr; the second step grows it where the gradient kept
+   * its sign and shrinks it where it flipped (clamped), skipping those elements. */
+  sf_optimizer_config_init(&c, SF_RPROP);
+  c.lr = 0.02, c.eta_minus = 0.25, c.eta_plus = 1.5, c.step_size_min = 0.01, c.step_size_max = 0.025;
+  opt = first_step(&c, w, g, w0, want_rprop);
+  if (opt != NULL) {
+    static float g1[kNew], w1[kNew];
+    memcpy(g1, g, sizeof g);
+    memcpy(w1, w, sizeof w);
+    for (int i = 0; i < kNew; ++i) g[i] = bf16_value(0.01, 1.0);
+    CHECK_OK(sf_optimizer_step(opt));
+    const float *step_size = NULL, *prev = NULL;
+    int64_t n1 = 0, n2 = 0;
+    CHECK_OK(sf_optimizer_state(opt, 0, "step_size", &step_size, &n1));
+    CHECK_OK(sf_optimizer_state(opt, 0, "prev", &prev, &n2));
+    int bad = 0, kept = 0, flipped = 0;
+    if (n1 == kNew && n2 == kNew)
+      for (int i = 0; i < kNew; ++i) {
+        const bool same = (double)g[i] * g1[i] > 0;
+        kept += same, flipped += !same;
+        const float s = same ? 0.025f : 0.01f; /* 0.02 * 1.5 and 0.02 * 0.25, clamped */
+        const double p = same ? w1[i] - sign_of(g[i]) * s : w1[i];
+        bad += step_size[i] != s || prev[i] != (same ? g[i] : 0.0f) || fabs(w[i] - p) > 1e-7;
+      }
+    CHECK(n1 == kNew && n2 == kNew && bad == 0 && kept > 0 && flipped > 0);
+    sf_optimizer_destroy(opt);
+  }
+
+  /* Fields of other kinds must stay 0; PyTorch's checks name the field and value. */
+  sf_optimizer_config_init(&c, SF_NADAM);
+  c.rho = 0.5;
+  const sf_param p = {view_f32(w, kNew), view_f32(g, kNew)};
+  opt = NULL;
+  CHECK_FAILS(sf_optimizer_create(&c, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "config->rho = 0.5, but NAdam has no rho");
+  sf_optimizer_config_init(&c, SF_RPROP);
+  c.eta_minus = 1.5;
+  CHECK_FAILS(sf_optimizer_create(&c, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "Rprop: invalid eta_minus = 1.5");
+  sf_optimizer_config_init(&c, SF_ADADELTA);
+  c.rho = 1.5;
+  CHECK_FAILS(sf_optimizer_create(&c, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "Adadelta: invalid rho = 1.5");
+  sf_optimizer_config_init(&c, SF_ASGD);
+  c.lambd = -1;
+  CHECK_FAILS(sf_optimizer_create(&c, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT, "ASGD: invalid lambd = -1");
+  CHECK(opt == NULL);
+
+  /* The three-parameter rules in a custom program: p -= eta_t * g, ASGD's eta. */
+  sf_program_builder* b = NULL;
+  CHECK_OK(sf_program_builder_create("asgd_eta_sgd", &b));
+  if (b == NULL) return;
+  int gs = -1, ps = -1;
+  sf_value v[8];
+  CHECK_OK(sf_program_builder_stream(b, "grad", SF_ROLE_GRAD, 0.0f, &gs));
+  CHECK_OK(sf_program_builder_stream(b, "param", SF_ROLE_PARAM, 0.0f, &ps));
+  CHECK_OK(sf_program_builder_load(b, gs, &v[0]));
+  CHECK_OK(sf_program_builder_scalar(b, "gscale", SF_SCALAR_GSCALE, 1.0, 0.0, &v[1]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[0], v[1], 0, &v[2]));
+  CHECK_OK(sf_program_builder_load(b, ps, &v[3]));
+  CHECK_OK(sf_program_builder_scalar3(b, "eta", SF_SCALAR_ASGD_ETA, 0.1, 0.5, 0.75, &v[4]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, v[4], v[2], 0, &v[5]));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_SUB, v[3], v[5], 0, &v[6]));
+  CHECK_OK(sf_program_builder_store(b, ps, v[6]));
+  CHECK_FAILS(sf_program_builder_scalar3(b, "eta", SF_SCALAR_ASGD_ETA, 0.1, 0.5, 0.5, &v[7]), SF_INVALID_ARGUMENT,
+              "declared with another rule");
+  CHECK_FAILS(sf_program_builder_scalar3(b, "x", (sf_scalar_rule_kind)13, 0, 0, 0, &v[7]), SF_INVALID_ARGUMENT,
+              "rule = 13");
+  sf_program* prog = NULL;
+  CHECK_OK(sf_program_builder_build(b, &prog));
+  sf_program_builder_destroy(b);
+  if (prog == NULL) return;
+  char text[2048];
+  CHECK_OK(sf_program_text(prog, text, sizeof text, NULL));
+  CHECK(strstr(text, "  eta = 0.1 / (1 + 0.5 * 0.1 * (step - 1))^0.75\n") != NULL);
+  for (int i = 0; i < kNew; ++i) w[i] = w0[i], g[i] = bf16_value(0.01, 1.0);
+  opt = NULL;
+  CHECK_OK(sf_optimizer_create_custom(prog, &p, 1, NULL, &opt));
+  sf_program_destroy(prog);
+  if (opt == NULL) return;
+  CHECK_OK(sf_optimizer_step(opt));
+  CHECK_OK(sf_optimizer_step(opt));
+  const float eta2 = (float)(0.1 / pow(1 + 0.5 * 0.1, 0.75)); /* step 2: one step done */
+  int bad = 0;
+  for (int i = 0; i < kNew; ++i) {
+    const float p1 = w0[i] - 0.1f * g[i];
+    bad += w[i] != p1 - eta2 * g[i];
+  }
+  CHECK(bad == 0);
+  sf_optimizer_destroy(opt);
+}
+
 /* ---- GradScaler ---------------------------------------------------------------- */
 
 enum { kS = 64 };
@@ -1451,6 +1648,7 @@ int main(void) {
   test_defaults();
   test_conversions();
   test_adamw_first_step();
+  test_new_optimizers();
   test_grad_scaler();
   test_loss_scale_optimizer();
   test_checkpoint();

@@ -6,9 +6,18 @@ How to run (from the repository root):
     /usr/bin/python3 tests/golden/make_golden.py            # writes tests/golden/traces/*.json
     /usr/bin/python3 tests/golden/make_golden.py --check    # regenerate in memory, diff against the files
 
-Needs PyTorch: Debian's `python3-torch` (apt-get install python3-torch; the traces in the
-repository were made with its 1.13) or `torch` from PyPI, plus numpy (a dependency of both).
-On Debian use /usr/bin/python3: a pyenv/venv `python3` earlier on PATH may lack torch.
+Needs PyTorch: Debian's `python3-torch` (apt-get install python3-torch) or `torch` from
+PyPI, plus numpy (a dependency of both). On Debian use /usr/bin/python3: a pyenv/venv
+`python3` earlier on PATH may lack torch.
+
+Two sets of traces, each made by its own torch, and each (re)generated or checked only
+by a torch of its major version, so that regenerating one set never rewrites the other:
+  TRACES         SGD, Adam, AdamW, Adagrad, RMSprop: made with Debian's torch 1.13
+                 (python3-torch); a torch 1.x selects them.
+  TORCH2_TRACES  NAdam, RAdam, Adamax, Adadelta, Rprop, ASGD: made with torch 2.15.0 from
+                 PyPI (`python3 -m venv /tmp/venv && /tmp/venv/bin/pip install torch numpy`,
+                 then run this script with /tmp/venv/bin/python); a torch 2.x selects them
+                 (NAdam's and RAdam's decoupled_weight_decay need torch >= 2.1).
 The output is deterministic (fixed seeds, single-threaded torch, foreach=False), so
 rerunning with the same torch version reproduces the files byte for byte.
 
@@ -27,14 +36,19 @@ Trace format (JSON object):
     format          1
     name            file stem
     torch_version   the torch that made it
-    optimizer       "SGD" | "Adam" | "AdamW" | "Adagrad" | "RMSprop"
+    optimizer       "SGD" | "Adam" | "AdamW" | "Adagrad" | "RMSprop" | "NAdam" | "RAdam" |
+                    "Adamax" | "Adadelta" | "Rprop" | "ASGD"
     hyperparameters torch.optim constructor arguments with torch's names ("betas" is a
-                    [beta1, beta2] pair; stepfuse::optim calls them beta1/beta2)
+                    [beta1, beta2] pair; stepfuse::optim calls them beta1/beta2; Rprop's
+                    "etas" and "step_sizes" are [eta_minus, eta_plus] and
+                    [step_size_min, step_size_max])
     max_grad_norm   number or null (no clipping)
     norm_type       2 or "inf"
     loss_scale      S
     shapes          flattened size of each parameter tensor
-    state_names     optimizer state tensors torch keeps (besides "step")
+    state_names     optimizer state tensors torch keeps per element (besides "step" and the
+                    0-dim scalar states NAdam's mu_product and ASGD's eta and mu, which
+                    stepfuse computes from the step count)
     initial_params  one array per tensor
     steps           list of:
         grads       scaled fp32 gradients handed to the step (one array per tensor);
@@ -114,12 +128,65 @@ TRACES = [
      3.0, 2, 1024.0, [1, 7, 33, 100], 7, {5: "inf"}),
 ]
 
+# The traces made with torch 2 (see the docstring), in the format of TRACES. RAdam
+# rectifies from step 6 (rho_t > 5), so its traces run 10 steps; Rprop's change sign
+# from step to step and rprop_etas_clamps_clip2 hits both step-size clamps; ASGD's small
+# t0 makes it average (mu < 1) after a few steps, its default t0 only copies.
+TORCH2_TRACES = [
+    ("nadam_plain_clip2", "NAdam", dict(lr=2e-3), 8.0, 2, 65536.0,
+     [1, 7, 33, 150], 7, {2: "inf"}),
+    ("nadam_wd_maximize_clipinf", "NAdam",
+     dict(lr=3e-3, betas=(0.8, 0.95), weight_decay=0.05, momentum_decay=0.01, maximize=True),
+     2.0, "inf", 512.0, [1, 7, 33, 77], 7, {4: "nan"}),
+    ("nadam_decoupled_wd", "NAdam",
+     dict(lr=1e-2, eps=1e-6, weight_decay=0.1, decoupled_weight_decay=True),
+     None, 2, 128.0, [1, 7, 33, 77], 6, {3: "-inf"}),
+    ("radam_plain_clip2", "RAdam", dict(lr=1e-3), 8.0, 2, 65536.0,
+     [1, 7, 33, 150], 10, {2: "inf"}),
+    ("radam_wd_clipinf", "RAdam", dict(lr=5e-3, betas=(0.9, 0.9), weight_decay=0.05),
+     1.5, "inf", 1000.0, [1, 7, 33, 77], 10, {7: "nan"}),
+    ("radam_decoupled_wd_maximize", "RAdam",
+     dict(lr=2e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, decoupled_weight_decay=True,
+          maximize=True),
+     None, 2, 256.0, [3, 16, 65], 10, {}),
+    ("adamax_clip2", "Adamax", dict(lr=2e-3), 4.0, 2, 1024.0,
+     [1, 7, 33, 77], 7, {1: "inf"}),
+    ("adamax_wd_maximize_clipinf", "Adamax",
+     dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, maximize=True),
+     1.0, "inf", 4096.0, [5, 31, 64], 6, {}),
+    ("adadelta_plain", "Adadelta", dict(), None, 2, 1024.0,
+     [1, 7, 33, 77], 7, {3: "inf"}),
+    ("adadelta_wd_maximize_clip2", "Adadelta",
+     dict(lr=0.5, rho=0.8, eps=1e-4, weight_decay=0.01, maximize=True),
+     3.0, 2, 65536.0, [1, 7, 33, 100], 7, {5: "nan"}),
+    ("rprop_plain", "Rprop", dict(lr=0.01), None, 2, 256.0,
+     [1, 7, 33, 77], 10, {4: "inf"}),
+    ("rprop_etas_clamps_clip2", "Rprop",
+     dict(lr=0.02, etas=(0.3, 1.5), step_sizes=(0.01, 0.03)),
+     5.0, 2, 1024.0, [1, 7, 33, 77], 10, {}),
+    ("rprop_maximize_clipinf", "Rprop", dict(lr=0.005, maximize=True),
+     1.0, "inf", 512.0, [5, 31, 64], 8, {2: "nan"}),
+    ("asgd_small_t0_clip2", "ASGD", dict(lr=0.05, lambd=0.01, alpha=0.75, t0=2),
+     4.0, 2, 1024.0, [1, 7, 33, 77], 8, {1: "inf"}),
+    ("asgd_wd_maximize_clipinf", "ASGD",
+     dict(lr=0.02, lambd=0.1, alpha=0.5, t0=0, weight_decay=0.05, maximize=True),
+     1.0, "inf", 65536.0, [1, 7, 33, 77], 7, {}),
+    ("asgd_default", "ASGD", dict(lr=0.01), None, 2, 128.0,
+     [3, 16, 65], 6, {2: "-inf"}),
+]
+
 OPTIMIZERS = {
     "SGD": torch.optim.SGD,
     "Adam": torch.optim.Adam,
     "AdamW": torch.optim.AdamW,
     "Adagrad": torch.optim.Adagrad,
     "RMSprop": torch.optim.RMSprop,
+    "NAdam": torch.optim.NAdam,
+    "RAdam": torch.optim.RAdam,
+    "Adamax": torch.optim.Adamax,
+    "Adadelta": torch.optim.Adadelta,
+    "Rprop": torch.optim.Rprop,
+    "ASGD": torch.optim.ASGD,
 }
 
 
@@ -200,7 +267,7 @@ def applied_step_lines(opt, params, state_names, applied, total, coef, more=Fals
     earlier steps (state_names; None before the first applied step) and that torch's
     "step" is `applied`. Returns (state_names, lines)."""
     names = [key for key, v in opt.state[params[0]].items()
-             if key != "step" and isinstance(v, torch.Tensor)]
+             if key != "step" and isinstance(v, torch.Tensor) and v.dim() > 0]
     if state_names is None:
         state_names = names
     assert names == state_names, (names, state_names)
@@ -331,21 +398,28 @@ def make_trace(name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, i
     return trace_text(name, fields, shapes, state_names, init, step_texts)
 
 
+def trace_set():
+    """The traces this torch makes (see the docstring), and the first seed of the set."""
+    major = int(torch.__version__.split(".")[0])
+    return (TRACES, 1000) if major < 2 else (TORCH2_TRACES, 2000)
+
+
 def main():
     args = parse_args(__doc__, OUT_DIR)
     os.makedirs(args.out, exist_ok=True)
     differ = 0
     total = 0
+    traces, first_seed = trace_set()
     for idx, (name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, inject) in \
-            enumerate(TRACES):
+            enumerate(traces):
         text = make_trace(name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, inject,
-                          seed=1000 + idx)
+                          seed=first_seed + idx)
         path = os.path.join(args.out, name + ".json")
         total += len(text)
         differ += check_or_write(path, text, args.check)
         if not args.check:
             print("wrote %s (%d bytes)" % (path, len(text)))
-    print("%d traces, %d bytes in all (torch %s)" % (len(TRACES), total, torch.__version__))
+    print("%d traces, %d bytes in all (torch %s)" % (len(traces), total, torch.__version__))
     return 1 if differ else 0
 
 

@@ -118,13 +118,15 @@ inline stepfuse::OptimizerConfig make_config(const json& trace) {
     if (hp.contains(key)) field = hp.at(key).get<bool>();
     used.insert(key);
   };
-  auto betas = [&](double& b1, double& b2) {
-    if (hp.contains("betas")) {
-      b1 = hp.at("betas").at(0).get<double>();
-      b2 = hp.at("betas").at(1).get<double>();
+  // A pair of PyTorch's ("betas", Rprop's "etas" and "step_sizes"): two stepfuse fields.
+  auto pair = [&](const char* key, double& first, double& second) {
+    if (hp.contains(key)) {
+      first = hp.at(key).at(0).get<double>();
+      second = hp.at(key).at(1).get<double>();
     }
-    used.insert("betas");
+    used.insert(key);
   };
+  auto betas = [&](double& b1, double& b2) { pair("betas", b1, b2); };
   stepfuse::OptimizerConfig config;
   if (kind == "SGD") {
     stepfuse::optim::SGD c;
@@ -149,6 +151,37 @@ inline stepfuse::OptimizerConfig make_config(const json& trace) {
     stepfuse::optim::RMSprop c;
     num("lr", c.lr), num("alpha", c.alpha), num("eps", c.eps), num("weight_decay", c.weight_decay);
     num("momentum", c.momentum), flag("centered", c.centered), flag("maximize", c.maximize);
+    config = c;
+  } else if (kind == "NAdam") {
+    stepfuse::optim::NAdam c;
+    num("lr", c.lr), betas(c.beta1, c.beta2), num("eps", c.eps), num("weight_decay", c.weight_decay);
+    num("momentum_decay", c.momentum_decay), flag("decoupled_weight_decay", c.decoupled_weight_decay);
+    flag("maximize", c.maximize);
+    config = c;
+  } else if (kind == "RAdam") {
+    stepfuse::optim::RAdam c;
+    num("lr", c.lr), betas(c.beta1, c.beta2), num("eps", c.eps), num("weight_decay", c.weight_decay);
+    flag("decoupled_weight_decay", c.decoupled_weight_decay), flag("maximize", c.maximize);
+    config = c;
+  } else if (kind == "Adamax") {
+    stepfuse::optim::Adamax c;
+    num("lr", c.lr), betas(c.beta1, c.beta2), num("eps", c.eps), num("weight_decay", c.weight_decay);
+    flag("maximize", c.maximize);
+    config = c;
+  } else if (kind == "Adadelta") {
+    stepfuse::optim::Adadelta c;
+    num("lr", c.lr), num("rho", c.rho), num("eps", c.eps), num("weight_decay", c.weight_decay);
+    flag("maximize", c.maximize);
+    config = c;
+  } else if (kind == "Rprop") {
+    stepfuse::optim::Rprop c;
+    num("lr", c.lr), pair("etas", c.eta_minus, c.eta_plus), pair("step_sizes", c.step_size_min, c.step_size_max);
+    flag("maximize", c.maximize);
+    config = c;
+  } else if (kind == "ASGD") {
+    stepfuse::optim::ASGD c;
+    num("lr", c.lr), num("lambd", c.lambd), num("alpha", c.alpha), num("t0", c.t0);
+    num("weight_decay", c.weight_decay), flag("maximize", c.maximize);
     config = c;
   } else {
     throw std::runtime_error("unknown optimizer in trace: " + kind);
