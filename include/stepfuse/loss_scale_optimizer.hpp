@@ -63,8 +63,8 @@ class LossScaleOptimizer {
 
   // Hyperparameters, delegated to the inner optimizer under Keras's names:
   // "learning_rate" (alias "lr") for every optimizer; "beta_1", "beta_2" for Adam,
-  // AdamW and Lion; "momentum" for SGD and RMSprop; "rho" for RMSprop (PyTorch's
-  // alpha). Anything else (e.g. "epsilon", which Keras does not treat as a
+  // AdamW, Lion, NAdam and Adamax; "momentum" for SGD and RMSprop; "rho" for RMSprop
+  // (PyTorch's alpha) and Adadelta. Anything else (e.g. "epsilon", which Keras does not treat as a
   // hyperparameter) is Error(invalid_argument): read or set it on the inner
   // optimizer's config. set_hyper validates as Optimizer::set_config does.
   // A custom-program inner optimizer's hyperparameters are its fixed scalars, each

@@ -535,8 +535,8 @@ STEPFUSE_API sf_status sf_loss_scale_optimizer_dynamic_counter(const sf_loss_sca
 STEPFUSE_API sf_status sf_loss_scale_optimizer_dynamic_growth_steps(const sf_loss_scale_optimizer* lso,
                                                                     int64_t* steps);
 /* Hyperparameters under Keras's names, delegated to the inner optimizer:
- * "learning_rate" (alias "lr"); "beta_1", "beta_2" (Adam, AdamW, Lion); "momentum"
- * (SGD, RMSprop); "rho" (RMSprop's alpha). Any other name (e.g. "epsilon") is
+ * "learning_rate" (alias "lr"); "beta_1", "beta_2" (Adam, AdamW, Lion, NAdam, Adamax);
+ * "momentum" (SGD, RMSprop); "rho" (RMSprop's alpha, Adadelta's rho). Any other name (e.g. "epsilon") is
  * SF_INVALID_ARGUMENT. set_hyper validates as sf_optimizer_set_config does. */
 STEPFUSE_API sf_status sf_loss_scale_optimizer_get_hyper(const sf_loss_scale_optimizer* lso, const char* name,
                                                          double* value);
