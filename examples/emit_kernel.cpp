@@ -60,7 +60,7 @@ std::string launcher_header(const UpdateProgram& program, const stepfuse::Emitte
   h += "#define EMITTED_HAVE_BINARY " + std::string(cubin.binary.empty() ? "0" : "1") + "\n";
   h += "#define EMITTED_CUBIN_SM " + std::to_string(sm) + "\n#define EMITTED_PTX_SM " + std::to_string(ptx_sm) + "\n\n";
   h += "static const char emitted_program_name[] = \"" + std::string(p.name) + "\";\n";
-  // The scalar names, their rules (the launches' sf_hyper.rules), the streams' roles and inits.
+  // The scalar names, their rules (sf_group_rules.rules, which sf_hyper points at), the streams' roles and inits.
   h += emit_support::c_program_tables(program);
   h += "\n/* The tables (stepfuse::plan_kernel_tables): pointers to fill in at run time. */\n";
   h += "static const long long emitted_numel[EMITTED_NUM_TENSORS] = {";

@@ -78,6 +78,11 @@ class Backend {
   // The result of a pending step, and its per-tensor norms; waits for the device.
   virtual StepResult read_result(std::vector<double>* tensor_norms) const = 0;
 
+  // The groups' rules changed (construction, set_config, a checkpoint restore): CUDA
+  // copies them to the device, ordered on its stream, where every launch (and every
+  // replay of a captured graph) reads them. CPU backends read StepRequest::groups.
+  virtual void set_rules(const GroupRules* groups) { (void)groups; }
+
   // Steps applied so far (on CUDA read from, or written to, the device).
   virtual std::int64_t step_count() const = 0;
   virtual void set_step_count(std::int64_t n) = 0;

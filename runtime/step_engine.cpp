@@ -223,6 +223,7 @@ void StepEngine::set_custom_rules(const UpdateProgram& program) {
   // Same program text: same scalars in the same order. Keep our storage (the programs point into it).
   *custom_ = custom_->with_rules(program.scalars());
   for (int s = 0; s < this->program().num_scalars; ++s) rules_[0].rules[s] = jit::device_rule(custom_->scalars()[s].rule);
+  backend_->set_rules(rules_.data());
 }
 
 void StepEngine::setup() {
@@ -239,6 +240,7 @@ void StepEngine::setup() {
     backend_ = std::make_unique<cpu::FusedBackend>(programs_, params_, options_, std::move(owner));
   }
   tensor_norms_.assign(params_.size(), NAN);
+  backend_->set_rules(rules_.data());
 }
 
 void StepEngine::check_group(std::size_t group, const char* what) const {
@@ -255,6 +257,7 @@ bool StepEngine::has_state(std::size_t param, int buffer) const {
 void StepEngine::set_steps(std::int64_t step_count, const std::vector<std::int64_t>& step_bases) {
   backend_->set_step_count(step_count);
   for (std::size_t g = 0; g < rules_.size() && g < step_bases.size(); ++g) rules_[g].step_base = step_bases[g];
+  backend_->set_rules(rules_.data());
 }
 
 std::vector<ParamGroup> StepEngine::param_groups() const {
@@ -272,6 +275,7 @@ void StepEngine::set_config(std::size_t group, const OptimizerConfig& config) {
   check_config(group, config);
   groups_[group].config = config;
   jit::scalar_rules(config, *programs_.groups[group].program, rules_[group].rules);
+  backend_->set_rules(rules_.data());
 }
 
 void StepEngine::check_config(std::size_t group, const OptimizerConfig& config) const {

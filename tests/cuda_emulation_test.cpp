@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -23,10 +24,12 @@
 
 #include "jit/builtins.hpp"
 #include "jit/cuda/cuda_layout.hpp"
+#include "jit/update_program_rules.hpp"
 #include "runtime/scale_tensors.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/stepfuse.hpp"
 #include "tests/cuda_emulation/emulated_kernels.hpp"
+#include "tests/reference/lars_program.hpp"
 #include "tests/cuda_emulation/emulated_specs.hpp"
 #include "tests/cuda_emulation/cuda_shim.hpp"  // last: it defines CUDA's qualifiers as macros
 
@@ -174,10 +177,60 @@ class EmulatedOptimizer {
   // order_seed != 0: every launch runs its blocks in a shuffled order.
   EmulatedOptimizer(const OptimizerConfig& config, std::vector<Param> params, const OptimizerOptions& options,
                     std::uint32_t order_seed = 0)
+      : EmulatedOptimizer(nullptr, &config, std::move(params), options, order_seed) {}
+  // A custom program (StepEngine's custom branch: its rules and its streams' init values).
+  EmulatedOptimizer(const UpdateProgram& program, std::vector<Param> params, const OptimizerOptions& options,
+                    std::uint32_t order_seed = 0)
+      : EmulatedOptimizer(&program, nullptr, std::move(params), options, order_seed) {}
+  // Param groups (as StepEngine's and CudaBackend's): groups[g] has group_sizes[g]
+  // consecutive params; every group runs one program.
+  EmulatedOptimizer(const std::vector<OptimizerConfig>& groups, const std::vector<std::size_t>& group_sizes,
+                    std::vector<Param> params, const OptimizerOptions& options, std::uint32_t order_seed = 0)
+      : EmulatedOptimizer(nullptr, groups.data(), std::move(params), options, order_seed, groups.size(), group_sizes) {}
+
+  // Optimizer::set_lr(group, lr) on a built-in: new rules in device memory, in
+  // effect at the next launch; the launches' sf_hyper (captured once, as a CUDA
+  // graph holds its kernels' arguments) does not change.
+  void set_lr(std::size_t group, double lr) {
+    std::visit([&](auto& c) { c.lr = lr; }, configs_[group]);
+    sf_scalar_rule rules[kMaxScalars] = {};
+    jit::scalar_rules(configs_[group], *program_, rules);
+    for (int k = 0; k < kMaxScalars; ++k) group_rules_[group].rules[k] = rules[k];
+  }
+
+ private:
+  EmulatedOptimizer(const UpdateProgram* custom, const OptimizerConfig* config, std::vector<Param> params,
+                    const OptimizerOptions& options, std::uint32_t order_seed, std::size_t num_groups = 1,
+                    std::vector<std::size_t> group_sizes = {})
       : params_(std::move(params)), options_(options), seed_(order_seed) {
-    program_ = &jit::builtin_program(jit::select_builtin(config));
-    jit::scalar_rules(config, *program_, rules_);
-    layout_ = jit::plan_cuda_layout(*program_, params_, options_);
+    if (group_sizes.empty()) group_sizes = {params_.size()};
+    group_rules_.resize(num_groups);
+    if (custom != nullptr) {
+      custom_ = *custom;
+      program_ = &custom_->program();
+      for (int k = 0; k < program_->num_scalars; ++k)
+        group_rules_[0].rules[k] = jit::device_rule(custom_->scalars()[k].rule);
+    } else {
+      program_ = &jit::builtin_program(jit::select_builtin(config[0]));
+      for (std::size_t g = 0; g < num_groups; ++g) {
+        configs_.push_back(config[g]);
+        sf_scalar_rule rules[kMaxScalars] = {};
+        jit::scalar_rules(config[g], *program_, rules);
+        for (int k = 0; k < kMaxScalars; ++k) group_rules_[g].rules[k] = rules[k];
+      }
+    }
+    std::vector<std::size_t> group_of;
+    for (std::size_t g = 0; g < group_sizes.size(); ++g) group_of.insert(group_of.end(), group_sizes[g], g);
+    const auto init = [&](int s, std::size_t g) {
+      return custom != nullptr ? program_->streams[s].init : jit::initial_state_value(config[g], *program_, s);
+    };
+    layout_ = jit::plan_cuda_layout(*program_, params_, options_, /*allow_flat=*/num_groups == 1);
+    for (std::size_t i = 0; i < params_.size(); ++i) layout_.tensors[i].group = static_cast<int>(group_of[i]);
+    group_scalars_.assign(num_groups * SF_MAX_SCALARS, kPoison);
+    hyper_.groups = group_rules_.data();
+    hyper_.scalars = group_scalars_.data();
+    hyper_.num_groups = static_cast<int>(num_groups);
+    hyper_.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
     const std::string canonical = jit::canonical_text(layout_.spec);
     for (const sf_emu::StepKernels* k : sf_emu::step_kernels())
       if (canonical == k->canonical) kernels_ = k;
@@ -191,8 +244,16 @@ class EmulatedOptimizer {
     for (int s = 0; s < program_->num_streams; ++s) {
       if (program_->streams[s].role != StreamRole::state) continue;
       state_[s].assign(static_cast<std::size_t>(std::max<long long>(total, 1)) + kSlack, kPoison);
-      emulate(util.fill, launch(grid_for(total, 256), 256, true), state_[s].data(), total,
-              jit::initial_state_value(config, *program_, s));
+      if (num_groups == 1) {
+        emulate(util.fill, launch(grid_for(total, 256), 256, true), state_[s].data(), total, init(s, 0));
+        continue;
+      }
+      for (std::size_t i = 0; i < params_.size(); ++i) {  // each tensor its group's initial value
+        const long long n = params_[i].weight.numel;
+        if (n > 0)
+          emulate(util.fill, launch(grid_for(n, 256), 256, true), state_[s].data() + layout_.layout.offsets[i], n,
+                  init(s, group_of[i]));
+      }
     }
     masters_.assign(static_cast<std::size_t>(layout_.layout.master_elems) + kSlack, kPoison);
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -208,7 +269,13 @@ class EmulatedOptimizer {
     partials_.resize(layout_.chunks.size());
     tensor_sums_.resize(params_.size());
     std::memset(&st_, 0, sizeof st_);
+    if (kernels_->phase1 != nullptr) {  // a two-phase program's chunk sums and tensor norms
+      norm_sums_.assign(layout_.chunks.size() * SF_MAX_NORM_SLOTS, kPoison);
+      norms_.assign(std::max<std::size_t>(params_.size(), 1) * SF_MAX_NORM_SLOTS, kPoison);
+    }
   }
+
+ public:
 
   // StepEngine::step(loss_scale, scaled) then CudaBackend::step.
   void step(double loss_scale, bool scaled) { launch_step(loss_scale, nullptr, nullptr, scaled); }
@@ -259,9 +326,8 @@ class EmulatedOptimizer {
     // Whatever a previous step left in the scratch tables must not matter.
     std::fill(partials_.begin(), partials_.end(), sf_partial{kPoison, kPoison, -1});
     std::fill(tensor_sums_.begin(), tensor_sums_.end(), static_cast<double>(kPoison));
-    sf_hyper hyper{};
-    for (int k = 0; k < program_->num_scalars; ++k) hyper.rules[k] = rules_[k];
-    hyper.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
+    std::fill(group_scalars_.begin(), group_scalars_.end(), kPoison);
+    const sf_hyper hyper = hyper_;  // the same arguments every step: what a captured graph replays
     const bool clip = options_.max_grad_norm.has_value();
     const bool reduce = scaled || clip || options_.track_grad_norm || scale_ptr != nullptr;
     if (reduce) {
@@ -273,6 +339,21 @@ class EmulatedOptimizer {
     }
     sf_streams streams{};
     for (int s = 0; s < program_->num_streams; ++s) streams.s[s] = state_[s].empty() ? nullptr : state_[s].data();
+    if (kernels_->phase1 != nullptr) {
+      // A two-phase program (as CudaBackend::step): phase 1 over the reduce chunks, the
+      // tensors' norms, then sf_update runs phase 2 with them.
+      std::fill(norm_sums_.begin(), norm_sums_.end(), kPoison);
+      std::fill(norms_.begin(), norms_.end(), kPoison);
+      const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
+      emulate(kernels_->phase1, launch(grid, 32 * SF_REDUCE_WARPS), layout_.tensors.data(), layout_.chunks.data(),
+              num_chunks_, streams, norm_sums_.data(), &st_, hyper, reduce ? 0 : 1);
+      emulate(kernels_->combine, launch(1, 256), layout_.tensors.data(), static_cast<int>(params_.size()),
+              norm_sums_.data(), norms_.data(), &st_, reduce ? 0 : 1);
+      emulate(kernels_->update_norms, launch(static_cast<unsigned>(layout_.num_update_blocks), SF_UPDATE_THREADS),
+              layout_.tensors.data(), layout_.blocks.data(), static_cast<long long>(layout_.flat_numel()), streams, &st_,
+              hyper, reduce ? 0 : 1, static_cast<const float*>(norms_.data()));
+      return;
+    }
     emulate(kernels_->update, launch(static_cast<unsigned>(layout_.num_update_blocks), SF_UPDATE_THREADS),
             layout_.tensors.data(), layout_.blocks.data(), static_cast<long long>(layout_.flat_numel()), streams, &st_, hyper,
             reduce ? 0 : 1);
@@ -284,10 +365,15 @@ class EmulatedOptimizer {
   std::uint32_t seed_, launches_ = 0;
   int num_chunks_ = 0;
   const Program* program_;
-  sf_scalar_rule rules_[kMaxScalars] = {};
+  std::vector<OptimizerConfig> configs_;         // per group (built-ins)
+  std::vector<sf_group_rules> group_rules_;      // "device memory": sf_hyper.groups
+  std::vector<float> group_scalars_;             // "device memory": sf_hyper.scalars
+  sf_hyper hyper_{};
   jit::CudaLayout layout_;
   const sf_emu::StepKernels* kernels_ = nullptr;
   std::vector<float> state_[kMaxStreams], masters_;
+  std::optional<UpdateProgram> custom_;       // a custom program (program_ points into it)
+  std::vector<float> norm_sums_, norms_;      // a two-phase program's
   std::vector<sf_partial> partials_;
   std::vector<double> tensor_sums_;
   sf_step_state st_;
@@ -296,8 +382,25 @@ class EmulatedOptimizer {
 // ---- CPU vs emulated device ----
 
 struct Pair {
-  Pair(const Model& m, const OptimizerConfig& config, OptimizerOptions options, std::uint32_t order_seed = 0)
+  // `what`: a built-in's OptimizerConfig, or a custom UpdateProgram.
+  template <class What>
+  Pair(const Model& m, const What& config, OptimizerOptions options, std::uint32_t order_seed = 0)
       : model(m), cpu(config, m.params(false), cpu_options(options)), dev(config, m.params(true), options, order_seed) {}
+  // Param groups: configs[g] over sizes[g] consecutive tensors of the model.
+  Pair(const Model& m, const std::vector<OptimizerConfig>& configs, const std::vector<std::size_t>& sizes,
+       OptimizerOptions options, std::uint32_t order_seed = 0)
+      : model(m), cpu(groups_of(m.params(false), configs, sizes), cpu_options(options)),
+        dev(configs, sizes, m.params(true), options, order_seed) {}
+  static std::vector<ParamGroup> groups_of(const std::vector<Param>& params, const std::vector<OptimizerConfig>& configs,
+                                           const std::vector<std::size_t>& sizes) {
+    std::vector<ParamGroup> out;
+    std::size_t at = 0;
+    for (std::size_t g = 0; g < configs.size(); ++g, at += sizes[g - 1])
+      out.push_back({std::vector<Param>(params.begin() + static_cast<std::ptrdiff_t>(at),
+                                        params.begin() + static_cast<std::ptrdiff_t>(at + sizes[g])),
+                     configs[g]});
+    return out;
+  }
   static OptimizerOptions cpu_options(OptimizerOptions o) {
     o.device = Device::cpu();
     o.fusion = Fusion::fused;
@@ -407,6 +510,8 @@ std::vector<ProgramCase> program_cases() {
       {"adadelta", optim::Adadelta{.weight_decay = 0.01}},
       {"rprop", optim::Rprop{.lr = 1e-3, .step_size_max = 1.1e-3}},
       {"asgd", optim::ASGD{.lr = 1e-2, .lambd = 0.1, .t0 = 0, .weight_decay = 0.01}},
+      {"lamb", optim::LAMB{.lr = 1e-3, .weight_decay = 0.05}},
+      {"lamb_no_weight_decay_maximize", optim::LAMB{.lr = 1e-3, .weight_decay = 0, .maximize = true}},
   };
 }
 
@@ -431,6 +536,71 @@ TEST_P(EveryProgram, StepsMatchTheCpuBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EveryProgram, ::testing::ValuesIn(program_cases()),
                          [](const ::testing::TestParamInfo<ProgramCase>& info) { return std::string(info.param.name); });
+
+// ---- two-phase programs (per-tensor norms: sf_phase1, sf_phase_combine, sf_update) ----
+
+// LAMB, unaligned (shift 4: scalar accesses) and with the inf-norm clipping, plain and
+// scaled steps; and a skipped step (inf gradient) that runs neither phase.
+TEST_F(EmulatedStep, LambUnalignedWithInfNormClipping) {
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 4, rng);
+  Pair p(model, optim::LAMB{.lr = 1e-3, .weight_decay = 0.1}, {.max_grad_norm = 0.75, .norm_type = INFINITY}, seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), "lamb_unaligned_inf");
+  const double scales[] = {2048.0, 1.0, 3.0, 1.0};
+  for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "step " + std::to_string(k + 1));
+  model.set_grad(3, 16384, INFINITY);
+  p.step_scaled(1024.0);
+  p.expect_same("a skipped step");
+  EXPECT_FALSE(p.dev.step_state().applied);
+  EXPECT_EQ(p.dev.step_count(), 4);
+}
+
+// A user's two-phase program (LARS, tests/reference/lars_program.hpp): its kernels
+// generated for a custom program, bitwise the CPU's, with clipping and plain steps.
+TEST_F(EmulatedStep, CustomTwoPhaseProgramLars) {
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, ref::lars(), {.max_grad_norm = 5.0}, seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), "lars");
+  const double scales[] = {1024.0, 1.0, 3000.5, 1.0};
+  for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "step " + std::to_string(k + 1));
+  EXPECT_EQ(p.dev.step_count(), 4);
+}
+
+// ---- param groups and device-resident schedules ----
+
+// Three groups with their own hyperparameters (one global clip): bitwise the CPU's
+// groups, scaled and plain steps; per-group initial state (Adagrad's accumulator).
+TEST_F(EmulatedStep, ParamGroupsMatchTheCpu) {
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  const std::vector<std::size_t> sizes = {4, 2, 5};
+  Pair p(model,
+         {optim::AdamW{.lr = 1e-3, .weight_decay = 0.1}, optim::AdamW{.lr = 3e-3, .weight_decay = 0.0},
+          optim::AdamW{.lr = 2e-4, .beta1 = 0.8, .weight_decay = 0.01}},
+         sizes, {.max_grad_norm = 2.0}, seed | 1);
+  const double scales[] = {1024.0, 1.0, 3000.5, 1.0};
+  for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "step " + std::to_string(k + 1));
+  EXPECT_LT(p.dev.step_state().clip_coef, 1.0);
+
+  Model m2(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair q(m2, {optim::Adagrad{.lr = 0.1, .initial_accumulator_value = 0.5}, optim::Adagrad{.lr = 0.01}}, {6, 5}, {},
+         seed | 1);
+  q.expect_same("after construction", false);
+  for (int k = 0; k < 3; ++k) draw_step_compare(m2, rng, q, 0.5, scales[k], "adagrad step " + std::to_string(k + 1));
+}
+
+// PyTorch's capturable=True with a tensor lr: the launches' arguments stay those of
+// the first step (as a captured CUDA graph's do), the rules change in device memory
+// between steps, and every step uses the lr of its time: bitwise the CPU's set_lr.
+TEST_F(EmulatedStep, AScheduleReachesReplayedLaunches) {
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, {optim::AdamW{.lr = 1e-3, .weight_decay = 0.1}, optim::AdamW{.lr = 1e-3, .weight_decay = 0.0}}, {6, 5},
+         {.max_grad_norm = 1.0}, seed | 1);
+  for (int k = 0; k < 6; ++k) {
+    const double lr0 = 1e-3 * (k + 1) / 6.0, lr1 = 2e-3 / (k + 1);  // warmup and decay
+    p.cpu.set_lr(0, lr0), p.dev.set_lr(0, lr0);
+    p.cpu.set_lr(1, lr1), p.dev.set_lr(1, lr1);
+    draw_step_compare(model, rng, p, 0.5, k % 2 ? 1.0 : 512.0, "step " + std::to_string(k + 1));
+  }
+}
 
 // ---- loss scales, clipping, norms ----
 

@@ -833,6 +833,85 @@ TEST_F(CudaGpu, CapturedScalerIterationReplaysLikeEagerIterations) {
   EXPECT_EQ(sa.growth_tracker(), tracker);
 }
 
+// PyTorch's capturable=True with a tensor lr: two param groups, one iteration captured,
+// and a per-group lr schedule changed with set_lr between replays. The replays use each
+// step's lr (the rules live in device memory): bitwise the eager iterations.
+TEST_F(CudaGpu, CapturedGroupsFollowAnLrScheduleBetweenReplays) {
+  REQUIRE_THE_DEVICE();
+  const cuda::DriverApi& api = drv();
+  struct Stream {
+    cuda::CUstream s = nullptr;
+    ~Stream() {
+      if (s) drv().cuStreamSynchronize(s), drv().cuStreamDestroy(s);
+    }
+  } stream;
+  check(api.cuStreamCreate(&stream.s, cuda::CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  const ListLayout L = make_layout(kSizes, {{DType::bf16, DType::bf16}}, Layout::separate);
+  TestList la(L), lb(L);
+  const std::vector<std::byte> w0 = weight_image(L, 5);
+  la.set_weights(w0);
+  lb.set_weights(w0);
+  constexpr int kReplays = 6;
+  std::vector<std::unique_ptr<TestBuffer>> staged;
+  for (int k = 0; k <= kReplays; ++k) {
+    staged.push_back(std::make_unique<TestBuffer>(L.g_bytes));
+    staged.back()->upload(grad_image(L, 40 + static_cast<std::uint32_t>(k), 1024.0f, Poison::none));
+  }
+  const auto load_grads = [&](int k) {
+    check(api.cuMemcpyDtoDAsync(la.g.address(), staged[static_cast<std::size_t>(k)]->address(), L.g_bytes, stream.s),
+          "cuMemcpyDtoDAsync");
+    check(api.cuMemcpyDtoDAsync(lb.g.address(), staged[static_cast<std::size_t>(k)]->address(), L.g_bytes, stream.s),
+          "cuMemcpyDtoDAsync");
+  };
+  const auto groups = [](const std::vector<Param>& params) {
+    const auto half = static_cast<std::ptrdiff_t>(params.size() / 2);
+    return std::vector<ParamGroup>{{{params.begin(), params.begin() + half}, optim::AdamW{.lr = 1e-3, .weight_decay = 0.1}},
+                                   {{params.begin() + half, params.end()}, optim::AdamW{.lr = 1e-3, .weight_decay = 0.0}}};
+  };
+  OptimizerOptions o;
+  o.device = Device::cuda(0);
+  o.cuda_stream = stream.s;
+  o.max_grad_norm = kMaxNorm;
+  Optimizer oa(groups(la.params), o), ob(groups(lb.params), o);
+  GradScaler sa("cuda", 1024.0), sb("cuda", 1024.0);
+  load_grads(0);
+  sa.step(oa), sa.update(), sb.step(ob), sb.update();
+  check(api.cuStreamSynchronize(stream.s), "cuStreamSynchronize");
+
+  check(api.cuStreamBeginCapture(stream.s, cuda::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
+  std::string error;
+  try {
+    sa.step(oa);
+    sa.update();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  struct Graph {
+    cuda::CUgraph graph = nullptr;
+    cuda::CUgraphExec exec = nullptr;
+    ~Graph() {
+      if (exec) drv().cuGraphExecDestroy(exec);
+      if (graph) drv().cuGraphDestroy(graph);
+    }
+  } g;
+  ASSERT_EQ(api.cuStreamEndCapture(stream.s, &g.graph), cuda::CUDA_SUCCESS);
+  ASSERT_TRUE(error.empty()) << error;
+  check(api.cuGraphInstantiate(&g.exec, g.graph, 0), "cuGraphInstantiate");
+  for (int k = 1; k <= kReplays; ++k) {
+    const double lr0 = 1e-3 * k / kReplays, lr1 = 3e-3 / k;  // warmup in group 0, decay in group 1
+    oa.set_lr(0, lr0), oa.set_lr(1, lr1);
+    ob.set_lr(0, lr0), ob.set_lr(1, lr1);
+    load_grads(k);
+    check(api.cuGraphLaunch(g.exec, stream.s), "cuGraphLaunch");
+    sb.step(ob);
+    sb.update();
+  }
+  check(api.cuStreamSynchronize(stream.s), "cuStreamSynchronize");
+  const Snapshot a = snapshot(oa, la), b = snapshot(ob, lb);
+  expect_identical(a, b, L, "graph replays with an lr schedule against eager iterations");
+  EXPECT_EQ(a.step_count, kReplays + 1);
+}
+
 // ---- Determinism ---------------------------------------------------------------------------
 
 TEST_F(CudaGpu, RunsAreBitwiseIdentical) {

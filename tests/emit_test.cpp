@@ -134,7 +134,10 @@ TEST(Emit, SourceAndAbiDescribeTheSameKernels) {
   EXPECT_EQ(offset("sf_span", "len"), offsetof(sf_span, len));
   EXPECT_EQ(offset("sf_hyper", "max_grad_norm"), offsetof(sf_hyper, max_grad_norm));
   EXPECT_EQ(offset("sf_step_state", "grad_norm"), offsetof(sf_step_state, grad_norm));
-  EXPECT_EQ(offset("sf_step_state", "scalars"), offsetof(sf_step_state, scalars));
+  EXPECT_EQ(offset("sf_tensor", "group"), offsetof(sf_tensor, group));
+  EXPECT_EQ(offset("sf_hyper", "groups"), offsetof(sf_hyper, groups));
+  EXPECT_EQ(offset("sf_hyper", "num_groups"), offsetof(sf_hyper, num_groups));
+  EXPECT_EQ(offset("sf_group_rules", "step_base"), offsetof(sf_group_rules, step_base));
 }
 
 TEST(Emit, AbiHeaderIsThePublicDeviceAbiHeader) {

@@ -242,16 +242,30 @@ static int run_on_gpu(void) {
   CU(cu.cuMemcpyHtoD(d_blocks, emitted_blocks, sizeof emitted_blocks));
   CU(cu.cuMemsetD32(d_st, 0, sizeof(sf_step_state) / 4)); /* zeroed once */
 
-  /* The hyperparameters: the rules, passed by value to every launch. */
+  /* The hyperparameters: the rules of the one param group in device memory, which
+   * every launch reads (a captured graph too), and sf_hyper pointing at them, passed
+   * by value to every launch. */
+  sf_group_rules rules;
+  memset(&rules, 0, sizeof rules);
+  memcpy(rules.rules, emitted_rules, sizeof emitted_rules);
+  CUdeviceptr d_rules, d_scalars;
+  CU(cu.cuMemAlloc(&d_rules, sizeof rules));
+  CU(cu.cuMemAlloc(&d_scalars, SF_MAX_SCALARS * sizeof(float)));
+  CU(cu.cuMemcpyHtoD(d_rules, &rules, sizeof rules));
   sf_hyper hyper;
   memset(&hyper, 0, sizeof hyper);
-  memcpy(hyper.rules, emitted_rules, sizeof emitted_rules);
+  hyper.groups = (const sf_group_rules*)(uintptr_t)d_rules;
+  hyper.scalars = (float*)(uintptr_t)d_scalars;
+  hyper.num_groups = 1;
   hyper.max_grad_norm = 5.0;
   const double S = 1024.0;
 
   int failures = 0;
   for (int step = 1; step <= 4; ++step) {
-    if (step == 3) hyper.rules[scalar_index("lr")].a = 0.005; /* a new lr: the next launch's argument, no recompile */
+    if (step == 3) { /* a new lr: copied into the rules the launches read; no recompile, the same arguments */
+      rules.rules[scalar_index("lr")].a = 0.005;
+      CU(cu.cuMemcpyHtoD(d_rules, &rules, sizeof rules));
+    }
     const int poison = step == 4;
     double sumsq = 0;
     for (int t = 0; t < EMITTED_NUM_TENSORS; ++t) {
@@ -286,7 +300,7 @@ static int run_on_gpu(void) {
       failures += st.applied != 1 || st.step != step || fabs(st.grad_norm - norm) > 1e-6 * norm;
       for (int t = 0; t < EMITTED_NUM_TENSORS; ++t)
         for (long long i = 0; i < emitted_numel[t]; ++i)
-          reference(hyper.rules, (double)g[t][i] / S * clip, &ref_p[t][i], &ref_m[t][i], &ambiguous[t][i]);
+          reference(rules.rules, (double)g[t][i] / S * clip, &ref_p[t][i], &ref_m[t][i], &ambiguous[t][i]);
     }
     /* Weights and state against the reference (unchanged after the skipped step). */
     int bad = 0;
@@ -315,6 +329,7 @@ static int run_on_gpu(void) {
     if (state[s]) cu.cuMemFree(state[s]);
   cu.cuMemFree(d_tensors), cu.cuMemFree(d_chunks), cu.cuMemFree(d_blocks);
   cu.cuMemFree(d_partials), cu.cuMemFree(d_sums), cu.cuMemFree(d_st);
+  cu.cuMemFree(d_rules), cu.cuMemFree(d_scalars);
   cu.cuModuleUnload(module);
   cu.cuDevicePrimaryCtxRelease(dev);
   printf("%s\n", failures ? "FAILED" : "the emitted kernels agree with the float64 reference");

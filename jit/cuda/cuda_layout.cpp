@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "jit/program_analysis.hpp"
+
 namespace stepfuse::jit {
 
 namespace {
@@ -32,13 +34,16 @@ bool is_flat(const std::vector<Param>& params) {
 
 }  // namespace
 
-CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options) {
+CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
+                            bool allow_flat) {
   std::vector<TensorShape> shapes;
   shapes.reserve(params.size());
   for (const Param& p : params)
     shapes.push_back({p.weight.numel, {p.weight.dtype, p.grad.dtype, options.master_weights && p.weight.dtype != DType::f32}});
+  // A two-phase program's phase 2 reads each tensor's norms by its index in the block
+  // table: never the flat layout (jit/cuda/emit_cuda.hpp).
   CudaLayout l = plan_cuda_layout(program, shapes, options.norm_type == INFINITY ? CudaNorm::inf : CudaNorm::l2,
-                                  is_flat(params), vector_aligned(params));
+                                  allow_flat && is_flat(params) && !is_two_phase(program), vector_aligned(params));
   for (std::size_t i = 0; i < params.size(); ++i) {
     l.tensors[i].grad = params[i].grad.data;
     l.tensors[i].weight = params[i].weight.data;
@@ -67,6 +72,8 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<TensorShap
     t.first_chunk = static_cast<long long>(l.layout.tensor_chunks[i]);
     t.num_chunks = static_cast<int>(l.layout.tensor_chunks[i + 1] - l.layout.tensor_chunks[i]);
     t.combo = l.layout.tensor_combo[i];
+    t.group = 0;  // the caller sets param groups
+    t.pad_ = 0;
     for (std::int64_t b = 0; b < numel; b += SF_UPDATE_ELEMS)
       l.blocks.push_back({b, static_cast<int>(i), static_cast<int>(std::min<std::int64_t>(SF_UPDATE_ELEMS, numel - b))});
   }

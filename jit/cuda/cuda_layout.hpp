@@ -36,7 +36,10 @@ struct CudaLayout {
 // one dtype combination (state and masters are then laid out exactly alike, so
 // one index serves every stream). aligned16: every weight and grad base is
 // aligned for 4-element vector accesses (16 bytes for f32, 8 for f16/bf16).
-CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options);
+// allow_flat: false keeps per-tensor update blocks even for a flat list (param groups
+// read each block's tensor's group).
+CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& params, const OptimizerOptions& options,
+                            bool allow_flat = true);
 
 // The same from sizes and storage only, for a spec whose layout class (flat,
 // aligned16) and norm the caller has decided: the tables' pointers (grad, weight,

@@ -43,6 +43,8 @@ typedef struct sf_tensor {
   long long first_chunk;  /* index of its first reduce chunk; chunks are per tensor, in order */
   int num_chunks;
   int combo;           /* index of its dtype combination in the generated kernel */
+  int group;           /* its param group: the index of its rules in sf_hyper.groups */
+  int pad_;
 } sf_tensor;
 
 /* A span of one tensor: a reduce chunk or an update block. */
@@ -65,12 +67,24 @@ typedef struct sf_partial {
   int nonfinite;
 } sf_partial;
 
-/* The hyperparameters of a step, passed to the kernels by value (so a captured
- * CUDA graph replays the values it was captured with, and changing them needs
- * no copy and no recompilation). */
-typedef struct sf_hyper {
+/* A param group's per-step scalar rules (one group when there are no groups). */
+typedef struct sf_group_rules {
   sf_scalar_rule rules[SF_MAX_SCALARS]; /* the program's per-step scalars */
-  double max_grad_norm;                 /* > 0: clip to it; 0: no clipping */
+  long long step_base;  /* steps applied before the group was added: its step t is sf_step_state.step + 1 - step_base */
+} sf_group_rules;
+
+/* The hyperparameters of a step, passed to the kernels by value. The rules and the
+ * step's scalars live in device memory that the kernels read at every launch, so a
+ * captured CUDA graph replayed after the rules changed (a new lr) uses the new
+ * values (PyTorch's capturable=True with a tensor lr), and changing them is a copy
+ * into `groups`, no recompilation and no re-capture. */
+typedef struct sf_hyper {
+  const sf_group_rules* groups; /* num_groups rules, device memory */
+  float* scalars;               /* num_groups * SF_MAX_SCALARS floats, device memory: the step's scalars
+                                   (the reduce pass's finalize writes them, the update pass reads them) */
+  double max_grad_norm;         /* > 0: clip to it; 0: no clipping */
+  int num_groups;
+  int pad_;
 } sf_hyper;
 
 /* Per-optimizer state on the device, owned by the kernels; the host reads it
@@ -86,7 +100,6 @@ typedef struct sf_step_state {
   double grad_norm;     /* unscaled; +inf when not finite; NaN when not computed */
   double clip_coef;
   double gscale;
-  float scalars[SF_MAX_SCALARS]; /* the update pass's per-step scalars */
 } sf_step_state;
 
 /* A GradScaler's state on the device (torch._amp_update_scale_ semantics). */

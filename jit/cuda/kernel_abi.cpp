@@ -28,7 +28,9 @@ void write_types(JsonWriter& j) {
               SF_FIELD(sf_tensor, numel, "long long", "elements"),
               SF_FIELD(sf_tensor, first_chunk, "long long", "index of its first reduce chunk"),
               SF_FIELD(sf_tensor, num_chunks, "int", "its reduce chunks: ceil(numel / SF_CHUNK_ELEMS)"),
-              SF_FIELD(sf_tensor, combo, "int", "index of its dtype combination (spec.combos)")});
+              SF_FIELD(sf_tensor, combo, "int", "index of its dtype combination (spec.combos)"),
+              SF_FIELD(sf_tensor, group, "int", "its param group: index into sf_hyper.groups (0 without groups)"),
+              SF_FIELD(sf_tensor, pad_, "int", "0")});
   write_type(j, "sf_span", sizeof(sf_span), alignof(sf_span), "a reduce chunk or an update block of one tensor",
              {SF_FIELD(sf_span, begin, "long long", "first element, within the tensor"),
               SF_FIELD(sf_span, tensor, "int", "index into the tensor table"),
@@ -47,11 +49,21 @@ void write_types(JsonWriter& j) {
               SF_FIELD(sf_scalar_rule, pad_, "int", "0"), SF_FIELD(sf_scalar_rule, a, "double", "first parameter"),
               SF_FIELD(sf_scalar_rule, b, "double", "second parameter"),
               SF_FIELD(sf_scalar_rule, c, "double", "third parameter")});
-  write_type(j, "sf_hyper", sizeof(sf_hyper), alignof(sf_hyper),
-             "the step's hyperparameters, passed to both kernels by value: changing them never recompiles",
-             {SF_FIELD(sf_hyper, rules, "sf_scalar_rule[SF_MAX_SCALARS]",
+  write_type(j, "sf_group_rules", sizeof(sf_group_rules), alignof(sf_group_rules),
+             "a param group's scalar rules, in device memory (one group without groups)",
+             {SF_FIELD(sf_group_rules, rules, "sf_scalar_rule[SF_MAX_SCALARS]",
                        "rules[k]: the rule of program scalar k (program.scalars); the rest zero"),
-              SF_FIELD(sf_hyper, max_grad_norm, "double", "> 0: clip the global norm to it (clip_grad_norm_); 0: no clipping")});
+              SF_FIELD(sf_group_rules, step_base, "long long",
+                       "steps applied before the group was added: its step is step_state.step + 1 - step_base (0 for "
+                       "groups present from the start)")});
+  write_type(j, "sf_hyper", sizeof(sf_hyper), alignof(sf_hyper),
+             "the step's hyperparameters, passed to the kernels by value; the rules are read from device memory at "
+             "every launch, so a captured CUDA graph sees rules changed between replays (a new lr) without re-capture",
+             {SF_FIELD(sf_hyper, groups, "const sf_group_rules*", "device: num_groups rules"),
+              SF_FIELD(sf_hyper, scalars, "float*",
+                       "device scratch: num_groups * SF_MAX_SCALARS floats, the step's scalars per group"),
+              SF_FIELD(sf_hyper, max_grad_norm, "double", "> 0: clip the global norm to it (clip_grad_norm_); 0: no clipping"),
+              SF_FIELD(sf_hyper, num_groups, "int", ">= 1"), SF_FIELD(sf_hyper, pad_, "int", "0")});
   write_type(j, "sf_step_state", sizeof(sf_step_state), alignof(sf_step_state),
              "per-optimizer device state owned by the kernels: zero it once before the first step, then leave it",
              {SF_FIELD(sf_step_state, step, "long long", "steps applied so far (skipped steps do not count)"),
@@ -62,8 +74,7 @@ void write_types(JsonWriter& j) {
               SF_FIELD(sf_step_state, loss_scale, "double", "last step: the loss scale it divided by"),
               SF_FIELD(sf_step_state, grad_norm, "double", "last step: norm of the unscaled gradients; +inf if not finite; NaN if not computed"),
               SF_FIELD(sf_step_state, clip_coef, "double", "last step: the clip coefficient"),
-              SF_FIELD(sf_step_state, gscale, "double", "last step: the gradient multiplier clip_coef / loss_scale"),
-              SF_FIELD(sf_step_state, scalars, "float[SF_MAX_SCALARS]", "last step: the program's scalars as sf_update used them")});
+              SF_FIELD(sf_step_state, gscale, "double", "last step: the gradient multiplier clip_coef / loss_scale")});
   write_type(j, "sf_scaler_state", sizeof(sf_scaler_state), alignof(sf_scaler_state),
              "optional: a GradScaler's state on the device; sf_reduce records found_inf in it",
              {SF_FIELD(sf_scaler_state, scale, "float", "the loss scale (pass &scale as scale_ptr)"),
@@ -133,7 +144,7 @@ std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program
        {"partials", "sf_partial*", "device scratch: max(num_chunks, 1) entries, overwritten every step"},
        {"tensor_sums", "double*", "device scratch: num_tensors entries; after a step, per-tensor sum of squares (or max |g|) of the stored gradients"},
        {"st", "sf_step_state*", "device: the step state (zeroed once, before the first step)"},
-       {"hyper", "sf_hyper", "by value: the scalar rules and max_grad_norm"},
+       {"hyper", "sf_hyper", "by value: the group rules, the scalars scratch and max_grad_norm"},
        {"scale_ptr", "const float*", "device address of the loss scale (a GradScaler's), or null to use scale_value"},
        {"scale_value", "double", "the loss scale S > 0 when scale_ptr is null (1 for gradients already unscaled)"},
        {"check_finite", "int", "1: skip the update when a gradient is inf/NaN (loss scaling or clipping); 0: report only"},
@@ -161,6 +172,9 @@ std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program
        {"tensor_sums", "double", "num_tensors", "no"},
        {"step_state", "sf_step_state", "1",
         "zero, once; the kernels keep the step count and the last step's results in it"},
+       {"group_rules", "sf_group_rules", "num_groups (1 without groups)",
+        "the rules, copied from the host; copy again (stream-ordered) to change hyperparameters"},
+       {"scalars", "float", "num_groups * SF_MAX_SCALARS", "no"},
        {"tables", "sf_tensor, sf_span", "the tensor table, the chunk table and (table layout) the block table",
         "copied from the host"}});
   j.begin_object("tables")
@@ -178,18 +192,21 @@ std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program
 
   j.begin_array("step")
       .str({}, "setup (once): allocate and initialize device_memory, copy the tables, zero step_state")
-      .str({}, "fill sf_hyper: rules[k] = program.scalars[k] as {kind, 0, a, b, c}; max_grad_norm = the clip threshold or 0")
+      .str({}, "fill group_rules[g].rules[k] = program.scalars[k] as {kind, 0, a, b, c} (step_base 0) and copy it to the "
+               "device; sf_hyper = {group_rules, scalars, max_grad_norm = the clip threshold or 0, num_groups}")
       .str({}, "scaled or clipped step: sf_reduce(..., scale_value = S, check_finite = 1, ...) then sf_update(..., plain = 0), "
                "in order on one stream; nothing needs the host in between (a CUDA graph can hold both)")
       .str({}, "plain step (gradients unscaled, no clipping, no norm): sf_update(..., plain = 1) alone")
       .str({}, "results, when wanted: read step_state after the stream: applied, found_inf, grad_norm, clip_coef, step")
-      .str({}, "new hyperparameters: change the rules in the next launch's sf_hyper (never recompile)")
+      .str({}, "new hyperparameters: copy new rules into group_rules between steps, ordered on the stream (never "
+               "recompile; a captured graph picks them up at its next replay)")
       .end_array();
   j.str("scalar_stage",
         "In sf_reduce's last block to finish: the partials are combined in chunk order per tensor in fp64, then tensors in "
         "order (the CPU backend's order, so the norm is bitwise the CPU's), giving found_inf and the norm of the stored "
         "gradients; then stage = sf_step_stage(found_inf, check_finite, norm, S, hyper.max_grad_norm, st->step) and, when "
-        "stage.applied, sf_eval_scalars(hyper.rules, num_scalars, stage.step, stage.gscale, st->scalars). When it is not "
+        "stage.applied, for every group g, sf_eval_scalars(hyper.groups[g].rules, num_scalars, stage.step - "
+        "hyper.groups[g].step_base, stage.gscale, hyper.scalars + g * SF_MAX_SCALARS). When it is not "
         "applied sf_update returns at once (nothing is written). In plain mode every sf_update block evaluates the rules "
         "for sf_step_stage(0, 0, NaN, 1, 0, st->step) itself, and its last block counts the step. sf_update_scale is "
         "sf_amp_update_scale.");

@@ -10,6 +10,7 @@
 
 #include "jit/cuda/cuda_kernels.hpp"
 #include "jit/cuda/cuda_layout.hpp"
+#include "jit/program_analysis.hpp"
 #include "runtime/cuda/cuda_scaler.hpp"
 #include "stepfuse/error.hpp"
 
@@ -151,23 +152,25 @@ unsigned grid_for(std::int64_t n, unsigned block) {
 }  // namespace
 
 namespace {
-// The one group's program (param groups on CUDA: see the check below).
-const StepPrograms& one_group(const StepPrograms& programs) {
-  if (programs.groups.size() != 1)
-    throw Error(ErrorCode::unsupported, "OptimizerOptions::device = cuda: " + std::to_string(programs.groups.size()) +
-                                            " param groups; the CUDA backend runs one group for now (use one group, "
-                                            "or Device::cpu())");
+// Param groups on CUDA run one program: groups may differ in every hyperparameter,
+// not (yet) in the flags that pick another program variant.
+const StepPrograms& one_program(const StepPrograms& programs) {
+  for (std::size_t g = 1; g < programs.groups.size(); ++g)
+    if (programs.groups[g].program != programs.groups[0].program)
+      throw Error(ErrorCode::unsupported,
+                  "OptimizerOptions::device = cuda: param group " + std::to_string(g) + " runs update program '" +
+                      std::string(programs.groups[g].program->name) + "' but group 0 runs '" +
+                      std::string(programs.groups[0].program->name) +
+                      "'; on a GPU every group runs one program (the same amsgrad, nesterov, centered and momentum "
+                      "on/off in every group; the CPU backends run mixed variants)");
   return programs;
 }
 }  // namespace
 
 CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>& params, const OptimizerOptions& options)
-    : CudaBackend(*one_group(programs).groups[0].program, programs, params, options,
-                  programs.groups[0].state_init) {}
-
-CudaBackend::CudaBackend(const Program& program, const StepPrograms& programs, const std::vector<Param>& params,
-                         const OptimizerOptions& options, const float* state_init)
-    : program_(program), params_(params), options_(options) {
+    : program_(*one_program(programs).groups[0].program), params_(params), options_(options),
+      num_groups_(static_cast<int>(programs.groups.size())) {
+  const Program& program = program_;
   for (int s = 0; s < program.num_streams; ++s)
     if (const int b = programs.state_slot[0][static_cast<std::size_t>(s)]; b >= 0) stream_of_buffer_.push_back(s);
   ctx_ = std::make_unique<CudaContext>(options.device.index);
@@ -187,7 +190,9 @@ CudaBackend::CudaBackend(const Program& program, const StepPrograms& programs, c
                         "; with Device::cuda, weights and gradients must be device allocations of that GPU");
     }
   }
-  jit::CudaLayout layout = jit::plan_cuda_layout(program, params_, options);
+  // Several groups: per-tensor blocks (a block's scalars are its tensor's group's), never the flat layout.
+  jit::CudaLayout layout = jit::plan_cuda_layout(program, params_, options, /*allow_flat=*/num_groups_ == 1);
+  for (std::size_t i = 0; i < params_.size(); ++i) layout.tensors[i].group = static_cast<int>(programs.tensor_group[i]);
   spec_ = layout.spec;
   layout_ = layout.layout;
   const std::int64_t total = layout_.state_elems;
@@ -202,6 +207,10 @@ CudaBackend::CudaBackend(const Program& program, const StepPrograms& programs, c
   update_module_ = std::make_unique<CudaModule>(*images.update.bytes, "update");
   reduce_ = reduce_module_->get("sf_reduce");
   update_ = update_module_->get("sf_update");
+  if (jit::is_two_phase(program)) {
+    phase1_ = update_module_->get("sf_phase1");
+    combine_ = update_module_->get("sf_phase_combine");
+  }
   const CudaUtilities& util = cuda_utilities(*ctx_);
   ctx_->make_current();
 
@@ -209,11 +218,19 @@ CudaBackend::CudaBackend(const Program& program, const StepPrograms& programs, c
   for (int s = 0; s < program.num_streams; ++s) {
     if (program.streams[s].role != StreamRole::state) continue;
     state_[s] = DeviceBuffer(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)) * sizeof(float));
-    float value = state_init[s];
-    long long n = total;
-    cuda::CUdeviceptr dst = state_[s].get();
-    void* args[] = {&dst, &n, &value};
-    launch(util.fill, "sf_fill", grid_for(n, 256), 256, stream_, args);
+    // Each tensor starts at its group's initial value (Adagrad's initial_accumulator_value,
+    // Rprop's lr, ... may differ between groups): one fill, or one per tensor when they differ.
+    const auto init_of = [&](std::size_t g) { return programs.groups[g].state_init[s]; };
+    bool same = true;
+    for (std::size_t g = 1; g < programs.groups.size(); ++g) same = same && init_of(g) == init_of(0);
+    for (std::size_t i = 0; i < (same ? 1 : params_.size()); ++i) {
+      float value = init_of(same ? 0 : programs.tensor_group[i]);
+      long long n = same ? total : params_[i].weight.numel;
+      if (n == 0) continue;
+      cuda::CUdeviceptr dst = state_[s].get() + (same ? 0 : layout_.offsets[i] * sizeof(float));
+      void* args[] = {&dst, &n, &value};
+      launch(util.fill, "sf_fill", grid_for(n, 256), 256, stream_, args);
+    }
   }
   if (layout_.master_elems > 0) masters_ = DeviceBuffer(static_cast<std::size_t>(layout_.master_elems) * sizeof(float));
   for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -230,6 +247,12 @@ CudaBackend::CudaBackend(const Program& program, const StepPrograms& programs, c
   blocks_ = upload_table(layout.blocks, stream_);
   partials_ = DeviceBuffer(static_cast<std::size_t>(std::max(num_chunks_, 1)) * sizeof(sf_partial));
   tensor_sums_ = DeviceBuffer(params_.size() * sizeof(double));
+  if (phase1_ != nullptr) {
+    norm_sums_ = DeviceBuffer(static_cast<std::size_t>(std::max(num_chunks_, 1)) * SF_MAX_NORM_SLOTS * sizeof(float));
+    norms_ = DeviceBuffer(std::max<std::size_t>(params_.size(), 1) * SF_MAX_NORM_SLOTS * sizeof(float));
+  }
+  group_rules_ = DeviceBuffer(static_cast<std::size_t>(num_groups_) * sizeof(sf_group_rules));
+  group_scalars_ = DeviceBuffer(static_cast<std::size_t>(num_groups_) * SF_MAX_SCALARS * sizeof(float));
   step_state_ = DeviceBuffer(sizeof(sf_step_state));
   cuda::check(a.cuMemsetD8Async(step_state_.get(), 0, sizeof(sf_step_state), stream_), "cuMemsetD8Async");
   // The host tables must outlive their asynchronous copies.
@@ -270,8 +293,11 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
     synchronize();  // done before the host copy can change again
     host_touched_ = false;
   }
+  // The rules are on the device already (set_rules): a graph captured here reads them at each replay.
   sf_hyper hyper{};
-  for (int k = 0; k < program_.num_scalars; ++k) hyper.rules[k] = request.groups[0].rules[k];
+  hyper.groups = group_rules_.as<const sf_group_rules>();
+  hyper.scalars = group_scalars_.as<float>();
+  hyper.num_groups = num_groups_;
   hyper.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
   const bool clip = options_.max_grad_norm.has_value();
   const bool reduce = request.scaled || clip || options_.track_grad_norm || request.device_scale != nullptr;
@@ -293,7 +319,20 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
   for (int s = 0; s < program_.num_streams; ++s) streams.s[s] = state_[s].as<float>();
   long long flat_numel = layout_.state_elems;  // the flat layout's elements (jit::CudaLayout::flat_numel)
   int plain = reduce ? 0 : 1;
-  void* args[] = {&tensors, &blocks, &flat_numel, &streams, &st, &hyper, &plain};
+  // A two-phase program: phase 1 over the reduce chunks, each tensor's norms, then
+  // sf_update runs phase 2, reading them (its last parameter; a one-phase sf_update has
+  // none, and the driver reads only as many parameters as the kernel has).
+  cuda::CUdeviceptr norms = norms_.get();
+  if (phase1_ != nullptr) {
+    cuda::CUdeviceptr norm_sums = norm_sums_.get();
+    int num_chunks = num_chunks_, num_tensors = static_cast<int>(params_.size());
+    void* phase1_args[] = {&tensors, &chunks, &num_chunks, &streams, &norm_sums, &st, &hyper, &plain};
+    const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
+    launch(phase1_, "sf_phase1", grid, 32 * SF_REDUCE_WARPS, stream_, phase1_args);
+    void* combine_args[] = {&tensors, &num_tensors, &norm_sums, &norms, &st, &plain};
+    launch(combine_, "sf_phase_combine", 1, 256, stream_, combine_args);  // SF_COMBINE_THREADS
+  }
+  void* args[] = {&tensors, &blocks, &flat_numel, &streams, &st, &hyper, &plain, &norms};
   launch(update_, "sf_update", static_cast<unsigned>(num_update_blocks_), SF_UPDATE_THREADS, stream_, args);
   host_current_ = false;
   StepResult pending;
@@ -346,6 +385,26 @@ std::int64_t CudaBackend::step_count() const {
   long long step = 0;
   cuda::check(api().cuMemcpyDtoH(&step, step_state_.get() + offsetof(sf_step_state, step), sizeof step), "cuMemcpyDtoH");
   return step;
+}
+
+void CudaBackend::set_rules(const GroupRules* groups) {
+  ctx_->make_current();
+  int capturing = cuda::CU_STREAM_CAPTURE_STATUS_NONE;
+  cuda::check(api().cuStreamIsCapturing(stream_, &capturing), "cuStreamIsCapturing");
+  if (capturing != cuda::CU_STREAM_CAPTURE_STATUS_NONE)
+    throw Error(ErrorCode::invalid_state,
+                "hyperparameters changed (set_lr, set_config, a checkpoint load) while the optimizer's stream is being "
+                "captured into a CUDA graph; change them between replays: the captured steps read them from device "
+                "memory at every replay");
+  std::vector<sf_group_rules> rules(static_cast<std::size_t>(num_groups_));
+  for (std::size_t g = 0; g < rules.size(); ++g) {
+    for (int k = 0; k < SF_MAX_SCALARS; ++k) rules[g].rules[k] = groups[g].rules[k];
+    rules[g].step_base = groups[g].step_base;
+  }
+  // Ordered after the steps already enqueued and before the next; from pageable memory
+  // the copy is staged before the call returns, so `rules` may go.
+  cuda::check(api().cuMemcpyHtoDAsync(group_rules_.get(), rules.data(), rules.size() * sizeof(sf_group_rules), stream_),
+              "cuMemcpyHtoDAsync");
 }
 
 void CudaBackend::set_step_count(std::int64_t n) {

@@ -98,6 +98,7 @@ class CudaBackend final : public Backend {
   StepResult read_result(std::vector<double>* tensor_norms) const override;
   std::int64_t step_count() const override;
   void set_step_count(std::int64_t n) override;
+  void set_rules(const GroupRules* groups) override;
   const jit::Layout& layout() const override { return layout_; }
   float* state_data(int buffer) const override;
   float* masters_data() const override;
@@ -114,11 +115,10 @@ class CudaBackend final : public Backend {
   void synchronize() const;
 
  private:
-  CudaBackend(const Program& program, const StepPrograms& programs, const std::vector<Param>& params,
-              const OptimizerOptions& options, const float* state_init);
   const Program& program_;
   std::vector<Param> params_;
   OptimizerOptions options_;
+  int num_groups_ = 1;
   std::vector<int> stream_of_buffer_;  // per state buffer (StepPrograms::state_names): its program stream
   std::unique_ptr<CudaContext> ctx_;
   cuda::CUstream stream_ = nullptr;
@@ -133,7 +133,12 @@ class CudaBackend final : public Backend {
   void host_view() const;              // makes the host copy current and marks it handed out
   int num_chunks_ = 0, num_update_blocks_ = 0;
   DeviceBuffer factor_;  // scale_tensors()' factor
+  DeviceBuffer group_rules_, group_scalars_;  // sf_hyper.groups and .scalars (device_abi.h)
   DeviceBuffer state_[kMaxStreams], masters_, step_state_, tensors_, chunks_, blocks_, partials_, tensor_sums_;
+  // A two-phase program (jit/cuda/kernels/phase1_kernel.cuh): its phase-1 and combine
+  // kernels, each chunk's sums and each tensor's norms (SF_MAX_NORM_SLOTS floats apiece).
+  cuda::CUfunction phase1_ = nullptr, combine_ = nullptr;
+  DeviceBuffer norm_sums_, norms_;
 };
 
 }  // namespace stepfuse::detail

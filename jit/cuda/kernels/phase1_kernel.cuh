@@ -16,19 +16,22 @@
 extern "C" __global__ void __launch_bounds__(32 * SF_REDUCE_WARPS)
 sf_phase1(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT chunks, int num_chunks, sf_streams streams,
           float* SF_RESTRICT sums, sf_step_state* st, const sf_hyper hyper, int plain) {
-  __shared__ float sc[SF_MAX_SCALARS];
+  __shared__ float sc_warp[SF_REDUCE_WARPS][SF_MAX_SCALARS];  /* each warp's chunk's group's scalars */
   if (!plain && !*(const volatile int*)&st->applied) return;
   /* A plain step's stage: no reduce (norm NaN), S = 1, no clipping (as sf_update). */
   const sf_stage stage = sf_step_stage(0, 0, (double)sf_float(0x7FC00000u), 1.0, 0.0, st->step);
-  if (threadIdx.x < {NUM_SCALARS})
-    sc[threadIdx.x] = plain ? (float)sf_eval_rule(&hyper.rules[threadIdx.x], stage.step, stage.gscale)
-                            : st->scalars[threadIdx.x];
-  __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c = blockIdx.x * SF_REDUCE_WARPS + warp;
   if (c >= num_chunks) return;  /* the whole warp */
   const sf_span ch = chunks[c];
   const sf_tensor* t = &tensors[ch.tensor];
+  const int g = t->group;
+  if (lane < {NUM_SCALARS})
+    sc_warp[warp][lane] = plain ? (float)sf_eval_rule(&hyper.groups[g].rules[lane],
+                                                      stage.step - hyper.groups[g].step_base, stage.gscale)
+                                : hyper.scalars[(long long)g * SF_MAX_SCALARS + lane];
+  __syncwarp(SF_FULL_MASK);
+  const float* SF_RESTRICT sc = sc_warp[warp];
   float acc[SF_MAX_NORM_SLOTS] = {};
   switch (t->combo) {
 {PHASE1_CASES}

@@ -118,7 +118,9 @@ SF_DEV void sf_finalize(const sf_tensor* SF_RESTRICT tensors, int num_tensors, c
   st->gscale = stage.gscale;
   st->applied = stage.applied;
   if (!stage.applied) return;  /* skipped: nothing is written, the step count stays */
-  sf_eval_scalars(hyper->rules, {NUM_SCALARS}, stage.step, stage.gscale, st->scalars);
+  for (int g = 0; g < hyper->num_groups; ++g)  /* every group's scalars, at its own step */
+    sf_eval_scalars(hyper->groups[g].rules, {NUM_SCALARS}, stage.step - hyper->groups[g].step_base, stage.gscale,
+                    hyper->scalars + (long long)g * SF_MAX_SCALARS);
   st->step = stage.step;
 }
 

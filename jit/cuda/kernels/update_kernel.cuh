@@ -12,9 +12,12 @@ sf_update(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT block
   if (!plain && !*(const volatile int*)&st->applied) return;
   /* A plain step's stage: no reduce (norm NaN), S = 1, no clipping. */
   const sf_stage stage = sf_step_stage(0, 0, (double)sf_float(0x7FC00000u), 1.0, 0.0, st->step);
+  /* The block's param group (a block spans one tensor; the flat layout has one group). */
+  const int g = hyper.num_groups > 1 ? tensors[blocks[blockIdx.x].tensor].group : 0;
   if (threadIdx.x < {NUM_SCALARS})
-    sc[threadIdx.x] = plain ? (float)sf_eval_rule(&hyper.rules[threadIdx.x], stage.step, stage.gscale)
-                            : st->scalars[threadIdx.x];
+    sc[threadIdx.x] = plain ? (float)sf_eval_rule(&hyper.groups[g].rules[threadIdx.x],
+                                                  stage.step - hyper.groups[g].step_base, stage.gscale)
+                            : hyper.scalars[(long long)g * SF_MAX_SCALARS + threadIdx.x];
   __syncthreads();
 {DISPATCH}
   if (plain) {
