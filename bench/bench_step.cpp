@@ -10,13 +10,20 @@
 // Cases: step/<optimizer>/<dtypes>/<mode>/threads:<n> for every optimizer x {f32,
 // bf16w_f32m_bf16g} x {fused, unfused, interpreted} x {1, 2} threads on 8.4 M parameters
 // (bench/step_case.hpp), plus plain_step/AdamW/f32 (update pass alone, every mode; the
-// fused update pass of every optimizer and dtype is in bench_update) and
-// small_tensors_1000x1024/AdamW/f32 (the tensor-count sweep is in bench_overhead).
+// fused update pass of every optimizer and dtype is in bench_update),
+// small_tensors_1000x1024/AdamW/f32 (the tensor-count sweep is in bench_overhead), and
+// groups/AdamW/<dtypes>/<mode>/{1group,2groups}: the same step on a transformer-like list
+// (bench/step_case.hpp's layered_tensors) with one param group and with two (weight decay
+// on the matrices, none on the 1-D tensors), registered side by side so that one run
+// (--benchmark_filter=groups/) shows what a second group costs. Google Benchmark times the
+// cases one after another, not interleaved: on a busy machine, stepfuse-bench --groups
+// compare measures the same ratio with each iteration's pair of steps back to back.
 #include <benchmark/benchmark.h>
 
 #include <string>
 #include <vector>
 
+#include "param_groups.hpp"
 #include "step_case.hpp"
 #include "stepfuse/stepfuse.hpp"
 
@@ -38,6 +45,11 @@ std::vector<NamedCase> all_cases() {
   const std::pair<const char*, sf::Fusion> modes[] = {
       {"fused", sf::Fusion::fused}, {"unfused", sf::Fusion::unfused}, {"interpreted", sf::Fusion::interpreted}};
 
+  // The param-group cases' list, in group order (matrices, then 1-D tensors) for one group
+  // and for two alike.
+  std::vector<sb::TensorShape> layered = sb::layered_tensors();
+  const std::size_t split = sb::to_group_order(layered);
+
   std::vector<NamedCase> cases;
   for (const auto& [mname, mode] : modes) {
     // Full AMP step (reduce pass + update), every optimizer and dtype combination.
@@ -51,6 +63,12 @@ std::vector<NamedCase> all_cases() {
     // Small-tensor overhead.
     cases.push_back({std::string("small_tensors_1000x1024/AdamW/f32/") + mname,
                      {sf::optim::AdamW{}, sf::DType::f32, sf::DType::f32, mode, sb::numbered_tensors("s", 1000, 1024), true}});
+    // One param group against two, full AMP step.
+    for (const auto& d : dtypes)
+      for (const int groups : {1, 2})
+        cases.push_back({std::string("groups/AdamW/") + d.name + "/" + mname + (groups == 1 ? "/1group" : "/2groups"),
+                         {sf::optim::AdamW{}, d.weights, d.grads, mode, layered, /*scaled=*/true,
+                          groups == 1 ? std::size_t{0} : split}});
   }
   return cases;
 }

@@ -8,6 +8,7 @@
 #include <span>
 
 #include "parallel.hpp"
+#include "param_groups.hpp"
 
 namespace stepfuse::bench {
 
@@ -25,6 +26,21 @@ std::vector<TensorShape> numbered_tensors(const char* prefix, int count, std::in
 }
 
 std::vector<TensorShape> large_tensors() { return numbered_tensors("w", 8, std::int64_t{1} << 20); }
+
+std::vector<TensorShape> layered_tensors() {
+  constexpr std::int64_t d = 1024;
+  std::vector<TensorShape> t;
+  for (int l = 0; l < 8; ++l) {
+    std::string h = "layer";  // (appended: see numbered_tensors)
+    h += std::to_string(l);
+    h += ".";
+    t.push_back({h + "weight", d * d, {d, d}});
+    t.push_back({h + "bias", d, {d}});
+    t.push_back({h + "norm.weight", d, {d}});
+    t.push_back({h + "norm.bias", d, {d}});
+  }
+  return t;
+}
 
 std::vector<NamedOptimizer> suite_optimizers() {
   return {{"AdamW", optim::AdamW{}},
@@ -100,7 +116,10 @@ PreparedStep::PreparedStep(const StepCase& c, int threads) : scaled_(c.scaled) {
     opts.fusion = c.fusion;
     opts.num_threads = threads;
     if (c.scaled) opts.max_grad_norm = 1.0;
-    opt_.emplace(c.config, buf_->params(), opts);
+    if (c.group_split > 0)
+      opt_.emplace(decay_groups(buf_->params(), c.group_split, c.config), opts);
+    else
+      opt_.emplace(c.config, buf_->params(), opts);
     bytes_ = step_bytes(c.weights, c.grads, /*masters=*/true, static_cast<int>(opt_->state_names().size()), c.scaled);
   } catch (const std::exception& e) {
     error_ = e.what();

@@ -30,6 +30,9 @@ struct StepCase {
   // true: step_scaled(kSuiteLossScale) with clipping at max norm 1 (reduce pass + update);
   // false: a plain step() on unscaled gradients, no clipping (the update pass alone).
   bool scaled = true;
+  // 0: one param group. Else two (bench/param_groups.hpp): shapes [0, group_split) with
+  // `config`, the rest with it without weight decay (shapes in group order: to_group_order).
+  std::size_t group_split = 0;
 };
 
 // `count` tensors named prefix0, prefix1, ... of `numel` elements each.
@@ -39,6 +42,11 @@ std::vector<TensorShape> numbered_tensors(const char* prefix, int count, std::in
 // and 128 MiB for Adam-type optimizers, beyond the 32 MiB L3 of the machines this runs on,
 // and small enough to set up quickly for each of the ~150 cases of bench_step/bench_update.
 std::vector<TensorShape> large_tensors();
+
+// The same size with a transformer's mix of ranks, for param groups: 8 layers of a
+// 1024x1024 weight, its 1024 bias and a 1024 norm's weight and bias (32 tensors,
+// 8,413,184 parameters, 24 of them 1-D), in layer order.
+std::vector<TensorShape> layered_tensors();
 
 // An optimizer configuration with its name in the suites' case names.
 struct NamedOptimizer {
