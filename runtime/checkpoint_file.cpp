@@ -1,22 +1,27 @@
-// The checkpoint container: checksums, atomic write, checked read.
+// Reading checkpoint files: the read-only mapping, and the STEPFUSE container of format versions 1 and 2.
 #include "runtime/checkpoint_file.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <bit>
 #include <cerrno>
 #include <cstring>
-#include <memory>
+#include <utility>
 
 // Header-only, as in jit/kernel_cache.cpp: nothing to link (see the find_path in CMakeLists.txt).
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#include "jit/base/atomic_file.hpp"
+#include "jit/base/fd.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::detail {
 
 static_assert(std::endian::native == std::endian::little,
-              "the checkpoint format is little-endian; a big-endian port needs byte swaps here");
+              "the checkpoint formats are little-endian; a big-endian port needs byte swaps here");
 
 namespace {
 
@@ -25,28 +30,6 @@ constexpr std::uint32_t kByteOrderMark = 0x01020304;
 constexpr std::size_t kHeaderBytes = 24, kTrailerBytes = 8;
 
 [[noreturn]] void io_error(const std::string& message) { throw Error(ErrorCode::io_error, message); }
-
-std::string system_reason() { return std::strerror(errno); }
-
-}  // namespace
-
-// ---- checksums ----
-
-namespace {
-
-// Format 2's checksum: XXH3_64 (seed 0), streamed so the arrays are not copied.
-class Xxh3Checksum {
- public:
-  Xxh3Checksum() {
-    XXH3_INITSTATE(&state_);
-    XXH3_64bits_reset(&state_);
-  }
-  void update(const void* data, std::size_t n) { XXH3_64bits_update(&state_, data, n); }
-  std::uint64_t finish() const { return XXH3_64bits_digest(&state_); }
-
- private:
-  XXH3_state_t state_;
-};
 
 // Format 1's checksum, kept to read its files: FNV-1a over 8-byte little-endian
 // words (the tail zero-padded), then the byte count, then the murmur3 finalizer.
@@ -73,63 +56,34 @@ std::uint64_t fnv1a_checksum(std::span<const unsigned char> bytes) {
 
 }  // namespace
 
-// ---- writing ----
+// ---- the mapping ----
 
-void SectionWriter::raw(const void* p, std::size_t n) {
-  const auto* b = static_cast<const unsigned char*>(p);
-  meta_.insert(meta_.end(), b, b + n);
+MappedFile::MappedFile(const std::string& path) : path_(path) {
+  const auto fail = [&] { io_error("cannot read checkpoint '" + path + "': " + std::strerror(errno)); };
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail();
+  Fd file(fd);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) fail();
+  if (!S_ISREG(st.st_mode)) {
+    errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+    fail();
+  }
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ == 0) return;  // nothing to map (mmap refuses a length of 0)
+  void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  if (p == MAP_FAILED) fail();
+  data_ = static_cast<const unsigned char*>(p);
 }
 
-void SectionWriter::str(std::string_view s) {
-  u32(static_cast<std::uint32_t>(s.size()));
-  raw(s.data(), s.size());
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
 }
 
-void SectionWriter::floats(const float* data, std::size_t n) { arrays_.push_back({meta_.size(), data, n}); }
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : path_(std::move(other.path_)), data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
 
-std::uint64_t SectionWriter::size() const {
-  std::uint64_t total = meta_.size();
-  for (const Piece& a : arrays_) total += a.n * sizeof(float);
-  return total;
-}
-
-void write_checkpoint(const std::string& path,
-                      std::span<const std::pair<std::uint32_t, const SectionWriter*>> sections) {
-  if (path.empty()) throw Error(ErrorCode::invalid_argument, "checkpoint path is empty");
-  std::uint64_t payload = 0;
-  for (const auto& [tag, s] : sections) payload += 16 + s->size();
-  const auto failure = write_file_atomically(path, 0644, [&](AtomicFileSink& out) {
-    Xxh3Checksum checksum;
-    const auto put = [&](const void* data, std::size_t n) {
-      checksum.update(data, n);
-      out.write(data, n);
-    };
-    const std::uint32_t version = kCheckpointFormat, bom = kByteOrderMark;
-    put(kMagic, 8);
-    put(&version, 4);
-    put(&bom, 4);
-    put(&payload, 8);
-    for (const auto& [tag, s] : sections) {
-      const std::uint32_t zero = 0;
-      const std::uint64_t size = s->size();
-      put(&tag, 4);
-      put(&zero, 4);
-      put(&size, 8);
-      std::size_t at = 0;
-      for (const SectionWriter::Piece& a : s->arrays_) {
-        put(s->meta_.data() + at, a.meta_end - at);
-        at = a.meta_end;
-        put(a.data, a.n * sizeof(float));
-      }
-      put(s->meta_.data() + at, s->meta_.size() - at);
-    }
-    const std::uint64_t sum = checksum.finish();
-    out.write(&sum, 8);
-  });
-  if (failure) io_error("cannot write checkpoint '" + path + "': " + failure->describe());
-}
-
-// ---- reading ----
+// ---- the STEPFUSE container ----
 
 std::span<const unsigned char> SectionReader::bytes(std::size_t n) {
   if (n > body_.size() - pos_) io_error(what_ + " is corrupt: a field runs past the end of its section");
@@ -157,48 +111,39 @@ std::string SectionReader::str() {
   return std::string(b.begin(), b.end());
 }
 
-CheckpointFile::CheckpointFile(const std::string& path) : path_(path) {
-  const std::string what = "checkpoint '" + path + "'";
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
-  if (!f) io_error("cannot read " + what + ": " + system_reason());
-  if (std::fseek(f.get(), 0, SEEK_END) != 0) io_error("cannot read " + what + ": " + system_reason());
-  const long size = std::ftell(f.get());
-  if (size < 0) io_error("cannot read " + what + ": " + system_reason());
-  std::rewind(f.get());
-  data_.resize(static_cast<std::size_t>(size));
-  if (size > 0 && std::fread(data_.data(), 1, data_.size(), f.get()) != data_.size())
-    io_error("cannot read " + what + ": " + system_reason());
+bool is_container_file(std::span<const unsigned char> bytes) {
+  return bytes.size() >= 8 && std::memcmp(bytes.data(), kMagic, 8) == 0;
+}
 
-  if (data_.size() < 8 || std::memcmp(data_.data(), kMagic, 8) != 0)
-    io_error(what + " is not a stepfuse checkpoint (it does not start with \"STEPFUSE\")");
-  if (data_.size() < kHeaderBytes + kTrailerBytes)
-    io_error(what + " is truncated: " + std::to_string(data_.size()) + " bytes, less than a header and checksum");
-  std::uint32_t version, bom;
+CheckpointFile::CheckpointFile(MappedFile file) : file_(std::move(file)) {
+  const std::string what = "checkpoint '" + file_.path() + "'";
+  const std::span<const unsigned char> data = file_.bytes();
+  if (!is_container_file(data)) io_error(what + " is not a stepfuse checkpoint (it does not start with \"STEPFUSE\")");
+  if (data.size() < kHeaderBytes + kTrailerBytes)
+    io_error(what + " is truncated: " + std::to_string(data.size()) + " bytes, less than a header and checksum");
+  std::uint32_t bom;
   std::uint64_t payload;
-  std::memcpy(&version, data_.data() + 8, 4);
-  std::memcpy(&bom, data_.data() + 12, 4);
-  std::memcpy(&payload, data_.data() + 16, 8);
+  std::memcpy(&version_, data.data() + 8, 4);
+  std::memcpy(&bom, data.data() + 12, 4);
+  std::memcpy(&payload, data.data() + 16, 8);
   if (bom != kByteOrderMark) io_error(what + " has a byte order this build cannot read");
-  if (version < kOldestCheckpointFormat || version > kCheckpointFormat)
-    io_error(what + " has format version " + std::to_string(version) + "; this build of stepfuse reads versions " +
-             std::to_string(kOldestCheckpointFormat) + " to " + std::to_string(kCheckpointFormat) +
-             (version > kCheckpointFormat ? " (it was written by a newer stepfuse)" : ""));
+  if (version_ < kOldestCheckpointFormat || version_ > kLastContainerFormat)
+    io_error(what + " has format version " + std::to_string(version_) +
+             " in the STEPFUSE container, which holds versions " + std::to_string(kOldestCheckpointFormat) + " to " +
+             std::to_string(kLastContainerFormat) + " (version " + std::to_string(kLastContainerFormat + 1) +
+             " and later are safetensors files); it is not a checkpoint this build of stepfuse can read");
   const std::uint64_t expected = kHeaderBytes + payload + kTrailerBytes;
-  if (payload > data_.size() || expected != data_.size())
-    io_error(what + " is " + (data_.size() < expected ? "truncated" : "longer than its header says") + ": " +
-             std::to_string(data_.size()) + " bytes, expected " + std::to_string(expected) +
+  if (payload > data.size() || expected != data.size())
+    io_error(what + " is " + (data.size() < expected ? "truncated" : "longer than its header says") + ": " +
+             std::to_string(data.size()) + " bytes, expected " + std::to_string(expected) +
              " (a torn or partial write?)");
-  const std::span<const unsigned char> summed(data_.data(), data_.size() - kTrailerBytes);
-  std::uint64_t sum;
-  if (version == 1)
-    sum = fnv1a_checksum(summed);
-  else
-    sum = XXH3_64bits(summed.data(), summed.size());  // the same as Xxh3Checksum streamed
+  const std::span<const unsigned char> summed = data.first(data.size() - kTrailerBytes);
+  const std::uint64_t sum = version_ == 1 ? fnv1a_checksum(summed) : XXH3_64bits(summed.data(), summed.size());
   std::uint64_t stored;
-  std::memcpy(&stored, data_.data() + data_.size() - kTrailerBytes, 8);
+  std::memcpy(&stored, data.data() + data.size() - kTrailerBytes, 8);
   if (sum != stored) io_error(what + " is corrupt: its checksum does not match its contents");
 
-  SectionReader r(std::span<const unsigned char>(data_).subspan(kHeaderBytes, payload), what);
+  SectionReader r(data.subspan(kHeaderBytes, payload), what);
   while (!r.done()) {
     const std::uint32_t tag = r.u32();
     r.u32();

@@ -1,36 +1,62 @@
-// Internal: the checkpoint container — a versioned, checksummed list of tagged
-// sections, written atomically.
+// Internal: reading a checkpoint's file — a read-only mapping of it, and the reader of
+// the STEPFUSE container of format versions 1 and 2 (version 3 files are safetensors
+// files: runtime/safetensors.hpp; the layout of both is in docs/architecture.md §2,
+// "Checkpoints").
+//
+// The STEPFUSE container (versions 1 and 2, read only):
 //
 //   offset 0   "STEPFUSE"            magic, 8 bytes
-//          8   u32 format version    kCheckpointFormat
+//          8   u32 format version    1 or 2
 //         12   u32 0x01020304        byte-order mark (files are little-endian)
 //         16   u64 payload bytes     P
 //         24   payload               sections: u32 tag, u32 0, u64 size, body
-//     24 + P   u64 checksum          of bytes [0, 24 + P): XXH3_64, seed 0
+//     24 + P   u64 checksum          of bytes [0, 24 + P)
 //
-// Section bodies are sequences of little-endian integers, IEEE doubles and
-// floats, and strings (u32 length + bytes).
-//
-// Versions: 2 (written) checksums with XXH3_64. 1 differed only in the checksum
-// (FNV-1a over 8-byte little-endian words, the tail zero-padded, then the byte
-// count, then the murmur3 finalizer); it is still read. Bump kCheckpointFormat when
-// the layout, a section's meaning or the checksum changes, and keep reading the
-// older versions while their sections can still be understood.
+// Section bodies are sequences of little-endian integers, IEEE doubles and floats,
+// and strings (u32 length + bytes). Version 2 checksums with XXH3_64 (seed 0);
+// version 1 with FNV-1a over 8-byte little-endian words (the tail zero-padded), then
+// the byte count, then the murmur3 finalizer.
 #pragma once
 
 #include <cstdint>
-#include <cstdio>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace stepfuse::detail {
 
-inline constexpr std::uint32_t kCheckpointFormat = 2;
-// The oldest version this build reads (see the versions above).
+// The format version save() writes (a safetensors file), and the oldest one load() reads.
+inline constexpr std::uint32_t kCheckpointFormat = 3;
 inline constexpr std::uint32_t kOldestCheckpointFormat = 1;
+// The last version of the STEPFUSE container.
+inline constexpr std::uint32_t kLastContainerFormat = 2;
+
+// A whole file, mapped read-only: a load reads the tensors straight from the page
+// cache into the optimizer's state, and never holds a second copy of a file that can
+// be as large as the state itself. The mapping stays valid when the file is replaced
+// by a rename (as save() does); truncating the file in place while it is mapped would
+// fault the reader (SIGBUS), which no stepfuse writer does.
+class MappedFile {
+ public:
+  // Error(io_error) "cannot read checkpoint '<path>': <reason>".
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&&) = delete;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  std::span<const unsigned char> bytes() const { return {data_, size_}; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  const unsigned char* data_ = nullptr;
+  std::size_t size_ = 0;
+};
 
 constexpr std::uint32_t section_tag(const char (&s)[5]) {
   return static_cast<std::uint32_t>(static_cast<unsigned char>(s[0])) |
@@ -38,36 +64,6 @@ constexpr std::uint32_t section_tag(const char (&s)[5]) {
          static_cast<std::uint32_t>(static_cast<unsigned char>(s[2])) << 16 |
          static_cast<std::uint32_t>(static_cast<unsigned char>(s[3])) << 24;
 }
-
-// One section's body, built in memory (small metadata) plus large arrays that
-// are streamed from where they live.
-class SectionWriter {
- public:
-  void u8(std::uint8_t v) { raw(&v, 1); }
-  void u32(std::uint32_t v) { raw(&v, 4); }
-  void i64(std::int64_t v) { raw(&v, 8); }
-  void f64(double v) { raw(&v, 8); }
-  void str(std::string_view s);
-  void floats(const float* data, std::size_t n);  // streamed at write time, not copied
-
-  std::uint64_t size() const;
-
- private:
-  friend void write_checkpoint(const std::string&, std::span<const std::pair<std::uint32_t, const SectionWriter*>>);
-  void raw(const void* p, std::size_t n);
-  struct Piece {
-    std::size_t meta_end;  // bytes of meta_ before this array
-    const float* data;
-    std::size_t n;
-  };
-  std::vector<unsigned char> meta_;
-  std::vector<Piece> arrays_;
-};
-
-// Writes the sections to `path` atomically (jit/base/atomic_file.hpp: a temporary
-// file in the same directory, synced, renamed over `path`). Error(io_error) naming the
-// path, the step and the system's reason on failure; the old file is then untouched.
-void write_checkpoint(const std::string& path, std::span<const std::pair<std::uint32_t, const SectionWriter*>> sections);
 
 // Reads a section body; every read is bounds-checked (Error(io_error): corrupt).
 class SectionReader {
@@ -87,18 +83,22 @@ class SectionReader {
   std::string what_;
 };
 
-// The whole file in memory, checked (magic, version, size, checksum) before any
-// section is handed out. Error(io_error) naming the path and what is wrong.
+// Whether a file's first bytes are the STEPFUSE container's.
+bool is_container_file(std::span<const unsigned char> bytes);
+
+// A STEPFUSE container, checked (magic, version, size, checksum) before any section
+// is handed out. Error(io_error) naming the path and what is wrong.
 class CheckpointFile {
  public:
-  explicit CheckpointFile(const std::string& path);
+  explicit CheckpointFile(MappedFile file);
   // The section with `tag`, or null.
   std::optional<std::span<const unsigned char>> find(std::uint32_t tag) const;
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_.path(); }
+  std::uint32_t version() const { return version_; }
 
  private:
-  std::string path_;
-  std::vector<unsigned char> data_;
+  MappedFile file_;
+  std::uint32_t version_ = 0;
   std::vector<std::pair<std::uint32_t, std::span<const unsigned char>>> sections_;
 };
 
