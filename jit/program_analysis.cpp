@@ -105,7 +105,9 @@ struct Lowering {
       if (st.op != Op::store || !is_f32_stream(st.attr)) continue;
       const int v = st.a;
       const Op vop = p.code[v].op;
-      if (vop == Op::load || vop == Op::scalar || vop == Op::constant || direct_store[v] >= 0) continue;
+      // (values that are not computed into a destination: loads, scalars, constants, norms)
+      if (vop == Op::load || vop == Op::scalar || vop == Op::constant || vop == Op::tensor_norm || direct_store[v] >= 0)
+        continue;
       const int old = load_value(st.attr);
       if (old >= 0 && last_use(old) > v) continue;  // old contents still read after v is produced
       direct_store[v] = st.attr;
