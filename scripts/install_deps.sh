@@ -16,11 +16,32 @@ packages=(
   nlohmann-json3-dev  # JSON (the kernel ABI descriptions, benchmark reports)
   libxxhash-dev       # cache keys and checksums
   llvm-14-dev         # the LLVM CPU backend (optional: without it the build has Highway alone)
+  python3-venv        # build/pyvenv below
 )
+
+# The safetensors Python package (and NumPy) in a virtual environment under build/,
+# made once and reused: safetensors_test opens a checkpoint with it. Best effort: without
+# it (no network, say) that one test is skipped, nothing fails.
+python_venv() {
+  local root venv
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  venv="$root/build/pyvenv"
+  if "$venv/bin/python3" -c "import safetensors.numpy, numpy" >/dev/null 2>&1; then
+    return 0
+  fi
+  if command -v python3 >/dev/null 2>&1 && python3 -m venv "$venv" >/dev/null 2>&1 &&
+     "$venv/bin/python3" -m pip install -q --disable-pip-version-check safetensors numpy >/dev/null 2>&1; then
+    echo "install_deps: safetensors and numpy in $venv"
+  else
+    echo "install_deps: could not put safetensors into $venv; the safetensors interoperability test will be skipped" >&2
+  fi
+  return 0
+}
 
 if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
   echo "install_deps: no dpkg/apt-get here; install these (or their equivalents) yourself:" >&2
   echo "  ${packages[*]}" >&2
+  python_venv
   exit 0
 fi
 
@@ -32,6 +53,7 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install_deps: all ${#packages[@]} packages present"
+  python_venv
   exit 0
 fi
 
@@ -55,3 +77,4 @@ if ! { "${sudo[@]}" apt-get update -qq &&
   exit 1
 fi
 echo "install_deps: done"
+python_venv
