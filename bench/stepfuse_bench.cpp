@@ -596,7 +596,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   app.add_option("--optimizer", a.optimizer, "optimizer, with PyTorch's default hyperparameters")
-      ->check(CLI::IsMember({"adamw", "adam", "sgd", "adagrad", "rmsprop", "lion"}))
+      ->check(CLI::IsMember({"adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "nadam", "radam", "adamax",
+                             "adadelta", "rprop", "asgd"}))
       ->capture_default_str();
   app.add_option("--weights", a.weights, "weight dtype (f16/bf16 keep fp32 masters unless --no-masters)")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}))

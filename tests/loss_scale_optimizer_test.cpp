@@ -356,6 +356,12 @@ TEST(LossScaleOptimizerDoc, HyperNames) {
   EXPECT_EQ(names(sgd(0.1, 0.9)), (V{"learning_rate", "momentum"}));
   EXPECT_EQ(names(optim::RMSprop{}), (V{"learning_rate", "momentum", "rho"}));
   EXPECT_EQ(names(optim::Adagrad{}), (V{"learning_rate"}));
+  EXPECT_EQ(names(optim::NAdam{}), (V{"beta_1", "beta_2", "learning_rate"}));  // Keras's Nadam
+  EXPECT_EQ(names(optim::Adamax{}), (V{"beta_1", "beta_2", "learning_rate"}));
+  EXPECT_EQ(names(optim::Adadelta{}), (V{"learning_rate", "rho"}));
+  EXPECT_EQ(names(optim::RAdam{}), (V{"learning_rate"}));  // Keras has no RAdam, Rprop or ASGD
+  EXPECT_EQ(names(optim::Rprop{}), (V{"learning_rate"}));
+  EXPECT_EQ(names(optim::ASGD{}), (V{"learning_rate"}));
 }
 
 // "LossScaleOptimizer делегирует все общедоступные методы Optimizer внутреннему оптимизатору."
