@@ -15,6 +15,7 @@
 // Without NVRTC the compile tests skip; the host-side tests always run.
 #include <elf.h>
 #include <time.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include <cstring>
 #include <future>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -48,6 +50,7 @@
 #include "reference/elf_reader.hpp"
 #include "reference/harness.hpp"
 #include "reference/reference.hpp"
+#include "reference/test_util.hpp"
 #include "runtime/cpu/kernels.hpp"
 #include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
@@ -1445,6 +1448,50 @@ TEST(CudaScalarRules, NadamMomentumCacheClosedFormMatchesTheProduct) {
   std::printf("NAdam mu_product: %lld checked; at most %lld fp32 ulps from the double product, %lld from PyTorch's fp32 "
               "running product\n",
               static_cast<long long>(checked), static_cast<long long>(worst_loop), static_cast<long long>(worst_torch));
+}
+
+// The new rule kinds through the public UpdateProgram: a built-in's rules with their
+// third parameter, their text, their values (UpdateProgram's eval is sf_eval_rule), and
+// the parameter checks a custom program's rules get.
+TEST(CudaScalarRules, NewRuleKindsCheckTheirParametersAndPrint) {
+  using Kind = ScalarRule::Kind;
+  constexpr double kInf = std::numeric_limits<double>::infinity(), kNaN = std::numeric_limits<double>::quiet_NaN();
+  const UpdateProgram nadam = UpdateProgram::from_config(optim::NAdam{.lr = 0.01, .momentum_decay = 0.02});
+  EXPECT_EQ(nadam.scalar("grad_coef").rule, (ScalarRule{Kind::nadam_grad_coef, 0.01, 0.9, 0.02}));
+  EXPECT_EQ(nadam.scalar("momentum_coef").rule, (ScalarRule{Kind::nadam_momentum_coef, 0.01, 0.9, 0.02}));
+  EXPECT_EQ(nadam.scalar("bias_correction2").rule, (ScalarRule{Kind::one_minus_pow, 0.0, 0.999}));
+  EXPECT_THAT(nadam.text(), ::testing::HasSubstr("  grad_coef = nadam_grad_coef(lr 0.01, beta1 0.9, momentum_decay 0.02)\n"));
+  const UpdateProgram radam = UpdateProgram::from_config(optim::RAdam{.beta2 = 0.9});
+  EXPECT_THAT(radam.text(), ::testing::HasSubstr("  rect = radam_rect(beta2 0.9)\n"));
+  EXPECT_EQ(radam.scalar("rect").rule.eval(5, 1.0), 0.0);  // rho_5 = 4.6
+  EXPECT_GT(radam.scalar("rect").rule.eval(6, 1.0), 0.0);  // rho_6 = 5.4
+  const UpdateProgram asgd = UpdateProgram::from_config(optim::ASGD{.lr = 0.1, .lambd = 0.5, .t0 = 3});
+  EXPECT_EQ(asgd.scalar("mu").rule, (ScalarRule{Kind::asgd_mu, 3.0}));
+  EXPECT_THAT(asgd.text(), ::testing::HasSubstr("  mu = step == 1 ? 1 : 1 / max(1, step - 1 - 3)\n"));
+  EXPECT_THAT(asgd.text(), ::testing::HasSubstr("  eta = 0.1 / (1 + 0.5 * 0.1 * (step - 1))^0.75\n"));
+  EXPECT_EQ(asgd.scalar("mu").rule.eval(1, 1.0), 1.0);
+  EXPECT_EQ(asgd.scalar("mu").rule.eval(5, 1.0), 1.0);  // max(1, 5 - 1 - 3)
+  EXPECT_EQ(asgd.scalar("mu").rule.eval(7, 1.0), 1.0 / 3.0);
+  EXPECT_EQ(asgd.scalar("eta").rule.eval(1, 1.0), 0.1);
+  EXPECT_EQ(asgd.scalar("decay").rule.eval(1, 1.0), 1.0 - 0.5 * static_cast<double>(0.1f));
+  for (Kind k : {Kind::one_minus_pow, Kind::nadam_grad_coef, Kind::nadam_momentum_coef, Kind::radam_rect, Kind::asgd_eta,
+                 Kind::asgd_decay, Kind::asgd_mu})
+    EXPECT_NE(scalar_rule_name(k), "?");
+
+  const auto bad = [&](const UpdateProgram& p, const char* scalar, ScalarRule r) {
+    return ref::thrown_text([&] { (void)p.with_rule(scalar, r); }, ErrorCode::invalid_argument);
+  };
+  using ::testing::HasSubstr;
+  EXPECT_THAT(bad(nadam, "grad_coef", {Kind::nadam_grad_coef, 0.01, 1.0, 0.02}),
+              HasSubstr("scalar 'grad_coef' (rule nadam_grad_coef): beta1 b = 1 must be in [0, 1)"));
+  EXPECT_THAT(bad(nadam, "momentum_coef", {Kind::nadam_momentum_coef, 0.01, 0.9, -1.0}),
+              HasSubstr("the momentum decay c = -1 must be finite and >= 0"));
+  EXPECT_THAT(bad(nadam, "grad_coef", {Kind::nadam_grad_coef, kInf, 0.9, 0.0}), HasSubstr("the learning rate a = inf"));
+  EXPECT_THAT(bad(radam, "rect", {Kind::radam_rect, 0.0, 1.5}), HasSubstr("the base b = 1.5 must be in [0, 1)"));
+  EXPECT_THAT(bad(radam, "bias_correction1", {Kind::one_minus_pow, 0.0, -0.5}), HasSubstr("the base b = -0.5"));
+  EXPECT_THAT(bad(asgd, "eta", {Kind::asgd_eta, 0.1, -1.0, 0.75}), HasSubstr("a * b = 0.1 * -1 must be >= 0"));
+  EXPECT_THAT(bad(asgd, "decay", {Kind::asgd_decay, 0.1, 0.5, kNaN}), HasSubstr("the exponent c = nan is not finite"));
+  EXPECT_THAT(bad(asgd, "mu", {Kind::asgd_mu, kInf}), HasSubstr("t0 a = inf is not finite"));
 }
 
 }  // namespace

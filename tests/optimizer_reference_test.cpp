@@ -423,6 +423,9 @@ TEST(Threads, ResultsAreBitwiseIdenticalForAnyThreadCount) {
       {2, DType::f32, DType::f32, true, 50.0, 2.0},  {0, DType::bf16, DType::f16, true, 2.0, kInf},
       {5, DType::f16, DType::bf16, false, 50.0, 2.0}, {4, DType::f32, DType::bf16, true, 2.0, kInf},
       {3, DType::bf16, DType::f32, true, 50.0, 2.0},  {1, DType::f16, DType::f16, true, 50.0, 2.0},
+      {6, DType::f32, DType::f32, true, 2.0, kInf},   {7, DType::bf16, DType::f16, true, 50.0, 2.0},
+      {8, DType::f16, DType::bf16, false, 2.0, kInf}, {9, DType::f32, DType::bf16, true, 50.0, 2.0},
+      {10, DType::bf16, DType::bf16, true, 2.0, kInf}, {11, DType::f16, DType::f32, true, 50.0, 2.0},
   };
   const auto cfgs = stateful_configs();
   for (const Case& c : cases) {
