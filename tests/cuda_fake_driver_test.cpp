@@ -41,6 +41,7 @@ constexpr CUresult kFailure = 700;  // CUDA_ERROR_ILLEGAL_ADDRESS: a sticky erro
 struct Faults {
   std::mutex mutex;
   std::map<std::string, int> fail_after;  // name -> calls still to succeed
+  std::map<std::string, int> fail_times;  // name -> next calls to fail, then succeed again
   struct Launch {
     std::string kernel;
     void* first_arg = nullptr;  // the tensor pointer, for the scale kernels
@@ -57,6 +58,10 @@ Faults& faults() {
 bool fails(const char* name) {
   Faults& f = faults();
   std::lock_guard lock(f.mutex);
+  if (auto once = f.fail_times.find(name); once != f.fail_times.end() && once->second > 0) {
+    --once->second;
+    return true;
+  }
   auto it = f.fail_after.find(name);
   if (it == f.fail_after.end()) return false;
   if (it->second > 0) {
@@ -75,6 +80,12 @@ void fail(const std::string& name, int after = 0) {
 void heal() {
   std::lock_guard lock(faults().mutex);
   faults().fail_after.clear();
+  faults().fail_times.clear();
+}
+// The next `times` calls of `name` fail; later ones succeed.
+void fail_next(const std::string& name, int times = 1) {
+  std::lock_guard lock(faults().mutex);
+  faults().fail_times[name] = times;
 }
 std::vector<Faults::Launch> launches() {
   std::lock_guard lock(faults().mutex);
@@ -379,6 +390,31 @@ TEST_F(FakeDriver, OptimizerOnCudaIsDestroyedWhenTheDriverFails) {
     ASSERT_FALSE(w.empty());
     EXPECT_THAT(w[0], HasSubstr(call));
   }
+}
+
+// A cached kernel image the driver refuses to load (it passed the cache's checks) is
+// evicted and compiled once more: the optimizer is built, with one warning; a second
+// refusal is an Error.
+TEST_F(FakeDriver, ACachedImageThatDoesNotLoadIsEvictedAndRecompiled) {
+  if (!have_nvrtc()) GTEST_SKIP() << "NVRTC is not available: the step kernels cannot be compiled";
+  detail::reset_warnings_for_testing();
+  {
+    std::lock_guard lock(g_warnings_mutex);
+    g_warnings.clear();
+  }
+  DeviceModel m;
+  { Optimizer warm(optim::AdamW{}, m.params(), on_cuda()); }  // the images are cached now
+  fail_next("cuModuleLoadDataEx");
+  {
+    Optimizer opt(optim::AdamW{}, m.params(), on_cuda());
+    opt.step();
+  }
+  const auto w = warnings();
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_THAT(w[0], HasSubstr("evicted and recompiled"));
+  fail_next("cuModuleLoadDataEx", 2);
+  EXPECT_THROW(Optimizer(optim::AdamW{}, m.params(), on_cuda()), Error);
+  heal();
 }
 
 // ---- GradScaler transactions ----------------------------------------------------------------

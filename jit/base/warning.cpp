@@ -1,6 +1,8 @@
 // Warnings: the user-replaceable handler and the once-per-cause rule.
 #include "jit/base/warning.hpp"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdio>
 #include <mutex>
@@ -19,6 +21,13 @@ void default_handler(std::string_view message) {
 
 std::atomic<WarningHandler> g_handler{&default_handler};
 std::mutex g_seen_mutex;
+
+// fork(): the child has only the forking thread; a lock another thread held at the
+// fork would never be released there. Hold it across the fork, release it in both.
+[[maybe_unused]] const bool g_fork_handlers = [] {
+  pthread_atfork([] { g_seen_mutex.lock(); }, [] { g_seen_mutex.unlock(); }, [] { g_seen_mutex.unlock(); });
+  return true;
+}();
 std::set<std::string, std::less<>>& seen() {
   static std::set<std::string, std::less<>> keys;
   return keys;

@@ -53,6 +53,14 @@ CudaStepImages cuda_step_images(const CudaSpec& spec, const CudaTarget& target) 
   return {{std::move(reduce), target}, {std::move(update), target}};
 }
 
+void evict_cuda_step_images(const CudaSpec& spec, const CudaTarget& target) noexcept {
+  try {
+    KernelCache::shared().evict(cuda_cache_key(reduce_canonical_text(spec), target));
+    KernelCache::shared().evict(cuda_cache_key(canonical_text(spec), target));
+  } catch (...) {  // building the keys allocates: nothing to evict then
+  }
+}
+
 CudaImage cuda_utility_image(const CudaTarget& target) {
   static const std::string source = emit_cuda_utilities();
   const std::string key = cuda_cache_key(source, target);  // small: the source is its own spec

@@ -26,6 +26,10 @@ struct CudaStepImages {
   CudaImage reduce, update;
 };
 CudaStepImages cuda_step_images(const CudaSpec& spec, const CudaTarget& target);
+// Forgets the spec's cached images (in memory and on disk): for images that passed
+// every check of the cache but that the driver refused to load, which every later
+// process would otherwise load again. The next cuda_step_images() compiles.
+void evict_cuda_step_images(const CudaSpec& spec, const CudaTarget& target) noexcept;
 // The compiled utility module (sf_update_scale, sf_scale_*, sf_widen_*, sf_fill).
 CudaImage cuda_utility_image(const CudaTarget& target);
 

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 
+#include "jit/base/warning.hpp"
 #include "jit/cuda/cuda_kernels.hpp"
 #include "jit/cuda/cuda_layout.hpp"
 #include "jit/program_analysis.hpp"
@@ -201,10 +202,24 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   std::vector<sf_tensor>& tensors = layout.tensors;
 
   // Kernels: compile (or find in the cache) before allocating anything large.
-  const jit::CudaStepImages images =
-      jit::cuda_step_images(spec_, jit::target_for_device(ctx_->sm() / 10, ctx_->sm() % 10));
-  reduce_module_ = std::make_unique<CudaModule>(*images.reduce.bytes, "reduce");
-  update_module_ = std::make_unique<CudaModule>(*images.update.bytes, "update");
+  // A cached image the driver refuses (it passed the cache's checks, yet does not
+  // load) is evicted and compiled once more, instead of failing every later run.
+  const jit::CudaTarget target = jit::target_for_device(ctx_->sm() / 10, ctx_->sm() % 10);
+  for (int attempt = 0;; ++attempt) {
+    const jit::CudaStepImages images = jit::cuda_step_images(spec_, target);
+    try {
+      reduce_module_ = std::make_unique<CudaModule>(*images.reduce.bytes, "reduce");
+      update_module_ = std::make_unique<CudaModule>(*images.update.bytes, "update");
+      break;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::device_error || attempt > 0) throw;
+      detail::warn_once(std::string("cuda_image_load:") + e.what(),
+                        std::string("stepfuse: a cached CUDA kernel image did not load; evicted and recompiled: ") +
+                            e.what());
+      reduce_module_.reset(), update_module_.reset();
+      jit::evict_cuda_step_images(spec_, target);
+    }
+  }
   reduce_ = reduce_module_->get("sf_reduce");
   update_ = update_module_->get("sf_update");
   if (jit::is_two_phase(program)) {
