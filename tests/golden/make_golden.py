@@ -18,6 +18,12 @@ by a torch of its major version, so that regenerating one set never rewrites the
                  PyPI (`python3 -m venv /tmp/venv && /tmp/venv/bin/pip install torch numpy`,
                  then run this script with /tmp/venv/bin/python); a torch 2.x selects them
                  (NAdam's and RAdam's decoupled_weight_decay need torch >= 2.1).
+  GROUP_TRACES   param groups, written to tests/golden/group_traces/ (replayed by
+                 tests/golden_groups_test.cpp): AdamW over two groups (the matrices with
+                 weight_decay 0.1 and lr 1e-3; the 1-D tensors with weight_decay 0, lr 3e-3 and
+                 amsgrad), both lrs set every step by a LambdaLR schedule (linear warmup, then
+                 a cosine), one clip_grad_norm_ over every group's params; made with torch
+                 2.15.0 from PyPI with the TORCH2_TRACES, and by a torch 2.x only.
 The output is deterministic (fixed seeds, single-threaded torch, foreach=False), so
 rerunning with the same torch version reproduces the files byte for byte.
 
@@ -61,6 +67,14 @@ Trace format (JSON object):
                     clip_grad_norm_ multiplied the gradients by
         params, state (applied steps only) params and every state tensor after the step;
                     a skipped step leaves both exactly as they were after the previous step
+
+GROUP_TRACES add two keys (a reader of the others never meets them): a top-level "groups",
+one entry per torch param group in order, {"params": [tensor indices, consecutive and in
+order], "hyperparameters": {the group's own, over the top-level "hyperparameters", which are
+the constructor's defaults}}, and in every step "lrs", each group's lr for that step (the
+schedule's, a double written by repr), set before the step. "state" lists every state any
+group keeps; a tensor whose group keeps no such state (max_exp_avg_sq without amsgrad) has
+null there. "step_count" is every group's (they all start at the first step).
 
 Every float is an fp32 value written as its shortest decimal that round-trips through a
 double: float32(float(text)) == value, bit for bit (checked before writing).
@@ -398,6 +412,129 @@ def make_trace(name, opt_name, hp, max_norm, norm_type, scale, shapes, nsteps, i
     return trace_text(name, fields, shapes, state_names, init, step_texts)
 
 
+# ---- Param groups (torch 2 only; see the docstring) -------------------------------------------
+
+GROUP_OUT_NAME = "group_traces"  # beside the traces directory
+
+# name, optimizer, constructor defaults, [(tensor indices, the group's own hyperparameters)],
+# max_grad_norm, norm_type, loss_scale, shapes (the matrices flattened, then the 1-D tensors:
+# group order), number of steps, {step index (0-based): non-finite value to inject},
+# (warmup steps, the cosine's final factor): group g's lr at step k is its base lr times
+# schedule_factor(k). max_grad_norm clips every applied step but one.
+GROUP_TRACES = [
+    ("adamw_two_groups_schedule_clip2", "AdamW", dict(lr=1e-3, weight_decay=0.1),
+     [([0, 1, 2], dict()), ([3, 4, 5, 6], dict(lr=3e-3, weight_decay=0.0, amsgrad=True))],
+     3.5, 2, 1024.0, [6 * 8, 8 * 12, 5 * 3, 8, 12, 7, 1], 10, {4: "inf"}, (3, 0.1)),
+]
+
+
+def schedule_factor(k, nsteps, warmup, final):
+    """Linear warmup over `warmup` steps, then a cosine from 1 down to `final` at the last step."""
+    if k < warmup:
+        return (k + 1) / warmup
+    t = (k - warmup + 1) / (nsteps - warmup)
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def make_group_trace(name, opt_name, hp, groups, max_norm, norm_type, scale, shapes, nsteps, inject,
+                     sched, seed):
+    """A GROUP_TRACES entry's trace: make_trace's steps with param groups, each group's lr
+    from a LambdaLR schedule stepped every iteration (skipped or not, as a training loop
+    does), "lrs" in every step and "groups" in the header."""
+    rng = np.random.RandomState(seed)
+    norm_type_f = math.inf if norm_type == "inf" else float(norm_type)
+    init = [np.float32(np.round(rng.randn(n), 3)) for n in shapes]
+    params = [torch.nn.Parameter(torch.tensor(p.copy(), dtype=torch.float32)) for p in init]
+    assert [i for idx, _ in groups for i in idx] == list(range(len(shapes))), "tensors in group order"
+    opt = OPTIMIZERS[opt_name]([dict(params=[params[i] for i in idx], **own) for idx, own in groups],
+                               foreach=False, **hp)
+    warmup, final = sched
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: schedule_factor(k, nsteps, warmup, final))
+
+    applied = 0
+    state_names = []  # every state any group keeps, in first-seen order
+    step_texts = []
+    for k in range(nsteps):
+        lrs = [g["lr"] for g in opt.param_groups]
+        factor = DEFAULT_FACTORS[k % len(DEFAULT_FACTORS)]
+        grads = []
+        for n in shapes:
+            true_grad = np.float32(np.round(rng.randn(n) * factor, 3))
+            grads.append(np.float32(true_grad * np.float32(scale)))
+        if k in inject:
+            t = rng.randint(len(shapes))
+            i = rng.randint(shapes[t])
+            grads[t][i] = np.float32(float(inject[k]))
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g.copy(), dtype=torch.float32)
+        inv = torch.full((), 1.0 / scale, dtype=torch.float32)
+        for p in params:
+            p.grad.mul_(inv)
+        found_inf = not all(bool(torch.isfinite(p.grad).all()) for p in params)
+
+        lines = ["    {"]
+        lines.append('      "lrs": [%s],' % ", ".join(fmt_scalar(lr) for lr in lrs))
+        lines.append('      "grads": [')
+        lines.append(",\n".join("        " + fmt_array(g) for g in grads))
+        lines.append("      ],")
+        if found_inf:
+            assert k in inject
+            lines.append('      "skipped": true,')
+            lines.append('      "step_count": %d' % applied)
+        else:
+            assert k not in inject
+            total, coef = clip_or_norm(params, max_norm, norm_type_f)
+            opt.step()
+            applied += 1
+            for p in params:
+                assert int(opt.state[p]["step"]) == applied
+                for key, v in opt.state[p].items():
+                    if key != "step" and isinstance(v, torch.Tensor) and v.dim() > 0 \
+                            and key not in state_names:
+                        state_names.append(key)
+            lines.append('      "skipped": false,')
+            lines.append('      "step_count": %d,' % applied)
+            lines.append('      "grad_norm": %s,' % fmt(total.item()))
+            if coef is not None:
+                lines.append('      "clip_coef": %s,' % fmt(coef.item()))
+            lines.append('      "params": [')
+            lines.append(",\n".join("        " + fmt_array(p.detach().numpy()) for p in params))
+            lines.append("      ],")
+            lines.append('      "state": {')
+            lines.append(",\n".join(
+                '        %s: [\n%s\n        ]' % (json.dumps(sn), ",\n".join(
+                    "          " + (fmt_array(opt.state[p][sn].numpy()) if sn in opt.state[p] else "null")
+                    for p in params))
+                for sn in state_names))
+            lines.append("      }")
+        lines.append("    }")
+        step_texts.append("\n".join(lines))
+        schedule.step()
+
+    fields = optimizer_fields(opt_name, hp, max_norm, norm_type)
+    fields.append('  "loss_scale": %s,' % fmt_scalar(scale))
+    fields.append('  "groups": [\n%s\n  ],' % ",\n".join(
+        '    {"params": %s, "hyperparameters": {%s}}' % (json.dumps(idx), ", ".join(
+            "%s: %s" % (json.dumps(key), fmt_scalar(v)) for key, v in own.items()))
+        for idx, own in groups))
+    return trace_text(name, fields, shapes, state_names, init, step_texts)
+
+
+def write_group_traces(out_dir, check):
+    """GROUP_TRACES (a torch 2.x only) into out_dir; returns (files that differ, bytes)."""
+    os.makedirs(out_dir, exist_ok=True)
+    differ = total = 0
+    for idx, (name, *spec) in enumerate(GROUP_TRACES):
+        text = make_group_trace(name, *spec, seed=3000 + idx)
+        path = os.path.join(out_dir, name + ".json")
+        total += len(text)
+        differ += check_or_write(path, text, check)
+        if not check:
+            print("wrote %s (%d bytes)" % (path, len(text)))
+    return differ, total
+
+
 def trace_set():
     """The traces this torch makes (see the docstring), and the first seed of the set."""
     major = int(torch.__version__.split(".")[0])
@@ -420,6 +557,11 @@ def main():
         if not args.check:
             print("wrote %s (%d bytes)" % (path, len(text)))
     print("%d traces, %d bytes in all (torch %s)" % (len(traces), total, torch.__version__))
+    if traces is TORCH2_TRACES:
+        group_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), GROUP_OUT_NAME)
+        gdiffer, gtotal = write_group_traces(group_dir, args.check)
+        differ += gdiffer
+        print("%d param-group traces, %d bytes in all" % (len(GROUP_TRACES), gtotal))
     return 1 if differ else 0
 
 
