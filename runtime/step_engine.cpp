@@ -240,6 +240,7 @@ void StepEngine::setup() {
     backend_ = std::make_unique<cpu::FusedBackend>(programs_, params_, options_, std::move(owner));
   }
   tensor_norms_.assign(params_.size(), NAN);
+  rules_scratch_ = rules_;  // sized once
   backend_->set_rules(rules_.data());
 }
 
@@ -273,9 +274,13 @@ std::vector<ParamGroup> StepEngine::param_groups() const {
 void StepEngine::set_config(std::size_t group, const OptimizerConfig& config) {
   if (custom_) no_config("set_config()");
   check_config(group, config);
+  // The device copy first (CUDA refuses during a graph capture): on an Error nothing changed.
+  // (Into a scratch of the same size: set_lr allocates nothing.)
+  rules_scratch_ = rules_;
+  jit::scalar_rules(config, *programs_.groups[group].program, rules_scratch_[group].rules);
+  backend_->set_rules(rules_scratch_.data());
   groups_[group].config = config;
-  jit::scalar_rules(config, *programs_.groups[group].program, rules_[group].rules);
-  backend_->set_rules(rules_.data());
+  std::swap(rules_, rules_scratch_);
 }
 
 void StepEngine::check_config(std::size_t group, const OptimizerConfig& config) const {

@@ -112,6 +112,7 @@ class StepEngine {
   OptimizerOptions options_;
   StepPrograms programs_;
   std::vector<GroupRules> rules_;           // per group: its scalar rules (jit/step_scalars.h) and step base
+  std::vector<GroupRules> rules_scratch_;   // set_config's next rules, before the backend took them
   std::unique_ptr<Backend> backend_;
   CudaBackend* cuda_ = nullptr;  // backend_, when it is the CUDA one
   mutable std::vector<double> tensor_norms_;

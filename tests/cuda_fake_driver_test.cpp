@@ -54,6 +54,9 @@ Faults& faults() {
   return f;
 }
 
+// What cuStreamIsCapturing says.
+std::atomic<bool> g_capturing = false;
+
 // Whether this call fails.
 bool fails(const char* name) {
   Faults& f = faults();
@@ -235,7 +238,7 @@ cuda::DriverApi fake_driver() {
     return kOk;
   };
   a.cuStreamIsCapturing = [](cuda::CUstream, int* status) -> CUresult {
-    *status = 0;
+    *status = g_capturing ? cuda::CU_STREAM_CAPTURE_STATUS_ACTIVE : cuda::CU_STREAM_CAPTURE_STATUS_NONE;
     return kOk;
   };
   a.cuStreamBeginCapture = [](cuda::CUstream, int) -> CUresult { return kOk; };
@@ -415,6 +418,37 @@ TEST_F(FakeDriver, ACachedImageThatDoesNotLoadIsEvictedAndRecompiled) {
   fail_next("cuModuleLoadDataEx", 2);
   EXPECT_THROW(Optimizer(optim::AdamW{}, m.params(), on_cuda()), Error);
   heal();
+}
+
+// Param groups on the GPU: one program for every group (mixed variants are refused,
+// naming the group); hyperparameters change between replays, never inside a capture
+// (the Error leaves the optimizer as it was).
+TEST_F(FakeDriver, ParamGroupsOnTheGpu) {
+  if (!have_nvrtc()) GTEST_SKIP() << "NVRTC is not available: the step kernels cannot be compiled";
+  DeviceModel m;
+  const std::vector<Param> p = m.params();
+  Optimizer opt({{{p[0], p[1]}, optim::AdamW{.lr = 1e-3, .weight_decay = 0.1}}, {{p[2]}, optim::AdamW{.lr = 2e-3}}},
+                on_cuda());
+  opt.step();
+  opt.set_lr(1, 5e-3);
+  g_capturing = true;
+  try {
+    opt.set_lr(0, 1e-2);
+    ADD_FAILURE() << "set_lr during a capture did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_state);
+    EXPECT_THAT(std::string(e.what()), HasSubstr("captured"));
+  }
+  g_capturing = false;
+  EXPECT_EQ(opt.lr(0), 1e-3);
+  EXPECT_EQ(opt.lr(1), 5e-3);
+  try {
+    Optimizer mixed({{{p[0]}, optim::AdamW{}}, {{p[1]}, optim::AdamW{.amsgrad = true}}}, on_cuda());
+    ADD_FAILURE() << "mixed variants on the GPU did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_THAT(std::string(e.what()), HasSubstr("param group 1"));
+  }
 }
 
 // ---- GradScaler transactions ----------------------------------------------------------------
