@@ -2,7 +2,7 @@
 // safetensors file, runtime/safetensors.hpp) written and read; versions 1 and 2 (the
 // STEPFUSE container, runtime/checkpoint_file.hpp) read, for one param group.
 //
-// Version 3 (docs/architecture.md, "Checkpoints"): tensors "group.<g>.param.<i>.<state>"
+// Version 3 (docs/architecture.md §9): tensors "group.<g>.param.<i>.<state>"
 // for each state stream of group g's program (i counts within the group) and
 // "group.<g>.param.<i>.master" for fp32 masters, all F32 of shape [numel]; the
 // "__metadata__" entries, every value a string (JSON where structured):

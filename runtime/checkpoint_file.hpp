@@ -1,7 +1,6 @@
 // Internal: reading a checkpoint's file — a read-only mapping of it, and the reader of
 // the STEPFUSE container of format versions 1 and 2 (version 3 files are safetensors
-// files: runtime/safetensors.hpp; the layout of both is in docs/architecture.md §2,
-// "Checkpoints").
+// files: runtime/safetensors.hpp; both are described in docs/architecture.md §9).
 //
 // The STEPFUSE container (versions 1 and 2, read only):
 //

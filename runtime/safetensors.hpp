@@ -10,7 +10,7 @@
 // a map of strings to strings. Both are read as the format's reference implementation
 // reads them (header at most 100,000,000 bytes, duplicate keys refused).
 //
-// The checksum (stepfuse's; docs/architecture.md, "Checkpoints"): the metadata entry
+// The checksum (stepfuse's; docs/architecture.md §9): the metadata entry
 // "checksum" = "xxh3_64:" + 16 lowercase hex digits, XXH3_64 (seed 0) of the canonical
 // header bytes followed by the data section. The canonical bytes are, with every
 // integer a u64 little-endian and every string its byte count then its bytes: the

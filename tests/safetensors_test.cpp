@@ -253,6 +253,48 @@ TEST(Safetensors, TheChecksumCoversTheHeadersContentAndTheData) {
   EXPECT_NE(message.find("checksum"), std::string::npos) << message;
 }
 
+// Random damage to a checkpoint's header (bytes changed, removed or inserted, the length
+// changed to match) is an io_error from load, never a crash or another exception, and
+// changes nothing; or, where it changed only the JSON's spelling (a space), the file
+// still loads, as the same content.
+TEST(Safetensors, RandomDamageToTheHeaderIsAnIoError) {
+  TempDir dir;
+  const std::string path = dir.file("opt.ckpt");
+  Model model = Model::make({{3, DType::f32, DType::f32}, {5, DType::bf16, DType::bf16}, {0, DType::f16, DType::f16}}, 1);
+  Optimizer opt({{model.params(0, 1), optim::AdamW{}}, {model.params(1), optim::AdamW{.amsgrad = true}}});
+  GradScaler scaler("cpu");
+  iterate(model, opt, scaler, 0);
+  opt.save(path, scaler);
+  const auto bytes = read_bytes(path);
+  std::uint64_t n;
+  std::memcpy(&n, bytes.data(), 8);
+  const Snapshot before(opt, model);
+  const unsigned seed = ::testing::UnitTest::GetInstance()->random_seed();
+  std::mt19937 rng(seed);
+  const std::string specials = "{}[]\":,\\ 0123456789-.eE\x01\xff\xc3";
+  for (int trial = 0; trial < 400; ++trial) {
+    std::string header(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(n));
+    for (int k = 0, edits = 1 + static_cast<int>(rng() % 4); k < edits; ++k) {
+      const std::size_t at = rng() % header.size();
+      const char c = rng() % 2 ? specials[rng() % specials.size()] : static_cast<char>(rng());
+      switch (rng() % 3) {
+        case 0: header[at] = c; break;
+        case 1: header.erase(at, 1 + rng() % 8); break;
+        default: header.insert(at, 1, c);
+      }
+      if (header.empty()) header.push_back('{');
+    }
+    write_bytes(path, file_with(header, std::vector<unsigned char>(bytes.begin() + 8 + static_cast<std::ptrdiff_t>(n),
+                                                                   bytes.end())));
+    try {
+      opt.load(path, scaler);
+    } catch (const Error& e) {
+      ASSERT_EQ(e.code(), ErrorCode::io_error) << "seed " << seed << " trial " << trial << ": " << e.what();
+    }
+  }
+  EXPECT_TRUE(Snapshot(opt, model) == before);
+}
+
 // ---- the safetensors Python package ----
 
 std::string shell_quoted(const std::string& s) {
