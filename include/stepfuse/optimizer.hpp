@@ -227,7 +227,9 @@ class Optimizer {
   // tensor and the fp32 masters (with a GradScaler: its state_dict() too) to `path`
   // atomically: a temporary file in the same directory, flushed, then renamed over
   // `path`, so a crash leaves the old file or the new one, never a mix. The file
-  // carries a format version and a checksum. The weights themselves are the
+  // is a safetensors file (tensors "group.{g}.param.{i}.{state}" and ".master", the
+  // rest in its metadata: README "Checkpoints") with a format version and a
+  // checksum; files of the previous formats still load. The weights themselves are the
   // caller's (save them with the model).
   //
   // Custom programs: the file holds the program's text and scalar rules; load()
