@@ -327,7 +327,7 @@ TEST(EmitCpu, IrObjectAbiAndHeaderDescribeTheSameFunctions) {
   for (const json& f : args["fields"]) offsets.push_back(f["offset"]);
   EXPECT_EQ(offsets, (std::vector<std::size_t>{offsetof(cpu::UpdateArgs, grad), offsetof(cpu::UpdateArgs, weight),
                                                offsetof(cpu::UpdateArgs, master), offsetof(cpu::UpdateArgs, state),
-                                               offsetof(cpu::UpdateArgs, scalars)}));
+                                               offsetof(cpu::UpdateArgs, scalars), offsetof(cpu::UpdateArgs, norms)}));
   EXPECT_THAT(abi["reduce"]["combine"].get<std::string>(), HasSubstr("chunk order"));
   EXPECT_THAT(abi["threading"].get<std::string>(), HasSubstr("Chunks are independent"));
   EXPECT_THAT(k.abi_header, HasSubstr("typedef struct sf_cpu_update_args {"));
@@ -518,7 +518,8 @@ TEST(EmitCpu, LinkedObjectStepsBitwiseAsTheLibrary) {
     const std::size_t n = static_cast<std::size_t>(list[i].numel);
     masters.emplace_back(list[i].storage.master ? n : 0);
     if (list[i].storage.master) to_float({w_emit[i].data(), list[i].numel, list[i].storage.weight}, masters[i]);
-    args[i] = {grads[i].data(), w_emit[i].data(), list[i].storage.master ? masters[i].data() : nullptr, {}, scalars.data()};
+    args[i] = {grads[i].data(), w_emit[i].data(), list[i].storage.master ? masters[i].data() : nullptr, {}, scalars.data(),
+               nullptr};
     for (int s = 0; s < p.num_streams; ++s)
       if (p.streams[s].role == StreamRole::state) {
         states.emplace_back(n, p.streams[s].init);

@@ -520,6 +520,9 @@ TEST(LlvmBackend, EveryVectorWidthMatchesHighwayKernels) {
         std::vector<std::uint8_t> gb = List::store(g, c.grad), wb = List::store(w, c.weight);
         float scalars[kMaxScalars];
         for (float& x : scalars) x = 0.5f + 0.4f * std::fabs(normal(rng));
+        // A two-phase program's update (phase 2) reads the tensor's norms.
+        float norms[kMaxNormSlots];
+        for (float& x : norms) x = 0.5f + 2.0f * std::fabs(normal(rng));
         cpu::UpdateArgs a[2];
         std::vector<std::uint8_t> wcopy[2] = {wb, wb};
         std::vector<float> master[2] = {w, w}, state[2][kMaxStreams];
@@ -528,12 +531,21 @@ TEST(LlvmBackend, EveryVectorWidthMatchesHighwayKernels) {
           a[side].weight = wcopy[side].data();
           a[side].master = c.master ? master[side].data() : nullptr;
           a[side].scalars = scalars;
+          a[side].norms = norms;
           for (int st = 0; st < spec.program.num_streams; ++st) {
             state[side][st].assign(kN, 0.0f);
             if (side == 0) fill(state[0][st], 0.01f);
             else state[1][st] = state[0][st];
             a[side].state[st] = state[side][st].data();
           }
+        }
+        // A two-phase program's phase 1 first, on both sides: its chunk sums bitwise alike.
+        if (const cpu::Phase1Fn hwy1 = cpu::fused_phase1_kernel(builtin, c.weight, c.grad, c.master)) {
+          ASSERT_EQ(k->phase1.size(), combos.size());
+          float sums[2][kMaxNormSlots];
+          hwy1(a[0], 0, kN, sums[0]);
+          reinterpret_cast<cpu::Phase1Fn>(k->phase1[ci])(a[1], 0, kN, sums[1]);
+          EXPECT_EQ(std::memcmp(sums[0], sums[1], sizeof sums[0]), 0) << spec.program.name << ": phase-1 sums";
         }
         // Two calls: a whole range, then one starting off a vector boundary.
         hwy(a[0], 0, kN - 9), hwy(a[0], kN - 9, 9);

@@ -20,6 +20,7 @@
 #include "reference/lars_program.hpp"
 #include "reference/test_data.hpp"
 #include "reference/test_util.hpp"
+#include "stepfuse/emit.hpp"
 #include "stepfuse/stepfuse.h"
 #include "stepfuse/stepfuse.hpp"
 
@@ -589,6 +590,28 @@ TEST(TwoPhaseNorms, AreTheCanonicalOrderForAnyThreadCountAndBackend) {
   RunSetup u = s;
   u.fusion = Fusion::unfused;
   check(u, "unfused");
+}
+
+// ---- The emit API -----------------------------------------------------------------------------
+
+TEST(TwoPhaseEmit, CpuTargetsHavePhase1FunctionsAndCudaTargetsSaySoClearly) {
+  EmitRequest r{.program = lars(),
+                .tensors = {{DType::bf16, DType::bf16, true}, {DType::f32, DType::f32, false}},
+                .target = EmitTarget::cubin(90)};
+  r.compile = false;
+  EXPECT_THAT(ref::thrown_text([&] { (void)emit(r); }, ErrorCode::unsupported),
+              AllOf(HasSubstr("'lars' has two phases"), HasSubstr("emit it for a CPU target")));
+  if (!jit::llvm_built()) GTEST_SKIP() << "CPU targets need the LLVM backend";
+  r.target = EmitTarget::cpu();
+  const EmittedKernel k = emit(r);
+  EXPECT_EQ(k.kernel_names, (std::vector<std::string>{"sf_cpu_update_bf16_bf16_m", "sf_cpu_update_f32_f32",
+                                                      "sf_cpu_reduce_l2_bf16", "sf_cpu_reduce_l2_f32",
+                                                      "sf_cpu_phase1_bf16_bf16_m", "sf_cpu_phase1_f32_f32"}));
+  EXPECT_THAT(k.abi, HasSubstr("\"role\": \"phase1\""));
+  EXPECT_THAT(k.abi, HasSubstr("\"SF_CPU_MAX_NORM_SLOTS\": 4"));
+  EXPECT_THAT(k.abi_header,
+              HasSubstr("void sf_cpu_phase1_f32_f32(const sf_cpu_update_args* args, uint64_t begin, uint64_t n, float* sums);"));
+  EXPECT_THAT(k.abi_header, HasSubstr("const float* norms;"));
 }
 
 // ---- Checkpoints -------------------------------------------------------------------------------

@@ -1640,6 +1640,69 @@ static void test_param_groups(void) {
   sf_optimizer_destroy(two);
 }
 
+/* A two-phase program from C: phase 1 reduces the unscaled gradient into slot 0,
+ * phase 2 stores the tensor's norm into a state stream (and the weights unchanged);
+ * a bad slot is refused at the call; LAMB (SF_LAMB) steps. */
+static void test_two_phase_program(void) {
+  sf_program_builder* b = NULL;
+  CHECK_OK(sf_program_builder_create("norm_probe", &b));
+  if (b == NULL) return;
+  int grad = 0, param = 0, norm = 0;
+  sf_value raw, gs, g, n, w;
+  CHECK_OK(sf_program_builder_stream(b, "grad", SF_ROLE_GRAD, 0.0f, &grad));
+  CHECK_OK(sf_program_builder_stream(b, "param", SF_ROLE_PARAM, 0.0f, &param));
+  CHECK_OK(sf_program_builder_stream(b, "norm", SF_ROLE_STATE, 0.0f, &norm));
+  CHECK_OK(sf_program_builder_load(b, grad, &raw));
+  CHECK_OK(sf_program_builder_scalar(b, "gscale", SF_SCALAR_GSCALE, 1.0, 0.0, &gs));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, raw, gs, 0, &g));
+  CHECK_FAILS(sf_program_builder_reduce_sumsq(b, SF_PROGRAM_MAX_NORM_SLOTS, g), SF_INVALID_ARGUMENT,
+              "slot = 4 is not a reduction slot (use 0 to 3)");
+  CHECK_OK(sf_program_builder_reduce_sumsq(b, 0, g));
+  CHECK_OK(sf_program_builder_phase(b));
+  CHECK_OK(sf_program_builder_tensor_norm(b, 0, &n));
+  CHECK_OK(sf_program_builder_store(b, norm, n));
+  CHECK_OK(sf_program_builder_load(b, param, &w));
+  CHECK_OK(sf_program_builder_store(b, param, w));
+  sf_program* prog = NULL;
+  CHECK_OK(sf_program_builder_build(b, &prog));
+  sf_program_builder_destroy(b);
+  if (prog == NULL) return;
+
+  enum { kN = 40000 }; /* three chunks */
+  static float wt[kN], gr[kN];
+  double sum = 0;
+  for (int i = 0; i < kN; ++i) {
+    wt[i] = (float)uniform(-1.0, 1.0);
+    gr[i] = (float)uniform(-1.0, 1.0);
+    sum += (double)gr[i] * gr[i];
+  }
+  sf_param p = {view_f32(wt, kN), view_f32(gr, kN)};
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create_custom(prog, &p, 1, NULL, &opt));
+  sf_program_destroy(prog);
+  if (opt == NULL) return;
+  sf_step_result r;
+  sf_step_result_init(&r);
+  CHECK_OK(sf_optimizer_step(opt));
+  const float* norms = NULL;
+  int64_t numel = 0;
+  CHECK_OK(sf_optimizer_state(opt, 0, "norm", &norms, &numel));
+  CHECK(numel == kN && norms != NULL && close_rel(norms[0], sqrt(sum), 1e-5) && norms[kN - 1] == norms[0]);
+  sf_optimizer_destroy(opt);
+
+  sf_optimizer_config c;
+  sf_optimizer_config_init(&c, SF_LAMB);
+  CHECK(c.lr == 1e-3 && c.beta1 == 0.9 && c.beta2 == 0.999 && c.eps == 1e-6 && c.weight_decay == 0.01);
+  CHECK(strcmp(sf_optimizer_kind_name(SF_LAMB), "LAMB") == 0);
+  CHECK_OK(sf_optimizer_create(&c, &p, 1, NULL, &opt));
+  if (opt == NULL) return;
+  const float before = wt[0];
+  CHECK_OK(sf_optimizer_step(opt));
+  CHECK_OK(sf_optimizer_last_result(opt, &r));
+  CHECK(r.applied && wt[0] != before);
+  sf_optimizer_destroy(opt);
+}
+
 int main(void) {
   g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
   printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
@@ -1660,6 +1723,7 @@ int main(void) {
   test_emit();
   test_cpu_backends();
   test_param_groups();
+  test_two_phase_program();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

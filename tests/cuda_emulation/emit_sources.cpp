@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "jit/program_analysis.hpp"
 #include "tests/cuda_emulation/emulated_specs.hpp"
 
 namespace {
@@ -84,12 +85,18 @@ void expect_kernels(const std::string& what, const std::string& text, const std:
 void emit_step(const std::string& dir, const sf_emu::EmulatedSpec& s, const std::string& reduce) {
   const std::string update = stepfuse::jit::emit_cuda_update(s.spec);
   expect_kernels(s.name + " reduce", reduce, {"sf_reduce"});
-  expect_kernels(s.name + " update", update, {"sf_update"});
+  expect_kernels(s.name + " update", update, stepfuse::jit::cuda_update_kernel_names(s.spec.program));
   const std::string k = "emu_" + s.name + "_";
+  // A two-phase program's update source has sf_phase1 and sf_phase_combine, and its
+  // sf_update takes the norms (StepKernels::update_norms).
+  const std::string u = "&" + k + "update::" + k;
+  const std::string update_kernels = stepfuse::jit::is_two_phase(s.spec.program)
+                                         ? "nullptr, " + u + "sf_phase1, " + u + "sf_phase_combine, " + u + "sf_update"
+                                         : u + "sf_update, nullptr, nullptr, nullptr";
   const std::string tail = "extern const sf_emu::StepKernels emu_step_" + s.name + ";\n" +
                            "const sf_emu::StepKernels emu_step_" + s.name + " = {\n    \"" + s.name + "\",\n    R\"sfspec(" +
-                           stepfuse::jit::canonical_text(s.spec) + ")sfspec\",\n    &" + k + "reduce::" + k + "sf_reduce, &" + k +
-                           "update::" + k + "sf_update};\n";
+                           stepfuse::jit::canonical_text(s.spec) + ")sfspec\",\n    &" + k + "reduce::" + k + "sf_reduce, " +
+                           update_kernels + "};\n";
   write(dir + "/" + s.name + "_reduce.cu", reduce);
   write(dir + "/" + s.name + "_update.cu", update);
   write(dir + "/emu_" + s.name + ".cpp", wrapper(s.name, {{k + "reduce", s.name + "_reduce.cu", reduce},

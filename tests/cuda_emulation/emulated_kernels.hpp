@@ -20,6 +20,14 @@ using ReduceKernel = void (*)(const sf_tensor* tensors, int num_tensors, const s
                               const float* scale_ptr, double scale_value, int check_finite, sf_scaler_state* scaler);
 using UpdateKernel = void (*)(const sf_tensor* tensors, const sf_span* blocks, long long flat_numel, sf_streams streams,
                               sf_step_state* st, sf_hyper hyper, int plain);
+// A two-phase program's kernels (jit/cuda/kernels/phase1_kernel.cuh) and its sf_update,
+// which takes the tensors' norms.
+using Phase1Kernel = void (*)(const sf_tensor* tensors, const sf_span* chunks, int num_chunks, sf_streams streams,
+                              float* sums, sf_step_state* st, sf_hyper hyper, int plain);
+using CombineKernel = void (*)(const sf_tensor* tensors, int num_tensors, const float* sums, float* norms,
+                               const sf_step_state* st, int plain);
+using UpdateNormsKernel = void (*)(const sf_tensor* tensors, const sf_span* blocks, long long flat_numel,
+                                   sf_streams streams, sf_step_state* st, sf_hyper hyper, int plain, const float* norms);
 using UpdateScaleKernel = void (*)(sf_scaler_state* s);
 using ScaleKernel = void (*)(void* data, long long n, const float* scale, int reciprocal, int* found_inf);
 using WidenKernel = void (*)(const void* src, float* dst, long long n);
@@ -30,7 +38,10 @@ struct StepKernels {
   const char* name;       // emulated_specs.hpp
   const char* canonical;  // jit::canonical_text(spec): how a layout finds its kernels
   ReduceKernel reduce;
-  UpdateKernel update;
+  UpdateKernel update;  // null for a two-phase program, which has these three instead:
+  Phase1Kernel phase1;
+  CombineKernel combine;
+  UpdateNormsKernel update_norms;
 };
 
 // The utility module; scale and widen indexed by DType.

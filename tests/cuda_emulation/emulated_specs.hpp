@@ -10,6 +10,7 @@
 #include "jit/builtin/registry.hpp"
 #include "jit/builtins.hpp"
 #include "jit/cuda/emit_cuda.hpp"
+#include "tests/reference/lars_program.hpp"
 
 namespace sf_emu {
 
@@ -43,7 +44,7 @@ inline stepfuse::jit::CudaSpec make_spec(stepfuse::jit::Builtin b, std::vector<D
 }
 
 // Every built-in program with the mixed combinations (table layout, aligned, L2),
-// then the layout and norm variants, on Adam.
+// then the layout and norm variants, on Adam; then two-phase variants.
 inline std::vector<EmulatedSpec> emulated_specs() {
   using stepfuse::jit::Builtin;
   using stepfuse::jit::CudaNorm;
@@ -59,6 +60,12 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   out.push_back({"adam_flat", make_spec(kAdam, kBf16Masters, true, true)});
   out.push_back({"adam_flat_unaligned", make_spec(kAdam, kF16Masters, true, false)});
   out.push_back({"lion_flat_inf", make_spec(kLion, kBf16Masters, true, true, CudaNorm::inf)});
+  // Two-phase programs: LAMB unaligned with the inf-norm, and a user's LARS (custom).
+  constexpr Builtin kLamb = stepfuse::jit::builtin_named("lamb");
+  out.push_back({"lamb_unaligned_inf", make_spec(kLamb, kMixedMasters, false, false, CudaNorm::inf)});
+  stepfuse::jit::CudaSpec lars = make_spec(kLamb, kMixedMasters, false, true);
+  lars.program = stepfuse::ref::kLars;
+  out.push_back({"lars", lars});
   return out;
 }
 

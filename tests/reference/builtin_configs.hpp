@@ -53,6 +53,8 @@ inline const std::vector<NamedBuiltin>& one_config_per_program() {
     rprop.lr = 1e-3, rprop.eta_minus = 0.4, rprop.eta_plus = 1.3, rprop.step_size_max = 2e-3;
     optim::ASGD asgd;
     asgd.lr = 1e-2, asgd.lambd = 1e-3, asgd.alpha = 0.7, asgd.t0 = 1, asgd.weight_decay = 1e-3;
+    optim::LAMB lamb;
+    lamb.lr = 2e-3, lamb.beta1 = 0.85, lamb.weight_decay = 0.05;
     return std::vector<NamedBuiltin>{{"SGD", sgd},
                                      {"SGD_momentum", momentum},
                                      {"SGD_nesterov", nesterov},
@@ -70,7 +72,8 @@ inline const std::vector<NamedBuiltin>& one_config_per_program() {
                                      {"Adamax", adamax},
                                      {"Adadelta", adadelta},
                                      {"Rprop", rprop},
-                                     {"ASGD", asgd}};
+                                     {"ASGD", asgd},
+                                     {"LAMB", lamb}};
   }();
   return all;
 }

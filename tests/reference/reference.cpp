@@ -291,6 +291,33 @@ void update_asgd(const optim::ASGD& c, RefTensor& t, const std::vector<double>& 
   }
 }
 
+// LAMB as NVIDIA Apex's FusedLAMB (adam_w_mode, bias_correction, grad_averaging; no
+// NVLAMB), its global clipping being the pipeline's clip_grad_norm_:
+//   g = -g if maximize;  m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+//   u = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) + wd * p
+//   ratio = ||p|| / ||u|| over the tensor when wd != 0 and both norms are != 0, else 1
+//   p = p - lr * ratio * u
+// (the norms in double here; the library keeps them in fp32).
+void update_lamb(const optim::LAMB& c, RefTensor& t, const std::vector<double>& grad, std::int64_t step) {
+  std::vector<double>& m = state_of(t, "exp_avg");
+  std::vector<double>& v = state_of(t, "exp_avg_sq");
+  const double bc1 = 1 - std::pow(c.beta1, static_cast<double>(step));
+  const double bc2 = 1 - std::pow(c.beta2, static_cast<double>(step));
+  std::vector<double> u(t.param.size());
+  double param_sq = 0, update_sq = 0;
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    const double g = c.maximize ? -grad[i] : grad[i];
+    m[i] = c.beta1 * m[i] + (1 - c.beta1) * g;
+    v[i] = c.beta2 * v[i] + (1 - c.beta2) * g * g;
+    u[i] = (m[i] / bc1) / (std::sqrt(v[i] / bc2) + c.eps) + c.weight_decay * t.param[i];
+    param_sq += t.param[i] * t.param[i];
+    update_sq += u[i] * u[i];
+  }
+  const double param_norm = std::sqrt(param_sq), update_norm = std::sqrt(update_sq);
+  const double ratio = c.weight_decay != 0 && param_norm != 0 && update_norm != 0 ? param_norm / update_norm : 1.0;
+  for (std::size_t i = 0; i < t.param.size(); ++i) t.param[i] -= c.lr * ratio * u[i];
+}
+
 }  // namespace
 
 std::vector<std::string> state_names(const OptimizerConfig& config) {
@@ -322,6 +349,7 @@ std::vector<std::string> state_names(const OptimizerConfig& config) {
           [](const optim::Adadelta&) -> std::vector<std::string> { return {"square_avg", "acc_delta"}; },
           [](const optim::Rprop&) -> std::vector<std::string> { return {"prev", "step_size"}; },
           [](const optim::ASGD&) -> std::vector<std::string> { return {"ax"}; },
+          [](const optim::LAMB&) -> std::vector<std::string> { return {"exp_avg", "exp_avg_sq"}; },
       },
       config);
   std::sort(names.begin(), names.end());
@@ -392,6 +420,7 @@ void update(const OptimizerConfig& config, RefTensor& tensor, const std::vector<
                  [&](const optim::Adadelta& c) { update_adadelta(c, tensor, grad); },
                  [&](const optim::Rprop& c) { update_rprop(c, tensor, grad); },
                  [&](const optim::ASGD& c) { update_asgd(c, tensor, grad, step); },
+                 [&](const optim::LAMB& c) { update_lamb(c, tensor, grad, step); },
              },
              config);
 }

@@ -4,7 +4,8 @@
 // (torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop, NAdam, RAdam, Adamax, Adadelta,
 // Rprop, ASGD; torch.nn.utils.clip_grad_norm_;
 // the GradScaler's unscale and inf check) and, for Lion, from Chen et al. 2023,
-// "Symbolic Discovery of Optimization Algorithms". It deliberately uses nothing
+// "Symbolic Discovery of Optimization Algorithms", and for LAMB from You et al. 2020
+// as NVIDIA Apex's FusedLAMB computes it. It deliberately uses nothing
 // from jit/ or runtime/: a bug in an update program must not be copied into its
 // oracle. Only the public hyperparameter structs (stepfuse/optim.hpp) are shared.
 #pragma once
@@ -26,7 +27,8 @@ namespace stepfuse::ref {
 // Adam/AdamW "exp_avg", "exp_avg_sq", "max_exp_avg_sq" (amsgrad); Adagrad "sum";
 // RMSprop "square_avg", "momentum_buffer" (momentum > 0), "grad_avg" (centered);
 // Lion "exp_avg"; NAdam/RAdam "exp_avg", "exp_avg_sq"; Adamax "exp_avg", "exp_inf";
-// Adadelta "square_avg", "acc_delta"; Rprop "prev", "step_size"; ASGD "ax".
+// Adadelta "square_avg", "acc_delta"; Rprop "prev", "step_size"; ASGD "ax";
+// LAMB "exp_avg", "exp_avg_sq".
 struct RefTensor {
   std::vector<double> param;
   std::map<std::string, std::vector<double>> state;
