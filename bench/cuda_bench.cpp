@@ -372,8 +372,9 @@ int run_cuda_bench(const CudaBenchArgs& a) {
   progress.done();
 
   // ---- Report --------------------------------------------------------------------------------
-  const StepBytes bytes = step_bytes(a.weights, a.grads, a.options.master_weights, state_streams, /*reduce_pass=*/true);
-  const StepBytes plain_bytes = step_bytes(a.weights, a.grads, a.options.master_weights, state_streams, false);
+  const UpdateProgram update_program = UpdateProgram::from_config(a.config);  // a two-phase program: two passes
+  const StepBytes bytes = step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, true);
+  const StepBytes plain_bytes = step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, false);
   const double step_bytes_total = bytes.per_param() * static_cast<double>(n);
   const double copy_moved = 2.0 * static_cast<double>(kCopyBytes);  // read + write, STREAM's convention
   const Summary cs = summarize(copy_s), ss = summarize(step_s), us = summarize(update_s);

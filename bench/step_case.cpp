@@ -120,7 +120,7 @@ PreparedStep::PreparedStep(const StepCase& c, int threads) : scaled_(c.scaled) {
       opt_.emplace(decay_groups(buf_->params(), c.group_split, c.config), opts);
     else
       opt_.emplace(c.config, buf_->params(), opts);
-    bytes_ = step_bytes(c.weights, c.grads, /*masters=*/true, static_cast<int>(opt_->state_names().size()), c.scaled);
+    bytes_ = step_bytes(UpdateProgram::from_config(c.config).program(), c.weights, c.grads, /*masters=*/true, c.scaled);
   } catch (const std::exception& e) {
     error_ = e.what();
     return;

@@ -595,9 +595,9 @@ int main(int argc, char** argv) {
                  "against a device-to-device copy, verified against the CPU first)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  app.add_option("--optimizer", a.optimizer, "optimizer, with PyTorch's default hyperparameters")
+  app.add_option("--optimizer", a.optimizer, "optimizer, with PyTorch's default hyperparameters (lamb: Apex's)")
       ->check(CLI::IsMember({"adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "nadam", "radam", "adamax",
-                             "adadelta", "rprop", "asgd"}))
+                             "adadelta", "rprop", "asgd", "lamb"}))
       ->capture_default_str();
   app.add_option("--weights", a.weights, "weight dtype (f16/bf16 keep fp32 masters unless --no-masters)")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}))

@@ -83,10 +83,9 @@ struct Figures {
 };
 
 // The figures, and each timed variant's summary and GB/s in `runs` (and grouped->runs).
-Figures compute_figures(const Args& a, const Case& c, const FusedOnly& fo, Runs& runs, GroupedRuns* grouped,
+Figures compute_figures(const Args& a, const Case& c, const FusedOnly& /*fo*/, Runs& runs, GroupedRuns* grouped,
                         const Timing& timing, const sb::BandwidthProbe& probe) {
   const sf::DType wt = c.weights, gt = c.grads;
-  const int state_streams = fo.state_streams;
   const std::int64_t n = c.n;
   const std::vector<Variant>& variants = c.variants;
   auto timed = [&](Variant v) { return c.timed(v); };
@@ -95,7 +94,8 @@ Figures compute_figures(const Args& a, const Case& c, const FusedOnly& fo, Runs&
   const bool update_only = timing.update_only;
   const Variant first_fused = c.first_fused;
   const sb::StepBytes bytes =
-      sb::step_bytes(wt, gt, !a.no_masters, state_streams, /*reduce_pass=*/true);  // step_scaled always reduces
+      sb::step_bytes(sf::UpdateProgram::from_config(c.config).program(), wt, gt, !a.no_masters,
+                     /*reduce_pass=*/true);  // step_scaled always reduces; a two-phase program's two passes
   const double step_bytes = bytes.per_param() * static_cast<double>(n);
   std::map<sb::Pattern, double> bw_gbs;  // median GB/s per pattern
   std::map<sb::Pattern, sb::Summary> bw_sum;
@@ -130,7 +130,8 @@ Figures compute_figures(const Args& a, const Case& c, const FusedOnly& fo, Runs&
     paired_frac[idx(v)] = sb::summarize(frac);
   }
   // Update pass alone (plain step: no reduce pass), and the reduce pass by difference.
-  const sb::StepBytes plain_bytes = sb::step_bytes(wt, gt, !a.no_masters, state_streams, /*reduce_pass=*/false);
+  const sb::StepBytes plain_bytes =
+      sb::step_bytes(sf::UpdateProgram::from_config(c.config).program(), wt, gt, !a.no_masters, /*reduce_pass=*/false);
   const sb::Summary uo = sb::summarize(update_s);
   const double update_gbs = update_only ? plain_bytes.per_param() * static_cast<double>(n) / uo.median * 1e-9 : 0.0;
   const double reduce_s = update_only ? runs[idx(first_fused)].summary.median - uo.median : 0.0;
