@@ -5,6 +5,7 @@
 #include <gmock/gmock-matchers.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -178,6 +179,49 @@ TEST(LambBitwise, EveryHighwayTargetGivesTheSameBits) {
       if (!first) first = a;
       else EXPECT_TRUE(a == *first) << "differs from " << hwy::TargetName(hwy::SupportedAndGeneratedTargets()[0]);
     }
+  }
+}
+
+// ---- param groups ------------------------------------------------------------------
+
+// A decay group and a no-decay group (no trust ratio) in one optimizer, without clipping,
+// are bitwise two separate optimizers: each tensor's norms are its own; on every CPU path.
+TEST(LambGroups, UnclippedGroupsEqualSeparateOptimizers) {
+  const std::vector<std::int64_t> decay_sizes = {20000, 33, 0}, plain_sizes = {7, 16385};
+  const optim::LAMB decay{.lr = 0.01, .weight_decay = 0.1}, no_decay{.lr = 0.01, .weight_decay = 0};
+  for (const auto& [fusion, backend] : {std::pair{Fusion::fused, CpuBackend::highway},
+                                        std::pair{Fusion::interpreted, CpuBackend::highway},
+                                        std::pair{Fusion::fused, CpuBackend::llvm}}) {
+    if (backend == CpuBackend::llvm && !jit::llvm_built()) continue;
+    SCOPED_TRACE(std::string(fusion == Fusion::fused ? "fused " : "interpreted ") +
+                 (backend == CpuBackend::llvm ? "llvm" : "highway"));
+    OptimizerOptions o;
+    o.fusion = fusion;
+    o.cpu_backend = backend;
+    HostTensors wa(DType::bf16, decay_sizes, false), ga(DType::f32, decay_sizes, false);
+    HostTensors wb(DType::f32, plain_sizes, false), gb(DType::f32, plain_sizes, false);
+    HostTensors wa2(DType::bf16, decay_sizes, false), wb2(DType::f32, plain_sizes, false);
+    Random rng(5);
+    fill_weights(wa, rng), fill_weights(wb, rng);
+    for (std::size_t i = 0; i < wa.size(); ++i)
+      for (std::int64_t j = 0; j < wa[i].numel; ++j) wa2.set(i, j, wa.get(i, j));
+    for (std::size_t i = 0; i < wb.size(); ++i)
+      for (std::int64_t j = 0; j < wb[i].numel; ++j) wb2.set(i, j, wb.get(i, j));
+    Optimizer grouped({ParamGroup{make_params(wa, ga), decay}, ParamGroup{make_params(wb, gb), no_decay}}, o);
+    Optimizer a(decay, make_params(wa2, ga), o), b(no_decay, make_params(wb2, gb), o);
+    for (int k = 0; k < 3; ++k) {
+      fill_grads(ga, rng, kStepFactors[k], 1024.0), fill_grads(gb, rng, kStepFactors[k], 1024.0);
+      ASSERT_TRUE(grouped.step_scaled(1024.0).applied);
+      ASSERT_TRUE(a.step_scaled(1024.0).applied);
+      ASSERT_TRUE(b.step_scaled(1024.0).applied);
+    }
+    EXPECT_EQ(wa.snapshot(), wa2.snapshot());
+    EXPECT_EQ(wb.snapshot(), wb2.snapshot());
+    for (std::size_t i = 0; i < wa.size(); ++i)
+      for (std::string_view name : {"exp_avg", "exp_avg_sq"}) {
+        const auto x = grouped.state(i, name), y = a.state(i, name);
+        EXPECT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << name << " of tensor " << i;
+      }
   }
 }
 
