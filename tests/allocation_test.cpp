@@ -73,7 +73,8 @@ std::vector<CpuBackend> backends() {
 
 TEST(Allocation, FusedStepsAllocateNothing) {
   for (const OptimizerConfig& config :
-       {OptimizerConfig{optim::AdamW{}}, OptimizerConfig{optim::SGD{.momentum = 0.9}}, OptimizerConfig{optim::Lion{}}}) {
+       {OptimizerConfig{optim::AdamW{}}, OptimizerConfig{optim::SGD{.momentum = 0.9}}, OptimizerConfig{optim::Lion{}},
+        OptimizerConfig{optim::LAMB{}}}) {  // (LAMB: two phases, the per-tensor norms)
     for (Fusion mode : {Fusion::fused, Fusion::interpreted}) {
       for (CpuBackend backend : backends()) {
         if (mode == Fusion::interpreted && backend != CpuBackend::highway) continue;  // no LLVM there
