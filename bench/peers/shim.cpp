@@ -113,6 +113,10 @@ std::vector<Field> fields(sf::optim::ASGD& c) {
   return {{"lr", &c.lr}, {"lambd", &c.lambd}, {"alpha", &c.alpha}, {"t0", &c.t0}, {"weight_decay", &c.weight_decay},
           {"maximize", nullptr, &c.maximize}};
 }
+std::vector<Field> fields(sf::optim::LAMB& c) {
+  return {{"lr", &c.lr}, {"beta1", &c.beta1}, {"beta2", &c.beta2}, {"eps", &c.eps}, {"weight_decay", &c.weight_decay},
+          {"maximize", nullptr, &c.maximize}};
+}
 
 sf::OptimizerConfig default_config(std::string_view kind) {
   if (std::optional<sf::OptimizerConfig> config = sf::bench::default_config_named(kind)) return *config;
