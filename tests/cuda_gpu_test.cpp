@@ -742,15 +742,26 @@ std::pair<double, std::int64_t> expected_scale(double scale, std::int64_t interv
   return {scale, tracker};
 }
 
+// A stream and an instantiated graph, released (the stream after waiting for it) on scope exit.
+struct OwnedStream {
+  cuda::CUstream s = nullptr;
+  ~OwnedStream() {
+    if (s) drv().cuStreamSynchronize(s), drv().cuStreamDestroy(s);
+  }
+};
+struct OwnedGraph {
+  cuda::CUgraph graph = nullptr;
+  cuda::CUgraphExec exec = nullptr;
+  ~OwnedGraph() {
+    if (exec) drv().cuGraphExecDestroy(exec);
+    if (graph) drv().cuGraphDestroy(graph);
+  }
+};
+
 TEST_F(CudaGpu, CapturedScalerIterationReplaysLikeEagerIterations) {
   REQUIRE_THE_DEVICE();
   const cuda::DriverApi& api = drv();
-  struct Stream {
-    cuda::CUstream s = nullptr;
-    ~Stream() {
-      if (s) drv().cuStreamSynchronize(s), drv().cuStreamDestroy(s);
-    }
-  } stream;  // declared first: it outlives the optimizers, whose destructors wait for it
+  OwnedStream stream;  // declared first: it outlives the optimizers, whose destructors wait for it
   check(api.cuStreamCreate(&stream.s, cuda::CU_STREAM_NON_BLOCKING), "cuStreamCreate");
 
   const ListLayout L = make_layout(kSizes, {{DType::bf16, DType::bf16}}, Layout::separate);
@@ -800,14 +811,7 @@ TEST_F(CudaGpu, CapturedScalerIterationReplaysLikeEagerIterations) {
   }
   int status = -1;
   const cuda::CUresult is_capturing = api.cuStreamIsCapturing(stream.s, &status);
-  struct Graph {
-    cuda::CUgraph graph = nullptr;
-    cuda::CUgraphExec exec = nullptr;
-    ~Graph() {
-      if (exec) drv().cuGraphExecDestroy(exec);
-      if (graph) drv().cuGraphDestroy(graph);
-    }
-  } g;
+  OwnedGraph g;
   const cuda::CUresult end = api.cuStreamEndCapture(stream.s, &g.graph);
   ASSERT_TRUE(error.empty()) << "GradScaler::step/update during stream capture threw: " << error;
   ASSERT_EQ(is_capturing, cuda::CUDA_SUCCESS);
@@ -839,12 +843,7 @@ TEST_F(CudaGpu, CapturedScalerIterationReplaysLikeEagerIterations) {
 TEST_F(CudaGpu, CapturedGroupsFollowAnLrScheduleBetweenReplays) {
   REQUIRE_THE_DEVICE();
   const cuda::DriverApi& api = drv();
-  struct Stream {
-    cuda::CUstream s = nullptr;
-    ~Stream() {
-      if (s) drv().cuStreamSynchronize(s), drv().cuStreamDestroy(s);
-    }
-  } stream;
+  OwnedStream stream;
   check(api.cuStreamCreate(&stream.s, cuda::CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   const ListLayout L = make_layout(kSizes, {{DType::bf16, DType::bf16}}, Layout::separate);
   TestList la(L), lb(L);
@@ -886,14 +885,7 @@ TEST_F(CudaGpu, CapturedGroupsFollowAnLrScheduleBetweenReplays) {
   } catch (const std::exception& e) {
     error = e.what();
   }
-  struct Graph {
-    cuda::CUgraph graph = nullptr;
-    cuda::CUgraphExec exec = nullptr;
-    ~Graph() {
-      if (exec) drv().cuGraphExecDestroy(exec);
-      if (graph) drv().cuGraphDestroy(graph);
-    }
-  } g;
+  OwnedGraph g;
   ASSERT_EQ(api.cuStreamEndCapture(stream.s, &g.graph), cuda::CUDA_SUCCESS);
   ASSERT_TRUE(error.empty()) << error;
   check(api.cuGraphInstantiate(&g.exec, g.graph, 0), "cuGraphInstantiate");
