@@ -39,6 +39,7 @@ struct ThreadPool::Crew {
 
   // Starts workers until there are `n` (under `mutex`, so no job is running).
   void grow(int n) {
+    std::lock_guard lock(grow_mutex);
     while (static_cast<int>(workers.size()) < n) {
       auto w = std::make_unique<Worker>();
       Worker* const raw = w.get();
@@ -75,20 +76,25 @@ struct ThreadPool::Crew {
     }
   }
 
-  // In a child of fork(): the workers are gone (and a lock may be held by a thread
-  // that no longer exists). The parent's threads are abandoned: their std::thread
-  // objects are never destroyed (that would terminate) nor joined (there is nothing
-  // to join); run() starts new workers.
+  // In a child of fork(): the workers are gone, and `mutex` may be held by a thread that
+  // no longer exists. `workers` is whole (the fork's prepare handler holds `grow_mutex`, so
+  // no grow() was half-way), but each std::thread names a thread of the parent: it is
+  // overwritten with an empty one, never joined (there is nothing to join) nor destroyed
+  // joinable (that would terminate). The Worker objects are then freed; run() starts new
+  // workers.
   void reset_in_child() noexcept {
     new (&mutex) std::mutex();
     new (&error_mutex) std::mutex();
-    new (&workers) std::vector<std::unique_ptr<Worker>>();  // the old vector is leaked
-    new (&error) std::exception_ptr();
+    for (auto& w : workers) new (&w->thread) std::thread();
+    workers.clear();
+    new (&error) std::exception_ptr();  // the parent's job's exception, if any, is leaked
     pending.store(0);
     stop.store(false);
+    grow_mutex.unlock();  // held by this thread, the one that forked
   }
 
   std::mutex mutex;  // one job at a time; guards workers
+  std::mutex grow_mutex;  // held while grow() changes workers, and across fork()
   std::vector<std::unique_ptr<Worker>> workers;
   Thunk thunk = nullptr;
   void* fn = nullptr;
@@ -114,8 +120,17 @@ Registry& registry() {
   static Registry* const r = [] {
     auto* reg = new Registry();
     pthread_atfork(
-        [] { registry().mutex.lock(); },  // the crew list stays whole across fork()
-        [] { registry().mutex.unlock(); },
+        [] {
+          // The crew list, and each crew's worker list, stay whole across fork().
+          Registry& g = registry();
+          g.mutex.lock();
+          for (ThreadPool::Crew* c : g.crews) c->grow_mutex.lock();
+        },
+        [] {
+          Registry& g = registry();
+          for (ThreadPool::Crew* c : g.crews) c->grow_mutex.unlock();
+          g.mutex.unlock();
+        },
         [] {
           Registry& g = registry();
           for (ThreadPool::Crew* c : g.crews) c->reset_in_child();

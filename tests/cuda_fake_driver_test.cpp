@@ -48,6 +48,9 @@ struct Faults {
   };
   std::vector<Launch> launches;
   std::vector<std::string> function_names;  // CUfunction = index + 1
+  // Allocations whose cuMemFree was made to fail: a real driver keeps them until the context
+  // dies; the fixture frees them when the test ends, so that LeakSanitizer sees no leak.
+  std::vector<void*> orphans;
 };
 Faults& faults() {
   static Faults f;
@@ -187,8 +190,13 @@ cuda::DriverApi fake_driver() {
     return kOk;
   };
   a.cuMemFree = [](cuda::CUdeviceptr p) -> CUresult {
-    FAKE_CALL(cuMemFree);
-    std::free(reinterpret_cast<void*>(static_cast<std::uintptr_t>(p)));
+    void* mem = reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+    if (fails("cuMemFree")) {
+      std::lock_guard lock(faults().mutex);
+      faults().orphans.push_back(mem);
+      return kFailure;
+    }
+    std::free(mem);
     return kOk;
   };
   a.cuPointerGetAttribute = [](void* data, int attribute, cuda::CUdeviceptr) -> CUresult {
@@ -286,6 +294,9 @@ class FakeDriver : public ::testing::Test {
   void TearDown() override {
     heal();
     set_warning_handler(previous_);
+    std::lock_guard lock(faults().mutex);
+    for (void* mem : faults().orphans) std::free(mem);
+    faults().orphans.clear();
   }
   static std::vector<std::string> warnings() {
     std::lock_guard lock(g_warnings_mutex);

@@ -32,15 +32,35 @@ namespace {
 
 using namespace std::chrono_literals;
 
+// LeakSanitizer's check at exit, in a child of fork() whose parent had other threads at
+// work: what those threads held only on their stacks (a compile's buffers, a pending cache
+// slot, a step's locals) is unreachable in the child, where those threads do not exist,
+// and no code there may free it. LeakSanitizer would report it as leaked. Such a child
+// turns its own check off; every other process, the parent included, is checked.
+bool g_parent_threads_were_busy = false;
+
+}  // namespace
+}  // namespace stepfuse
+
+extern "C" int __lsan_is_turned_off() { return stepfuse::g_parent_threads_were_busy ? 1 : 0; }
+
+namespace stepfuse {
+namespace {
+
+enum class ParentThreads { idle, busy };
+
 // Runs body() in a child of fork() and returns "" when the child exited with status 0,
 // else what happened. The child leaves through std::exit(), so atexit handlers and
 // static destructors run there as in any process. A child that has not exited after
-// `timeout` is killed and reported as hung.
-std::string in_child(const std::function<int()>& body, std::chrono::seconds timeout = 20s) {
+// `timeout` is killed and reported as hung. `parent` says whether a thread of the parent
+// other than the forking one was running library code at the fork (see above).
+std::string in_child(const std::function<int()>& body, ParentThreads parent = ParentThreads::idle,
+                     std::chrono::seconds timeout = 20s) {
   std::fflush(nullptr);
   const pid_t pid = ::fork();
   if (pid < 0) return std::string("fork failed: ") + std::strerror(errno);
   if (pid == 0) {
+    g_parent_threads_were_busy = parent == ParentThreads::busy;
     int code = 97;
     try {
       code = body();
@@ -187,6 +207,13 @@ TEST(Fork, Llvm) {
 // whose kernel cache slot the parent's compile thread may hold.
 TEST(Fork, AutomaticMidCompile) {
   if (!have_llvm()) GTEST_SKIP() << "this build has no LLVM backend";
+#if defined(__SANITIZE_ADDRESS__)
+  // GCC 12's AddressSanitizer runtime does not hold its allocator's locks across fork(): a
+  // child forked while the compile thread allocates deadlocks in its own first allocation,
+  // in the sanitizer's allocator. glibc's malloc has no such problem; the regular build
+  // runs this test.
+  GTEST_SKIP() << "AddressSanitizer's allocator is not fork-safe while another thread allocates";
+#endif
   const float c = 0.5f + static_cast<float>(::getpid() % 100000) * 1e-6f + static_cast<float>(
       std::chrono::steady_clock::now().time_since_epoch().count() % 1000) * 1e-9f;
   ForkCase s{"automatic", options(Fusion::fused, CpuBackend::automatic, 4), true};
@@ -205,7 +232,7 @@ TEST(Fork, AutomaticMidCompile) {
               if (!a.same_weights(b)) return 10;
               if (!m.same_weights(a)) return 11;
               return 0;
-            }),
+            }, ParentThreads::busy),
             "");
 }
 
@@ -227,7 +254,7 @@ TEST(Fork, KernelCacheSlotInProgressAtTheFork) {
   EXPECT_EQ(in_child([&] {
               auto bytes = cache.get(key, [] { return std::string("child's bytes"); });
               return *bytes == "child's bytes" ? 0 : 12;
-            }),
+            }, ParentThreads::busy),
             "");
   release = true;
   compiler.join();
@@ -255,7 +282,7 @@ TEST(Fork, WhileAnotherThreadSteps) {
                 auto o1 = make(one, b, 0.9f);
                 for (int k = 0; k < 2; ++k) o4->step_scaled(kScale), o1->step_scaled(kScale);
                 return a.same_weights(b) ? 0 : 10;
-              }),
+              }, ParentThreads::busy),
               "");
   }
   stop = true;

@@ -856,7 +856,9 @@ TEST_F(KernelCacheTest, SizeCapSettings) {
     EXPECT_EQ(cache.max_disk_bytes(), c.expected);
     const auto w = warnings();
     EXPECT_EQ(w.size(), c.warns ? 1u : 0u);
-    if (c.warns && !w.empty()) EXPECT_THAT(w[0], HasSubstr("STEPFUSE_CACHE_MAX_SIZE"));
+    if (c.warns && !w.empty()) {
+      EXPECT_THAT(w[0], HasSubstr("STEPFUSE_CACHE_MAX_SIZE"));
+    }
   }
 }
 

@@ -316,7 +316,7 @@ inline double expect_update_close(const std::string& what, const std::vector<flo
 }
 
 inline bool bitwise_equal(std::span<const float> a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), b.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (b.empty() || std::memcmp(a.data(), b.data(), b.size() * sizeof(float)) == 0);
 }
 
 // Copies of the optimizer's state tensors, by name, then by parameter.
