@@ -183,7 +183,7 @@ class EmulatedOptimizer {
                     std::uint32_t order_seed = 0)
       : EmulatedOptimizer(&program, nullptr, std::move(params), options, order_seed) {}
   // Param groups (as StepEngine's and CudaBackend's): groups[g] has group_sizes[g]
-  // consecutive params; every group runs one program.
+  // consecutive params; each group runs its own variant of the program.
   EmulatedOptimizer(const std::vector<OptimizerConfig>& groups, const std::vector<std::size_t>& group_sizes,
                     std::vector<Param> params, const OptimizerOptions& options, std::uint32_t order_seed = 0)
       : EmulatedOptimizer(nullptr, groups.data(), std::move(params), options, order_seed, groups.size(), group_sizes) {}
@@ -194,7 +194,7 @@ class EmulatedOptimizer {
   void set_lr(std::size_t group, double lr) {
     std::visit([&](auto& c) { c.lr = lr; }, configs_[group]);
     sf_scalar_rule rules[kMaxScalars] = {};
-    jit::scalar_rules(configs_[group], *program_, rules);
+    jit::scalar_rules(configs_[group], *group_programs_[group], rules);
     for (int k = 0; k < kMaxScalars; ++k) group_rules_[group].rules[k] = rules[k];
   }
 
@@ -214,18 +214,25 @@ class EmulatedOptimizer {
       program_ = &jit::builtin_program(jit::select_builtin(config[0]));
       for (std::size_t g = 0; g < num_groups; ++g) {
         configs_.push_back(config[g]);
+        group_programs_.push_back(&jit::builtin_program(jit::select_builtin(config[g])));
         sf_scalar_rule rules[kMaxScalars] = {};
-        jit::scalar_rules(config[g], *program_, rules);
+        jit::scalar_rules(config[g], *group_programs_[g], rules);
         for (int k = 0; k < kMaxScalars; ++k) group_rules_[g].rules[k] = rules[k];
       }
     }
-    std::vector<std::size_t> group_of;
-    for (std::size_t g = 0; g < group_sizes.size(); ++g) group_of.insert(group_of.end(), group_sizes[g], g);
-    const auto init = [&](int s, std::size_t g) {
-      return custom != nullptr ? program_->streams[s].init : jit::initial_state_value(config[g], *program_, s);
-    };
+    if (custom != nullptr) group_programs_.push_back(program_);
+    std::vector<std::uint32_t> group_of;
+    for (std::size_t g = 0; g < group_sizes.size(); ++g)
+      group_of.insert(group_of.end(), group_sizes[g], static_cast<std::uint32_t>(g));
     layout_ = jit::plan_cuda_layout(*program_, params_, options_, /*allow_flat=*/num_groups == 1);
-    for (std::size_t i = 0; i < params_.size(); ++i) layout_.tensors[i].group = static_cast<int>(group_of[i]);
+    group_variant_ = jit::assign_groups(layout_, group_programs_, group_of);
+    slots_ = jit::cuda_stream_slots(layout_.spec);
+    // Group g's initial value of state buffer b (0 when its variant has no such stream).
+    const auto init = [&](int b, std::size_t g) {
+      const int s = stream_of(g, b);
+      if (s < 0) return 0.0f;
+      return custom != nullptr ? program_->streams[s].init : jit::initial_state_value(config[g], *group_programs_[g], s);
+    };
     group_scalars_.assign(num_groups * SF_MAX_SCALARS, kPoison);
     hyper_.groups = group_rules_.data();
     hyper_.scalars = group_scalars_.data();
@@ -241,8 +248,10 @@ class EmulatedOptimizer {
 
     // State (sf_fill) and masters (sf_widen), on poisoned memory.
     const long long total = layout_.layout.state_elems;
-    for (int s = 0; s < program_->num_streams; ++s) {
-      if (program_->streams[s].role != StreamRole::state) continue;
+    for (int s = 0; s < kMaxStreams; ++s) {  // s: a buffer (an sf_streams slot)
+      bool used = false;
+      for (std::size_t g = 0; g < num_groups; ++g) used = used || stream_of(g, s) >= 0;
+      if (!used) continue;
       state_[s].assign(static_cast<std::size_t>(std::max<long long>(total, 1)) + kSlack, kPoison);
       if (num_groups == 1) {
         emulate(util.fill, launch(grid_for(total, 256), 256, true), state_[s].data(), total, init(s, 0));
@@ -301,8 +310,14 @@ class EmulatedOptimizer {
   const sf_step_state& step_state() const { return st_; }
   std::string spec_name() const { return kernels_->name; }
   const jit::CudaLayout& layout() const { return layout_; }
+  bool has_state(std::size_t t, std::string_view name) const {
+    return group_programs_[static_cast<std::size_t>(layout_.tensors[t].group)]->find_stream(name) >= 0;
+  }
   const float* state(std::size_t t, std::string_view name) const {
-    return state_[program_->find_stream(name)].data() + layout_.layout.offsets[t];
+    const std::size_t g = static_cast<std::size_t>(layout_.tensors[t].group);
+    const int s = group_programs_[g]->find_stream(name);
+    return state_[slots_[static_cast<std::size_t>(group_variant_[g])][static_cast<std::size_t>(s)]].data() +
+           layout_.layout.offsets[t];
   }
   const float* master(std::size_t t) const {
     return layout_.layout.master_offsets[t] < 0 ? nullptr : masters_.data() + layout_.layout.master_offsets[t];
@@ -318,6 +333,13 @@ class EmulatedOptimizer {
   }
 
  private:
+  // Group g's program stream that is state buffer b, or -1.
+  int stream_of(std::size_t g, int b) const {
+    const auto& slot = slots_[static_cast<std::size_t>(group_variant_[g])];
+    const auto it = std::find(slot.begin(), slot.end(), b);
+    return it == slot.end() ? -1 : static_cast<int>(it - slot.begin());
+  }
+
   EmuLaunch launch(unsigned grid, unsigned block, bool sequential = false) {
     return {grid, block, seed_ ? seed_ + ++launches_ : 0, sequential};
   }
@@ -338,7 +360,7 @@ class EmulatedOptimizer {
               loss_scale, scaled || clip ? 1 : 0, scaler);
     }
     sf_streams streams{};
-    for (int s = 0; s < program_->num_streams; ++s) streams.s[s] = state_[s].empty() ? nullptr : state_[s].data();
+    for (int s = 0; s < kMaxStreams; ++s) streams.s[s] = state_[s].empty() ? nullptr : state_[s].data();
     if (kernels_->phase1 != nullptr) {
       // A two-phase program (as CudaBackend::step): phase 1 over the reduce chunks, the
       // tensors' norms, then sf_update runs phase 2 with them.
@@ -366,6 +388,9 @@ class EmulatedOptimizer {
   int num_chunks_ = 0;
   const Program* program_;
   std::vector<OptimizerConfig> configs_;         // per group (built-ins)
+  std::vector<const Program*> group_programs_;   // per group: its variant of the program
+  std::vector<int> group_variant_;               // per group: its variant's index in the spec
+  std::vector<std::array<int, kMaxStreams>> slots_;  // per variant, per program stream: its buffer
   std::vector<sf_group_rules> group_rules_;      // "device memory": sf_hyper.groups
   std::vector<float> group_scalars_;             // "device memory": sf_hyper.scalars
   sf_hyper hyper_{};
@@ -442,6 +467,10 @@ struct Pair {
         return std::pair{load(s.weight, model.weight(false, t), i), load(s.weight, model.weight(true, t), i)};
       }, name + " weights");
       for (std::string_view state : cpu.state_names()) {
+        if (!dev.has_state(t, state)) {  // a stream of another group's variant only: refused on both
+          EXPECT_THROW(static_cast<void>(cpu.state(t, state)), Error) << name << " " << state;
+          continue;
+        }
         const std::span<const float> cs = cpu.state(t, state);
         const float* ds = dev.state(t, state);
         expect_same_values(s.numel, [&](std::int64_t i) { return std::pair{cs[static_cast<std::size_t>(i)], ds[i]}; },
@@ -585,6 +614,41 @@ TEST_F(EmulatedStep, ParamGroupsMatchTheCpu) {
          seed | 1);
   q.expect_same("after construction", false);
   for (int k = 0; k < 3; ++k) draw_step_compare(m2, rng, q, 0.5, scales[k], "adagrad step " + std::to_string(k + 1));
+}
+
+// Groups whose flags pick other variants of the program run them in the same kernels,
+// bitwise the CPU's: amsgrad in one group (its own state buffer), RMSprop plain, centered
+// with momentum (two buffers of its own) and plain again, SGD with momentum, without (no
+// state at all) and nesterov (the same buffer as the first group's).
+TEST_F(EmulatedStep, ProgramVariantsPerGroupMatchTheCpu) {
+  const double scales[] = {1024.0, 1.0, 3000.5, 1.0};
+  {
+    Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+    Pair p(model,
+           {optim::Adam{.lr = 1e-3}, optim::Adam{.lr = 2e-3, .weight_decay = 0.01, .amsgrad = true},
+            optim::Adam{.lr = 5e-4, .beta1 = 0.8}},
+           {4, 3, 4}, {.max_grad_norm = 2.0}, seed | 1);
+    EXPECT_EQ(p.dev.spec_name(), "adam_groups");
+    for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "adam step " + std::to_string(k + 1));
+  }
+  {
+    Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+    Pair p(model,
+           {optim::RMSprop{.lr = 1e-3}, optim::RMSprop{.lr = 2e-3, .momentum = 0.9, .centered = true},
+            optim::RMSprop{.lr = 5e-4, .alpha = 0.9}},
+           {5, 3, 3}, {}, seed | 2);
+    EXPECT_EQ(p.dev.spec_name(), "rmsprop_groups");
+    for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "rmsprop step " + std::to_string(k + 1));
+  }
+  {
+    Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+    Pair p(model,
+           {optim::SGD{.lr = 0.1, .momentum = 0.9}, optim::SGD{.lr = 0.05},
+            optim::SGD{.lr = 0.01, .momentum = 0.8, .nesterov = true}},
+           {4, 4, 3}, {.max_grad_norm = 1.0}, seed | 3);
+    EXPECT_EQ(p.dev.spec_name(), "sgd_groups");
+    for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "sgd step " + std::to_string(k + 1));
+  }
 }
 
 // PyTorch's capturable=True with a tensor lr: the launches' arguments stay those of

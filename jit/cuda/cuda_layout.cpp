@@ -1,7 +1,10 @@
 // The CUDA kernels' tables, from the layout plan.
 #include "jit/cuda/cuda_layout.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
 
 #include "jit/program_analysis.hpp"
 
@@ -84,6 +87,41 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<TensorShap
       flat ? static_cast<int>(std::max<std::int64_t>((l.layout.state_elems + SF_UPDATE_ELEMS - 1) / SF_UPDATE_ELEMS, 1))
            : static_cast<int>(l.blocks.size());
   return l;
+}
+
+std::vector<int> assign_groups(CudaLayout& l, const std::vector<const Program*>& group_programs,
+                               const std::vector<std::uint32_t>& tensor_group) {
+  for (std::size_t i = 0; i < l.tensors.size(); ++i) l.tensors[i].group = static_cast<int>(tensor_group[i]);
+  // Each group's variant: the first group with an equal program gives its index.
+  std::vector<int> group_variant(group_programs.size(), 0);
+  std::vector<std::string> texts;  // one per variant
+  for (std::size_t g = 0; g < group_programs.size(); ++g) {
+    const std::string text = to_string(*group_programs[g]);
+    const auto same = std::find(texts.begin(), texts.end(), text);
+    group_variant[g] = static_cast<int>(same - texts.begin());
+    if (same == texts.end()) {
+      texts.push_back(text);
+      if (g > 0) l.spec.variants.push_back(*group_programs[g]);
+    }
+  }
+  l.spec.program = *group_programs[0];
+  if (texts.size() == 1) return group_variant;
+  // (dtype combination, variant) pairs, in the tensors' order.
+  const std::vector<DtypeCombo> dtypes = l.spec.combos;
+  std::vector<std::pair<int, int>> pairs;
+  l.spec.combos.clear();
+  for (sf_tensor& t : l.tensors) {
+    const std::pair<int, int> key{t.combo, group_variant[static_cast<std::size_t>(t.group)]};
+    auto it = std::find(pairs.begin(), pairs.end(), key);
+    if (it == pairs.end()) {
+      pairs.push_back(key);
+      l.spec.combos.push_back(dtypes[static_cast<std::size_t>(key.first)]);
+      l.spec.combo_variant.push_back(key.second);
+      it = pairs.end() - 1;
+    }
+    t.combo = static_cast<int>(it - pairs.begin());
+  }
+  return group_variant;
 }
 
 }  // namespace stepfuse::jit

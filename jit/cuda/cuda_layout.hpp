@@ -49,4 +49,13 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& pa
 CudaLayout plan_cuda_layout(const Program& program, const std::vector<TensorShape>& tensors, CudaNorm norm, bool flat,
                             bool aligned16);
 
+// Param groups (the table layout): sets each tensor's group (tensor_group[i]) and, when
+// the groups run different programs (flags that pick another variant: amsgrad or
+// momentum in some groups only), the spec's variants, its kernel combinations as
+// (dtypes, variant) pairs in first-use order, and each tensor's combination. Programs
+// are told apart by value. Returns each group's variant (0: the spec's program, which
+// becomes group 0's).
+std::vector<int> assign_groups(CudaLayout& l, const std::vector<const Program*>& group_programs,
+                               const std::vector<std::uint32_t>& tensor_group);
+
 }  // namespace stepfuse::jit

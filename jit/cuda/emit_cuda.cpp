@@ -3,6 +3,7 @@
 // stores, the reduce pass and the scalar stage (see device_abi.h).
 #include "jit/cuda/emit_cuda.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstdio>
@@ -18,11 +19,12 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 6;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 7;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
                                     //    one element function per spec; 5: two-phase programs (sf_phase1,
                                     //    sf_phase_combine, sf_update's norms); 6: param groups (sf_tensor.group,
-                                    //    the group rules and scalars in device memory, read at every launch)
+                                    //    the group rules and scalars in device memory, read at every launch);
+                                    // 7: program variants per param group (sf_body_v<n>, shared state buffers)
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -132,8 +134,15 @@ std::string indent(const std::string& lines, int n) {
   return out;
 }
 
-// `prog`: the program, or the phase-2 part of a two-phase one (two_phase).
-std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool two_phase) {
+// The element function of variant v: sf_body, sf_body_v1, ...
+std::string body_name(int v) { return v == 0 ? "sf_body" : "sf_body_v" + std::to_string(v); }
+
+int variant_of(const CudaSpec& spec, std::size_t k) { return spec.combo_variant.empty() ? 0 : spec.combo_variant[k]; }
+
+// `prog`: the combination's program (its variant's), or the phase-2 part of a two-phase
+// one (two_phase); `slots`: its streams' buffers (cuda_stream_slots).
+std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool two_phase,
+                        const std::array<int, kMaxStreams>& slots) {
   const DtypeCombo& c = spec.combos[static_cast<std::size_t>(k)];
   const StreamUse use = stream_use(prog);
   const std::string G(dtype_tag(c.grad)), W(dtype_tag(c.weight));
@@ -156,19 +165,20 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
   store1 += "sf_store_" + W + "(t->weight, begin + i + j, p[j]);\n";
   for (int s = 0; s < prog.num_streams; ++s) {
     if (prog.streams[s].role != StreamRole::state) continue;
-    const std::string S = std::to_string(s);
+    const std::string S = std::to_string(s), B = std::to_string(slots[static_cast<std::size_t>(s)]);
     if (use.loads[s]) {
-      load4 += "sf_load4_f32(ss->s[" + S + "], so + i, st[" + S + "]);\n";
-      load1 += "st[" + S + "][j] = sf_load_f32(ss->s[" + S + "], so + i + j);\n";
+      load4 += "sf_load4_f32(ss->s[" + B + "], so + i, st[" + S + "]);\n";
+      load1 += "st[" + S + "][j] = sf_load_f32(ss->s[" + B + "], so + i + j);\n";
       gather += "s[" + S + "] = st[" + S + "][j];\n";
     }
     if (use.stores[s]) {
       scatter += "st[" + S + "][j] = s[" + S + "];\n";
-      store4 += "sf_store4_f32(ss->s[" + S + "], so + i, st[" + S + "]);\n";
-      store1 += "sf_store_f32(ss->s[" + S + "], so + i + j, st[" + S + "][j]);\n";
+      store4 += "sf_store4_f32(ss->s[" + B + "], so + i, st[" + S + "]);\n";
+      store1 += "sf_store_f32(ss->s[" + B + "], so + i + j, st[" + S + "][j]);\n";
     }
   }
   return fill(std::string(kUpdateSpan), {{"K", std::to_string(k)},
+                                         {"BODY", body_name(variant_of(spec, static_cast<std::size_t>(k)))},
                                          {"VECTOR", spec.aligned16 ? "1" : "0"},
                                          {"LOAD4", indent(load4, 6)},
                                          {"LOAD1", indent(load1, 8)},
@@ -209,12 +219,33 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
 }
 
 // A two-phase spec must use the table layout: phase 2 reads each tensor's norms by
-// its index in the block table (a flat range has none).
-void check_two_phase_spec(const CudaSpec& spec) {
+// its index in the block table (a flat range has none). Variants: table layout, one
+// variant per combination, one-phase programs.
+void check_spec(const CudaSpec& spec) {
   if (is_two_phase(spec.program) && spec.flat)
     throw Error(ErrorCode::invalid_argument,
                 "CUDA emitter: program '" + std::string(spec.program.name) +
                     "' has two phases (per-tensor norms), which need the table layout: flat = false");
+  if (spec.variants.empty() && spec.combo_variant.empty()) return;
+  if (spec.combo_variant.size() != spec.combos.size())
+    throw Error(ErrorCode::invalid_argument, "CUDA emitter: combo_variant has " + std::to_string(spec.combo_variant.size()) +
+                                                 " entries for " + std::to_string(spec.combos.size()) + " combinations");
+  for (const int v : spec.combo_variant)
+    if (v < 0 || v > static_cast<int>(spec.variants.size()))
+      throw Error(ErrorCode::invalid_argument, "CUDA emitter: combo_variant names variant " + std::to_string(v) + " of " +
+                                                   std::to_string(spec.variants.size() + 1));
+  if (spec.flat)
+    throw Error(ErrorCode::invalid_argument, "CUDA emitter: program variants need the table layout: flat = false");
+  for (const Program* p : spec_programs(spec))
+    if (is_two_phase(*p))
+      throw Error(ErrorCode::unsupported, "CUDA emitter: program '" + std::string(p->name) +
+                                              "' has two phases; per-group program variants are one-phase programs only");
+}
+
+int max_scalars(const CudaSpec& spec) {
+  int n = 0;
+  for (const Program* p : spec_programs(spec)) n = std::max(n, static_cast<int>(p->num_scalars));
+  return n;
 }
 
 }  // namespace
@@ -231,7 +262,56 @@ std::string canonical_text(const CudaSpec& spec) {
   for (int s = 0; s < spec.program.num_streams; ++s)
     o << " " << spec.program.streams[s].name << ":" << static_cast<int>(spec.program.streams[s].role);
   o << "\nprogram\n" << to_string(spec.program);
+  for (std::size_t v = 0; v < spec.variants.size(); ++v) {
+    const Program& p = spec.variants[v];
+    o << "variant " << v + 1 << "\nscalars " << static_cast<int>(p.num_scalars) << "\nstreams";
+    for (int s = 0; s < p.num_streams; ++s) o << " " << p.streams[s].name << ":" << static_cast<int>(p.streams[s].role);
+    o << "\nprogram\n" << to_string(p);
+  }
+  if (!spec.combo_variant.empty()) {
+    o << "combo variants";
+    for (const int v : spec.combo_variant) o << " " << v;
+    o << "\n";
+  }
   return o.str();
+}
+
+std::vector<const Program*> spec_programs(const CudaSpec& spec) {
+  std::vector<const Program*> out{&spec.program};
+  for (const Program& p : spec.variants) out.push_back(&p);
+  return out;
+}
+
+std::vector<std::array<int, kMaxStreams>> cuda_stream_slots(const CudaSpec& spec) {
+  const std::vector<const Program*> programs = spec_programs(spec);
+  std::vector<std::array<int, kMaxStreams>> slots(programs.size());
+  std::vector<std::string_view> names(kMaxStreams);  // each buffer's stream name ("" : free)
+  int next = spec.program.num_streams;                  // variant 0 keeps its indices
+  for (std::size_t v = 0; v < programs.size(); ++v) {
+    const Program& p = *programs[v];
+    slots[v].fill(-1);
+    for (int s = 0; s < p.num_streams; ++s) {
+      if (p.streams[s].role != StreamRole::state) continue;
+      const std::string_view name = p.streams[s].name;
+      if (v == 0) {
+        slots[v][static_cast<std::size_t>(s)] = s;
+        names[static_cast<std::size_t>(s)] = name;
+        continue;
+      }
+      const auto same = std::find(names.begin(), names.end(), name);
+      if (same != names.end()) {
+        slots[v][static_cast<std::size_t>(s)] = static_cast<int>(same - names.begin());
+        continue;
+      }
+      if (next >= kMaxStreams)
+        throw Error(ErrorCode::unsupported,
+                    "CUDA emitter: the program variants of '" + std::string(spec.program.name) + "' have more than " +
+                        std::to_string(kMaxStreams) + " streams together (grad, param and every state)");
+      names[static_cast<std::size_t>(next)] = name;
+      slots[v][static_cast<std::size_t>(s)] = next++;
+    }
+  }
+  return slots;
 }
 
 const std::string& cuda_embedded_headers() {
@@ -245,7 +325,12 @@ std::string emit_element_functions(const CudaSpec& spec) {
   // One function for every combination: it works on fp32 values, and the span
   // functions around it do each combination's loads and stores. A two-phase
   // program has one per phase: sf_body1 (phase 1) and sf_body (phase 2).
-  if (!is_two_phase(spec.program)) return cuda_embedded_headers() + element_function(spec.program, "sf_body");
+  if (!is_two_phase(spec.program)) {
+    std::string out = cuda_embedded_headers() + element_function(spec.program, "sf_body");
+    for (std::size_t v = 0; v < spec.variants.size(); ++v)
+      out += element_function(spec.variants[v], body_name(static_cast<int>(v) + 1));
+    return out;
+  }
   return cuda_embedded_headers() + element_function(phase_program(spec.program, 0), "sf_body1", Part::phase1) +
          element_function(phase_program(spec.program, 1), "sf_body", Part::phase2);
 }
@@ -282,7 +367,7 @@ std::string reduce_part(const CudaSpec& spec) {
                {"NORM_COMBINE", l2 ? "acc = acc + v[i];" : "acc = acc < v[i] ? v[i] : acc;"},
                {"TOTAL_COMBINE", l2 ? "total = total + x;" : "total = total < x ? x : total;"},
                {"NORM_OF_TOTAL", l2 ? "sqrt(total)" : "total"},
-               {"NUM_SCALARS", std::to_string(spec.program.num_scalars)},
+               {"NUM_SCALARS", std::to_string(max_scalars(spec))},
                {"REDUCE_CASES", reduce_cases}});
   return out;
 }
@@ -293,7 +378,7 @@ std::string reduce_part(const CudaSpec& spec) {
 // tree: with_reduce_common adds its definitions (not when the reduce part is in the
 // same source already).
 std::string update_part(const CudaSpec& spec, bool with_reduce_common) {
-  check_two_phase_spec(spec);
+  check_spec(spec);
   const bool two_phase = is_two_phase(spec.program);
   const Program prog = two_phase ? phase_program(spec.program, 1) : spec.program;
   std::string out;
@@ -309,7 +394,13 @@ std::string update_part(const CudaSpec& spec, bool with_reduce_common) {
     if (!cases.empty()) cases.pop_back();
     out += fill(std::string(kPhase1Kernel), {{"NUM_SCALARS", std::to_string(prog.num_scalars)}, {"PHASE1_CASES", cases}});
   }
-  for (std::size_t k = 0; k < spec.combos.size(); ++k) out += update_span(prog, spec, static_cast<int>(k), two_phase);
+  const std::vector<const Program*> programs = spec_programs(spec);
+  const std::vector<std::array<int, kMaxStreams>> slots = cuda_stream_slots(spec);
+  for (std::size_t k = 0; k < spec.combos.size(); ++k) {
+    const int v = variant_of(spec, k);
+    out += update_span(v == 0 ? prog : *programs[static_cast<std::size_t>(v)], spec, static_cast<int>(k), two_phase,
+                       slots[static_cast<std::size_t>(v)]);
+  }
   std::string dispatch;
   if (spec.flat) {
     dispatch =
@@ -323,7 +414,7 @@ std::string update_part(const CudaSpec& spec, bool with_reduce_common) {
                   (two_phase ? ", norms + (long long)b.tensor * SF_MAX_NORM_SLOTS" : "") + "); break;\n";
     dispatch += "    default: break;\n  }";
   }
-  out += fill(std::string(kUpdateKernel), {{"NUM_SCALARS", std::to_string(prog.num_scalars)},
+  out += fill(std::string(kUpdateKernel), {{"NUM_SCALARS", std::to_string(max_scalars(spec))},
                                            {"DISPATCH", dispatch},
                                            {"EXTRA_PARAMS", two_phase ? ", const float* SF_RESTRICT norms" : ""}});
   return out;
@@ -340,7 +431,7 @@ std::string reduce_canonical_text(const CudaSpec& spec) {
   o << "stepfuse cuda emitter " << kEmitterVersion << ", reduce kernel\n"
     << "norm " << (spec.norm == CudaNorm::l2 ? "l2" : "inf") << "\ngrads";
   for (const DtypeCombo& c : spec.combos) o << " " << dtype_name(c.grad);
-  o << "\nscalars " << static_cast<int>(spec.program.num_scalars) << "\n";
+  o << "\nscalars " << max_scalars(spec) << "\n";
   return o.str();
 }
 

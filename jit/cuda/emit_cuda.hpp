@@ -9,6 +9,7 @@
 // same spec, and changing the learning rate never recompiles.
 #pragma once
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,14 @@ enum class CudaNorm { l2, inf };
 struct CudaSpec {
   Program program;
   std::vector<DtypeCombo> combos;  // the combinations present, in first-use order
+  // Param groups whose flags pick other variants of the program (amsgrad in some groups
+  // only): variants[v - 1] is variant v, `program` variant 0. combo_variant[k] is the
+  // variant combination k runs; a kernel combination is then a (dtypes, variant) pair,
+  // and combos may repeat dtypes. Both empty: every combination runs `program`. A
+  // variant's state stream uses the buffer of `program`'s stream of the same name, or
+  // one of its own after them (cuda_stream_slots). One-phase programs only.
+  std::vector<Program> variants;
+  std::vector<int> combo_variant;
   CudaNorm norm = CudaNorm::l2;
   bool flat = false;       // every stream is one contiguous buffer, one combo: no span table
   bool aligned16 = false;  // every stream base 16-byte aligned, state offsets multiples of 4:
@@ -33,6 +42,14 @@ struct CudaSpec {
 
 // Canonical text of a spec: stable across runs and compilers (the cache key's core).
 std::string canonical_text(const CudaSpec& spec);
+
+// The programs of a spec: `program`, then its variants.
+std::vector<const Program*> spec_programs(const CudaSpec& spec);
+// Per program of the spec (spec_programs order), per program stream: the index of its
+// buffer in sf_streams, or -1 for the grad and param streams. Variant 0's state streams
+// keep their own index; a variant's stream named like one of them shares that buffer,
+// other names get the next free indices. Error(unsupported) past SF_MAX_STREAMS buffers.
+std::vector<std::array<int, kMaxStreams>> cuda_stream_slots(const CudaSpec& spec);
 
 // The generated source of a spec's step, both kernels (extern "C"): sf_reduce, sf_update.
 std::string emit_cuda(const CudaSpec& spec);

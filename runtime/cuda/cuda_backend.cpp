@@ -152,28 +152,10 @@ unsigned grid_for(std::int64_t n, unsigned block) {
 
 }  // namespace
 
-namespace {
-// Param groups on CUDA run one program: groups may differ in every hyperparameter,
-// not (yet) in the flags that pick another program variant.
-const StepPrograms& one_program(const StepPrograms& programs) {
-  for (std::size_t g = 1; g < programs.groups.size(); ++g)
-    if (programs.groups[g].program != programs.groups[0].program)
-      throw Error(ErrorCode::unsupported,
-                  "OptimizerOptions::device = cuda: param group " + std::to_string(g) + " runs update program '" +
-                      std::string(programs.groups[g].program->name) + "' but group 0 runs '" +
-                      std::string(programs.groups[0].program->name) +
-                      "'; on a GPU every group runs one program (the same amsgrad, nesterov, centered and momentum "
-                      "on/off in every group; the CPU backends run mixed variants)");
-  return programs;
-}
-}  // namespace
-
 CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>& params, const OptimizerOptions& options)
-    : program_(*one_program(programs).groups[0].program), params_(params), options_(options),
+    : program_(*programs.groups[0].program), params_(params), options_(options),
       num_groups_(static_cast<int>(programs.groups.size())) {
   const Program& program = program_;
-  for (int s = 0; s < program.num_streams; ++s)
-    if (const int b = programs.state_slot[0][static_cast<std::size_t>(s)]; b >= 0) stream_of_buffer_.push_back(s);
   ctx_ = std::make_unique<CudaContext>(options.device.index);
   stream_ = static_cast<cuda::CUstream>(options.cuda_stream);
   const cuda::DriverApi& a = api();
@@ -192,9 +174,19 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
     }
   }
   // Several groups: per-tensor blocks (a block's scalars are its tensor's group's), never the flat layout.
+  // Groups whose flags pick other variants of the program run them in the same kernels.
   jit::CudaLayout layout = jit::plan_cuda_layout(program, params_, options, /*allow_flat=*/num_groups_ == 1);
-  for (std::size_t i = 0; i < params_.size(); ++i) layout.tensors[i].group = static_cast<int>(programs.tensor_group[i]);
+  std::vector<const Program*> group_programs;
+  for (const StepPrograms::Group& g : programs.groups) group_programs.push_back(g.program);
+  const std::vector<int> group_variant = jit::assign_groups(layout, group_programs, programs.tensor_group);
   spec_ = layout.spec;
+  // The state buffers: sf_streams slots, shared by name between the variants.
+  const std::vector<const Program*> variants = jit::spec_programs(spec_);
+  const std::vector<std::array<int, kMaxStreams>> slots = jit::cuda_stream_slots(spec_);
+  for (const std::string_view name : programs.state_names)
+    for (std::size_t v = 0; v < variants.size() && stream_of_buffer_.size() < programs.state_names.size(); ++v)
+      if (const int s = variants[v]->find_stream(name); s >= 0 && slots[v][static_cast<std::size_t>(s)] >= 0)
+        stream_of_buffer_.push_back(slots[v][static_cast<std::size_t>(s)]);
   layout_ = layout.layout;
   const std::int64_t total = layout_.state_elems;
   num_chunks_ = static_cast<int>(layout.chunks.size());
@@ -230,12 +222,16 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   ctx_->make_current();
 
   // State and masters.
-  for (int s = 0; s < program.num_streams; ++s) {
-    if (program.streams[s].role != StreamRole::state) continue;
+  for (const int s : stream_of_buffer_) {
     state_[s] = DeviceBuffer(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)) * sizeof(float));
     // Each tensor starts at its group's initial value (Adagrad's initial_accumulator_value,
     // Rprop's lr, ... may differ between groups): one fill, or one per tensor when they differ.
-    const auto init_of = [&](std::size_t g) { return programs.groups[g].state_init[s]; };
+    // A group whose variant has no such stream never reads it: 0.
+    const auto init_of = [&](std::size_t g) {
+      const auto& slot = slots[static_cast<std::size_t>(group_variant[g])];
+      const auto it = std::find(slot.begin(), slot.end(), s);
+      return it == slot.end() ? 0.0f : programs.groups[g].state_init[it - slot.begin()];
+    };
     bool same = true;
     for (std::size_t g = 1; g < programs.groups.size(); ++g) same = same && init_of(g) == init_of(0);
     for (std::size_t i = 0; i < (same ? 1 : params_.size()); ++i) {
@@ -296,7 +292,7 @@ void CudaBackend::synchronize() const {
 StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
   ctx_->make_current();
   if (host_touched_) {  // a host copy handed out since the last step may have changed: copy it back
-    for (int s = 0; s < program_.num_streams; ++s)
+    for (int s = 0; s < kMaxStreams; ++s)
       if (state_[s].get() != 0 && host_state_[s].size() > 0)
         cuda::check(api().cuMemcpyHtoDAsync(state_[s].get(), host_state_[s].data(),
                                             static_cast<std::size_t>(layout_.state_elems) * sizeof(float), stream_),
@@ -331,7 +327,7 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
     launch(reduce_, "sf_reduce", grid, 32 * SF_REDUCE_WARPS, stream_, args);
   }
   sf_streams streams{};
-  for (int s = 0; s < program_.num_streams; ++s) streams.s[s] = state_[s].as<float>();
+  for (int s = 0; s < kMaxStreams; ++s) streams.s[s] = state_[s].as<float>();
   long long flat_numel = layout_.state_elems;  // the flat layout's elements (jit::CudaLayout::flat_numel)
   int plain = reduce ? 0 : 1;
   // A two-phase program: phase 1 over the reduce chunks, each tensor's norms, then
@@ -433,7 +429,7 @@ void CudaBackend::set_step_count(std::int64_t n) {
 void CudaBackend::host_view() const {
   if (!host_current_) {
     synchronize();
-    for (int s = 0; s < program_.num_streams; ++s) {
+    for (int s = 0; s < kMaxStreams; ++s) {
       if (state_[s].get() == 0) continue;
       if (host_state_[s].size() == 0)
         host_state_[s] = AlignedBuffer(static_cast<std::size_t>(std::max<std::int64_t>(layout_.state_elems, 1)));

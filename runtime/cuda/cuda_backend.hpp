@@ -119,7 +119,7 @@ class CudaBackend final : public Backend {
   std::vector<Param> params_;
   OptimizerOptions options_;
   int num_groups_ = 1;
-  std::vector<int> stream_of_buffer_;  // per state buffer (StepPrograms::state_names): its program stream
+  std::vector<int> stream_of_buffer_;  // per state buffer (StepPrograms::state_names): its sf_streams slot
   std::unique_ptr<CudaContext> ctx_;
   cuda::CUstream stream_ = nullptr;
   jit::CudaSpec spec_;

@@ -4,11 +4,14 @@
 // the canonical text of the spec plan_cuda_layout() makes for it.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "jit/builtin/registry.hpp"
 #include "jit/builtins.hpp"
+#include "jit/cuda/cuda_layout.hpp"
 #include "jit/cuda/emit_cuda.hpp"
 #include "tests/reference/lars_program.hpp"
 
@@ -43,6 +46,26 @@ inline stepfuse::jit::CudaSpec make_spec(stepfuse::jit::Builtin b, std::vector<D
   return s;
 }
 
+// Param groups whose programs differ: the spec CudaBackend makes (jit::assign_groups) for
+// the suite's aligned model of mixed combinations (tensor i: combos[i % size]) in groups of
+// `sizes` consecutive tensors, group g running programs[g].
+inline stepfuse::jit::CudaSpec groups_spec(const std::vector<stepfuse::jit::Builtin>& programs,
+                                           const std::vector<std::size_t>& sizes, const std::vector<DtypeCombo>& combos) {
+  std::vector<stepfuse::jit::TensorShape> shapes;
+  std::vector<std::uint32_t> tensor_group;
+  for (std::size_t g = 0; g < sizes.size(); ++g)
+    for (std::size_t j = 0; j < sizes[g]; ++j) {
+      shapes.push_back({1, combos[shapes.size() % combos.size()]});
+      tensor_group.push_back(static_cast<std::uint32_t>(g));
+    }
+  stepfuse::jit::CudaLayout l = stepfuse::jit::plan_cuda_layout(stepfuse::jit::builtin_program(programs[0]), shapes,
+                                                               stepfuse::jit::CudaNorm::l2, false, true);
+  std::vector<const stepfuse::Program*> group_programs;
+  for (const stepfuse::jit::Builtin b : programs) group_programs.push_back(&stepfuse::jit::builtin_program(b));
+  stepfuse::jit::assign_groups(l, group_programs, tensor_group);
+  return l.spec;
+}
+
 // Every built-in program with the mixed combinations (table layout, aligned, L2),
 // then the layout and norm variants, on Adam; then two-phase variants.
 inline std::vector<EmulatedSpec> emulated_specs() {
@@ -66,6 +89,15 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   stepfuse::jit::CudaSpec lars = make_spec(kLamb, kMixedMasters, false, true);
   lars.program = stepfuse::ref::kLars;
   out.push_back({"lars", lars});
+  // Param groups running different variants of a program (EmulatedStep.ProgramVariantsPerGroupMatchTheCpu).
+  using stepfuse::jit::builtin_named;
+  out.push_back({"adam_groups", groups_spec({builtin_named("adam"), builtin_named("adam_amsgrad"), builtin_named("adam")},
+                                            {4, 3, 4}, kMixedMasters)});
+  out.push_back({"rmsprop_groups", groups_spec({builtin_named("rmsprop"), builtin_named("rmsprop_centered_momentum"),
+                                                builtin_named("rmsprop")},
+                                               {5, 3, 3}, kMixedMasters)});
+  out.push_back({"sgd_groups", groups_spec({builtin_named("sgd_momentum"), builtin_named("sgd"), builtin_named("sgd_nesterov")},
+                                           {4, 4, 3}, kMixedMasters)});
   return out;
 }
 

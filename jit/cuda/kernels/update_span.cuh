@@ -1,5 +1,5 @@
-/* One update block's span of one tensor, for dtype combination {K}: loads, the
- * program's element function sf_body, stores. {VECTOR}: 1 when every stream is
+/* One update block's span of one tensor, for kernel combination {K}: loads, the
+ * element function {BODY} of its program (variant), stores. {VECTOR}: 1 when every stream is
  * aligned for 4-element accesses; {LOAD4} ... {STORE1}: the combination's accesses;
  * {NORMS_PARAM}, {NORMS_ARG}: a two-phase program's phase 2 gets the tensor's norms. */
 SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long long begin, int len,
@@ -19,7 +19,7 @@ SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long lo
     for (int j = 0; j < 4; ++j) {
       float s[SF_MAX_STREAMS];
 {GATHER}
-      sf_body(sc, g[j], &p[j], s{NORMS_ARG});
+      {BODY}(sc, g[j], &p[j], s{NORMS_ARG});
 {SCATTER}
     }
     if ({VECTOR} && n == 4) {
