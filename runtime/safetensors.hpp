@@ -38,16 +38,27 @@ namespace stepfuse::detail {
 
 // ---- JSON ----
 
+struct JsonMember;
+
 struct JsonValue {
   enum class Kind : std::uint8_t { null, boolean, number, string, array, object };
   Kind kind = Kind::null;
   bool boolean = false;
   std::string text;  // number: as written; string: decoded (UTF-8)
-  std::vector<JsonValue> items;                            // array
-  std::vector<std::pair<std::string, JsonValue>> members;  // object, in order; keys unique
+  std::vector<JsonValue> items;     // array
+  std::vector<JsonMember> members;  // object, in order; keys unique
 
   // An object's member, or null.
   const JsonValue* find(std::string_view key) const;
+};
+
+// An object's member: a (key, value) pair. Not a std::pair, which clang with libstdc++
+// cannot instantiate inside JsonValue's own implicit constructor (JsonValue would be
+// incomplete there).
+struct JsonMember {
+  std::string first;
+  JsonValue second;
+  JsonMember(std::string key, JsonValue value) : first(std::move(key)), second(std::move(value)) {}
 };
 
 // A syntax error, at byte `offset` of the text.
