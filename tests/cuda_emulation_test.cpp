@@ -14,6 +14,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -500,9 +501,15 @@ void draw_step_compare(Model& model, std::mt19937& rng, Pair& p, double magnitud
 
 // A fresh random seed per test, in every failure message (the test's data depend on it;
 // EmptyTensorsOnly and ReductionCombinesInTheCanonicalOrder draw theirs from a fixed one).
+// STEPFUSE_TEST_SEED=<seed> replays a failure's seed.
+std::uint32_t test_seed() {
+  if (const char* s = std::getenv("STEPFUSE_TEST_SEED"); s != nullptr && *s != '\0')
+    return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
+  return std::random_device{}();
+}
 class Seeded : public ::testing::Test {
  protected:
-  const std::uint32_t seed = std::random_device{}();
+  const std::uint32_t seed = test_seed();
   const ::testing::ScopedTrace seed_trace{__FILE__, __LINE__, "seed " + std::to_string(seed)};
   std::mt19937 rng{seed};
 };
@@ -826,6 +833,8 @@ TEST_F(EmulatedStep, ReduceVectorAndScalarReads) {
         float value;
       } bad[] = {{1, 1000, NAN}, {7, 32768 + 5, INFINITY}, {3, 16384 + 999, -INFINITY}, {4, 300, NAN}};
       for (const auto& b : bad) {  // bf16 (vector), f32 (vector), bf16 (tail), f32 (tail after a vector step)
+        SCOPED_TRACE("grad " + std::to_string(b.index) + " of tensor " + std::to_string(b.tensor) + " is " +
+                     std::to_string(b.value) + (inf_norm ? ", inf-norm" : ", L2 norm"));
         model.draw_grads(rng, 0.5f);
         model.set_grad(b.tensor, b.index, b.value);
         p.step_scaled(16.0);

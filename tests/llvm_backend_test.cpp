@@ -271,6 +271,29 @@ TEST(LlvmBackend, NonFiniteGradientsSkipAlike) {
   }
 }
 
+// The inf-norm's max ignores NaNs on every CPU backend, as the CUDA kernels' sf_max: a NaN
+// between a larger and a smaller value of its reduce lane (element i goes to lane i mod 32)
+// leaves the larger. A max instruction that returns its second operand on a NaN (x86
+// MAXPS) would restart the lane after the NaN, and report 0.25 here.
+TEST(LlvmBackend, InfNormIgnoresNaNsOnEveryCpuBackend) {
+  REQUIRE_LLVM();
+  for (const CpuBackend backend : {CpuBackend::highway, CpuBackend::llvm}) {
+    for (const Fusion fusion : {Fusion::fused, Fusion::unfused, Fusion::interpreted}) {
+      std::vector<float> w(100, 1.0f), g(100, 0.25f);
+      g[0] = 0.5f, g[32] = NAN, g[64] = 0.125f;  // all in lane 0
+      OptimizerOptions o;
+      o.cpu_backend = backend;
+      o.fusion = fusion;
+      o.norm_type = INFINITY;
+      o.track_grad_norm = true;  // a plain step reduces without checking
+      Optimizer opt(optim::SGD{}, {Param{{w.data(), 100, DType::f32}, {g.data(), 100, DType::f32}}}, o);
+      opt.step();
+      EXPECT_EQ(opt.last_tensor_grad_norms().at(0), 0.5)
+          << (backend == CpuBackend::llvm ? "llvm" : "highway") << " fusion " << static_cast<int>(fusion);
+    }
+  }
+}
+
 TEST(LlvmBackend, OverflowingSquaresTakeTheSameRescaledPath) {
   REQUIRE_LLVM();
   // |g| ~ 1e20 at S = 2^70: the fp32 squares overflow, the norm is finite (docs/architecture.md §5).

@@ -42,7 +42,8 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes for the same spec (the cache key has it).
-constexpr int kEmitterVersion = 3;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms)
+constexpr int kEmitterVersion = 4;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
+                                    // 4: the inf-norm reduce ignores NaNs (as the CUDA kernels)
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
 // Byte offsets of the update functions' argument struct (jit/llvm/cpu_abi.h).
@@ -474,7 +475,7 @@ void Emitter::reduce_function(DType g, bool inf_norm) {
       return;
     }
     llvm::Value* a = abs(x);
-    *acc_out = select(b_.CreateFCmpOGT(acc, a), acc, a);  // x86 MAXPS(acc, |g|), as Highway's Max there
+    *acc_out = select(b_.CreateFCmpOLT(acc, a), a, acc);  // NaNs ignored, as Highway's kernels and CUDA's sf_max
     *poison_out = b_.CreateFAdd(poison, b_.CreateFMul(x, zero));
   };
 

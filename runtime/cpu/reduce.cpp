@@ -59,8 +59,9 @@ ReducePartial ReduceChunk(const void* grad, std::size_t n) {
   constexpr std::size_t kVecs = kLanes / kN;
   // L2: a sum of squares is finite only if every element is, so no separate
   // check is needed unless it is not (then an exact scan tells inf/NaN from
-  // overflow). Inf-norm: Max may drop NaN, so track 0 * g, which becomes NaN
-  // on any inf or NaN.
+  // overflow). Inf-norm: the max ignores NaNs (acc < |g| is false for a NaN: the
+  // CUDA kernels' sf_max, on every ISA; Highway's Max leaves NaN handling to the
+  // ISA), so track 0 * g, which becomes NaN on any inf or NaN.
   V acc[kVecs];
   V poison[kVecs];
   for (std::size_t k = 0; k < kVecs; ++k) acc[k] = poison[k] = hn::Zero(d);
@@ -72,7 +73,8 @@ ReducePartial ReduceChunk(const void* grad, std::size_t n) {
       if constexpr (K == NormKind::l2) {
         acc[k] = hn::Add(acc[k], hn::Mul(g, g));
       } else {
-        acc[k] = hn::Max(acc[k], hn::Abs(g));
+        const V a = hn::Abs(g);
+        acc[k] = hn::IfThenElse(hn::Lt(acc[k], a), a, acc[k]);
         poison[k] = hn::Add(poison[k], hn::Mul(g, zero));
       }
     }
