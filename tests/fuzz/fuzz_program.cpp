@@ -1,7 +1,7 @@
 // fuzz_program: custom update programs, through the C ABI's program builder and as raw
 // stepfuse::Program structs.
 //
-// Byte 0 even: "builder" mode. The rest is a sequence of sf_program_builder_* calls
+// Byte 0 even: "builder" mode (with bits 1 and 2 both set, the LLVM backend's steps too). The rest is a sequence of sf_program_builder_* calls
 // (decoded by Reader below: a command byte, then its arguments). Every call must return
 // SF_OK or SF_INVALID_ARGUMENT. A program that builds is
 //   - stepped twice with SF_FUSION_INTERPRETED and twice with SF_FUSION_UNFUSED on the
@@ -10,6 +10,8 @@
 //     exactly 1 in both; otherwise the unfused baseline agrees only within fp32 rounding,
 //     docs/architecture.md): applied/found_inf, weights, masters and every state must be
 //     bitwise equal (both run the same scalar ops; NaNs compare by bits);
+//   - a quarter of the time (byte 0's bits 1 and 2), stepped with the LLVM backend
+//     (SF_CPU_BACKEND_LLVM, compiled by ORC): bitwise equal to the interpreted steps;
 //   - emitted as an LLVM module (jit::cpu_module_ir, which runs LLVM's verifier on what
 //     the emitter wrote): it must be accepted.
 // Byte 0 odd: "raw" mode. The rest fills a stepfuse::Program (counts, roles, ops,
@@ -28,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "jit/kernel_cache.hpp"
 #include "jit/llvm/emit_llvm.hpp"
 #include "runtime/c_api_support.hpp"
 #include "stepfuse/error.hpp"
@@ -184,12 +187,14 @@ void append(std::string& out, const void* p, std::size_t n) { out.append(static_
 
 // Creates an optimizer with `fusion`, steps it twice and returns everything it wrote as
 // bytes; empty when the optimizer refuses the program (then both modes must refuse it).
-std::string run(const sf_program* program, sf_fusion fusion, sf_status* created) {
+std::string run(const sf_program* program, sf_fusion fusion, sf_status* created,
+                sf_cpu_backend backend = SF_CPU_BACKEND_HIGHWAY) {
   Tensors t;
   const std::vector<sf_param> params = t.params();
   sf_optimizer_options o;
   sf_optimizer_options_init(&o);
   o.fusion = fusion;
+  o.cpu_backend = backend;
   o.num_threads = 1;
   sf_optimizer* opt = nullptr;
   *created = sf_optimizer_create_custom(program, params.data(), params.size(), &o, &opt);
@@ -235,12 +240,22 @@ std::string run(const sf_program* program, sf_fusion fusion, sf_status* created)
   return out;
 }
 
-void check_program(const sf_program* program) {
+void check_program(const sf_program* program, bool with_llvm) {
   sf_status ci = SF_OK, cu = SF_OK;
   const std::string interpreted = run(program, SF_FUSION_INTERPRETED, &ci);
   const std::string unfused = run(program, SF_FUSION_UNFUSED, &cu);
   if (ci != cu) oracle_failed("the interpreted and the unfused optimizer disagree on whether the program is usable");
   if (interpreted != unfused) oracle_failed("interpreted and unfused steps differ");
+  if (with_llvm) {
+    // The LLVM backend computes bitwise what the interpreter computes (without
+    // llvm_contract). Compiled anew for each program: the process-wide kernel cache is
+    // emptied after each, so a long run does not fill memory with objects.
+    sf_status cl = SF_OK;
+    const std::string llvm = run(program, SF_FUSION_FUSED, &cl, SF_CPU_BACKEND_LLVM);
+    sf::jit::KernelCache::shared().clear_memory();
+    if (cl != ci) oracle_failed("the LLVM backend and the interpreter disagree on whether the program is usable");
+    if (llvm != interpreted) oracle_failed("LLVM-compiled and interpreted steps differ");
+  }
 
   sf::jit::CpuSpec spec;
   spec.program = program->program.program();
@@ -318,8 +333,13 @@ struct Encoder {
 };
 
 void write_seeds(const char* dir) {
-  const auto put = [&](const char* name, const std::string& body) {
+  const auto put = [&](const std::string& name, const std::string& body) {
     std::ofstream(std::string(dir) + "/" + name, std::ios::binary) << body;
+    if (name.starts_with("builder_")) {  // the same with the LLVM backend
+      std::string llvm = body;
+      llvm[0] = 6;
+      std::ofstream(std::string(dir) + "/" + name + "_llvm", std::ios::binary) << llvm;
+    }
   };
   // Names: 0 g, 1 p, 2 m, 4 lr, 5 gscale. Floats (table): 0 0.0, 1 1.0, 4 0.9, 14 1e-3.
   // Value ids below are indexes into the values made so far.
@@ -388,6 +408,7 @@ void write_seeds(const char* dir) {
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   sf::set_warning_handler([](std::string_view) {});
+  ::setenv("STEPFUSE_CACHE_DIR", "off", 1);  // compiled programs in memory only
   if (const char* dir = std::getenv("STEPFUSE_FUZZ_WRITE_SEEDS")) {
     write_seeds(dir);
     std::exit(0);
@@ -403,7 +424,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     return 0;
   }
   if (sf_program* program = build(r)) {
-    check_program(program);
+    check_program(program, (data[0] & 6) == 6);
     sf_program_destroy(program);
   }
   return 0;
