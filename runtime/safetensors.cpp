@@ -501,14 +501,20 @@ const SafetensorsTensor* SafetensorsFile::find(std::string_view name) const {
   return it == by_name_.end() ? nullptr : &tensors_[it->second];
 }
 
+std::string safetensors_checksum(const std::map<std::string, std::string>& metadata,
+                                 const std::vector<SafetensorsTensor>& tensors, std::string_view data) {
+  Checksum sum;
+  sum.header(metadata, tensors);
+  sum.bytes(data.data(), data.size());
+  return sum.finish();
+}
+
 void SafetensorsFile::verify_checksum() const {
   const std::string what = "checkpoint '" + file_.path() + "'";
   const std::string* stored = meta(kChecksumKey);
   if (stored == nullptr) io_error(what + " is corrupt: its metadata has no \"checksum\" entry");
-  Checksum sum;
-  sum.header(metadata_, tensors_);
-  sum.bytes(data_.data(), data_.size());
-  if (sum.finish() != *stored) io_error(what + " is corrupt: its checksum does not match its contents");
+  if (safetensors_checksum(metadata_, tensors_, {reinterpret_cast<const char*>(data_.data()), data_.size()}) != *stored)
+    io_error(what + " is corrupt: its checksum does not match its contents");
 }
 
 // ---- writing ----

@@ -93,6 +93,11 @@ struct SafetensorsTensor {
   std::uint64_t begin = 0, end = 0;  // in the data section
 };
 
+// The "checksum" metadata value ("xxh3_64:" + hex) of a file with this metadata (its own
+// "checksum" entry left out), these tensors, in this order, and this data section.
+std::string safetensors_checksum(const std::map<std::string, std::string>& metadata,
+                                 const std::vector<SafetensorsTensor>& tensors, std::string_view data);
+
 // A safetensors file, mapped and checked as a whole before anything is handed out:
 // the header length, the JSON, the metadata's string values, every tensor's dtype,
 // shape and offsets (contiguous from 0, in order, each exactly its elements' size) and

@@ -5,8 +5,8 @@
 // Input: byte 0 picks the mode. Odd: "wrapped": the rest is a safetensors header (JSON
 // text), a NUL, then the data section (without the NUL: the reference checkpoint's
 // data). When the JSON parses and describes tensors and string metadata, the harness
-// recomputes the "checksum" metadata entry (XXH3_64 of the canonical header bytes and
-// the data, runtime/safetensors.hpp) and writes the 8-byte length prefix, so the file
+// recomputes the "checksum" metadata entry (the library's own safetensors_checksum,
+// runtime/safetensors.hpp) and writes the 8-byte length prefix, so the file
 // passes the integrity checks and reaches the parser behind them. Even: the rest is the
 // file, byte for byte.
 //
@@ -31,9 +31,7 @@
 #include <string>
 #include <vector>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
+#include "runtime/safetensors.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/grad_scaler.hpp"
 #include "stepfuse/optimizer.hpp"
@@ -153,12 +151,7 @@ void write_file(const std::string& path, const std::string& bytes) {
 bool set_checksum(nlohmann::json& root, const std::string& data) {
   if (!root.is_object()) return false;
   std::map<std::string, std::string> metadata;
-  struct Tensor {
-    std::string name, dtype;
-    std::vector<std::uint64_t> shape;
-    std::uint64_t begin, end;
-  };
-  std::vector<Tensor> tensors;
+  std::vector<stepfuse::detail::SafetensorsTensor> tensors;
   for (auto it = root.begin(); it != root.end(); ++it) {
     if (it.key() == "__metadata__") {
       if (!it->is_object()) return false;
@@ -174,7 +167,7 @@ bool set_checksum(nlohmann::json& root, const std::string& data) {
     const auto& shape = v["shape"];
     const auto& offsets = v["data_offsets"];
     if (!dtype.is_string() || !shape.is_array() || !offsets.is_array() || offsets.size() != 2) return false;
-    Tensor t{it.key(), dtype.get<std::string>(), {}, 0, 0};
+    stepfuse::detail::SafetensorsTensor t{it.key(), dtype.get<std::string>(), {}, 0, 0};
     for (const auto& d : shape) {
       if (!d.is_number_unsigned()) return false;
       t.shape.push_back(d.get<std::uint64_t>());
@@ -184,36 +177,10 @@ bool set_checksum(nlohmann::json& root, const std::string& data) {
     t.end = offsets[1].get<std::uint64_t>();
     tensors.push_back(std::move(t));
   }
-  std::stable_sort(tensors.begin(), tensors.end(), [](const Tensor& a, const Tensor& b) {
+  std::stable_sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
-  XXH3_state_t st;
-  XXH3_INITSTATE(&st);
-  XXH3_64bits_reset(&st);
-  const auto u64 = [&](std::uint64_t v) { XXH3_64bits_update(&st, &v, 8); };
-  const auto str = [&](const std::string& s) {
-    u64(s.size());
-    XXH3_64bits_update(&st, s.data(), s.size());
-  };
-  std::uint64_t n = 0;
-  for (const auto& [k, v] : metadata) n += k != "checksum";
-  u64(n);
-  for (const auto& [k, v] : metadata)
-    if (k != "checksum") str(k), str(v);
-  u64(tensors.size());
-  for (const Tensor& t : tensors) {
-    str(t.name);
-    str(t.dtype);
-    u64(t.shape.size());
-    for (std::uint64_t d : t.shape) u64(d);
-    u64(t.begin);
-    u64(t.end);
-  }
-  XXH3_64bits_update(&st, data.data(), data.size());
-  const std::uint64_t h = XXH3_64bits_digest(&st);
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-  root["__metadata__"]["checksum"] = std::string("xxh3_64:") + hex;
+  root["__metadata__"]["checksum"] = stepfuse::detail::safetensors_checksum(metadata, tensors, data);
   return true;
 }
 
