@@ -36,38 +36,14 @@ done
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-# ---- clang 14 and its libFuzzer runtime, as scripts/install_deps.sh installs packages ----
-packages=(clang-14 libclang-rt-14-dev)
-missing=()
-for p in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed"; then
-    missing+=("$p")
-  fi
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  if ! command -v apt-get >/dev/null 2>&1; then
-    echo "fuzz.sh: install ${missing[*]} (clang 14 with libFuzzer) first" >&2
-    exit 1
-  fi
-  if [ "$(id -u)" -eq 0 ]; then
-    sudo=()
-  elif command -v sudo >/dev/null 2>&1; then
-    sudo=(sudo)
-  else
-    echo "fuzz.sh: missing ${missing[*]}, and not root and no sudo to install them" >&2
-    exit 1
-  fi
-  echo "fuzz.sh: installing ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  "${sudo[@]}" apt-get update -qq
-  "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+# ---- clang 14 and its libFuzzer runtime, with what the library needs ----
+bash scripts/install_deps.sh clang-14 libclang-rt-14-dev
 
-# ---- build (one build at a time on this machine: the lock) ----
+# ---- build ----
 cmake --preset fuzz --log-level=WARNING
 fuzz_targets=()
 for t in "${targets[@]}"; do fuzz_targets+=("fuzz_$t"); done
-flock /tmp/stepfuse-build.lock cmake --build --preset fuzz --parallel 2 --target "${fuzz_targets[@]}"
+cmake --build --preset fuzz --parallel "$(nproc 2>/dev/null || echo 2)" --target "${fuzz_targets[@]}"
 
 # ---- run ----
 out=build/fuzz

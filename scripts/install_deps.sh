@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing stepfuse needs, from Debian's packages (Debian 12).
 # Idempotent: installs only what is missing, and runs `apt-get update` only then.
-# Works as root, or through sudo when it is available.
+# Works as root, or through sudo when it is available. Arguments name more packages.
 set -euo pipefail
 
 packages=(
@@ -18,6 +18,8 @@ packages=(
   llvm-14-dev         # the LLVM CPU backend (optional: without it the build has Highway alone)
   python3-venv        # build/pyvenv below
 )
+# Arguments: more Debian packages to install the same way (scripts/fuzz.sh: clang 14).
+packages+=("$@")
 
 # The safetensors Python package (and NumPy) in a virtual environment under build/,
 # made once and reused: safetensors_test opens a checkpoint with it. Best effort: without
