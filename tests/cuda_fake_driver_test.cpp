@@ -459,6 +459,13 @@ TEST_F(FakeDriver, ParamGroupsOnTheGpu) {
   EXPECT_THROW(mixed.state(0, "max_exp_avg_sq"), Error);
   EXPECT_EQ(mixed.state(1, "max_exp_avg_sq").size(), static_cast<std::size_t>(p[1].weight.numel));
   EXPECT_EQ(mixed.state(2, "exp_avg").size(), static_cast<std::size_t>(p[2].weight.numel));
+  // Each state name is a buffer of its own (the backend maps names to its buffers).
+  const float* const exp_avg = mixed.state(1, "exp_avg").data();
+  const float* const exp_avg_sq = mixed.state(1, "exp_avg_sq").data();
+  const float* const max_exp_avg_sq = mixed.state(1, "max_exp_avg_sq").data();
+  EXPECT_NE(exp_avg, exp_avg_sq);
+  EXPECT_NE(exp_avg, max_exp_avg_sq);
+  EXPECT_NE(exp_avg_sq, max_exp_avg_sq);
 }
 
 // ---- GradScaler transactions ----------------------------------------------------------------

@@ -183,10 +183,11 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   // The state buffers: sf_streams slots, shared by name between the variants.
   const std::vector<const Program*> variants = jit::spec_programs(spec_);
   const std::vector<std::array<int, kMaxStreams>> slots = jit::cuda_stream_slots(spec_);
-  for (const std::string_view name : programs.state_names)
-    for (std::size_t v = 0; v < variants.size() && stream_of_buffer_.size() < programs.state_names.size(); ++v)
-      if (const int s = variants[v]->find_stream(name); s >= 0 && slots[v][static_cast<std::size_t>(s)] >= 0)
-        stream_of_buffer_.push_back(slots[v][static_cast<std::size_t>(s)]);
+  for (const std::string_view name : programs.state_names) {
+    std::size_t v = 0;  // the first variant with the stream (every variant that has it shares its slot)
+    while (variants[v]->find_stream(name) < 0) ++v;
+    stream_of_buffer_.push_back(slots[v][static_cast<std::size_t>(variants[v]->find_stream(name))]);
+  }
   layout_ = layout.layout;
   const std::int64_t total = layout_.state_elems;
   num_chunks_ = static_cast<int>(layout.chunks.size());
