@@ -183,7 +183,26 @@ struct Tensors {
   }
 };
 
-void append(std::string& out, const void* p, std::size_t n) { out.append(static_cast<const char*>(p), n); }
+// The results' bytes, with every NaN written as one canonical NaN of its format: the
+// numerics contract (docs/architecture.md §5) leaves a NaN's sign and payload open (x86
+// makes 0/0 a negative NaN, CUDA a positive one, and LLVM folds NaN constants its own
+// way), and every other bit equal.
+void append_f32(std::string& out, const float* p, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, p + i, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) bits = 0x7fc00000u;
+    out.append(reinterpret_cast<const char*>(&bits), 4);
+  }
+}
+void append_16(std::string& out, const std::uint16_t* p, std::size_t n, sf_dtype dtype) {
+  const std::uint16_t inf = dtype == SF_BF16 ? 0x7f80 : 0x7c00, nan = dtype == SF_BF16 ? 0x7fc0 : 0x7e00;
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint16_t bits = p[i];
+    if ((bits & 0x7fff) > inf) bits = nan;
+    out.append(reinterpret_cast<const char*>(&bits), 2);
+  }
+}
 
 // Creates an optimizer with `fusion`, steps it twice and returns everything it wrote as
 // bytes; empty when the optimizer refuses the program (then both modes must refuse it).
@@ -216,9 +235,9 @@ std::string run(const sf_program* program, sf_fusion fusion, sf_status* created,
     out += r.applied ? 'A' : 'a';
     out += r.found_inf ? 'I' : 'i';
   }
-  append(out, t.w0.data(), t.w0.size() * 4);
-  append(out, t.w1.data(), t.w1.size() * 2);
-  append(out, t.w2.data(), t.w2.size() * 2);
+  append_f32(out, t.w0.data(), t.w0.size());
+  append_16(out, t.w1.data(), t.w1.size(), SF_BF16);
+  append_16(out, t.w2.data(), t.w2.size(), SF_F16);
   size_t names = 0;
   if (sf_optimizer_state_names(opt, &names) != SF_OK) oracle_failed("sf_optimizer_state_names");
   for (size_t p = 0; p < params.size(); ++p) {
@@ -229,15 +248,30 @@ std::string run(const sf_program* program, sf_fusion fusion, sf_status* created,
       int64_t numel = 0;
       if (sf_optimizer_state(opt, p, n, &data, &numel) != SF_OK) oracle_failed("sf_optimizer_state");
       out += n;
-      append(out, data, static_cast<std::size_t>(numel) * 4);
+      append_f32(out, data, static_cast<std::size_t>(numel));
     }
     const float* data = nullptr;
     int64_t numel = 0;
     if (sf_optimizer_master(opt, p, &data, &numel) != SF_OK) oracle_failed("sf_optimizer_master");
-    append(out, data, static_cast<std::size_t>(numel) * 4);
+    append_f32(out, data, static_cast<std::size_t>(numel));
   }
   sf_optimizer_destroy(opt);
   return out;
+}
+
+// Before an oracle failure on two results: the program's text and the first byte where
+// the results differ (of the layout run() writes), to start the triage from.
+void report_difference(const sf_program* program, const std::string& a, const std::string& b) {
+  std::size_t needed = 0;
+  std::string text;
+  if (sf_program_text(program, nullptr, 0, &needed) == SF_OK) {
+    text.resize(needed);
+    if (sf_program_text(program, text.data(), text.size(), &needed) != SF_OK) text.clear();
+  }
+  std::size_t i = 0;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+  std::fprintf(stderr, "fuzz_program: program:\n%s\nfuzz_program: results of %zu and %zu bytes, first difference at byte %zu\n",
+               text.c_str(), a.size(), b.size(), i);
 }
 
 void check_program(const sf_program* program, bool with_llvm) {
@@ -245,7 +279,10 @@ void check_program(const sf_program* program, bool with_llvm) {
   const std::string interpreted = run(program, SF_FUSION_INTERPRETED, &ci);
   const std::string unfused = run(program, SF_FUSION_UNFUSED, &cu);
   if (ci != cu) oracle_failed("the interpreted and the unfused optimizer disagree on whether the program is usable");
-  if (interpreted != unfused) oracle_failed("interpreted and unfused steps differ");
+  if (interpreted != unfused) {
+    report_difference(program, interpreted, unfused);
+    oracle_failed("interpreted and unfused steps differ");
+  }
   if (with_llvm) {
     // The LLVM backend computes bitwise what the interpreter computes (without
     // llvm_contract). Compiled anew for each program: the process-wide kernel cache is
@@ -254,7 +291,10 @@ void check_program(const sf_program* program, bool with_llvm) {
     const std::string llvm = run(program, SF_FUSION_FUSED, &cl, SF_CPU_BACKEND_LLVM);
     sf::jit::KernelCache::shared().clear_memory();
     if (cl != ci) oracle_failed("the LLVM backend and the interpreter disagree on whether the program is usable");
-    if (llvm != interpreted) oracle_failed("LLVM-compiled and interpreted steps differ");
+    if (llvm != interpreted) {
+      report_difference(program, llvm, interpreted);
+      oracle_failed("LLVM-compiled and interpreted steps differ");
+    }
   }
 
   sf::jit::CpuSpec spec;
