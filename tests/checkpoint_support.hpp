@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "f16_oracle.hpp"
 #include "stepfuse/stepfuse.hpp"
 
 namespace stepfuse::ckpt_test {
@@ -60,8 +61,7 @@ struct Model {
         if (t == DType::bf16) {
           h = static_cast<std::uint16_t>(bits >> 16);
         } else {
-          const _Float16 f = static_cast<_Float16>(v);
-          std::memcpy(&h, &f, 2);
+          h = test::oracle_float_to_f16(v);
         }
         std::memcpy(p + 2 * i, &h, 2);
       }

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "f16_oracle.hpp"
 #include "hwy/targets.h"
 #include "jit/builtins.hpp"
 #include "runtime/cpu/kernels.hpp"
@@ -29,20 +30,14 @@ float from_bits(std::uint32_t u) {
   return f;
 }
 
-// Oracles independent of the library: the compiler's _Float16 (correctly
-// rounded conversions) and bf16 rounding in integer arithmetic.
+// Oracles independent of the library: the compiler's _Float16 or F16C (correctly
+// rounded conversions, tests/f16_oracle.hpp) and bf16 rounding in integer arithmetic.
 std::uint16_t oracle_f16(float f) {
-  const _Float16 h = static_cast<_Float16>(f);
-  std::uint16_t b;
-  std::memcpy(&b, &h, 2);
+  std::uint16_t b = test::oracle_float_to_f16(f);
   if (std::isnan(f)) b = static_cast<std::uint16_t>((b & 0x8000) | 0x7E00);  // canonical quiet NaN
   return b;
 }
-float oracle_f16_to_f32(std::uint16_t b) {
-  _Float16 h;
-  std::memcpy(&h, &b, 2);
-  return static_cast<float>(h);
-}
+float oracle_f16_to_f32(std::uint16_t b) { return test::oracle_f16_to_float(b); }
 std::uint16_t oracle_bf16(float f) {
   const std::uint32_t u = bits(f);
   if (std::isnan(f)) return static_cast<std::uint16_t>((u >> 16) | 0x40);

@@ -539,7 +539,9 @@ TEST(Unfused, MatchesFusedWithinFp32Rounding) {
                      << ", tolerance " << tol;
                 });
             }
-            for (const auto& [name, va] : a[i].state) {
+            for (const auto& entry : a[i].state) {
+              const std::string& name = entry.first;  // not a structured binding: the lambda below captures it
+              const auto& va = entry.second;
               double scale_s = 0;
               for (std::size_t t = 0; t < a.size(); ++t)
                 for (double x : a[t].state.at(name)) scale_s = std::max(scale_s, std::fabs(x));
