@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Installs what is missing, then builds and runs every test twice: a Release build
-# (preset "release") and an AddressSanitizer + UndefinedBehaviorSanitizer build
-# (preset "asan"). Prints CTest's summaries and each phase's time; exits non-zero if
-# anything failed. Extra arguments go to both ctest runs (e.g. -L consumer, -R adam).
+# Installs what is missing, then builds and runs the tests in four builds: Release
+# (preset "release", every test), AddressSanitizer + UndefinedBehaviorSanitizer (preset
+# "asan", every test), the libFuzzer targets (preset "fuzz", clang 14: each for a short
+# fixed time on its seed corpus) and ThreadSanitizer (preset "tsan": the multi-threaded
+# suites). Prints CTest's summaries and each phase's time; exits non-zero if anything
+# failed. Extra arguments go to every ctest run (e.g. -L consumer, -R adam).
+# STEPFUSE_FUZZ_SECONDS sets the fuzzing time per target (default 30; 0 skips it).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -27,35 +30,44 @@ phase() {
   return $rc
 }
 
-phase "install deps" bash scripts/install_deps.sh || { echo "test.sh: cannot install the dependencies" >&2; exit 1; }
+phase "install deps" bash scripts/install_deps.sh clang-14 libclang-rt-14-dev || { echo "test.sh: cannot install the dependencies" >&2; exit 1; }
 
-# ctest_counted PRESET ARGS...: runs ctest and adds its pass/fail counts to the totals.
+# counted COMMAND...: runs COMMAND, shows its output and adds the counts of its summary
+# line to the totals: ctest's "100% tests passed, 0 tests failed out of 756", or
+# scripts/fuzz.sh's "fuzz.sh: 4 of 4 targets ran without a crash or an oracle failure".
 passed=0
 failed_tests=0
-ctest_counted() {
-  local preset=$1; shift
+counted() {
   local log
   log=$(mktemp)
-  ctest --preset "$preset" --parallel "$jobs" "$@" 2>&1 | tee "$log"
+  "$@" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
-  # "100% tests passed, 0 tests failed out of 756"
-  local line
-  line=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' "$log" | tail -n 1)
-  if [ -n "$line" ]; then
-    local nfail ntotal
-    nfail=$(echo "$line" | sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/')
-    ntotal=$(echo "$line" | sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\2/')
-    passed=$((passed + ntotal - nfail))
+  local counts
+  counts=$(sed -nE -e 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1 \2/p' \
+                   -e 's/^fuzz.sh: ([0-9]+) of ([0-9]+) targets ran.*/-\1 \2/p' "$log" | tail -n 1)
+  if [ -n "$counts" ]; then
+    local first total nfail
+    read -r first total <<<"$counts"
+    # ctest counts failures; fuzz.sh counts successes (written negated above)
+    if [ "${first#-}" != "$first" ]; then nfail=$((total - ${first#-})); else nfail=$first; fi
+    passed=$((passed + total - nfail))
     failed_tests=$((failed_tests + nfail))
   fi
   rm -f "$log"
   return "$rc"
 }
 
-for preset in release asan; do
+fuzz_seconds=${STEPFUSE_FUZZ_SECONDS:-30}
+for preset in release asan fuzz tsan; do
+  [ "$preset" = fuzz ] && [ "$fuzz_seconds" = 0 ] && continue
   phase "${preset}: configure" cmake --preset "$preset" --log-level=WARNING &&
-  phase "${preset}: build" cmake --build --preset "$preset" --parallel "$jobs" &&
-  phase "${preset}: test" ctest_counted "$preset" "$@"
+    phase "${preset}: build" cmake --build --preset "$preset" --parallel "$jobs" || continue
+  if [ "$preset" = fuzz ]; then
+    # each fuzz target on its seed corpus, $jobs at a time
+    phase "fuzz: ${fuzz_seconds}s per target" counted bash scripts/fuzz.sh --no-install --time "$fuzz_seconds" --parallel "$jobs"
+  else
+    phase "${preset}: test" counted ctest --preset "$preset" --parallel "$jobs" "$@"
+  fi
 done
 
 echo
@@ -66,5 +78,5 @@ if [ ${#failed[@]} -ne 0 ]; then
   echo "${passed} passed, $((failed_tests > 0 ? failed_tests : 1)) failed"
   exit 1
 fi
-echo "test.sh: all passed (Release and ASan/UBSan)"
+echo "test.sh: all passed (Release, ASan/UBSan with fuzzing, TSan)"
 echo "${passed} passed, ${failed_tests} failed"

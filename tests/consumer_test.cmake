@@ -23,7 +23,7 @@ endfunction()
 # Only the plain build runs them: the CMake logic they check is the same in the sanitizer
 # build, where installing and building the consumer takes minutes. The subdirectory
 # consumer compiles the library once more.
-if(NOT STEPFUSE_SANITIZE)
+if(NOT STEPFUSE_SANITIZER)
   stepfuse_add_consumer_test(consumer_find_package install)
   stepfuse_add_consumer_test(consumer_add_subdirectory subdirectory)
 endif()
