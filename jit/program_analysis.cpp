@@ -64,10 +64,13 @@ struct Lowering {
       if (p.code[i].op == Op::store && p.code[i].attr == s) return i;
     return -1;
   }
-  int load_value(int s) const {
+  // The last instruction that reads stream s through any of its loads (a program may
+  // load a stream more than once); -1 when nothing loads it.
+  int last_read(int s) const {
+    int last = -1;
     for (int i = 0; i < p.num_instrs; ++i)
-      if (p.code[i].op == Op::load && p.code[i].attr == s) return i;
-    return -1;
+      if (p.code[i].op == Op::load && p.code[i].attr == s) last = std::max(last, last_use(i));
+    return last;
   }
 
   void analyze() {
@@ -108,8 +111,7 @@ struct Lowering {
       // (values that are not computed into a destination: loads, scalars, constants, norms)
       if (vop == Op::load || vop == Op::scalar || vop == Op::constant || vop == Op::tensor_norm || direct_store[v] >= 0)
         continue;
-      const int old = load_value(st.attr);
-      if (old >= 0 && last_use(old) > v) continue;  // old contents still read after v is produced
+      if (last_read(st.attr) > v) continue;  // old contents still read after v is produced
       direct_store[v] = st.attr;
       stream_direct[st.attr] = true;
     }

@@ -607,6 +607,42 @@ TEST(CustomProgram, StateStartsAtItsInitValue) {
   }
 }
 
+// A stream loaded twice keeps its old contents for every load until the last one is
+// read: the interpreter and the unfused step (jit/program_analysis.cpp) wrote a computed
+// value straight into its stream when the *first* load of that stream was done, so a
+// second load read after that saw the new value (found by fuzz_program; LLVM was right).
+TEST(CustomProgram, AStreamLoadedTwiceKeepsItsOldValueForEveryLoad) {
+  ProgramBuilder b("two_loads");
+  const Stream g = b.stream("grad", StreamRole::grad), p = b.stream("param", StreamRole::param);
+  const Stream m = b.stream("old_param", StreamRole::state);
+  const Value first = b.load(p);
+  const Value again = b.load(p);
+  const Value half = b.mul(first, b.add(b.constant(0.5f), b.mul(b.load(g), b.scalar("gscale"))));
+  b.store(m, again);  // read after `half` is computed: must still be the old weights
+  b.store(p, half);
+  const Program program = b.build();
+  std::vector<std::pair<Fusion, CpuBackend>> modes = {{Fusion::interpreted, CpuBackend::automatic},
+                                                      {Fusion::unfused, CpuBackend::automatic}};
+  if (llvm_version()[0] != '\0') modes.push_back({Fusion::fused, CpuBackend::llvm});
+  for (const auto& [fusion, backend] : modes) {
+    SCOPED_TRACE("fusion " + std::to_string(static_cast<int>(fusion)) + ", backend " +
+                 std::to_string(static_cast<int>(backend)));
+    Net n(DType::f32, DType::f32, {37});
+    n.set_grads(1, 1);
+    OptimizerOptions o;
+    o.fusion = fusion;
+    o.cpu_backend = backend;
+    Optimizer opt(UpdateProgram(program, {UpdateProgram::gscale()}), n.params(), o);
+    const auto w0 = n.weight_values();
+    opt.step();
+    for (int i = 0; i < 37; ++i) {
+      const float old = static_cast<float>(w0[0][i]);
+      EXPECT_EQ(opt.state(0, "old_param")[i], old) << i;
+      EXPECT_EQ(static_cast<float>(n.weights.get(0, i)), old * (0.5f + static_cast<float>(n.grads.get(0, i)))) << i;
+    }
+  }
+}
+
 // The documented NaN and signed-zero behaviour of max, min, sign, select, neg, abs
 // (docs/update-programs.md), on the CPU target this machine dispatches to.
 TEST(CustomProgram, OpsFollowTheDocumentedNanAndSignedZeroRules) {

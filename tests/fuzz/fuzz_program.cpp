@@ -272,6 +272,13 @@ void report_difference(const sf_program* program, const std::string& a, const st
   while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
   std::fprintf(stderr, "fuzz_program: program:\n%s\nfuzz_program: results of %zu and %zu bytes, first difference at byte %zu\n",
                text.c_str(), a.size(), b.size(), i);
+  // The 4 bytes around it as f32 (most of the results are f32; the layout is run()'s).
+  for (std::size_t at = i & ~std::size_t{3}; at + 4 <= a.size() && at + 4 <= b.size() && at < i + 8; at += 4) {
+    float x, y;
+    std::memcpy(&x, a.data() + at, 4);
+    std::memcpy(&y, b.data() + at, 4);
+    std::fprintf(stderr, "fuzz_program:   bytes %zu..%zu as f32: %.9g vs %.9g\n", at, at + 3, x, y);
+  }
 }
 
 void check_program(const sf_program* program, bool with_llvm) {
