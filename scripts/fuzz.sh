@@ -119,5 +119,5 @@ for t in "${targets[@]}"; do
   echo "  $line"
   [[ $line == *"no crash"* ]] || failed=$((failed + 1))
 done
-echo "fuzz.sh: $((${#targets[@]} - failed)) of ${#targets[@]} targets ran without a crash or an oracle failure"
+echo "fuzz.sh: $((${#targets[@]} - failed)) of ${#targets[@]} targets ran without a crash or an oracle failure; $failed targets failed out of ${#targets[@]}"
 [ $failed -eq 0 ]
