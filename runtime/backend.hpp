@@ -95,6 +95,12 @@ class Backend {
   virtual float* state_data(int stream) const = 0;
   virtual float* masters_data() const = 0;
 
+  // The gradients moved (Optimizer::set_grads): `params` (the engine's, already
+  // holding the new pointers, same sizes and dtypes) is what the next step reads.
+  // Throws Error(unsupported), changing nothing, when the new pointers do not fit
+  // the kernels this backend specialized (CUDA: alignment or one flat buffer).
+  virtual void set_grads(const std::vector<Param>& params) = 0;
+
   // What runs the steps: "highway", "llvm", "interpreter", "unfused" or "cuda".
   virtual std::string_view name() const = 0;
   virtual int threads() const = 0;

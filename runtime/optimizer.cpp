@@ -55,6 +55,19 @@ std::int64_t Optimizer::group_step_count(std::size_t group) const {
   return engine_->group_step_count(group);
 }
 
+void Optimizer::set_grads(std::span<const TensorView> grads) { engine_->set_grads(grads); }
+
+void Optimizer::set_group_step_count(std::size_t group, std::int64_t count) {
+  engine_->check_group(group, "set_group_step_count");
+  if (count < 0)
+    throw Error(ErrorCode::invalid_argument,
+                "set_group_step_count: count = " + std::to_string(count) + " (must be >= 0)");
+  std::vector<std::int64_t> bases;
+  for (std::size_t g = 0; g < engine_->num_groups(); ++g) bases.push_back(engine_->step_base(g));
+  bases[group] = engine_->step_count() - count;
+  engine_->set_steps(engine_->step_count(), bases);
+}
+
 void Optimizer::add_param_group(ParamGroup group) {
   if (engine_->custom_program() != nullptr)
     throw Error(ErrorCode::invalid_state,

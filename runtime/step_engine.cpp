@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "jit/base/format.hpp"
 #include "jit/update_program_rules.hpp"
@@ -259,6 +260,41 @@ void StepEngine::set_steps(std::int64_t step_count, const std::vector<std::int64
   backend_->set_step_count(step_count);
   for (std::size_t g = 0; g < rules_.size() && g < step_bases.size(); ++g) rules_[g].step_base = step_bases[g];
   backend_->set_rules(rules_.data());
+}
+
+void StepEngine::set_grads(std::span<const TensorView> grads) {
+  if (grads.size() != params_.size())
+    bad_argument("set_grads: " + std::to_string(grads.size()) + " gradients for " + std::to_string(params_.size()) +
+                 " params (pass one per param, in params() order)");
+  std::vector<Param> next = params_;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const TensorView& g = grads[i];
+    const TensorView& old = params_[i].grad;
+    if (g.numel != old.numel)
+      bad_argument("set_grads: grads[" + std::to_string(i) + "].numel = " + std::to_string(g.numel) + " but params[" +
+                   std::to_string(i) + "] has " + std::to_string(old.numel) + " elements");
+    if (g.dtype != old.dtype)
+      bad_argument("set_grads: grads[" + std::to_string(i) + "].dtype = " +
+                   (valid_dtype(g.dtype) ? std::string(dtype_name(g.dtype)) : std::to_string(static_cast<int>(g.dtype))) +
+                   " but the optimizer was built with " + std::string(dtype_name(old.dtype)) +
+                   " (its kernels are specialized for it; build a new Optimizer to change it)");
+    next[i].grad.data = g.data;
+  }
+  // The same checks as at construction: null data, a gradient overlapping a weight or another gradient.
+  std::vector<std::size_t> begins;
+  for (const Group& group : groups_) begins.push_back(group.begin);
+  try {
+    validate_params(next, ParamNames{groups_.size() > 1 ? &begins : nullptr});
+  } catch (const Error& e) {
+    throw Error(e.code(), "set_grads: " + message_of(e));
+  }
+  const std::vector<Param> previous = std::exchange(params_, std::move(next));
+  try {
+    backend_->set_grads(params_);
+  } catch (...) {
+    params_ = previous;
+    throw;
+  }
 }
 
 std::vector<ParamGroup> StepEngine::param_groups() const {

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,8 @@ class StepEngine {
   std::int64_t step_base(std::size_t group) const { return rules_[group].step_base; }
   // Checkpoint restore and add_param_group: the global count and each group's base.
   void set_steps(std::int64_t step_count, const std::vector<std::int64_t>& step_bases);
+  // Optimizer::set_grads: validated, then the backend's; nothing changes on an Error.
+  void set_grads(std::span<const TensorView> grads);
   // Error(invalid_argument) naming the index unless group < num_groups().
   void check_group(std::size_t group, const char* what) const;
 

@@ -360,5 +360,119 @@ TEST(ParamGroups, ScalersWorkOverGroups) {
             std::string::npos);
 }
 
+
+// set_grads: an optimizer pointed at new gradient buffers each step (as PyTorch
+// allocates them after zero_grad(set_to_none=True)) steps bitwise as one that
+// reads the same values from its original buffers, on every CPU path.
+TEST(SetGrads, NewBuffersEachStepMatchTheOriginalBuffers) {
+  struct Path {
+    const char* name;
+    OptimizerOptions options;
+  };
+  OptimizerOptions unfused;
+  unfused.fusion = Fusion::unfused;
+  for (const Path& path : {Path{"highway", with_backend(CpuBackend::highway, 2)},
+                           Path{"llvm", with_backend(CpuBackend::llvm, 2)}, Path{"unfused", unfused}}) {
+    if (path.options.cpu_backend == CpuBackend::llvm && !jit::llvm_built()) continue;
+    Tensors a(DType::f32, DType::bf16, kSizes, 4), b(DType::f32, DType::bf16, kSizes, 4);
+    OptimizerOptions o = path.options;
+    o.max_grad_norm = 0.5;
+    Optimizer x({{a.params(0, 3), adamw(1e-3, 0.1)}, {a.params(3, 6), adamw(2e-3, 0.0, true)}}, o);
+    Optimizer y({{b.params(0, 3), adamw(1e-3, 0.1)}, {b.params(3, 6), adamw(2e-3, 0.0, true)}}, o);
+    for (int s = 0; s < 4; ++s) {
+      HostTensors fresh(DType::bf16, kSizes, false);  // new buffers, filled as b's grads
+      b.grads(100 + s, 128.0);
+      std::vector<TensorView> views;
+      for (std::size_t i = 0; i < kSizes.size(); ++i) {
+        std::memcpy(fresh[i].data, b.g[i].data, static_cast<std::size_t>(kSizes[i]) * 2);
+        views.push_back(fresh[i]);
+      }
+      // a's own buffers hold other values: a step reading them would differ.
+      a.grads(999, 128.0);
+      x.set_grads(views);
+      EXPECT_EQ(x.params()[2].grad.data, fresh[2].data) << path.name;
+      x.step_scaled(128.0);
+      y.step_scaled(128.0);
+      EXPECT_EQ(x.last_grad_norm(), y.last_grad_norm()) << path.name << " step " << s;
+    }
+    expect_same(a, x, 0, kSizes.size(), b, y, 0, std::string("set_grads, ") + path.name);
+  }
+}
+
+TEST(SetGrads, RefusesWhatConstructionRefusesAndChangesNothing) {
+  Tensors t(DType::f32, DType::f32, kSizes, 5);
+  Optimizer opt(adamw(1e-3, 0.1), t.params());
+  HostTensors fresh(DType::f32, kSizes, false);
+  std::vector<TensorView> views;
+  for (std::size_t i = 0; i < kSizes.size(); ++i) views.push_back(fresh[i]);
+  const auto expect_refused = [&](std::vector<TensorView> v, const std::string& needle) {
+    try {
+      opt.set_grads(v);
+      ADD_FAILURE() << "accepted; expected an Error containing '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    for (std::size_t i = 0; i < kSizes.size(); ++i) EXPECT_EQ(opt.params()[i].grad.data, t.g[i].data) << needle;
+  };
+  expect_refused({views.begin(), views.end() - 1}, "5 gradients for 6 params");
+  auto wrong = views;
+  wrong[1].numel += 1;
+  expect_refused(wrong, "grads[1].numel = 38 but params[1] has 37 elements");
+  wrong = views;
+  wrong[2].dtype = DType::bf16;
+  expect_refused(wrong, "grads[2].dtype = bf16 but the optimizer was built with f32");
+  wrong = views;
+  wrong[3].data = nullptr;
+  expect_refused(wrong, "params[3].grad.data is null");
+  wrong = views;
+  wrong[4] = {t.w[4].data, t.w[4].numel, DType::f32};  // the weight itself
+  expect_refused(wrong, "share memory");
+  wrong = views;
+  wrong[5] = views[0];
+  wrong[5].numel = kSizes[5];
+  expect_refused(wrong, "is the same tensor as");
+  opt.set_grads(views);  // and a valid call is taken
+  EXPECT_EQ(opt.params()[0].grad.data, fresh[0].data);
+}
+
+// set_group_step_count: a group's bias corrections continue from the count set, as
+// when a framework's checkpoint (torch's state[p]["step"]) is restored.
+TEST(SetGroupStepCount, BiasCorrectionsContinueFromTheCountSet) {
+  Tensors a(DType::f32, DType::f32, kSizes, 6), b(DType::f32, DType::f32, kSizes, 6);
+  OptimizerOptions o = with_backend(CpuBackend::highway);
+  Optimizer x({{a.params(0, 3), adamw(1e-3, 0.1)}, {a.params(3, 6), adamw(2e-3, 0.0)}}, o);
+  Optimizer y({{b.params(0, 3), adamw(1e-3, 0.1)}, {b.params(3, 6), adamw(2e-3, 0.0)}}, o);
+  for (int s = 0; s < 3; ++s) {
+    a.grads(s), b.grads(s);
+    x.step(), y.step();
+  }
+  // A fresh optimizer over b's tensors with y's state and step counts restored by hand.
+  Optimizer z({{b.params(0, 3), adamw(1e-3, 0.1)}, {b.params(3, 6), adamw(2e-3, 0.0)}}, o);
+  for (std::size_t i = 0; i < kSizes.size(); ++i)
+    for (std::string_view name : y.state_names()) {
+      const auto src = y.state(i, name);
+      std::copy(src.begin(), src.end(), z.mutable_state(i, name).begin());
+    }
+  z.set_group_step_count(0, 3);
+  z.set_group_step_count(1, 3);
+  EXPECT_EQ(z.group_step_count(0), 3);
+  EXPECT_EQ(z.group_step_count(1), 3);
+  EXPECT_EQ(z.step_count(), 0);  // the optimizer's own count is not a group's
+  for (int s = 3; s < 6; ++s) {
+    a.grads(s), b.grads(s);
+    x.step(), z.step();
+  }
+  expect_same(a, x, 0, kSizes.size(), b, z, 0, "restored step counts");
+  EXPECT_THROW(z.set_group_step_count(2, 1), Error);
+  try {
+    z.set_group_step_count(0, -1);
+    ADD_FAILURE() << "a negative count was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_EQ(z.group_step_count(0), 6);
+  }
+}
+
 }  // namespace
 }  // namespace stepfuse

@@ -182,6 +182,20 @@ class Optimizer {
   // Steps the group has applied: step_count() minus the steps taken before it was added.
   std::int64_t group_step_count(std::size_t group) const;
 
+  // Points the optimizer at new gradient buffers, one per param in params() order,
+  // of the same sizes and dtypes (a framework that allocates fresh gradients each
+  // iteration, as PyTorch does after zero_grad(set_to_none=True)). No re-planning,
+  // no allocation on the CPU; on CUDA one small table copy, ordered on the stream.
+  // Validated as at construction (count, numel, dtype, null data, memory shared with
+  // a weight or another gradient): Error(invalid_argument), and nothing changes. On
+  // CUDA, Error(unsupported) when the new buffers lack the alignment or the single
+  // contiguous layout the kernels were specialized for (build a new Optimizer then).
+  void set_grads(std::span<const TensorView> grads);
+  // Sets a group's step count (what bias corrections and schedules see), as when
+  // restoring a framework's checkpoint that stores steps itself (torch's
+  // state[p]["step"]). count >= 0, else Error(invalid_argument); nothing else changes.
+  void set_group_step_count(std::size_t group, std::int64_t count);
+
   // Custom update programs.
   bool is_custom() const;
   // The update program and its current scalar rules (built-ins: UpdateProgram::from_config(config())).

@@ -34,6 +34,10 @@ class HostBuffers {
   float* state(int buffer) const { return state_[buffer].data(); }  // by StepPrograms::state_names
   float* masters() const { return masters_.data(); }
   const std::vector<UpdateArgs>& args() const { return args_; }
+  // Points every tensor's args at its (moved) gradient.
+  void set_grads(const std::vector<Param>& params) {
+    for (std::size_t i = 0; i < args_.size(); ++i) args_[i].grad = params[i].grad.data;
+  }
 
   // Calls body(chunk, thread) for every chunk of the layout, each thread its own
   // run of them.
@@ -92,6 +96,8 @@ class HostBackend : public detail::Backend {
   float* state_data(int stream) const override { return host_.state(stream); }
   float* masters_data() const override { return host_.masters(); }
   int threads() const override { return host_.pool().size(); }
+  // The reduce pass reads params_ (the engine's, already updated); the update, the args.
+  void set_grads(const std::vector<Param>& params) override { host_.set_grads(params); }
 
  protected:
   // The scalar stage's last part: every group's scalars for applying global step

@@ -138,6 +138,23 @@ const CudaUtilities& cuda_utilities(const CudaContext& ctx) {
 
 namespace {
 
+// Host pointers would fault in the kernels (an illegal address that poisons the
+// context): say which one is wrong instead.
+void check_device_pointers(const std::vector<Param>& params, int device_index, bool grads_only) {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    for (const auto& [view, field] : {std::pair{&params[i].weight, "weight"}, std::pair{&params[i].grad, "grad"}}) {
+      if (view->numel == 0 || (grads_only && view == &params[i].weight)) continue;
+      int device = -1;
+      if (!is_device_pointer(view->data, &device) || device != device_index)
+        throw Error(ErrorCode::invalid_argument,
+                    "params[" + std::to_string(i) + "]." + field + ".data is not memory of cuda:" +
+                        std::to_string(device_index) +
+                        (device >= 0 ? " (it is on cuda:" + std::to_string(device) + ")" : " (it is host memory)") +
+                        "; with Device::cuda, weights and gradients must be device allocations of that GPU");
+    }
+  }
+}
+
 template <class T>
 DeviceBuffer upload_table(const std::vector<T>& v, cuda::CUstream stream) {
   DeviceBuffer b(std::max<std::size_t>(v.size(), 1) * sizeof(T));
@@ -159,20 +176,7 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   ctx_ = std::make_unique<CudaContext>(options.device.index);
   stream_ = static_cast<cuda::CUstream>(options.cuda_stream);
   const cuda::DriverApi& a = api();
-  // Host pointers would fault in the kernels (an illegal address that poisons the
-  // context): say which one is wrong instead.
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    for (const auto& [view, field] : {std::pair{&params_[i].weight, "weight"}, std::pair{&params_[i].grad, "grad"}}) {
-      if (view->numel == 0) continue;
-      int device = -1;
-      if (!is_device_pointer(view->data, &device) || device != options.device.index)
-        throw Error(ErrorCode::invalid_argument,
-                    "params[" + std::to_string(i) + "]." + field + ".data is not memory of cuda:" +
-                        std::to_string(options.device.index) +
-                        (device >= 0 ? " (it is on cuda:" + std::to_string(device) + ")" : " (it is host memory)") +
-                        "; with Device::cuda, weights and gradients must be device allocations of that GPU");
-    }
-  }
+  check_device_pointers(params_, options.device.index, /*grads_only=*/false);
   // Several groups: per-tensor blocks (a block's scalars are its tensor's group's), never the flat layout.
   // Groups whose flags pick other variants of the program run them in the same kernels.
   jit::CudaLayout layout = jit::plan_cuda_layout(program, params_, options, /*allow_flat=*/num_groups_ == 1);
@@ -254,7 +258,8 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
     void* args[] = {&src, &dst, &n};
     launch(util.widen[static_cast<int>(params_[i].weight.dtype)], "sf_widen", grid_for(n, 256), 256, stream_, args);
   }
-  tensors_ = upload_table(tensors, stream_);
+  host_tensors_ = tensors;
+  tensors_ = upload_table(host_tensors_, stream_);
   chunks_ = upload_table(layout.chunks, stream_);
   blocks_ = upload_table(layout.blocks, stream_);
   partials_ = DeviceBuffer(static_cast<std::size_t>(std::max(num_chunks_, 1)) * sizeof(sf_partial));
@@ -269,6 +274,29 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   cuda::check(a.cuMemsetD8Async(step_state_.get(), 0, sizeof(sf_step_state), stream_), "cuMemsetD8Async");
   // The host tables must outlive their asynchronous copies.
   synchronize();
+}
+
+void CudaBackend::set_grads(const std::vector<Param>& params) {
+  check_device_pointers(params, options_.device.index, /*grads_only=*/true);
+  // The kernels were specialized for the old pointers' layout class: a flat spec reads
+  // one contiguous gradient buffer, an aligned one uses vector loads.
+  const jit::CudaLayout probe = jit::plan_cuda_layout(program_, params, options_, /*allow_flat=*/num_groups_ == 1);
+  if ((spec_.flat && !probe.spec.flat) || (spec_.aligned16 && !probe.spec.aligned16))
+    throw Error(ErrorCode::unsupported,
+                std::string("set_grads: the new gradients are not ") +
+                    (spec_.flat && !probe.spec.flat ? "one contiguous buffer in parameter order"
+                                                    : "aligned to 4 elements") +
+                    " as the old ones were, and this optimizer's CUDA kernels were specialized for that; build a new "
+                    "Optimizer over the new gradients");
+  ctx_->make_current();
+  std::vector<sf_tensor> table = host_tensors_;
+  for (std::size_t i = 0; i < params.size(); ++i) table[i].grad = params[i].grad.data;
+  // Pageable memory: the driver has staged the copy when the call returns.
+  if (!table.empty())
+    cuda::check(api().cuMemcpyHtoDAsync(tensors_.get(), table.data(), table.size() * sizeof(sf_tensor), stream_),
+                "cuMemcpyHtoDAsync");
+  host_tensors_ = std::move(table);
+  params_ = params;
 }
 
 CudaBackend::~CudaBackend() {

@@ -104,6 +104,10 @@ class CudaBackend final : public Backend {
   float* masters_data() const override;
   std::string_view name() const override { return "cuda"; }
   int threads() const override { return 1; }
+  // Checks the new gradients are device memory of this GPU and fit the kernels
+  // (a flat or 16-byte-aligned spec needs them so), then copies the tensor table's
+  // new pointers to the device, ordered on the stream.
+  void set_grads(const std::vector<Param>& params) override;
 
   // data *= factor, in place on the device, rounded to each tensor's storage
   // format (LossScaleOptimizer::get_unscaled_gradients). Enqueued.
@@ -126,6 +130,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaModule> reduce_module_, update_module_;
   cuda::CUfunction reduce_ = nullptr, update_ = nullptr;
   jit::Layout layout_;
+  std::vector<sf_tensor> host_tensors_;  // the tensor table as uploaded (set_grads changes its grads)
   // The host copy of the state and masters, allocated on first use.
   mutable AlignedBuffer host_state_[kMaxStreams], host_masters_;
   mutable bool host_current_ = false;  // the host copy equals the device's
