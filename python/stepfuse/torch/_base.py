@@ -1,0 +1,447 @@
+"""The machinery every stepfuse.torch optimizer shares.
+
+A stepfuse.torch optimizer is a ``torch.optim.Optimizer``: ``param_groups`` are
+torch's list of dicts, ``state`` is torch's per-param dict, and ``state_dict()``
+is torch's format. Underneath, one ``stepfuse.Optimizer`` (the engine) runs the
+whole step — unscale, inf/NaN check, global-norm clip, update — over every param
+that has a gradient.
+
+The engine is planned lazily, at the first step, over the params whose ``.grad``
+is set, and re-planned only when that set changes, a group is added, a program
+flag changes (amsgrad, nesterov, centered, momentum on/off) or a state dict is
+loaded. Everything else is cheap per step:
+
+* new gradient tensors (``zero_grad(set_to_none=True)``) are re-pointed with
+  ``set_grads``, without re-planning;
+* hyperparameters written into ``param_groups`` (by a scheduler or by hand) are
+  pushed into the engine with ``set_config`` at the next step, without
+  recompiling.
+
+On the CPU, ``state[p]["exp_avg"]`` and friends are zero-copy views of the
+engine's state. On CUDA they are snapshots, refreshed by ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import stepfuse as _sf
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _as_float(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _dummy_param() -> torch.Tensor:
+    return torch.zeros(1, requires_grad=True)
+
+
+class _CppGroup:
+    """One engine group: params of one torch group with one step count."""
+
+    __slots__ = ("torch_group", "params", "step")
+
+    def __init__(self, torch_group: int, params: List[torch.Tensor], step: int):
+        self.torch_group = torch_group
+        self.params = params
+        self.step = step
+
+
+class StepfuseOptimizer(torch.optim.Optimizer):
+    """Base class of the stepfuse.torch optimizers (not used directly).
+
+    Subclasses set ``_torch_class`` (the torch.optim class whose arguments,
+    defaults and checks they share, or None), and implement ``_config(group)``
+    (a stepfuse config for one param group), ``_program_key(group)`` (the group
+    flags that pick the update program) and ``_state_keys(group)`` (torch's names
+    of the per-param state tensors; they are the engine's names too).
+    """
+
+    _torch_class: Optional[type] = None
+    # torch.amp.GradScaler hands its scale and found_inf to the step (grad_scale /
+    # found_inf attributes) instead of unscaling the gradients itself.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Any,
+        defaults: Dict[str, Any],
+        *,
+        max_grad_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        master_weights: bool = True,
+        num_threads: Optional[int] = None,
+    ) -> None:
+        if max_grad_norm is not None:
+            max_grad_norm = float(max_grad_norm)
+            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+                raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be finite and > 0, or None)")
+        norm_type = float(norm_type)
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"Invalid norm_type: {norm_type} (stepfuse clips with the 2-norm or the inf-norm: use 2.0 or "
+                             "float('inf'))")
+        if num_threads is not None and not (0 <= int(num_threads) <= 1024):
+            raise ValueError(f"Invalid num_threads: {num_threads} (use None for torch.get_num_threads(), or 1 to 1024)")
+        self.max_grad_norm = max_grad_norm
+        self.norm_type = norm_type
+        self.master_weights = bool(master_weights)
+        self.num_threads = num_threads
+        self._engine: Optional[_sf.Optimizer] = None
+        self._engine_key: Any = None
+        self._cpp_groups: List[_CppGroup] = []
+        self._active: List[torch.Tensor] = []  # the engine's params, in its order
+        self._grad_ptrs: List[int] = []
+        self._group_values: List[Any] = []  # per engine group: the hyperparameters pushed
+        self._last_grad_norm = math.nan
+        self._device: Optional[torch.device] = None
+        super().__init__(params, defaults)
+
+    # ---- torch.optim.Optimizer's interface ----
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # Refuse before torch records anything: nothing changes on an error.
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                continue  # torch's own message for what is not a tensor
+            if not p.is_floating_point() and not p.is_complex():
+                raise TypeError(f"stepfuse.torch: a param of dtype {p.dtype} cannot be optimized (params must be "
+                                "floating point: float32, float16 or bfloat16)")
+            if p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"stepfuse.torch: params of dtype {p.dtype} are not supported (use float32, float16 "
+                                "or bfloat16; the step computes in fp32, with fp32 masters for 16-bit params)")
+            if p.layout != torch.strided:
+                raise TypeError(f"stepfuse.torch: {p.layout} params are not supported (dense tensors only)")
+            if not p.is_contiguous():
+                raise ValueError("stepfuse.torch: a param is not contiguous (the fused step reads params as flat "
+                                 "buffers; make it contiguous before creating the optimizer)")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"stepfuse.torch: a param is on {p.device} (the CPU and CUDA devices are supported)")
+            device = self._device or (self._first_device() if hasattr(self, "param_groups") else None)
+            if device is not None and p.device != device:
+                raise ValueError(f"stepfuse.torch: a param is on {p.device} but the optimizer's other params are on "
+                                 f"{device} (one optimizer steps the params of one device)")
+            self._device = self._device or p.device
+        param_group = dict(param_group)
+        param_group["params"] = params
+        super().add_param_group(param_group)
+        self._engine_key = None  # re-plan at the next step
+
+    def _first_device(self) -> Optional[torch.device]:
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return None
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One fused step; returns the closure's loss when a closure is given.
+
+        Under torch.amp.GradScaler, the scaler's ``grad_scale`` and ``found_inf``
+        are honoured: the gradients are unscaled inside the step, and a step with
+        non-finite gradients writes nothing.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and _as_float(found_inf) != 0.0:
+            return loss  # torch's scaler found inf/NaN: skip, as torch's own optimizers do
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            self._step_scaled(_as_float(grad_scale))
+        else:
+            engine = self._prepare()
+            if engine is not None:
+                engine.step()
+                self._finish(engine.last_result)
+        return loss
+
+    def _step_scaled(self, scale: float) -> Optional[Any]:
+        """A step on gradients scaled by ``scale``; returns the engine's StepResult (None: no grads)."""
+        engine = self._prepare()
+        if engine is None:
+            return None
+        result = engine.step_scaled(scale)
+        self._finish(result)
+        return result
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor:
+        """The total norm of the unscaled gradients of the last step, over every group
+        (what ``torch.nn.utils.clip_grad_norm_`` would have returned): inf when they
+        were not finite, NaN when the step computed none (no clipping and no scaler).
+        On CUDA reading it waits for the step."""
+        if self._engine is not None and self._engine.last_result.pending:
+            self._last_grad_norm = self._engine.last_grad_norm
+        return torch.tensor(self._last_grad_norm, dtype=torch.float32)
+
+    def state_dict(self) -> Dict[str, Any]:
+        self._export_state()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # torch's load replaced self.state with the loaded tensors: the next step
+        # re-plans and copies them into the engine.
+        self._engine = None
+        self._engine_key = None
+
+    @staticmethod
+    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
+        # The engine keeps fp32 state (and fp32 masters for 16-bit params): a loaded
+        # state tensor keeps fp32 precision instead of being cast to the param's dtype.
+        if key == "step":
+            return value
+        if value.is_floating_point():
+            return value.to(dtype=torch.float32, device=param.device)
+        return value.to(device=param.device)
+
+    # ---- for subclasses ----
+
+    def _config(self, group: Dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _program_key(self, group: Dict[str, Any]) -> Tuple[Any, ...]:
+        return ()
+
+    def _state_keys(self, group: Dict[str, Any]) -> Sequence[str]:
+        raise NotImplementedError
+
+    def _has_step(self) -> bool:
+        return True
+
+    def _derived_state(self, group: Dict[str, Any], step: int) -> Dict[str, torch.Tensor]:
+        """Per-param scalar state torch keeps and the engine derives from the step
+        count (NAdam's mu_product, ASGD's eta and mu)."""
+        return {}
+
+    # ---- planning ----
+
+    def _plan_key(self) -> Tuple[Any, ...]:
+        key = []
+        for group in self.param_groups:
+            key.append((tuple(id(p) for p in group["params"] if p.grad is not None), self._program_key(group)))
+        return tuple(key)
+
+    def _prepare(self) -> Optional[Any]:
+        """The engine for this step, pointed at the current gradients with the current
+        hyperparameters; None when no param has a gradient."""
+        key = self._plan_key()
+        if key != self._engine_key or self._engine is None:
+            self._replan(key)
+        if self._engine is None:
+            return None
+        self._check_grads()
+        grads = [p.grad for p in self._active]
+        ptrs = [g.data_ptr() for g in grads]
+        if ptrs != self._grad_ptrs:
+            self._engine.set_grads(grads)
+            self._grad_ptrs = ptrs
+        self._push_hyperparameters()
+        return self._engine
+
+    def _check_grads(self) -> None:
+        for p in self._active:
+            g = p.grad
+            if g.is_sparse:
+                raise RuntimeError("stepfuse.torch does not support sparse gradients")
+            if g.dtype != p.dtype:
+                raise TypeError(f"stepfuse.torch: a grad of dtype {g.dtype} belongs to a param of dtype {p.dtype} "
+                                "(they must match, as autograd makes them)")
+            if g.device != p.device:
+                raise ValueError(f"stepfuse.torch: a grad on {g.device} belongs to a param on {p.device} "
+                                 "(they must be on one device)")
+            if g.shape != p.shape:
+                raise ValueError(f"stepfuse.torch: a grad of shape {tuple(g.shape)} belongs to a param of shape "
+                                 f"{tuple(p.shape)}")
+        for p in self._active:
+            if not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()  # the fused step reads flat buffers
+
+    def _replan(self, key: Any) -> None:
+        """Builds the engine over the params that have gradients, carrying every
+        param's state (and step count) over from ``self.state``."""
+        self._export_state()  # the old engine's state into self.state (CUDA: snapshots)
+        old = self._engine
+        self._engine = None
+        self._engine_key = None
+        cpp_groups: List[_CppGroup] = []
+        for gi, group in enumerate(self.param_groups):
+            by_step: Dict[int, List[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                by_step.setdefault(self._param_step(p), []).append(p)
+            for step, params in by_step.items():
+                cpp_groups.append(_CppGroup(gi, params, step))
+        if not cpp_groups:
+            self._cpp_groups, self._active, self._grad_ptrs, self._group_values = [], [], [], []
+            self._engine_key = key
+            return
+        self._check_active(cpp_groups)
+        groups = [([(p.detach(), p.grad.contiguous()) for p in g.params], self._config(self.param_groups[g.torch_group]))
+                  for g in cpp_groups]
+        device = cpp_groups[0].params[0].device
+        options: Dict[str, Any] = dict(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
+                                       master_weights=self.master_weights,
+                                       num_threads=self.num_threads if self.num_threads is not None
+                                       else (torch.get_num_threads() if device.type == "cpu" else 0))
+        if device.type == "cuda":
+            options["cuda_stream"] = torch.cuda.current_stream(device).cuda_stream
+        engine = _sf.Optimizer.from_groups(groups, **options)
+        del old
+        active = [p for g in cpp_groups for p in g.params]
+        # State: what self.state holds (a loaded state dict, or the old engine's), else the engine's initial values.
+        for i, p in enumerate(active):
+            st = self.state.get(p)
+            if st:
+                for name in engine.state_names():
+                    src = st.get(name)
+                    if isinstance(src, torch.Tensor) and src.numel() == p.numel():
+                        dst = self._engine_view(engine, i, name, p)
+                        if dst is not None:
+                            self._write_engine(engine, i, name, dst, src)
+                master = st.get("master_param")
+                if isinstance(master, torch.Tensor) and master.numel() == p.numel():
+                    view = engine.master(i)
+                    if view is not None:
+                        view.reshape(-1)[:] = master.detach().to(torch.float32).reshape(-1).cpu().numpy()
+        for g, cg in enumerate(cpp_groups):
+            if cg.step:
+                engine.set_group_step_count(g, cg.step)
+        self._engine = engine
+        self._cpp_groups = cpp_groups
+        self._active = active
+        self._grad_ptrs = [p.grad.data_ptr() for p in active]
+        self._group_values = [None] * len(cpp_groups)
+        self._engine_key = key
+        self._import_views()
+
+    def _check_active(self, cpp_groups: List[_CppGroup]) -> None:
+        devices = {p.device for g in cpp_groups for p in g.params}
+        if len(devices) > 1:
+            raise ValueError(f"stepfuse.torch: the params are on several devices ({sorted(str(d) for d in devices)}); "
+                             "one optimizer steps the params of one device")
+
+    def _param_step(self, p: torch.Tensor) -> int:
+        st = self.state.get(p)
+        if not st:
+            return 0
+        step = st.get("step")
+        if step is None:
+            # SGD keeps no step: a momentum buffer means the first step is behind it.
+            return 1 if any(isinstance(v, torch.Tensor) for v in st.values()) else 0
+        return int(_as_float(step))
+
+    def _engine_view(self, engine: Any, i: int, name: str, p: torch.Tensor) -> Optional[Any]:
+        try:
+            return engine.state(i, name)
+        except ValueError:
+            return None  # this param's program has no such stream (a group without amsgrad, say)
+
+    @staticmethod
+    def _write_engine(engine: Any, i: int, name: str, dst: Any, src: torch.Tensor) -> None:
+        dst.reshape(-1)[:] = src.detach().to(torch.float32).reshape(-1).cpu().numpy()
+
+    def _import_views(self) -> None:
+        """Points self.state at the engine's state, in torch's key order: zero-copy
+        views on the CPU, snapshots on CUDA."""
+        engine = self._engine
+        names = set(engine.state_names())
+        self._step_tensors = []
+        for i, p in enumerate(self._active):
+            cg = self._cpp_group_of(i)
+            group = self.param_groups[cg.torch_group]
+            old = self.state.get(p) or {}
+            st: Dict[str, Any] = {}
+            if self._has_step():
+                step = old.get("step")
+                if not (isinstance(step, torch.Tensor) and step.device.type == "cpu" and step.dtype == torch.float32
+                        and step.dim() == 0):
+                    step = torch.tensor(float(cg.step), dtype=torch.float32)
+                st["step"] = step
+                self._step_tensors.append(step)
+            st.update(self._derived_state(group, cg.step))
+            for name in self._state_keys(group):
+                if name not in names:
+                    continue
+                view = self._engine_view(engine, i, name, p)
+                if view is None:
+                    continue
+                t = torch.from_numpy(view).view(p.shape)
+                st[name] = t if p.device.type == "cpu" else t.to(p.device)
+            master = engine.master(i)
+            if master is not None:
+                t = torch.from_numpy(master).view(p.shape)
+                st["master_param"] = t if p.device.type == "cpu" else t.to(p.device)
+            if st:
+                self.state[p] = st
+            elif p in self.state:
+                del self.state[p]
+
+    def _cpp_group_of(self, i: int) -> _CppGroup:
+        n = 0
+        for cg in self._cpp_groups:
+            n += len(cg.params)
+            if i < n:
+                return cg
+        raise IndexError(i)
+
+    def _export_state(self) -> None:
+        """Brings self.state up to date with the engine: step counts, the scalar state
+        torch keeps (NAdam's mu_product, ASGD's eta and mu), and on CUDA fresh copies."""
+        engine = self._engine
+        if engine is None:
+            return
+        on_cuda = self._active and self._active[0].device.type == "cuda"
+        if on_cuda:
+            self._import_views()
+        for g, cg in enumerate(self._cpp_groups):
+            step = engine.group_step_count(g)
+            cg.step = step
+            group = self.param_groups[cg.torch_group] if cg.torch_group < len(self.param_groups) else None
+            for p in cg.params:
+                st = self.state.get(p)
+                if st is None:
+                    continue
+                if self._has_step():
+                    if "step" in st:
+                        st["step"].fill_(float(step))
+                    else:
+                        st["step"] = torch.tensor(float(step), dtype=torch.float32)
+                if group is not None:
+                    st.update(self._derived_state(group, step))
+
+    def _push_hyperparameters(self) -> None:
+        engine = self._engine
+        for g, cg in enumerate(self._cpp_groups):
+            group = self.param_groups[cg.torch_group]
+            values = tuple(_as_float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else v
+                           for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, tuple, torch.Tensor)))
+            if values == self._group_values[g]:
+                continue
+            engine.set_config(self._config(group), g)
+            self._group_values[g] = values
+
+    def _finish(self, result: Any) -> None:
+        if result.pending:  # CUDA: known when read
+            self._last_grad_norm = math.nan
+            return
+        self._last_grad_norm = result.grad_norm
+        if result.applied and self._has_step() and self._step_tensors:
+            torch._foreach_add_(self._step_tensors, 1.0)
+            for cg in self._cpp_groups:
+                cg.step += 1
+        elif result.applied:
+            for cg in self._cpp_groups:
+                cg.step += 1

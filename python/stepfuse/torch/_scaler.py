@@ -1,0 +1,51 @@
+"""stepfuse.torch.GradScaler: torch.amp.GradScaler whose step() is the fused step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from ._base import StepfuseOptimizer
+
+__all__ = ["GradScaler"]
+
+
+class GradScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` (same constructor, ``scale``, ``update``,
+    ``state_dict``) whose ``step(opt)`` with a stepfuse.torch optimizer is one fused
+    step: the gradients are read once to unscale, check for inf/NaN and take the
+    norm, and once more to update — no separate inf-check pass, no unscale pass.
+    The step records found_inf where torch's ``update()`` reads it, so ``update()``
+    is torch's own and the scale evolves exactly as torch's.
+
+    ``scaler.unscale_(opt)`` (say, before ``clip_grad_norm_``) still works: the step
+    is then torch's path, on the already unscaled gradients. Any other optimizer
+    gets torch's behaviour unchanged.
+    """
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if not self._enabled or not isinstance(optimizer, StepfuseOptimizer):
+            return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.UNSCALED or args or kwargs:
+            # unscale_ ran (its found_inf is recorded): torch's path, which hands
+            # found_inf to the optimizer's step.
+            return super().step(optimizer, *args, **kwargs)
+        scale = self._scale
+        result = optimizer._step_scaled(float(scale.item()))
+        if result is not None and result.pending:
+            # CUDA: the step decided on the device; reading found_inf waits for it.
+            result = optimizer._engine.last_result
+            optimizer._finish(result)
+        found = 0.0 if result is None else float(result.found_inf)
+        state["found_inf_per_device"] = {scale.device: torch.full((), found, dtype=torch.float32,
+                                                                  device=scale.device)}
+        state["stage"] = OptState.STEPPED
+        return None
