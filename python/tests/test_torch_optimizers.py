@@ -1,0 +1,572 @@
+"""stepfuse.torch's optimizers against torch.optim's (and Lion and LAMB against float64
+references written from their formulas): the weights after every step and the state,
+for the main flag variants, param groups, add_param_group, lr schedulers, hand-set
+hyperparameters, the fused gradient clipping, f16/bf16 weights with fp32 masters, params
+without gradients and step(closure)."""
+
+import inspect
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import stepfuse.torch as sft  # noqa: E402
+
+TORCH_OPTIMIZERS = [
+    "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax",
+    "Adadelta", "Rprop", "ASGD",
+]
+STEPS = 30
+
+# (optimizer, kwargs): every optimizer with its defaults and its main flags.
+CASES = [
+    ("SGD", dict(lr=0.1)),
+    ("SGD", dict(lr=0.05, momentum=0.9)),
+    ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)),
+    ("SGD", dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=1e-2, maximize=True)),
+    ("Adam", dict()),
+    ("Adam", dict(lr=1e-2, amsgrad=True, weight_decay=0.1)),
+    ("Adam", dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, maximize=True)),
+    ("Adam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    ("AdamW", dict()),
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)),
+    ("Adagrad", dict()),
+    ("Adagrad", dict(lr=0.05, lr_decay=1e-2, initial_accumulator_value=0.1, weight_decay=1e-2)),
+    ("Adagrad", dict(lr=0.05, eps=1e-6, maximize=True)),
+    ("RMSprop", dict()),
+    ("RMSprop", dict(lr=1e-3, centered=True, momentum=0.9)),
+    ("RMSprop", dict(lr=1e-3, centered=True, weight_decay=1e-2)),
+    ("RMSprop", dict(lr=1e-3, alpha=0.9, momentum=0.5, weight_decay=1e-2, maximize=True)),
+    ("NAdam", dict()),
+    ("NAdam", dict(lr=1e-2, weight_decay=1e-2, momentum_decay=8e-3)),
+    ("NAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, maximize=True)),
+    ("RAdam", dict()),
+    ("RAdam", dict(lr=1e-2, weight_decay=1e-2)),
+    ("RAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, maximize=True)),
+    ("Adamax", dict()),
+    ("Adamax", dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=1e-2, maximize=True)),
+    ("Adadelta", dict()),
+    ("Adadelta", dict(lr=0.5, rho=0.5, eps=1e-5, weight_decay=1e-2, maximize=True)),
+    ("Rprop", dict()),
+    ("Rprop", dict(lr=1e-3, etas=(0.3, 1.5), step_sizes=(1e-4, 1e-2), maximize=True)),
+    ("ASGD", dict()),
+    ("ASGD", dict(lr=1e-2, lambd=1e-2, alpha=0.5, t0=5, weight_decay=1e-2, maximize=True)),
+]
+
+
+def case_id(case):
+    name, kwargs = case
+    return name + "".join(f"-{k}={v}" for k, v in kwargs.items())
+
+
+def pair(name, kwargs, params_or_groups_ref, params_or_groups_ours):
+    return (getattr(torch.optim, name)(params_or_groups_ref, **kwargs),
+            getattr(sft, name)(params_or_groups_ours, **kwargs))
+
+
+# ---- every optimizer against torch's own ---------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_torch(util, case):
+    name, kwargs = case
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, kwargs, ref, ours)
+    assert isinstance(sopt, torch.optim.Optimizer)
+    util.train_both(topt, sopt, ref, ours, STEPS, where=case_id(case))
+    util.assert_state_close(sopt, topt)
+    util.assert_groups_match(sopt, topt)
+
+
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_signature_and_defaults_are_torchs(util, name):
+    """The same constructor arguments (names, positional order, defaults) as torch's, plus
+    max_grad_norm=None, norm_type=2.0 and master_weights=True; the same group defaults."""
+    tsig = inspect.signature(getattr(torch.optim, name).__init__).parameters
+    ssig = inspect.signature(getattr(sft, name).__init__).parameters
+    positional = [k for k, p in tsig.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    ours_positional = [k for k, p in ssig.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert ours_positional[: len(positional)] == positional
+    for k, p in tsig.items():
+        assert k in ssig, f"{name} has no argument {k!r}"
+        assert ssig[k].default == p.default, f"{name}({k}=...) default {ssig[k].default!r}, torch's {p.default!r}"
+    for k, default in (("max_grad_norm", None), ("norm_type", 2.0), ("master_weights", True)):
+        assert k in ssig, f"{name} has no argument {k!r}"
+        assert ssig[k].default == default
+    ref, ours = util.make_params(), util.make_params()
+    topt, sopt = getattr(torch.optim, name)(ref), getattr(sft, name)(ours)
+    for k, v in topt.defaults.items():
+        assert k in sopt.defaults, f"{name}.defaults has no {k!r}"
+        assert sopt.defaults[k] == v, f"{name}.defaults[{k!r}] = {sopt.defaults[k]!r}, torch's {v!r}"
+    util.assert_groups_match(sopt, topt)
+
+
+def test_positional_arguments_as_torch(util):
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt = torch.optim.SGD(ref, 0.05, 0.9, 0.0, 1e-2, True)
+    sopt = sft.SGD(ours, 0.05, 0.9, 0.0, 1e-2, True)
+    util.assert_groups_match(sopt, topt)
+    util.train_both(topt, sopt, ref, ours, 5)
+
+
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_torchs_implementation_flags_are_accepted(util, name):
+    """foreach, fused, capturable and differentiable (where torch has them) are accepted
+    with their inert values and kept in the groups as torch keeps them."""
+    tsig = inspect.signature(getattr(torch.optim, name).__init__).parameters
+    flags = {k: v for k, v in (("foreach", False), ("capturable", False), ("differentiable", False)) if k in tsig}
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, flags, ref, ours)
+    util.assert_groups_match(sopt, topt)
+    util.train_both(topt, sopt, ref, ours, 3)
+
+
+def test_empty_and_scalar_params(util):
+    """A 0-element and a 0-dim parameter beside ordinary ones."""
+    ref = util.make_params([(0,), (), (5, 0), (40,)])
+    ours = util.clone_params(ref)
+    topt, sopt = pair("AdamW", dict(lr=1e-2), ref, ours)
+    util.train_both(topt, sopt, ref, ours, 5)
+    util.assert_state_close(sopt, topt)
+
+
+# ---- Lion and LAMB against float64 references ----------------------------------------------
+
+class LionReference:
+    """Lion (Chen et al. 2023), in float64: with g = -grad under maximize,
+    p *= 1 - lr*wd; c = b1*m + (1-b1)*g; p -= lr*sign(c); m = b2*m + (1-b2)*g
+    (jit/builtin/lion.hpp). Params without a gradient are skipped."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False):
+        self.p = [p.detach().double().clone() for p in params]
+        self.m = [torch.zeros_like(p) for p in self.p]
+        self.lr, self.betas, self.wd, self.maximize = lr, betas, weight_decay, maximize
+
+    def step(self, grads):
+        b1, b2 = self.betas
+        for p, m, g in zip(self.p, self.m, grads):
+            if g is None:
+                continue
+            g = g.double()
+            if self.maximize:
+                g = -g
+            p.mul_(1.0 - self.lr * self.wd)
+            c = b1 * m + (1.0 - b1) * g
+            p.sub_(self.lr * torch.sign(c))
+            m.mul_(b2).add_((1.0 - b2) * g)
+
+
+class LambReference:
+    """LAMB as NVIDIA Apex's FusedLAMB (adam_w_mode, bias correction, grad averaging), in
+    float64, per param with its own step count t (jit/builtin/lamb.hpp):
+    m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
+    u = (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + wd*p;
+    ratio = ||p|| / ||u|| when wd != 0 and neither norm is 0, else 1; p -= lr*ratio*u.
+    With max_grad_norm, the gradients are first clipped as torch's clip_grad_norm_ clips
+    them (over every param that has a gradient)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, max_grad_norm=None):
+        self.p = [p.detach().double().clone() for p in params]
+        self.m = [torch.zeros_like(p) for p in self.p]
+        self.v = [torch.zeros_like(p) for p in self.p]
+        self.t = [0] * len(self.p)
+        self.lr, self.betas, self.eps, self.wd, self.max_grad_norm = lr, betas, eps, weight_decay, max_grad_norm
+        self.last_grad_norm = None
+
+    def step(self, grads):
+        b1, b2 = self.betas
+        grads = [None if g is None else g.double() for g in grads]
+        if self.max_grad_norm is not None:
+            norm = math.sqrt(sum(float((g * g).sum()) for g in grads if g is not None))
+            self.last_grad_norm = norm
+            coef = min(self.max_grad_norm / (norm + 1e-6), 1.0)
+            grads = [None if g is None else g * coef for g in grads]
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            p, m, v = self.p[i], self.m[i], self.v[i]
+            self.t[i] += 1
+            t = self.t[i]
+            m.mul_(b1).add_((1.0 - b1) * g)
+            v.mul_(b2).add_((1.0 - b2) * g * g)
+            u = (m / (1.0 - b1**t)) / (torch.sqrt(v / (1.0 - b2**t)) + self.eps) + self.wd * p
+            ratio = 1.0
+            if self.wd != 0.0:
+                pn, un = float(p.norm()), float(u.norm())
+                if pn != 0.0 and un != 0.0:
+                    ratio = pn / un
+            p.sub_(self.lr * ratio * u)
+
+
+def check_against_reference(util, opt, ours, ref, steps, *, skip_at=lambda step: (), lr_at=None, where="", **tol):
+    """Steps `opt` over params `ours` and the float64 reference on the same gradients,
+    comparing after every step (fp32 against float64: the default fp32 tolerances,
+    unless given)."""
+    for step in range(steps):
+        if lr_at is not None and lr_at(step) is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            ref.lr = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        grads = util.make_grads(ours, step)
+        skip = skip_at(step)
+        util.set_grads(ours, grads, skip)
+        opt.step()
+        ref.step([None if i in skip else g for i, g in enumerate(grads)])
+        for i, (p, r) in enumerate(zip(ours, ref.p)):
+            torch.testing.assert_close(p.detach(), r.float(), msg=lambda m, i=i: f"{where} step {step} param {i}: {m}", **tol)
+
+
+LION_CASES = [
+    dict(),
+    dict(lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1),
+    dict(lr=1e-3, weight_decay=0.5, maximize=True),
+]
+
+
+@pytest.mark.parametrize("kwargs", LION_CASES, ids=lambda kw: "Lion" + "".join(f"-{k}={v}" for k, v in kw.items()))
+def test_lion_matches_reference(util, kwargs):
+    ours = util.make_params()
+    ref = LionReference(ours, **kwargs)
+    opt = sft.Lion(ours, **kwargs)
+    check_against_reference(util, opt, ours, ref, STEPS, where="Lion")
+    for i, p in enumerate(ours):
+        torch.testing.assert_close(opt.state[p]["exp_avg"], ref.m[i].float())
+
+
+def test_lion_defaults(util):
+    opt = sft.Lion(util.make_params())
+    g = opt.param_groups[0]
+    assert (g["lr"], tuple(g["betas"]), g["weight_decay"], g["maximize"]) == (1e-4, (0.9, 0.99), 0.0, False)
+
+
+LAMB_CASES = [
+    dict(),
+    dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1),
+    dict(lr=1e-2, weight_decay=0.0),
+    dict(lr=1e-2, max_grad_norm=1.0),
+]
+
+
+@pytest.mark.parametrize("kwargs", LAMB_CASES, ids=lambda kw: "LAMB" + "".join(f"-{k}={v}" for k, v in kw.items()))
+def test_lamb_matches_reference(util, kwargs):
+    # A zero tensor (a freshly initialized bias: its norm is 0, so its trust ratio is 1).
+    ours = util.make_params()
+    with torch.no_grad():
+        ours[2].zero_()
+    ref = LambReference(ours, **kwargs)
+    opt = sft.LAMB(ours, **kwargs)
+    check_against_reference(util, opt, ours, ref, STEPS, where="LAMB")
+    for i, p in enumerate(ours):
+        torch.testing.assert_close(opt.state[p]["exp_avg"], ref.m[i].float())
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref.v[i].float())
+    if "max_grad_norm" in kwargs:
+        torch.testing.assert_close(opt.last_grad_norm, torch.tensor(ref.last_grad_norm, dtype=torch.float32))
+
+
+def test_lamb_defaults(util):
+    opt = sft.LAMB(util.make_params())
+    g = opt.param_groups[0]
+    assert (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-6, 0.01)
+
+
+@pytest.mark.parametrize("name", ["Lion", "LAMB"])
+def test_lion_lamb_lr_change_and_params_without_grad(util, name):
+    """A hand-set lr from step 10 on, param 1 without a gradient at steps 5 to 12 and
+    param 3 never with one: skipped params keep their weights, and get their own step
+    counts (LAMB's bias corrections) as in torch."""
+    ours = util.make_params()
+    kwargs = dict(lr=1e-3, weight_decay=0.1)
+    ref = (LionReference if name == "Lion" else LambReference)(ours, **kwargs)
+    opt = getattr(sft, name)(ours, **kwargs)
+    check_against_reference(util, opt, ours, ref, 20,
+                            skip_at=lambda s: {1, 3} if 5 <= s <= 12 else {3},
+                            lr_at=lambda s: 3e-3 if s == 10 else None, where=name)
+    assert len(opt.state[ours[3]]) == 0
+
+
+# ---- param groups, add_param_group, schedulers, hand-set hyperparameters -----------------------
+
+def two_groups(params):
+    """A decayed group, and a no-decay group with its own lr."""
+    return [
+        {"params": [params[1], params[3]]},
+        {"params": [params[0], params[2]], "weight_decay": 0.0, "lr": 3e-3},
+    ]
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    ("SGD", dict(lr=0.05, momentum=0.9, weight_decay=1e-2)),
+    ("RMSprop", dict(lr=1e-3, weight_decay=1e-2, centered=True)),
+])
+def test_param_groups(util, name, kwargs):
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, kwargs, two_groups(ref), two_groups(ours))
+    util.assert_groups_match(sopt, topt)
+    util.train_both(topt, sopt, ref, ours, STEPS)
+    util.assert_state_close(sopt, topt)
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    ("SGD", dict(lr=0.05, momentum=0.9)),
+    ("Adagrad", dict(lr=0.05, lr_decay=1e-2)),
+])
+def test_add_param_group_mid_training(util, name, kwargs):
+    """After 10 steps a second group joins (another lr, no weight decay): its state starts
+    fresh, its step count from 0, the first group's continues."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, kwargs, ref[:2], ours[:2])
+    util.train_both(topt, sopt, ref, ours, 10)
+    extra = {"lr": 3e-3, "weight_decay": 0.0}
+    topt.add_param_group({"params": ref[2:], **extra})
+    sopt.add_param_group({"params": ours[2:], **extra})
+    util.assert_groups_match(sopt, topt)
+    util.train_both(topt, sopt, ref, ours, 20, start=10)
+    util.assert_state_close(sopt, topt)
+
+
+SCHEDULERS = {
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.05, 0.02], total_steps=STEPS + 1),
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1.0 + epoch)),
+    "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10, eta_min=1e-4),
+}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULERS))
+@pytest.mark.parametrize("name,kwargs", [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    ("SGD", dict(lr=0.05, momentum=0.9)),
+])
+def test_lr_scheduler_every_step(util, sched, name, kwargs):
+    """A scheduler stepping after every optimizer step (OneCycleLR also cycles SGD's
+    momentum and Adam's beta1 in the groups): the same lrs, the same weights."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, kwargs, two_groups(ref), two_groups(ours))
+    tsched, ssched = SCHEDULERS[sched](topt), SCHEDULERS[sched](sopt)
+    for step in range(STEPS):
+        util.step_both(topt, sopt, ref, ours, step, where=sched)
+        tsched.step()
+        ssched.step()
+        assert ssched.get_last_lr() == tsched.get_last_lr()
+        util.assert_groups_match(sopt, topt)
+    util.assert_state_close(sopt, topt)
+
+
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_hand_set_hyperparameters_take_effect_at_next_step(util, name):
+    """group["lr"] (and weight_decay, where the optimizer has it) written between steps,
+    for one group only: the next step uses them, as torch's does (ASGD's eta, Adagrad's
+    decayed lr, ... included)."""
+    tsig = inspect.signature(getattr(torch.optim, name).__init__).parameters
+    kwargs = {"weight_decay": 1e-2} if "weight_decay" in tsig else {}
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, kwargs, two_groups(ref), two_groups(ours))
+
+    def change(step):
+        for opt in (topt, sopt):
+            if step == 8:
+                opt.param_groups[0]["lr"] *= 0.3
+            if step == 15 and "weight_decay" in kwargs:
+                opt.param_groups[1]["weight_decay"] = 5e-2
+            if step == 20:
+                opt.param_groups[1]["lr"] = 2.5 * opt.param_groups[1]["lr"]
+
+    util.train_both(topt, sopt, ref, ours, 25, on_step=change, where=name)
+    util.assert_state_close(sopt, topt)
+    util.assert_groups_match(sopt, topt)
+
+
+# ---- fused clipping ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("name,kwargs", [
+    ("AdamW", dict(lr=1e-2)),
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("Adagrad", dict(lr=0.05)),
+])
+def test_fused_clip_matches_clip_grad_norm(util, name, kwargs, norm_type):
+    """max_grad_norm=1.0 against torch.nn.utils.clip_grad_norm_ over every group's params
+    followed by torch's step; every third step the gradients are small enough not to be
+    clipped. last_grad_norm is what clip_grad_norm_ returned: a 0-dim float32 tensor."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt = getattr(torch.optim, name)(two_groups(ref), **kwargs)
+    sopt = getattr(sft, name)(two_groups(ours), max_grad_norm=1.0, norm_type=norm_type, **kwargs)
+    for step in range(STEPS):
+        scale = 1e-3 if step % 3 == 0 else 1.0
+        grads = util.make_grads(ref, step, scale=scale)
+        topt.zero_grad(set_to_none=True)
+        sopt.zero_grad(set_to_none=True)
+        util.set_grads(ref, grads)
+        util.set_grads(ours, grads)
+        total = torch.nn.utils.clip_grad_norm_(ref, 1.0, norm_type=norm_type)
+        assert (float(total) < 1.0) == (step % 3 == 0)  # the test clips where it means to
+        topt.step()
+        sopt.step()
+        norm = sopt.last_grad_norm
+        assert torch.is_tensor(norm) and norm.dim() == 0 and norm.dtype == torch.float32
+        torch.testing.assert_close(norm, total, msg=lambda m: f"step {step}: last_grad_norm: {m}")
+        util.assert_params_close(ours, ref, where=f"step {step}:")
+        for p, g in zip(ours, grads):
+            assert torch.equal(p.grad, g), "the fused clip wrote the gradients"
+    util.assert_state_close(sopt, topt)
+
+
+def test_fused_clip_skips_params_without_grad(util):
+    """The norm is over the params that have a gradient, as clip_grad_norm_'s."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt = torch.optim.AdamW(ref, lr=1e-2)
+    sopt = sft.AdamW(ours, lr=1e-2, max_grad_norm=1.0)
+    for step in range(10):
+        grads = util.make_grads(ref, step)
+        skip = {1} if step % 2 else set()
+        util.set_grads(ref, grads, skip)
+        util.set_grads(ours, grads, skip)
+        total = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        topt.step()
+        sopt.step()
+        torch.testing.assert_close(sopt.last_grad_norm, total)
+        util.assert_params_close(ours, ref, where=f"step {step}:")
+
+
+# ---- f16/bf16 weights with fp32 masters ------------------------------------------------------
+
+LOW_PRECISION = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("name,kwargs", [
+    ("AdamW", dict(lr=1e-3, weight_decay=0.1)),
+    ("SGD", dict(lr=1e-3, momentum=0.9)),
+    ("Adagrad", dict(lr=1e-3)),
+])
+def test_low_precision_params_with_fp32_masters(util, dtype, name, kwargs):
+    """f16/bf16 weights and gradients, master_weights=True (the default): the reference is
+    torch's optimizer stepping an fp32 copy of the weights on the fp32 values of the same
+    gradients; ours must be that fp32 copy rounded to the weights' format. The updates are
+    mostly below half an ulp of the narrow format, so without fp32 masters the weights
+    would not follow."""
+    ours = util.make_params(dtype=dtype)
+    ref = util.clone_params(ours, dtype=torch.float32)
+    topt = getattr(torch.optim, name)(ref, **kwargs)
+    sopt = getattr(sft, name)(ours, **kwargs)
+    for step in range(STEPS):
+        grads = util.make_grads(ours, step)  # in the weights' format
+        util.set_grads(ours, grads)
+        util.set_grads(ref, [g.float() for g in grads])
+        topt.step()
+        sopt.step()
+        for p in ours:
+            assert p.dtype == dtype
+        util.assert_rounded_from(ours, ref, where=f"step {step}:")
+    # the state is fp32, as torch's for the fp32 copy
+    util.assert_state_close(sopt, topt)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_low_precision_params_without_masters(util, dtype):
+    """master_weights=False: each step computes in fp32 from the stored f16/bf16 weights and
+    rounds the result back; the state stays fp32. Checked one step at a time: the
+    reference starts every step from our stored weights."""
+    ours = util.make_params(dtype=dtype)
+    ref = util.clone_params(ours, dtype=torch.float32)
+    topt = torch.optim.AdamW(ref, lr=1e-2)
+    sopt = sft.AdamW(ours, lr=1e-2, master_weights=False)
+    for step in range(STEPS):
+        grads = util.make_grads(ours, step)
+        util.set_grads(ours, grads)
+        util.set_grads(ref, [g.float() for g in grads])
+        topt.step()
+        sopt.step()
+        util.assert_rounded_from(ours, ref, where=f"step {step}:")
+        with torch.no_grad():
+            for r, p in zip(ref, ours):
+                r.copy_(p.float())
+    util.assert_state_close(sopt, topt)
+
+
+# ---- params without gradients -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_params_without_grad_are_skipped(util, name):
+    """Param 3 never has a gradient (never moves; no state, except what torch's Adagrad
+    makes at construction); param 1 has none at steps 6 to 13 (its weights and state stay
+    bitwise as they were, its step count stops) and then gets one again: torch's
+    behaviour throughout."""
+    kwargs = {"momentum": 0.9} if name in ("SGD", "RMSprop") else {}
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, kwargs, ref, ours)
+    frozen_w = frozen_state = None
+    for step in range(24):
+        skip = {1, 3} if 6 <= step <= 13 else {3}
+        util.step_both(topt, sopt, ref, ours, step, skip=skip, where=name)
+        assert torch.equal(ours[3], ref[3].detach())
+        assert set(sopt.state[ours[3]]) == set(topt.state[ref[3]])
+        if step == 6:
+            frozen_w = ours[1].detach().clone()
+            frozen_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in sopt.state[ours[1]].items()}
+        if 6 <= step <= 13:
+            assert torch.equal(ours[1], frozen_w), f"step {step}: a param without a gradient moved"
+            for k, v in frozen_state.items():
+                now = sopt.state[ours[1]][k]
+                assert torch.equal(now, v) if torch.is_tensor(v) else now == v, f"step {step}: state {k!r} changed"
+    util.assert_state_close(sopt, topt)  # param 3's entry (or its absence) included
+
+
+# ---- step(closure), zero_grad ---------------------------------------------------------------
+
+def test_step_with_closure_returns_its_loss(util):
+    """step(closure) calls the closure with grad enabled (even under no_grad), steps on
+    the gradients it computed and returns its loss, as torch's does; step() returns None."""
+    x = torch.randn(8, 64)
+    ref = util.make_params([(64, 4), (4,)])
+    ours = util.clone_params(ref)
+    topt, sopt = pair("AdamW", dict(lr=1e-2), ref, ours)
+
+    def closure_for(opt, params):
+        seen = {}
+
+        def closure():
+            seen["grad_enabled"] = torch.is_grad_enabled()
+            opt.zero_grad()
+            loss = ((x @ params[0] + params[1]) ** 2).mean()
+            loss.backward()
+            seen["loss"] = loss
+            return loss
+
+        return closure, seen
+
+    for step in range(5):
+        tclosure, tseen = closure_for(topt, ref)
+        sclosure, sseen = closure_for(sopt, ours)
+        with torch.no_grad():
+            tloss = topt.step(tclosure)
+            sloss = sopt.step(sclosure)
+        assert sseen["grad_enabled"] and tseen["grad_enabled"]
+        assert sloss is sseen["loss"]
+        torch.testing.assert_close(sloss, tloss)
+        util.assert_params_close(ours, ref, where=f"closure step {step}:")
+    util.set_grads(ours, util.make_grads(ours, 0))
+    assert sopt.step() is None
+
+
+def test_zero_grad(util):
+    ours = util.make_params()
+    opt = sft.SGD(ours, lr=0.1)
+    util.set_grads(ours, util.make_grads(ours, 0))
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in ours)
+    opt.zero_grad()
+    assert all(p.grad is None for p in ours)

@@ -1,0 +1,253 @@
+"""Loss scaling: stepfuse.torch's optimizers under torch.amp.GradScaler, and
+stepfuse.torch.GradScaler, against torch.amp.GradScaler driving torch.optim's optimizer.
+Gradients carry the current loss scale, some steps get an inf or a NaN: on those steps
+nothing may be written, and the scale, its growth and the scaler's state_dict must follow
+torch's at every step."""
+
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import stepfuse.torch as sft  # noqa: E402
+
+STEPS = 30
+INIT_SCALE = 2.0**12  # a power of two: unscaling is exact, for torch and for us
+GROWTH_INTERVAL = 4
+# step -> (value, param, flat index): non-finite gradients. Step 0 has no state yet; 5
+# and 6 back off twice in a row; the good runs in between are long enough to grow.
+BAD = {0: (float("inf"), 3, 7), 5: (float("nan"), 0, 1), 6: (float("-inf"), 1, 0), 17: (float("nan"), 3, 16000)}
+
+OPTIMIZERS = [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    ("SGD", dict(lr=0.05, momentum=0.9)),
+    ("RMSprop", dict(lr=1e-3, centered=True)),
+    ("Adagrad", dict(lr=0.05)),
+]
+# (whose scaler, whose optimizer) under test; the reference is always torch's with torch's.
+COMBOS = [("torch", "stepfuse"), ("stepfuse", "stepfuse"), ("stepfuse", "torch")]
+
+
+def make_scaler(kind, **kw):
+    cls = torch.amp.GradScaler if kind == "torch" else sft.GradScaler
+    return cls("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, **kw)
+
+
+def current_scale(scaler):
+    """The loss scale of this iteration, through scaler.scale() as a training loop's
+    scaler.scale(loss) would (which also makes the scaler ready for step())."""
+    return float(scaler.scale(torch.ones(())))
+
+
+def scaled_grads(util, params, step, scale, bad=BAD):
+    grads = util.make_grads(params, step, scale=scale)
+    if step in bad:
+        value, i, j = bad[step]
+        grads[i].view(-1)[j] = value
+    return grads
+
+
+def assert_untouched(util, opt, before, where):
+    """opt's state is bitwise what it was before a skipped step; a param that had no state
+    may have got some only if nothing was written into it (step 0, constant buffers)."""
+    after = opt.state_dict()["state"]
+    for i, st in before["state"].items():
+        assert i in after, f"{where}: state of param {i} disappeared"
+        util.assert_state_equal({"s": after[i]}, {"s": st})
+    for i in set(after) - set(before["state"]):
+        for k, v in after[i].items():
+            if k == "step":
+                assert float(v) == 0, f"{where}: param {i}'s step advanced on a skipped step"
+            elif torch.is_tensor(v) and v.numel() > 0:
+                assert bool((v == v.reshape(-1)[0]).all()), f"{where}: state {k!r} of param {i} written on a skipped step"
+
+
+@pytest.mark.parametrize("scaler_kind,opt_kind", COMBOS)
+@pytest.mark.parametrize("name,kwargs", OPTIMIZERS, ids=[n for n, _ in OPTIMIZERS])
+def test_scaler_step_matches_torch(util, scaler_kind, opt_kind, name, kwargs):
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt = getattr(torch.optim, name)(ref, **kwargs)
+    oopt = getattr(sft if opt_kind == "stepfuse" else torch.optim, name)(ours, **kwargs)
+    tscaler, oscaler = make_scaler("torch"), make_scaler(scaler_kind)
+    scales = []
+    for step in range(STEPS):
+        scale = current_scale(tscaler)
+        assert current_scale(oscaler) == scale, f"step {step}"
+        scales.append(scale)
+        grads = scaled_grads(util, ref, step, scale)
+        for opt, params in ((topt, ref), (oopt, ours)):
+            opt.zero_grad(set_to_none=True)
+            util.set_grads(params, grads)
+        before_w, before_state = util.snapshot(ours), util.state_snapshot(oopt)
+        tscaler.step(topt)
+        oscaler.step(oopt)
+        tscaler.update()
+        oscaler.update()
+        if step in BAD:
+            util.assert_params_equal(ours, before_w, where=f"skipped step {step}:")
+            assert_untouched(util, oopt, before_state, f"skipped step {step}")
+        util.assert_params_close(ours, ref, where=f"step {step}:")
+        assert oscaler.get_scale() == tscaler.get_scale(), f"step {step}"
+        assert oscaler.state_dict() == tscaler.state_dict(), f"step {step}"
+    # the run saw the scale back off and grow
+    assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
+    util.assert_state_close(oopt, topt)
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "stepfuse"])
+def test_unscale_clip_step_path(util, scaler_kind):
+    """scaler.unscale_(opt); clip_grad_norm_(params, 1.0); scaler.step(opt); update():
+    the gradients are unscaled in place, clipped by the caller, and the step does not
+    unscale them again."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt = torch.optim.AdamW(ref, lr=1e-2)
+    oopt = sft.AdamW(ours, lr=1e-2)
+    tscaler, oscaler = make_scaler("torch"), make_scaler(scaler_kind)
+    for step in range(STEPS):
+        grads = scaled_grads(util, ref, step, current_scale(tscaler))
+        assert current_scale(oscaler) == current_scale(tscaler), f"step {step}"
+        norms = []
+        for opt, params, scaler in ((topt, ref, tscaler), (oopt, ours, oscaler)):
+            opt.zero_grad(set_to_none=True)
+            util.set_grads(params, grads)
+            scaler.unscale_(opt)
+            norms.append(torch.nn.utils.clip_grad_norm_(params, 1.0))
+            scaler.step(opt)
+            scaler.update()
+        torch.testing.assert_close(norms[1], norms[0], equal_nan=True)
+        util.assert_params_close(ours, ref, where=f"step {step}:")
+        assert oscaler.state_dict() == tscaler.state_dict(), f"step {step}"
+    util.assert_state_close(oopt, topt)
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "stepfuse"])
+@pytest.mark.parametrize("name,kwargs", OPTIMIZERS[:2], ids=[n for n, _ in OPTIMIZERS[:2]])
+def test_fused_clip_under_scaler(util, scaler_kind, name, kwargs):
+    """max_grad_norm=1.0 inside the scaled step equals torch's unscale_ + clip_grad_norm_ +
+    step; last_grad_norm is clip_grad_norm_'s result on the applied steps."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt = getattr(torch.optim, name)(ref, **kwargs)
+    oopt = getattr(sft, name)(ours, max_grad_norm=1.0, **kwargs)
+    tscaler, oscaler = make_scaler("torch"), make_scaler(scaler_kind)
+    for step in range(STEPS):
+        grads = scaled_grads(util, ref, step, current_scale(tscaler))
+        assert current_scale(oscaler) == current_scale(tscaler), f"step {step}"
+        for opt, params in ((topt, ref), (oopt, ours)):
+            opt.zero_grad(set_to_none=True)
+            util.set_grads(params, grads)
+        before_w = util.snapshot(ours)
+        tscaler.unscale_(topt)
+        total = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        tscaler.step(topt)
+        oscaler.step(oopt)
+        tscaler.update()
+        oscaler.update()
+        if step in BAD:
+            util.assert_params_equal(ours, before_w, where=f"skipped step {step}:")
+        else:
+            torch.testing.assert_close(oopt.last_grad_norm, total, msg=lambda m: f"step {step}: last_grad_norm: {m}")
+        util.assert_params_close(ours, ref, where=f"step {step}:")
+        assert oscaler.state_dict() == tscaler.state_dict(), f"step {step}"
+    util.assert_state_close(oopt, topt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_weights_and_grads_under_scaler(util, dtype):
+    """f16/bf16 weights with f16/bf16 scaled gradients (fp32 masters, the default) under
+    stepfuse.torch.GradScaler: the weights are torch's fp32 run (on the fp32 values of the
+    same gradients, torch's scaler) rounded to their format; skipped steps write nothing."""
+    ours = util.make_params(dtype=dtype)
+    ref = util.clone_params(ours, dtype=torch.float32)
+    topt = torch.optim.AdamW(ref, lr=1e-3)
+    oopt = sft.AdamW(ours, lr=1e-3)
+    tscaler, oscaler = make_scaler("torch"), make_scaler("stepfuse")
+    for step in range(STEPS):
+        grads = scaled_grads(util, ours, step, current_scale(tscaler))  # in the weights' format
+        assert current_scale(oscaler) == current_scale(tscaler), f"step {step}"
+        util.set_grads(ours, grads)
+        util.set_grads(ref, [g.float() for g in grads])
+        before_w = util.snapshot(ours)
+        tscaler.step(topt)
+        oscaler.step(oopt)
+        tscaler.update()
+        oscaler.update()
+        if step in BAD:
+            util.assert_params_equal(ours, before_w, where=f"skipped step {step}:")
+        util.assert_rounded_from(ours, ref, where=f"step {step}:")
+        assert oscaler.state_dict() == tscaler.state_dict(), f"step {step}"
+
+
+def test_grad_scale_and_found_inf_attributes(util):
+    """The protocol torch.amp.GradScaler uses with optimizers that declare
+    _step_supports_amp_scaling: opt.grad_scale (the scale to divide by) and opt.found_inf
+    (skip when nonzero), set by hand here, against torch's fused AdamW, which honours the
+    same attributes."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    oopt = sft.AdamW(ours, lr=1e-2)
+    for step in range(12):
+        grads = util.make_grads(ref, step, scale=8.0)
+        for opt, params in ((topt, ref), (oopt, ours)):
+            util.set_grads(params, grads)
+            opt.grad_scale = torch.tensor(8.0)
+            opt.found_inf = torch.tensor(1.0 if step in (0, 5) else 0.0)
+        before_w = util.snapshot(ours)
+        topt.step()
+        oopt.step()
+        for opt in (topt, oopt):
+            del opt.grad_scale, opt.found_inf
+        if step in (0, 5):
+            util.assert_params_equal(ours, before_w, where=f"found_inf step {step}:")
+        util.assert_params_close(ours, ref, where=f"step {step}:")
+    util.assert_state_close(oopt, topt)
+
+
+@pytest.mark.parametrize("name", [
+    "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD",
+    "Lion", "LAMB",
+])
+def test_every_optimizer_declares_amp_scaling(util, name):
+    opt = getattr(sft, name)(util.make_params())
+    assert getattr(opt, "_step_supports_amp_scaling", False) is True
+
+
+def test_grad_scaler_is_torchs(util):
+    """A subclass of torch.amp.GradScaler with the same constructor and state_dict; a
+    state_dict moves between the two both ways."""
+    assert issubclass(sft.GradScaler, torch.amp.GradScaler)
+    tsig = inspect.signature(torch.amp.GradScaler.__init__).parameters
+    osig = inspect.signature(sft.GradScaler.__init__).parameters
+    for k, p in tsig.items():
+        assert k in osig and osig[k].default == p.default, k
+    kw = dict(init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+    t, o = torch.amp.GradScaler("cpu", **kw), sft.GradScaler("cpu", **kw)
+    assert o.state_dict() == t.state_dict()
+    assert o.get_scale() == t.get_scale() == 1024.0
+    t.load_state_dict({**t.state_dict(), "scale": 512.0, "_growth_tracker": 3})
+    o.load_state_dict(util.save_load(t.state_dict()))
+    assert o.state_dict() == t.state_dict() and o.get_scale() == 512.0
+    t2 = torch.amp.GradScaler("cpu")
+    t2.load_state_dict(o.state_dict())
+    assert t2.state_dict() == o.state_dict()
+
+
+def test_disabled_scaler_steps_plainly(util):
+    """enabled=False: step() is a plain step, as torch's."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, oopt = torch.optim.AdamW(ref, lr=1e-2), sft.AdamW(ours, lr=1e-2)
+    tscaler = torch.amp.GradScaler("cpu", enabled=False)
+    oscaler = sft.GradScaler("cpu", enabled=False)
+    for step in range(5):
+        grads = util.make_grads(ref, step)
+        util.set_grads(ref, grads)
+        util.set_grads(ours, grads)
+        tscaler.step(topt)
+        oscaler.step(oopt)
+        tscaler.update()
+        oscaler.update()
+        util.assert_params_close(ours, ref, where=f"step {step}:")
