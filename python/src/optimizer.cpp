@@ -1,0 +1,496 @@
+// stepfuse.Optimizer and StepResult.
+#include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.hpp"
+
+namespace sfpy {
+
+namespace {
+
+using stepfuse::Device;
+using stepfuse::Optimizer;
+using stepfuse::OptimizerOptions;
+
+// The keyword options every constructor takes, as Python passes them.
+struct PyOptions {
+  std::optional<std::string> device;
+  std::uintptr_t cuda_stream = 0;
+  std::optional<double> max_grad_norm;
+  double norm_type = 2.0;
+  bool master_weights = true;
+  std::string fusion = "fused";
+  int num_threads = 0;
+  bool track_grad_norm = false;
+  std::optional<std::string> cpu_backend;
+  bool llvm_contract = false;
+};
+
+OptimizerOptions to_options(const PyOptions& o) {
+  OptimizerOptions opts;
+  opts.cuda_stream = reinterpret_cast<void*>(o.cuda_stream);
+  opts.max_grad_norm = o.max_grad_norm;
+  opts.norm_type = o.norm_type;
+  opts.master_weights = o.master_weights;
+  if (o.fusion == "fused") opts.fusion = stepfuse::Fusion::fused;
+  else if (o.fusion == "unfused") opts.fusion = stepfuse::Fusion::unfused;
+  else if (o.fusion == "interpreted") opts.fusion = stepfuse::Fusion::interpreted;
+  else
+    throw nb::value_error(("fusion '" + o.fusion + "' is not one of 'fused', 'unfused', 'interpreted'").c_str());
+  opts.num_threads = o.num_threads;
+  opts.track_grad_norm = o.track_grad_norm;
+  if (o.cpu_backend) {
+    const std::string& b = *o.cpu_backend;
+    if (b == "auto") opts.cpu_backend = stepfuse::CpuBackend::automatic;
+    else if (b == "highway") opts.cpu_backend = stepfuse::CpuBackend::highway;
+    else if (b == "llvm") opts.cpu_backend = stepfuse::CpuBackend::llvm;
+    else
+      throw nb::value_error(
+          ("cpu_backend '" + b + "' is not one of None, 'auto', 'highway', 'llvm'").c_str());
+  }
+  opts.llvm_contract = o.llvm_contract;
+  return opts;
+}
+
+// Tensors being gathered for one optimizer (or one added group): every tensor on one
+// device, the first one's.
+struct Gather {
+  std::vector<Tensor> weights, grads;
+  std::optional<Device> device;
+  std::string device_from;  // the tensor that fixed `device`, for messages
+
+  void check_device(const Tensor& t, const std::string& what) {
+    if (!device) {
+      device = t.device;
+      device_from = what;
+    } else if (!(*device == t.device)) {
+      throw nb::value_error((device_from + " is on " + device_name(*device) + " but " + what + " is on " +
+                             device_name(t.device) + ": all tensors of one optimizer must be on one device")
+                                .c_str());
+    }
+  }
+
+  // `params`: (weight, grad) pairs, or tensors with a .grad (torch parameters).
+  // `where` prefixes the names in messages ("groups[1].").
+  std::vector<stepfuse::Param> add(nb::handle params, const std::string& where) {
+    if (!nb::isinstance<nb::iterable>(params) || nb::isinstance<nb::str>(params))
+      throw nb::type_error((where + "params must be a list of (weight, grad) pairs, not " +
+                            nb::inst_name(params).c_str())
+                               .c_str());
+    std::vector<stepfuse::Param> out;
+    std::size_t i = 0;
+    for (nb::handle item : params) {
+      const std::string at = where + "params[" + std::to_string(i) + "]";
+      nb::object w, g;
+      if (nb::isinstance<nb::tuple>(item) || nb::isinstance<nb::list>(item)) {
+        if (nb::len(item) != 2)
+          throw nb::type_error((at + " must be a (weight, grad) pair; it has " + std::to_string(nb::len(item)) +
+                                " items")
+                                   .c_str());
+        w = item[0];
+        g = item[1];
+      } else if (nb::hasattr(item, "grad") && nb::hasattr(item, "__dlpack__")) {
+        w = nb::borrow(item);  // a torch parameter: its .grad
+        g = item.attr("grad");
+      } else {
+        throw nb::type_error(
+            (at + " must be a (weight, grad) pair, not " + std::string(nb::inst_name(item).c_str())).c_str());
+      }
+      Tensor tw = import_tensor(w, at + ".weight");
+      check_device(tw, at + ".weight");
+      Tensor tg = import_tensor(g, at + ".grad");
+      check_device(tg, at + ".grad");
+      out.push_back({tw.view, tg.view});
+      weights.push_back(std::move(tw));
+      grads.push_back(std::move(tg));
+      ++i;
+    }
+    return out;
+  }
+};
+
+// The device the optimizer runs on: the option's, which must be the tensors' device,
+// or the tensors' (the CPU when there are none).
+Device resolve_device(const std::optional<std::string>& option, const Gather& g) {
+  if (!option) return g.device.value_or(Device::cpu());
+  bool any_index = false;
+  Device d = stepfuse::Device::cpu();
+  d = parse_device(*option, &any_index);
+  if (any_index && g.device && g.device->kind == Device::Kind::cuda) d = *g.device;
+  if (g.device && !(*g.device == d))
+    throw nb::value_error(("device='" + *option + "' but " + g.device_from + " is on " + device_name(*g.device) +
+                           " (the optimizer runs where its tensors are)")
+                              .c_str());
+  return d;
+}
+
+void check_on(const PyOptimizer& self, const Gather& g) {
+  if (g.device && !(*g.device == self.device))
+    throw nb::value_error((g.device_from + " is on " + device_name(*g.device) + " but the optimizer is on " +
+                           device_name(self.device))
+                              .c_str());
+}
+
+stepfuse::OptimizerConfig need_config(nb::handle config, const std::string& what) {
+  auto c = try_config(config);
+  if (!c)
+    throw nb::type_error((what + " must be an optimizer config (" + config_class_names() + "), not " +
+                          nb::inst_name(config).c_str())
+                             .c_str());
+  return *c;
+}
+
+nb::object self_handle(PyOptimizer& self) { return nb::find(&self); }
+
+std::string repr(const PyOptimizer& self) {
+  const Optimizer& o = *self.opt;
+  std::string name = o.is_custom() ? std::string(o.update_program().name()) : std::string(stepfuse::optimizer_name(o.config()));
+  return "Optimizer(" + name + ", " + std::to_string(o.num_params()) + " params, " + std::to_string(o.num_groups()) +
+         (o.num_groups() == 1 ? " group" : " groups") + ", device=" + device_name(self.device) +
+         ", backend=" + std::string(o.backend()) + ", step_count=" + std::to_string(o.step_count()) + ")";
+}
+
+std::string step_result_repr(const stepfuse::StepResult& r) {
+  auto num = [](double x) { return std::string(nb::repr(nb::float_(x)).c_str()); };
+  return std::string("StepResult(applied=") + (r.applied ? "True" : "False") +
+         ", found_inf=" + (r.found_inf ? "True" : "False") + ", grad_norm=" + num(r.grad_norm) +
+         ", clip_coef=" + num(r.clip_coef) + ", pending=" + (r.pending ? "True" : "False") + ")";
+}
+
+// The shape a state or master view gets: the weight's.
+std::vector<std::size_t> shape_of(const PyOptimizer& self, std::size_t i, std::size_t n) {
+  std::vector<std::size_t> shape = i < self.weights.size() ? self.weights[i].shape : std::vector<std::size_t>{};
+  std::size_t prod = 1;
+  for (std::size_t s : shape) prod *= s;
+  if (prod != n) shape = {n};
+  return shape;
+}
+
+const char* kOptionsDoc =
+    "device: None (the tensors' device), 'cpu', 'cuda' or 'cuda:N' (must be the tensors' device).\n"
+    "cuda_stream: the CUstream steps are enqueued on, as an int (torch.cuda.current_stream().cuda_stream); "
+    "0 is the default stream.\n"
+    "max_grad_norm: clip the unscaled gradients' global norm to this, inside the step (None: no clipping).\n"
+    "norm_type: 2.0 or math.inf.\n"
+    "master_weights: keep fp32 master copies of float16/bfloat16 weights.\n"
+    "fusion: 'fused', 'unfused' (the eager baseline) or 'interpreted'.\n"
+    "num_threads: CPU threads (0: STEPFUSE_NUM_THREADS, else the machine's cores).\n"
+    "track_grad_norm: compute the gradient norm on plain steps too.\n"
+    "cpu_backend: None (STEPFUSE_CPU_BACKEND, else 'auto'), 'auto', 'highway' or 'llvm'.\n"
+    "llvm_contract: let the LLVM backend fuse multiply-adds (results within fp32 rounding, not bitwise).";
+
+}  // namespace
+
+void bind_optimizer(nb::module_& m) {
+  nb::class_<stepfuse::StepResult>(m, "StepResult", "What one step did.")
+      .def_ro("applied", &stepfuse::StepResult::applied, "False: non-finite gradients, nothing was written.")
+      .def_ro("found_inf", &stepfuse::StepResult::found_inf, "Some gradient element was inf or NaN.")
+      .def_ro("grad_norm", &stepfuse::StepResult::grad_norm, "Norm of the unscaled gradients (NaN when not computed).")
+      .def_ro("clip_coef", &stepfuse::StepResult::clip_coef, "Multiplier clipping applied to the unscaled gradients.")
+      .def_ro("pending", &stepfuse::StepResult::pending,
+              "CUDA: enqueued, outcome not known yet (Optimizer.last_result waits and tells).")
+      .def("__repr__", &step_result_repr);
+
+  static const std::string class_doc = std::string(
+      "A fused optimizer over a fixed list of caller-owned tensors, updated in place.\n\n"
+      "Optimizer(config, params, *, device=None, cuda_stream=0, max_grad_norm=None, norm_type=2.0,\n"
+      "          master_weights=True, fusion='fused', num_threads=0, track_grad_norm=False,\n"
+      "          cpu_backend=None, llvm_contract=False)\n\n"
+      "config: a config (SGD, Adam, AdamW, ...) or an UpdateProgram. params: (weight, grad) pairs of\n"
+      "tensors (torch, NumPy, anything with __dlpack__): float32, float16 or bfloat16, contiguous, all on\n"
+      "one device (the CPU or one CUDA GPU); a torch parameter with its .grad allocated may stand for its\n"
+      "pair. The tensors are used in place, zero-copy: the optimizer keeps references to them, so they\n"
+      "outlive it. Not thread-safe: one thread at a time per optimizer.\n\n"
+      "Options:\n") + kOptionsDoc;
+  nb::class_<PyOptimizer> cls(m, "Optimizer", class_doc.c_str());
+
+  cls.def(
+      "__init__",
+      [](PyOptimizer* self, nb::handle config, nb::handle params, std::optional<std::string> device,
+         std::uintptr_t cuda_stream, std::optional<double> max_grad_norm, double norm_type, bool master_weights,
+         std::string fusion, int num_threads, bool track_grad_norm, std::optional<std::string> cpu_backend,
+         bool llvm_contract) {
+        PyOptions po{device,      cuda_stream,     max_grad_norm, norm_type,   master_weights, std::move(fusion),
+                     num_threads, track_grad_norm, cpu_backend,   llvm_contract};
+        OptimizerOptions opts = to_options(po);
+        Gather g;
+        std::optional<stepfuse::OptimizerConfig> cfg = try_config(config);
+        stepfuse::UpdateProgram* program = nullptr;
+        if (!cfg && !(nb::try_cast(config, program, false) && program != nullptr))
+          throw nb::type_error((std::string("config must be an optimizer config (") + config_class_names() +
+                                ") or an UpdateProgram, not " + nb::inst_name(config).c_str())
+                                   .c_str());
+        std::vector<stepfuse::Param> ps = g.add(params, "");
+        opts.device = resolve_device(po.device, g);
+        std::unique_ptr<Optimizer> opt;
+        if (cfg) opt = std::make_unique<Optimizer>(*cfg, std::move(ps), opts);
+        else opt = std::make_unique<Optimizer>(*program, std::move(ps), opts);
+        new (self) PyOptimizer{std::move(opt), std::move(g.weights), std::move(g.grads), opts.device};
+      },
+      nb::arg("config"), nb::arg("params"), nb::kw_only(), nb::arg("device") = nb::none(),
+      nb::arg("cuda_stream") = 0, nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0,
+      nb::arg("master_weights") = true, nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
+      nb::arg("track_grad_norm") = false, nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
+      nb::sig("def __init__(self, config: SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | "
+              "Adadelta | Rprop | ASGD | LAMB | UpdateProgram, params: collections.abc.Iterable[tuple[object, "
+              "object]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
+              "norm_type: float = 2.0, master_weights: bool = True, fusion: str = 'fused', num_threads: int = 0, "
+              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False) -> None"));
+
+  cls.def_static(
+      "from_groups",
+      [](nb::handle groups, std::optional<std::string> device, std::uintptr_t cuda_stream,
+         std::optional<double> max_grad_norm, double norm_type, bool master_weights, std::string fusion,
+         int num_threads, bool track_grad_norm, std::optional<std::string> cpu_backend, bool llvm_contract) {
+        PyOptions po{device,      cuda_stream,     max_grad_norm, norm_type,   master_weights, std::move(fusion),
+                     num_threads, track_grad_norm, cpu_backend,   llvm_contract};
+        OptimizerOptions opts = to_options(po);
+        if (!nb::isinstance<nb::iterable>(groups))
+          throw nb::type_error(("groups must be a list of (params, config) pairs, not " +
+                                std::string(nb::inst_name(groups).c_str()))
+                                   .c_str());
+        Gather g;
+        std::vector<stepfuse::ParamGroup> gs;
+        std::size_t k = 0;
+        for (nb::handle item : groups) {
+          const std::string at = "groups[" + std::to_string(k) + "]";
+          if (!(nb::isinstance<nb::tuple>(item) || nb::isinstance<nb::list>(item)) || nb::len(item) != 2)
+            throw nb::type_error((at + " must be a (params, config) pair").c_str());
+          stepfuse::OptimizerConfig cfg = need_config(item[1], at + " config");
+          gs.push_back({g.add(item[0], at + "."), cfg});
+          ++k;
+        }
+        opts.device = resolve_device(po.device, g);
+        auto opt = std::make_unique<Optimizer>(std::move(gs), opts);
+        return new PyOptimizer{std::move(opt), std::move(g.weights), std::move(g.grads), opts.device};
+      },
+      nb::arg("groups"), nb::kw_only(), nb::arg("device") = nb::none(), nb::arg("cuda_stream") = 0,
+      nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0, nb::arg("master_weights") = true,
+      nb::arg("fusion") = "fused", nb::arg("num_threads") = 0, nb::arg("track_grad_norm") = false,
+      nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false, nb::rv_policy::take_ownership,
+      "Parameter groups, as torch.optim param groups: groups is a list of (params, config) pairs, every config "
+      "of one kind (all AdamW, say). One step still has one reduce pass and one global gradient norm over every "
+      "group. The options are the constructor's.",
+      nb::sig("def from_groups(groups: collections.abc.Iterable[tuple[collections.abc.Iterable[tuple[object, "
+              "object]], SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | "
+              "ASGD | LAMB]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
+              "norm_type: float = 2.0, master_weights: bool = True, fusion: str = 'fused', num_threads: int = 0, "
+              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False) -> "
+              "Optimizer"));
+
+  // ---- stepping ----
+  cls.def(
+      "step",
+      [](PyOptimizer& self) {
+        nb::gil_scoped_release nogil;
+        self.opt->step();
+      },
+      "One step on gradients that are already unscaled. With max_grad_norm, clips them first (without "
+      "writing them) and skips the step if they are not finite.");
+  cls.def(
+      "step_scaled",
+      [](PyOptimizer& self, double loss_scale) {
+        nb::gil_scoped_release nogil;
+        return self.opt->step_scaled(loss_scale);
+      },
+      nb::arg("loss_scale"),
+      "One step on gradients scaled by loss_scale: unscale, inf/NaN check, clip and update in one reduce pass and "
+      "one update pass. On non-finite gradients nothing is written (result.applied is False).");
+  cls.def(
+      "set_grads",
+      [](PyOptimizer& self, nb::handle grads) {
+        if (!nb::isinstance<nb::iterable>(grads))
+          throw nb::type_error(
+              ("grads must be a list of tensors, not " + std::string(nb::inst_name(grads).c_str())).c_str());
+        std::vector<Tensor> ts;
+        std::vector<stepfuse::TensorView> views;
+        std::size_t i = 0;
+        for (nb::handle gobj : grads) {
+          const std::string at = "grads[" + std::to_string(i++) + "]";
+          Tensor t = import_tensor(gobj, at);
+          if (!(t.device == self.device))
+            throw nb::value_error((at + " is on " + device_name(t.device) + " but the optimizer is on " +
+                                   device_name(self.device))
+                                      .c_str());
+          views.push_back(t.view);
+          ts.push_back(std::move(t));
+        }
+        self.opt->set_grads(views);  // validates everything; changes nothing on an error
+        self.grads = std::move(ts);
+      },
+      nb::arg("grads"),
+      "Points the optimizer at new gradient tensors, one per param in params() order, of the same sizes and "
+      "dtypes (fresh gradients each iteration, as torch allocates after zero_grad(set_to_none=True)). "
+      "ValueError (and nothing changes) on a count, size or dtype mismatch.",
+      nb::sig("def set_grads(self, grads: collections.abc.Iterable[object]) -> None"));
+
+  // ---- hyperparameters and groups ----
+  cls.def(
+      "config", [](const PyOptimizer& self, std::size_t group) { return config_to_python(self.opt->config(group)); },
+      nb::arg("group") = 0,
+      "A copy of a group's config (built-in optimizers; RuntimeError for a custom program). Change it with "
+      "set_config.",
+      nb::sig("def config(self, group: int = 0) -> SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | "
+              "Adamax | Adadelta | Rprop | ASGD | LAMB"));
+  cls.def(
+      "set_config",
+      [](PyOptimizer& self, nb::handle config, std::optional<std::size_t> group) {
+        stepfuse::OptimizerConfig c = need_config(config, "config");
+        if (group) self.opt->set_config(*group, c);
+        else self.opt->set_config(c);
+      },
+      nb::arg("config"), nb::arg("group") = nb::none(),
+      "Sets a group's config (None: every group's). Same optimizer kind and program variant; in effect at the "
+      "next step, nothing recompiled.",
+      nb::sig("def set_config(self, config: SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | "
+              "Adadelta | Rprop | ASGD | LAMB, group: int | None = None) -> None"));
+  cls.def(
+      "lr", [](const PyOptimizer& self, std::size_t group) { return self.opt->lr(group); }, nb::arg("group") = 0,
+      "A group's learning rate (a custom program's fixed scalar 'lr').");
+  cls.def(
+      "set_lr",
+      [](PyOptimizer& self, double lr, std::optional<std::size_t> group) {
+        if (group) self.opt->set_lr(*group, lr);
+        else self.opt->set_lr(lr);
+      },
+      nb::arg("lr"), nb::arg("group") = nb::none(), "Sets a group's learning rate (None: every group's).");
+  cls.def_prop_ro("num_groups", [](const PyOptimizer& self) { return self.opt->num_groups(); });
+  cls.def(
+      "add_param_group",
+      [](PyOptimizer& self, nb::handle params, nb::handle config) {
+        stepfuse::OptimizerConfig c = need_config(config, "config");
+        Gather g;
+        std::vector<stepfuse::Param> ps = g.add(params, "");
+        check_on(self, g);
+        self.opt->add_param_group({std::move(ps), c});
+        for (auto& t : g.weights) self.weights.push_back(std::move(t));
+        for (auto& t : g.grads) self.grads.push_back(std::move(t));
+      },
+      nb::arg("params"), nb::arg("config"),
+      "Appends a parameter group (its params follow the existing ones), with fresh state and its own step "
+      "count. Call it between steps. Views from state() and master() taken before it are invalid after it.",
+      nb::sig("def add_param_group(self, params: collections.abc.Iterable[tuple[object, object]], config: SGD | Adam | "
+              "AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | ASGD | LAMB) -> None"));
+  cls.def(
+      "group_of", [](const PyOptimizer& self, std::size_t i) { return self.opt->group_of(i); }, nb::arg("param"),
+      "The group of params()[param].");
+  cls.def(
+      "group_step_count", [](const PyOptimizer& self, std::size_t g) { return self.opt->group_step_count(g); },
+      nb::arg("group"), "Steps the group has applied.");
+  cls.def(
+      "set_group_step_count",
+      [](PyOptimizer& self, std::size_t g, std::int64_t count) { self.opt->set_group_step_count(g, count); },
+      nb::arg("group"), nb::arg("count"),
+      "Sets a group's step count (what bias corrections see), as when restoring torch's state[p]['step'].");
+
+  // ---- custom programs ----
+  cls.def_prop_ro("is_custom", [](const PyOptimizer& self) { return self.opt->is_custom(); });
+  cls.def(
+      "update_program", [](const PyOptimizer& self) { return self.opt->update_program(); },
+      "The update program and its current scalar rules.");
+  cls.def(
+      "scalar", [](const PyOptimizer& self, std::string_view name) { return self.opt->scalar(name); },
+      nb::arg("name"), "The value of a fixed scalar.");
+  cls.def(
+      "set_scalar", [](PyOptimizer& self, std::string_view name, double v) { self.opt->set_scalar(name, v); },
+      nb::arg("name"), nb::arg("value"), "Custom programs: sets a fixed scalar's value (in effect at the next step).");
+  cls.def(
+      "set_scalar_rule",
+      [](PyOptimizer& self, std::string_view name, const stepfuse::ScalarRule& r) { self.opt->set_scalar_rule(name, r); },
+      nb::arg("name"), nb::arg("rule"), "Custom programs: replaces a scalar's rule.");
+  cls.def("program_text", [](const PyOptimizer& self) { return self.opt->program_text(); },
+          "The update program this optimizer runs, as text.");
+
+  // ---- state ----
+  cls.def_prop_ro("step_count", [](const PyOptimizer& self) { return self.opt->step_count(); },
+                  "Steps applied (skipped steps do not count).");
+  cls.def_prop_ro("last_grad_norm", [](const PyOptimizer& self) { return self.opt->last_grad_norm(); },
+                  "Norm of the unscaled grads seen by the last step (inf: not finite; NaN: not computed).");
+  cls.def_prop_ro("last_result", [](const PyOptimizer& self) { return self.opt->last_result(); },
+                  "What the last step did (CUDA: waits for it).");
+  cls.def_prop_ro("backend", [](const PyOptimizer& self) { return std::string(self.opt->backend()); },
+                  "What runs the next step's update: 'llvm', 'highway', 'interpreter', 'unfused' or 'cuda'.");
+  cls.def_prop_ro("num_threads", [](const PyOptimizer& self) { return self.opt->num_threads(); });
+  cls.def_prop_ro("num_params", [](const PyOptimizer& self) { return self.opt->num_params(); });
+  cls.def_prop_ro("device", [](const PyOptimizer& self) { return device_name(self.device); },
+                  "'cpu' or 'cuda:N'.");
+  cls.def(
+      "params",
+      [](const PyOptimizer& self) {
+        nb::list out;
+        for (std::size_t i = 0; i < self.weights.size(); ++i)
+          out.append(nb::make_tuple(self.weights[i].owner, self.grads[i].owner));
+        return out;
+      },
+      "The (weight, grad) tensors, group after group, as they were passed (grads as last set).",
+      nb::sig("def params(self) -> list[tuple[object, object]]"));
+  cls.def(
+      "state_names",
+      [](const PyOptimizer& self) {
+        std::vector<std::string> out;
+        for (std::string_view s : self.opt->state_names()) out.emplace_back(s);
+        return out;
+      },
+      "The optimizer's state buffers, e.g. ['exp_avg', 'exp_avg_sq'].");
+  cls.def(
+      "state",
+      [](PyOptimizer& self, std::size_t i, std::string_view name) {
+        std::span<float> s = self.opt->mutable_state(i, name);
+        std::vector<std::size_t> shape = shape_of(self, i, s.size());
+        return nb::ndarray<nb::numpy, float>(s.data(), shape.size(), shape.data(), self_handle(self));
+      },
+      nb::arg("param"), nb::arg("name"),
+      "A writable, zero-copy float32 NumPy view of a param's state (the weight's shape). It keeps the optimizer "
+      "alive; it is invalid after add_param_group(). On a GPU it is a host copy, sent back before the next step.");
+  cls.def(
+      "master",
+      [](PyOptimizer& self, std::size_t i) -> nb::object {
+        std::span<const float> s = self.opt->master(i);
+        if (s.empty()) return nb::none();
+        std::vector<std::size_t> shape = shape_of(self, i, s.size());
+        return nb::cast(nb::ndarray<nb::numpy, const float>(s.data(), shape.size(), shape.data(), self_handle(self)));
+      },
+      nb::arg("param"),
+      "A read-only float32 NumPy view of a param's fp32 master copy, or None (float32 weights, or "
+      "master_weights=False).",
+      nb::sig("def master(self, param: int) -> numpy.typing.NDArray[numpy.float32] | None"));
+  cls.def(
+      "last_tensor_grad_norms", [](const PyOptimizer& self) { return self.opt->last_tensor_grad_norms(); },
+      "Per-tensor norms of the unscaled gradients from the last reduce pass.");
+
+  // ---- checkpoints ----
+  cls.def(
+      "save",
+      [](const PyOptimizer& self, const std::filesystem::path& path, stepfuse::GradScaler* scaler) {
+        const std::string p = path.string();
+        nb::gil_scoped_release nogil;
+        if (scaler) self.opt->save(p, *scaler);
+        else self.opt->save(p);
+      },
+      nb::arg("path"), nb::arg("scaler") = nb::none(),
+      "Writes hyperparameters, step counts, state and masters (and a GradScaler's state) to a safetensors file, "
+      "atomically. The weights are the caller's to save.");
+  cls.def(
+      "load",
+      [](PyOptimizer& self, const std::filesystem::path& path, stepfuse::GradScaler* scaler) {
+        const std::string p = path.string();
+        nb::gil_scoped_release nogil;
+        if (scaler) self.opt->load(p, *scaler);
+        else self.opt->load(p);
+      },
+      nb::arg("path"), nb::arg("scaler") = nb::none(),
+      "Restores a file written by save() for an optimizer of the same kind, program, sizes and dtypes. On an error "
+      "nothing changes.");
+  cls.def("__repr__", &repr);
+}
+
+}  // namespace sfpy
