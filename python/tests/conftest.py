@@ -138,16 +138,18 @@ def _compare_values(a, e, path, tensors_equal, tol):
         assert a == e, f"{path}: {a!r}, expected {e!r}"
 
 
-def assert_state_close(actual, expected, **tol):
+def assert_state_close(actual, expected, extra_keys=(), **tol):
     """Two optimizers' state_dict()["state"] (or the state dicts themselves) hold the same
-    params, the same keys per param, tensors of the same dtype and shape, close values
-    (the step counts compare exactly: they are whole numbers)."""
+    params, the same keys per param (the actual state may also hold `extra_keys`),
+    tensors of the same dtype and shape, close values (the step counts compare exactly:
+    they are whole numbers)."""
     a = actual if isinstance(actual, dict) else actual.state_dict()
     e = expected if isinstance(expected, dict) else expected.state_dict()
     a, e = a.get("state", a), e.get("state", e)
     assert set(a) == set(e), f"state: params {sorted(a)}, expected {sorted(e)}"
     for i in e:
-        assert set(a[i]) == set(e[i]), f"state[{i}]: keys {sorted(a[i])}, expected {sorted(e[i])}"
+        keys = set(a[i]) - (set(extra_keys) - set(e[i]))
+        assert keys == set(e[i]), f"state[{i}]: keys {sorted(a[i])}, expected {sorted(e[i])}"
         for k in e[i]:
             if k == "step":
                 _compare_values(a[i][k], e[i][k], f"state[{i}]['step']", True, {})
@@ -187,8 +189,10 @@ def ulp(x, dtype):
 def assert_rounded_from(actual, expected_fp32, where="", max_mismatch_fraction=0.01):
     """`actual` (f16/bf16) is expected_fp32 rounded to actual's dtype, except where the
     fp32 values ours and torch computed (in a different operation order, so a few fp32
-    ulps apart) straddle a rounding boundary of the narrow format: there the two may be
-    one unit in the last place apart, and such elements must be rare."""
+    ulps of the operands apart) straddle a rounding boundary of the narrow format: there
+    the two may be one unit in the last place apart (or 1e-6 apart, for results near 0
+    that come from a cancellation of operands of order 1: their fp32 noise exceeds the
+    narrow format's ulp there), and such elements must be rare."""
     for i, (a, e) in enumerate(zip(actual, expected_fp32)):
         a = a.detach()
         rounded = e.detach().to(a.dtype)
@@ -196,7 +200,7 @@ def assert_rounded_from(actual, expected_fp32, where="", max_mismatch_fraction=0
         if not bool(differ.any()):
             continue
         gap = (a.float() - rounded.float()).abs()[differ]
-        allowed = ulp(rounded.float(), a.dtype)[differ]
+        allowed = ulp(rounded.float(), a.dtype)[differ] + 1e-6
         assert bool((gap <= allowed).all()), (
             f"{where} param {i}: {int(differ.sum())} elements differ from the rounded reference, "
             f"some by more than one ulp (largest gap {float(gap.max()):.3g})")

@@ -91,11 +91,15 @@ def test_signature_and_defaults_are_torchs(util, name):
     for k, p in tsig.items():
         assert k in ssig, f"{name} has no argument {k!r}"
         assert ssig[k].default == p.default, f"{name}({k}=...) default {ssig[k].default!r}, torch's {p.default!r}"
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in ssig.values())
     for k, default in (("max_grad_norm", None), ("norm_type", 2.0), ("master_weights", True)):
-        assert k in ssig, f"{name} has no argument {k!r}"
-        assert ssig[k].default == default
+        # named with its default, or taken through **kwargs
+        assert k in ssig or takes_kwargs, f"{name} has no argument {k!r}"
+        if k in ssig:
+            assert ssig[k].default == default, f"{name}({k}=...) default {ssig[k].default!r}, expected {default!r}"
     ref, ours = util.make_params(), util.make_params()
-    topt, sopt = getattr(torch.optim, name)(ref), getattr(sft, name)(ours)
+    topt = getattr(torch.optim, name)(ref)
+    sopt = getattr(sft, name)(ours, max_grad_norm=None, norm_type=2.0, master_weights=True)
     for k, v in topt.defaults.items():
         assert k in sopt.defaults, f"{name}.defaults has no {k!r}"
         assert sopt.defaults[k] == v, f"{name}.defaults[{k!r}] = {sopt.defaults[k]!r}, torch's {v!r}"
@@ -443,6 +447,8 @@ def test_fused_clip_skips_params_without_grad(util):
 # ---- f16/bf16 weights with fp32 masters ------------------------------------------------------
 
 LOW_PRECISION = [torch.bfloat16, torch.float16]
+# The state key our fp32 master copy of an f16/bf16 param may have (torch has none).
+MASTER_KEYS = ("master_param",)
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
@@ -470,8 +476,13 @@ def test_low_precision_params_with_fp32_masters(util, dtype, name, kwargs):
         for p in ours:
             assert p.dtype == dtype
         util.assert_rounded_from(ours, ref, where=f"step {step}:")
-    # the state is fp32, as torch's for the fp32 copy
-    util.assert_state_close(sopt, topt)
+    # the state is fp32, as torch's for the fp32 copy; fp32 masters in the state, if there,
+    # are the reference's weights
+    util.assert_state_close(sopt, topt, extra_keys=MASTER_KEYS)
+    state = sopt.state_dict()["state"]
+    for i, r in enumerate(ref):
+        for k in set(MASTER_KEYS) & set(state[i]):
+            torch.testing.assert_close(state[i][k], r.detach(), msg=lambda m: f"state[{i}][{k!r}]: {m}")
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
@@ -493,7 +504,7 @@ def test_low_precision_params_without_masters(util, dtype):
         with torch.no_grad():
             for r, p in zip(ref, ours):
                 r.copy_(p.float())
-    util.assert_state_close(sopt, topt)
+    util.assert_state_close(sopt, topt)  # no master copies
 
 
 # ---- params without gradients -------------------------------------------------------------
