@@ -3,8 +3,10 @@
 # (preset "release", every test), AddressSanitizer + UndefinedBehaviorSanitizer (preset
 # "asan", every test), the libFuzzer targets (preset "fuzz", clang 14: each for a short
 # fixed time on its seed corpus) and ThreadSanitizer (preset "tsan": the multi-threaded
-# suites). Prints CTest's summaries and each phase's time; exits non-zero if anything
-# failed. Extra arguments go to every ctest run (e.g. -L consumer, -R adam).
+# suites), then the Python package with its tests (scripts/test_python.sh: pip install
+# into build/pyvenv, pytest). Prints CTest's and pytest's summaries and each phase's time;
+# exits non-zero if anything failed. Extra arguments go to every ctest run (e.g. -L
+# consumer, -R adam).
 # STEPFUSE_FUZZ_SECONDS sets the fuzzing time per target (default 30; 0 skips it).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -33,8 +35,9 @@ phase() {
 phase "install deps" bash scripts/install_deps.sh clang-14 libclang-rt-14-dev || { echo "test.sh: cannot install the dependencies" >&2; exit 1; }
 
 # counted COMMAND...: runs COMMAND, shows its output and adds the counts of its summary
-# line to the totals: ctest's "100% tests passed, 0 tests failed out of 756", or
-# scripts/fuzz.sh's "...; 0 targets failed out of 4".
+# line to the totals: ctest's "100% tests passed, 0 tests failed out of 756",
+# scripts/fuzz.sh's "...; 0 targets failed out of 4", or scripts/test_python.sh's
+# "python: 0 tests failed out of 353 (12 skipped)".
 passed=0
 failed_tests=0
 counted() {
@@ -67,6 +70,9 @@ for preset in release asan fuzz tsan; do
   fi
 done
 
+# the Python package (built by pip, not by the presets) and its pytest suite
+phase "python: build + test" counted bash scripts/test_python.sh --no-install
+
 echo
 echo "==> phases"
 printf '  %s\n' "${summary[@]}"
@@ -75,5 +81,5 @@ if [ ${#failed[@]} -ne 0 ]; then
   echo "${passed} passed, $((failed_tests > 0 ? failed_tests : 1)) failed"
   exit 1
 fi
-echo "test.sh: all passed (Release, ASan/UBSan with fuzzing, TSan)"
+echo "test.sh: all passed (Release, ASan/UBSan with fuzzing, TSan, Python)"
 echo "${passed} passed, ${failed_tests} failed"
