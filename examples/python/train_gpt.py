@@ -460,7 +460,8 @@ def write_plot(path: Path, runs: list[Run], title: str) -> None:
 
 
 def write_summary(path: Path, png_name: str | None, runs: list[Run], args, n_params: int,
-                  corpus: Corpus, argv: list[str], wall_s: float, versions: str) -> None:
+                  corpus: Corpus, argv: list[str], wall_s: float, versions: str,
+                  loads: list[float]) -> None:
     by = {r.key: r for r in runs}
     lines = ["# Training a small GPT: stepfuse.torch vs PyTorch's fused AdamW", ""]
     lines += [
@@ -493,7 +494,9 @@ def write_summary(path: Path, png_name: str | None, runs: list[Run], args, n_par
         f"| held-out loss | every {args.eval_every} steps, the same {args.eval_batches} "
         f"batches for both runs |",
         f"| machine | {cpu_name()}, {os.cpu_count()} logical CPUs; PyTorch threads: "
-        f"{torch.get_num_threads()} |",
+        f"{torch.get_num_threads()}" + (
+            f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f} "
+            f"(median {statistics.median(loads):.1f}) during the run" if loads else "") + " |",
         f"| software | {versions} |",
         f"| wall time | {wall_s:.0f} s for the whole script |", ""]
     lines += ["| run | final train loss (mean of last 20 steps) | final held-out loss | "
@@ -567,7 +570,11 @@ def main(argv: list[str] | None = None) -> int:
                                 (args.eval_batches, args.batch), generator=data_gen)
     eval_batches = [batch_at(corpus.held_out, s, args.seq_len) for s in eval_starts]
 
+    loads: list[float] = []  # the 1-minute load average at each evaluation
+
     def evaluate(step: int) -> None:
+        if hasattr(os, "getloadavg"):
+            loads.append(os.getloadavg()[0])
         for r in runs:
             r.eval_steps.append(step)
             r.eval_loss.append(held_out_loss(r.model, eval_batches))
@@ -609,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     if "A" in by and "B" in by:
         ratio = statistics.median(by["B"].step_s) / statistics.median(by["A"].step_s)
         print(f"median optimizer step B / A = {ratio:.2f}x")
-    print(f"wall time {wall_s:.1f} s")
+    print(f"wall time {wall_s:.1f} s" + (
+        f", 1-minute load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""))
 
     if args.write:
         args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -622,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         if sft is not None:
             import stepfuse
             versions += f", stepfuse {getattr(stepfuse, '__version__', '(no __version__)')}"
-        write_summary(md, png.name, runs, args, n_params, corpus, argv, wall_s, versions)
+        write_summary(md, png.name, runs, args, n_params, corpus, argv, wall_s, versions, loads)
         print(f"wrote {png} and {md}")
 
     falling = all(r.eval_loss[-1] < r.eval_loss[0] for r in runs)
