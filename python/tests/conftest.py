@@ -165,6 +165,24 @@ def assert_state_equal(actual, expected):
     _compare_values(a, e, "state_dict", True, {})
 
 
+def assert_state_untouched(opt, before, where=""):
+    """opt's state is bitwise what `before` (a state_snapshot) holds. A param that had no
+    state may have got some (torch's fused optimizers, too, make state before deciding to
+    skip) only if nothing was written into it: step 0, every buffer one constant."""
+    after = opt.state_dict()["state"]
+    for i, st in before["state"].items():
+        assert i in after, f"{where}: the state of param {i} disappeared"
+        _compare_values(after[i], st, f"{where} state[{i}]", True, {})
+    for i in set(after) - set(before["state"]):
+        for k, v in after[i].items():
+            if k == "step":
+                assert float(v) == 0, f"{where}: param {i}'s step advanced on a refused or skipped step"
+            elif torch.is_tensor(v) and v.numel() > 0:
+                assert bool((v == v.reshape(-1)[0]).all()), f"{where}: state[{i}][{k!r}] written on a refused or skipped step"
+    if before.get("param_groups") is not None:
+        _compare_values(opt.state_dict()["param_groups"], before["param_groups"], f"{where} param_groups", True, {})
+
+
 def assert_groups_match(actual_opt, expected_opt, ignore=()):
     """Same number of groups, same params per group, and every hyperparameter torch's
     group has equal in ours (ours may hold more keys)."""

@@ -176,25 +176,29 @@ def refused_step(util, ours, sopt, grads, errors):
         sopt.step()
     assert str(info.value), "the error says nothing"
     util.assert_params_equal(ours, before_w, where="refused step:")
-    util.assert_state_equal(sopt, before_state)
+    util.assert_state_untouched(sopt, before_state, "refused step")
     return info
 
 
 MISMATCH_ERRORS = (TypeError, ValueError, RuntimeError)
 
 
+@pytest.mark.parametrize("when", ["first step", "after training", "with a new set of grads"])
 @pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
-def test_grad_dtype_mismatch(util, grad_dtype):
+def test_grad_dtype_mismatch(util, grad_dtype, when):
     """A gradient whose dtype differs from its param's (torch refuses to assign one; .data
-    gets it there) is a clear error, and nothing is written, the other params included;
-    after the gradient is fixed, training continues as torch's."""
-    ref, ours, topt, sopt = trained_pair(util)
-    grads = util.make_grads(ours, 3)
-    util.set_grads(ours, grads)
+    gets it there) is a clear error, and nothing is written, the other params included:
+    at the very first step, after some training, and at a step where another param has
+    no gradient (so the set of params to step differs from the last step's). After the
+    gradient is fixed, training continues as torch's."""
+    ref, ours, topt, sopt = trained_pair(util, steps=0 if when == "first step" else 3)
+    start = 0 if when == "first step" else 3
+    grads = util.make_grads(ours, start)
+    util.set_grads(ours, grads, skip={0} if when == "with a new set of grads" else ())
     ours[2].grad.data = grads[2].to(grad_dtype)
     info = refused_step(util, ours, sopt, grads, MISMATCH_ERRORS)
     assert "dtype" in str(info.value) or str(grad_dtype).split(".")[-1] in str(info.value)
-    util.train_both(topt, sopt, ref, ours, 3, start=3)
+    util.train_both(topt, sopt, ref, ours, 3, start=start)
 
 
 @pytest.mark.parametrize("shape", ["more", "fewer", "transposed"])
@@ -229,7 +233,7 @@ def test_non_contiguous_grad(util):
     except MISMATCH_ERRORS as e:
         assert str(e)
         util.assert_params_equal(ours, before_w)
-        util.assert_state_equal(sopt, before_state)
+        util.assert_state_untouched(sopt, before_state, "refused step")
         return
     topt.step()
     util.assert_params_close(ours, ref)

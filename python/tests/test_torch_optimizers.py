@@ -390,6 +390,45 @@ def test_hand_set_hyperparameters_take_effect_at_next_step(util, name):
     util.assert_groups_match(sopt, topt)
 
 
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_flags_changed_mid_training(util, name):
+    """maximize switched on for one group between steps (and, for SGD, momentum switched on
+    with nesterov, which changes the update program): torch reads the group at every step,
+    and so must we."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, {}, two_groups(ref), two_groups(ours))
+
+    def change(step):
+        for opt in (topt, sopt):
+            if step == 7:
+                opt.param_groups[1]["maximize"] = True
+            if step == 12 and name == "SGD":
+                opt.param_groups[0]["momentum"] = 0.9
+                opt.param_groups[0]["nesterov"] = True
+
+    util.train_both(topt, sopt, ref, ours, 20, on_step=change, where=name)
+    util.assert_state_close(sopt, topt)
+
+
+@pytest.mark.parametrize("name,kwargs", [("AdamW", dict(weight_decay=0.1)), ("SGD", dict(momentum=0.9))])
+def test_tensor_lr_changed_in_place(util, name, kwargs):
+    """lr given as a 0-dim tensor (torch accepts one) and changed in place with fill_()."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    tlr, slr = torch.tensor(1e-2), torch.tensor(1e-2)
+    topt = getattr(torch.optim, name)(ref, lr=tlr, **kwargs)
+    sopt = getattr(sft, name)(ours, lr=slr, **kwargs)
+
+    def change(step):
+        if step == 6:
+            tlr.fill_(3e-3)
+            slr.fill_(3e-3)
+
+    util.train_both(topt, sopt, ref, ours, 12, on_step=change)
+    util.assert_state_close(sopt, topt)
+
+
 # ---- fused clipping ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
@@ -581,3 +620,23 @@ def test_zero_grad(util):
     assert all(p.grad is not None and not p.grad.any() for p in ours)
     opt.zero_grad()
     assert all(p.grad is None for p in ours)
+
+
+def test_step_without_any_grad_does_nothing(util):
+    """No param has a gradient: step() returns None and changes nothing, before the first
+    real step and after some."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair("AdamW", dict(lr=1e-2), ref, ours)
+    before = util.snapshot(ours)
+    assert sopt.step() is None
+    util.assert_params_equal(ours, before)
+    util.assert_state_equal(sopt, topt)
+    util.train_both(topt, sopt, ref, ours, 3)
+    sopt.zero_grad()
+    topt.zero_grad()
+    before, before_state = util.snapshot(ours), util.state_snapshot(sopt)
+    assert sopt.step() is None
+    util.assert_params_equal(ours, before)
+    util.assert_state_equal(sopt, before_state)
+    util.train_both(topt, sopt, ref, ours, 3, start=3)
