@@ -550,10 +550,10 @@ def test_low_precision_params_without_masters(util, dtype):
 
 @pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
 def test_params_without_grad_are_skipped(util, name):
-    """Param 3 never has a gradient (never moves; no state, except what torch's Adagrad
-    makes at construction); param 1 has none at steps 6 to 13 (its weights and state stay
-    bitwise as they were, its step count stops) and then gets one again: torch's
-    behaviour throughout."""
+    """Param 3 never has a gradient (never moves, gets no state); param 1 has none at steps
+    6 to 13 (its weights and state stay bitwise as they were, its step count stops) and
+    then gets one again: torch's behaviour throughout. (torch's Adagrad makes every
+    param's state at construction: test_adagrad_state_from_construction checks that.)"""
     kwargs = {"momentum": 0.9} if name in ("SGD", "RMSprop") else {}
     ref = util.make_params()
     ours = util.clone_params(ref)
@@ -563,7 +563,6 @@ def test_params_without_grad_are_skipped(util, name):
         skip = {1, 3} if 6 <= step <= 13 else {3}
         util.step_both(topt, sopt, ref, ours, step, skip=skip, where=name)
         assert torch.equal(ours[3], ref[3].detach())
-        assert set(sopt.state[ours[3]]) == set(topt.state[ref[3]])
         if step == 6:
             frozen_w = ours[1].detach().clone()
             frozen_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in sopt.state[ours[1]].items()}
@@ -572,7 +571,24 @@ def test_params_without_grad_are_skipped(util, name):
             for k, v in frozen_state.items():
                 now = sopt.state[ours[1]][k]
                 assert torch.equal(now, v) if torch.is_tensor(v) else now == v, f"step {step}: state {k!r} changed"
-    util.assert_state_close(sopt, topt)  # param 3's entry (or its absence) included
+    ssd, tsd = sopt.state_dict()["state"], topt.state_dict()["state"]
+    if name == "Adagrad":
+        ssd, tsd = ({i: v for i, v in sd.items() if i != 3} for sd in (ssd, tsd))
+    util.assert_state_close(ssd, tsd)
+
+
+def test_adagrad_state_from_construction(util):
+    """torch's Adagrad makes every param's state (step 0, sum = initial_accumulator_value)
+    in its constructor, so its state_dict has it before any step and for params that never
+    get a gradient."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    kwargs = dict(lr=0.05, initial_accumulator_value=0.1)
+    topt, sopt = pair("Adagrad", kwargs, ref, ours)
+    util.assert_state_equal(sopt.state_dict()["state"], topt.state_dict()["state"])
+    for step in range(3):
+        util.step_both(topt, sopt, ref, ours, step, skip={2})
+    util.assert_state_close(sopt, topt)
 
 
 # ---- step(closure), zero_grad ---------------------------------------------------------------
