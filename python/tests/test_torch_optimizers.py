@@ -546,6 +546,26 @@ def test_low_precision_params_without_masters(util, dtype):
     util.assert_state_close(sopt, topt)  # no master copies
 
 
+def test_mixed_dtypes_in_one_optimizer(util):
+    """bf16 and f16 matrices beside fp32 vectors in one optimizer (two groups): the fp32
+    params follow torch's run exactly as in the fp32 tests, the 16-bit ones are torch's
+    fp32 run rounded."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16]
+    base = util.make_params()
+    ours = [torch.nn.Parameter(p.detach().to(d)) for p, d in zip(base, dtypes)]
+    ref = util.clone_params(ours, dtype=torch.float32)
+    topt, sopt = pair("AdamW", dict(lr=1e-3, weight_decay=0.1), two_groups(ref), two_groups(ours))
+    for step in range(STEPS):
+        grads = util.make_grads(ours, step)
+        util.set_grads(ours, grads)
+        util.set_grads(ref, [g.float() for g in grads])
+        topt.step()
+        sopt.step()
+        util.assert_params_close([ours[0], ours[2]], [ref[0], ref[2]], where=f"step {step}:")
+        util.assert_rounded_from([ours[1], ours[3]], [ref[1], ref[3]], where=f"step {step}:")
+    util.assert_state_close(sopt, topt, extra_keys=MASTER_KEYS)
+
+
 # ---- params without gradients -------------------------------------------------------------
 
 @pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
@@ -636,6 +656,19 @@ def test_zero_grad(util):
     assert all(p.grad is not None and not p.grad.any() for p in ours)
     opt.zero_grad()
     assert all(p.grad is None for p in ours)
+
+
+def test_param_storage_replaced_between_steps(util):
+    """p.data = <another tensor> between steps (same values, new storage): torch steps the
+    param's current storage, so the new one must get the updates."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair("AdamW", dict(lr=1e-2), ref, ours)
+    util.train_both(topt, sopt, ref, ours, 3)
+    for params in (ref, ours):
+        params[1].data = params[1].data.clone()
+    util.train_both(topt, sopt, ref, ours, 5, start=3)
+    util.assert_state_close(sopt, topt)
 
 
 def test_step_without_any_grad_does_nothing(util):

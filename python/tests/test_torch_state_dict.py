@@ -147,6 +147,26 @@ def test_load_then_save_is_identity(util, case):
     util.assert_state_equal(sopt.state_dict()["state"], sd["state"])
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "live dict"])
+def test_rollback_into_the_same_optimizer(util, how):
+    """state_dict() at step 5 (a deep copy, or the live dict torch returns, whose tensors
+    keep changing), 5 more steps, load_state_dict() of it into the same optimizer, then 5
+    more: the same as torch doing the same."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = torch.optim.AdamW(ref, lr=1e-2), sft.AdamW(ours, lr=1e-2)
+    util.train_both(topt, sopt, ref, ours, 5)
+    tsd, ssd = topt.state_dict(), sopt.state_dict()
+    if how == "deepcopy":
+        tsd, ssd = copy.deepcopy(tsd), copy.deepcopy(ssd)
+    util.train_both(topt, sopt, ref, ours, 5, start=5)
+    topt.load_state_dict(tsd)
+    sopt.load_state_dict(ssd)
+    util.assert_state_close(sopt, topt)
+    util.train_both(topt, sopt, ref, ours, 5, start=10)
+    util.assert_state_close(sopt, topt)
+
+
 def test_state_dict_before_any_step(util):
     """An optimizer that has not stepped has torch's (empty) state; loading an empty state
     into one that has stepped restarts it as torch's does."""
