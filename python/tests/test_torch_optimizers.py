@@ -671,6 +671,35 @@ def test_param_storage_replaced_between_steps(util):
     util.assert_state_close(sopt, topt)
 
 
+@pytest.mark.parametrize("layout", ["reused in place", "views of one flat buffer"])
+def test_grad_buffers(util, layout):
+    """Gradients that are not fresh tensors: the same .grad tensors overwritten in place
+    every step (zero_grad(set_to_none=False), then accumulation), or views into one flat
+    buffer (as DDP's gradient buckets), rewritten in place every step."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair("AdamW", dict(lr=1e-2), ref, ours)
+    flat = torch.zeros(sum(p.numel() for p in ours))
+    views, offset = [], 0
+    for p in ours:
+        views.append(flat[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    for p, v in zip(ours, views):
+        p.grad = v if layout != "reused in place" else torch.zeros_like(p)
+    held = [p.grad for p in ours]
+    for step in range(10):
+        sopt.zero_grad(set_to_none=False)
+        grads = util.make_grads(ref, step)
+        util.set_grads(ref, grads)
+        for p, g in zip(ours, grads):
+            p.grad.add_(g)
+        topt.step()
+        sopt.step()
+        assert all(p.grad is h for p, h in zip(ours, held))
+        util.assert_params_close(ours, ref, where=f"{layout} step {step}:")
+    util.assert_state_close(sopt, topt)
+
+
 def test_step_without_any_grad_does_nothing(util):
     """No param has a gradient: step() returns None and changes nothing, before the first
     real step and after some."""
