@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """peers.py: times stepfuse's fused optimizer step beside the steps users would pick
 instead (PyTorch eager fused and foreach AdamW, torch.compile, JAX/optax), in one process.
+stepfuse is timed through its Python package: the C++ API's binding (stepfuse.Optimizer +
+stepfuse.GradScaler, the reference) and stepfuse.torch (the torch.optim drop-in, with the
+same .grad tensors every step and with new ones).
 
 Every peer does the same math on the same tensor list: unscale the gradients by 1/S,
 check them for inf/NaN (skipping the step if any), clip their global L2 norm to 1.0,
@@ -9,30 +12,32 @@ AdamW(lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 1e-2), with GradScaler se
 
 Order of work, on purpose:
   1. allocate the weights and gradients once, as torch fp32 tensors (the torch peers and
-     stepfuse share them; JAX gets its own copies);
+     stepfuse share them, zero-copy; JAX gets its own copies);
   2. verify: each peer takes one step from the same weights, gradients and zero state,
      and its weight update and AdamW state are compared with stepfuse's (a peer that
      disagrees beyond fp32 rounding is reported and not timed);
   3. time: warm-up, then rounds in which every peer takes one step, round-robin (the
      starting peer rotates each round) so that drift in the machine affects all alike.
      Restoring the gradients that PyTorch's eager path unscales and clips in place is
-     done between steps, outside the timed region.
+     done between steps, outside the timed region. torch's OpenMP threads do not spin
+     while another peer steps: OMP_WAIT_POLICY=PASSIVE is set before torch is imported
+     (--omp-wait-policy).
 
 --overhead times the per-step fixed cost instead: a plain AdamW step (no loss scale, no
 clipping) of stepfuse and of torch fused AdamW, on a many-tensor list (many-small by
 default) and on one flat tensor with the same element count.
 
-Run it through bench/peers/run.sh, which builds stepfuse-bench and the ctypes shim
-(libstepfuse_peer_shim.so) and sets up a virtual environment with torch, jax and optax.
+Run it through bench/peers/run.sh, which builds stepfuse-bench (for the tensor lists) and
+sets up a virtual environment with torch, jax, optax and the stepfuse package (pip install .).
 
 The code is the package stepfuse_peers beside this file; this file is the command line and
 the exit codes:
   config.py        the step's hyperparameters, the verification's tolerances, the byte model
   cli.py           the arguments
-  shim.py          the ctypes binding of the shim (bench/peers/shim.cpp)
   tensors.py       the tensor lists (from stepfuse-bench --print-shapes) and the shared tensors
   peer.py          the interface every peer implements
-  stepfuse_peer.py, torch_peers.py, jax_peer.py: the peers
+  stepfuse_peer.py (stepfuse, stepfuse.torch, stepfuse.torch-fresh), torch_peers.py,
+  jax_peer.py: the peers
   verify.py        each peer's one-step result against stepfuse's
   timing.py        the interleaved (round-robin) timing
   compare.py       the peers mode; overhead.py: the --overhead mode
@@ -50,7 +55,6 @@ from stepfuse_peers.compare import run_peers
 from stepfuse_peers.console import progress
 from stepfuse_peers.overhead import run_overhead
 from stepfuse_peers.report import report_peers
-from stepfuse_peers.shim import Shim
 from stepfuse_peers.tensors import load_shapes
 
 
@@ -58,6 +62,11 @@ def main(argv):
     """Runs the peers mode or --overhead; returns the exit code (--help's epilog lists them)."""
     args = parse_args(argv)
     t_start = time.perf_counter()
+    # libgomp reads its policy when torch loads it: set it before torch is imported.
+    if args.omp_wait_policy == "unset":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     # XLA reads its flags when JAX creates the CPU client: set them before jax is imported.
     if not args.overhead and "jax-optax" in args.peer_list:
         flags = os.environ.get("XLA_FLAGS", "")
@@ -66,7 +75,12 @@ def main(argv):
         os.environ["XLA_FLAGS"] = flags.strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
-        shim = Shim(args.shim)
+        import stepfuse as sf
+    except ImportError as e:
+        print(f"peers: the stepfuse Python package is not importable ({e}): pip install . at the repository root "
+              "(bench/peers/run.sh does)", file=sys.stderr)
+        return 1
+    try:
         shapes, shapes_source = load_shapes(args)
     except RuntimeError as e:
         print(f"peers: {e}", file=sys.stderr)
@@ -74,10 +88,10 @@ def main(argv):
 
     import torch
     torch.set_num_threads(args.threads)
-    versions = {"stepfuse": shim.version, "torch": torch.__version__, "python": platform.python_version()}
+    versions = {"stepfuse": sf.__version__, "torch": torch.__version__, "python": platform.python_version()}
     try:
         if args.overhead:
-            return run_overhead(args, shim, torch, shapes, shapes_source, versions, t_start)
+            return run_overhead(args, sf, torch, shapes, shapes_source, versions, t_start)
         if "jax-optax" in args.peer_list:
             try:
                 import jax
@@ -86,9 +100,9 @@ def main(argv):
                 versions.update(jax=jax.__version__, jaxlib=jaxlib.__version__, optax=optax.__version__)
             except ImportError as e:
                 versions["jax"] = f"not importable ({e})"
-        ctx, peers, status, samples = run_peers(args, shim, torch, shapes)
+        ctx, peers, status, samples = run_peers(args, sf, torch, shapes)
         ctx.versions = {**versions, **ctx.versions}
-        report_peers(args, shim, shapes, shapes_source, ctx, peers, status, samples, t_start)
+        report_peers(args, sf, shapes, shapes_source, ctx, peers, status, samples, t_start)
         return 0
     except RuntimeError as e:
         progress("")

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Times stepfuse's fused optimizer step beside PyTorch (eager fused/foreach AdamW with
-# GradScaler, torch.compile) and JAX/optax, in one process: bench/peers/peers.py.
+# GradScaler, torch.compile) and JAX/optax, in one process: bench/peers/peers.py. stepfuse
+# is timed through its Python package: the C++ API's binding and stepfuse.torch.
 #
 # Creates (once) a virtual environment with torch, numpy, jax, optax and jmp from PyPI
 # (build/peers-venv, or $STEPFUSE_PEERS_VENV: an existing venv that already has them is
-# used as it is), builds stepfuse-bench and the ctypes shim with the release preset (in
-# build/release, or $STEPFUSE_PEERS_BUILD_DIR), and runs peers.py with the arguments given
-# here (try --help). Not part of CI: the first run
-# downloads several GB of wheels (PyPI's torch brings its CUDA libraries; the venv is about
-# 6 GB), and a gpt2-124m run needs about 10 GB of memory.
+# used as it is), installs the stepfuse package from this checkout into it (pip install .,
+# incremental: it builds in build/python/; in a $STEPFUSE_PEERS_VENV that already has
+# stepfuse, only if STEPFUSE_PEERS_INSTALL=1), builds stepfuse-bench (the tensor lists)
+# with the release preset (in build/release, or $STEPFUSE_PEERS_BUILD_DIR), and runs
+# peers.py with the arguments given here (try --help). STEPFUSE_PEERS_NO_BUILD=1 skips the
+# install and the build and uses what is there. Not part of CI: the first run downloads
+# several GB of wheels (PyPI's torch brings its CUDA libraries; the venv is about 6 GB), and
+# a gpt2-124m run with every peer needs about 14 GB of memory.
 #
 #   bash bench/peers/run.sh                                # gpt2-124m, 2 threads, all peers
 #   bash bench/peers/run.sh --overhead                     # per-step fixed cost on many-small
@@ -34,9 +38,19 @@ fi
 "$py" -c "import jmp" >/dev/null 2>&1 || "$py" -m pip install --quiet jmp ||
   echo "run.sh: jmp not installable; the JAX peer uses its inline equivalent"
 
-jobs=${STEPFUSE_JOBS:-$(nproc 2>/dev/null || echo 2)}
 build=${STEPFUSE_PEERS_BUILD_DIR:-build/release}
-bash scripts/install_deps.sh
-cmake --preset release -B "$build" --log-level=WARNING
-cmake --build "$build" --parallel "$jobs" --target stepfuse-bench stepfuse_peer_shim
+if [[ ${STEPFUSE_PEERS_NO_BUILD:-0} != 1 ]]; then
+  jobs=${STEPFUSE_JOBS:-$(nproc 2>/dev/null || echo 2)}
+  bash scripts/install_deps.sh
+  # The package builds the library itself (scikit-build-core; CMake and a C++20 compiler,
+  # as for the release preset). Installed into the venv this script made on every run, so
+  # that what is timed is this checkout.
+  if [[ -z ${STEPFUSE_PEERS_VENV:-} || ${STEPFUSE_PEERS_INSTALL:-0} == 1 ]] ||
+     ! "$py" -c "import stepfuse.torch" >/dev/null 2>&1; then
+    echo "run.sh: pip install . into $venv (the stepfuse package: the library and its binding)"
+    CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$py" -m pip install --quiet .
+  fi
+  cmake --preset release -B "$build" --log-level=WARNING
+  cmake --build "$build" --parallel "$jobs" --target stepfuse-bench
+fi
 exec "$py" bench/peers/peers.py --build-dir "$build" "$@"

@@ -9,13 +9,17 @@ from .config import ALL_PEERS, REPO
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="peers.py",
-        description="Time stepfuse's fused step (unscale + inf/NaN check + clip + AdamW) beside PyTorch "
-        "eager fused/foreach AdamW with torch.amp.GradScaler, torch.compile of the whole step, and "
-        "JAX/optax under jax.jit, on the same tensor list, interleaved in one process. Each peer's one-step "
-        "result is checked against stepfuse's before anything is timed.",
+        description="Time stepfuse's fused step (unscale + inf/NaN check + clip + AdamW), through its C++ "
+        "binding and through stepfuse.torch (the torch.optim drop-in), beside PyTorch eager fused/foreach AdamW "
+        "with torch.amp.GradScaler, torch.compile of the whole step, and JAX/optax under jax.jit, on the same "
+        "tensor list, interleaved in one process. Each peer's one-step result is checked against stepfuse's "
+        "before anything is timed. Needs the stepfuse Python package (pip install .) and torch; jax and optax "
+        "for jax-optax.",
         epilog="The ratio column is peer time / stepfuse time (median over median): 2.0x means the peer takes "
         "twice as long as stepfuse. GB/s uses stepfuse's byte model (bench/step_bytes.cpp), the bytes any "
-        "implementation must move, so the figures compare across peers. Exit codes: 0 ok (even if a non-stepfuse "
+        "implementation must move, so the figures compare across peers. OpenMP: torch's worker threads sleep "
+        "as soon as they are idle (OMP_WAIT_POLICY=PASSIVE unless --omp-wait-policy or the environment says "
+        "otherwise), so that none spins while another peer steps. Exit codes: 0 ok (even if a non-stepfuse "
         "peer failed: the table says why), 1 bad arguments, 2 stepfuse itself failed, 3 other errors.",
     )
     p.add_argument("--preset", default=None,
@@ -41,17 +45,22 @@ def parse_args(argv):
                    "AdamW on the preset's tensors vs one flat tensor of the same total size")
     p.add_argument("--gap-ms", type=float, default=10.0,
                    help="idle time before each timed step, so threads still spinning after the previous peer "
-                   "(OpenMP, XLA's pool, stepfuse's pool) have gone to sleep (default 10)")
+                   "(XLA's pool, stepfuse's pool; OpenMP's unless PASSIVE) have gone to sleep (default 10)")
+    p.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE", "unset"],
+                   default=os.environ.get("OMP_WAIT_POLICY", "PASSIVE").upper() or "PASSIVE",
+                   help="OMP_WAIT_POLICY for torch's OpenMP threads, set before torch is imported; unset: the OpenMP "
+                   "runtime's default (libgomp: spin a while, then sleep) (default $OMP_WAIT_POLICY, else PASSIVE: idle "
+                   "workers sleep at once instead of spinning for milliseconds after each parallel region, which would "
+                   "take a core from the peer timed next)")
     p.add_argument("--compile-max-tensors", type=int, default=2000,
                    help="skip torch.compile above this many tensors (its compile time grows with the tensor count; "
                    "default 2000)")
     p.add_argument("--seed", type=int, default=0, help="seed for the weights and gradients (default 0)")
     p.add_argument("--json", metavar="FILE", help="also write every figure and sample to FILE as JSON")
     p.add_argument("--build-dir", default=os.environ.get("STEPFUSE_BUILD_DIR", os.path.join(REPO, "build", "release")),
-                   help="where stepfuse-bench and the shim were built (default $STEPFUSE_BUILD_DIR or build/release); "
-                   "JAX's compilation cache goes to BUILD_DIR/peers-jax-cache")
+                   help="where stepfuse-bench was built (default $STEPFUSE_BUILD_DIR or build/release); JAX's "
+                   "compilation cache goes to BUILD_DIR/peers-jax-cache")
     p.add_argument("--bench", help="path of stepfuse-bench (default BUILD_DIR/bench/stepfuse-bench)")
-    p.add_argument("--shim", help="path of libstepfuse_peer_shim.so (default BUILD_DIR/bench/libstepfuse_peer_shim.so)")
     a = p.parse_args(argv)
     if a.preset is not None and a.shapes is not None:
         p.error("--preset and --shapes exclude each other")
@@ -71,5 +80,4 @@ def parse_args(argv):
     if "stepfuse" not in a.peer_list:
         a.peer_list.insert(0, "stepfuse")
     a.bench = a.bench or os.path.join(a.build_dir, "bench", "stepfuse-bench")
-    a.shim = a.shim or os.path.join(a.build_dir, "bench", "libstepfuse_peer_shim.so")
     return a

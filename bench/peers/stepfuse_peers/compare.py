@@ -2,7 +2,7 @@
 
 from .console import commas, progress
 from .jax_peer import JaxPeer
-from .stepfuse_peer import StepfusePeer
+from .stepfuse_peer import StepfusePeer, StepfuseTorchFreshPeer, StepfuseTorchPeer
 from .tensors import Context
 from .timing import time_peers
 from .torch_peers import TorchCompilePeer, TorchEagerPeer
@@ -11,16 +11,18 @@ from .verify import verify_peers
 
 def make_peers(ctx, names):
     """The peers named (ALL_PEERS' names), in that order."""
-    makers = {"stepfuse": lambda: StepfusePeer(ctx), "torch-fused": lambda: TorchEagerPeer(ctx, "fused"),
+    makers = {"stepfuse": lambda: StepfusePeer(ctx), "stepfuse.torch": lambda: StepfuseTorchPeer(ctx),
+              "stepfuse.torch-fresh": lambda: StepfuseTorchFreshPeer(ctx),
+              "torch-fused": lambda: TorchEagerPeer(ctx, "fused"),
               "torch-foreach": lambda: TorchEagerPeer(ctx, "foreach"), "torch-compile": lambda: TorchCompilePeer(ctx),
               "jax-optax": lambda: JaxPeer(ctx)}
     return [makers[name]() for name in names]
 
 
-def run_peers(args, shim, torch, shapes):
+def run_peers(args, sf, torch, shapes):
     """(ctx, peers, status, samples): every peer verified against stepfuse, then the verified ones
     timed; status[name] holds each peer's outcome, figures and description for the report."""
-    ctx = Context(args, shim, torch)
+    ctx = Context(args, sf, torch)
     n = sum(c for _, c in shapes)
     progress(f"allocating {commas(n)} parameters")
     ctx.allocate(shapes)

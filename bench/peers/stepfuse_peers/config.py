@@ -29,7 +29,17 @@ VERIFY_TOL = 1e-4
 VERIFY_FLOOR = 1e-3
 NORM_TOL = 1e-2
 
-ALL_PEERS = ["stepfuse", "torch-fused", "torch-foreach", "torch-compile", "jax-optax"]
+ALL_PEERS = ["stepfuse", "stepfuse.torch", "stepfuse.torch-fresh", "torch-fused", "torch-foreach", "torch-compile",
+             "jax-optax"]
+
+# The comparisons the report spells out, (numerator, denominator, what it says): each is the
+# numerator's median step time over the denominator's, and the median of the per-round ratios.
+RATIOS = [
+    ("torch-fused", "stepfuse.torch",
+     "torch fused AdamW + torch.amp.GradScaler + clip_grad_norm_ vs stepfuse.torch.AdamW + stepfuse.torch.GradScaler"),
+    ("stepfuse.torch", "stepfuse", "stepfuse.torch vs the C++ binding (the Python layer's cost)"),
+    ("stepfuse.torch-fresh", "stepfuse.torch", "new .grad tensors every step vs the same ones (set_grads' cost)"),
+]
 
 
 def step_bytes(weight_bytes=4, grad_bytes=4, state_streams=2, reduce_pass=True):

@@ -2,12 +2,12 @@
 AdamW on the preset's tensors ("many") and on one tensor of the same total size ("flat"), interleaved;
 the difference of the medians is the per-step fixed cost."""
 
-import ctypes
 import sys
 
 from .config import HYPER
 from .console import progress
 from .report import report_overhead
+from .stepfuse_peer import adamw_config, state_copies
 from .timing import time_configs
 from .verify import compare_step
 
@@ -26,9 +26,9 @@ def make_start(args, torch, lists):
     return start
 
 
-def make_configs(args, shim, torch, lists, start):
+def make_configs(args, sf, torch, lists, start):
     """(configs, states): configs lists (peer, layout, step function) for each peer and layout, on
-    its own copies of `start`; states[(peer, layout)] = (weights, stepfuse handle or torch optimizer)."""
+    its own copies of `start`; states[(peer, layout)] = (weights, stepfuse.Optimizer or torch optimizer)."""
     configs = []
     states = {}
     progress("building the optimizers")
@@ -40,12 +40,10 @@ def make_configs(args, shim, torch, lists, start):
             for w, g in zip(ws, gs):
                 w.grad = g
             if peer == "stepfuse":
-                h = shim.optimizer(ws, gs, 0.0, args.threads)
-                applied = ctypes.c_int()
-
-                def step(h=h, applied=applied):
-                    shim.check(shim.lib.sf_peer_optimizer_step(h, 0.0, ctypes.byref(applied)), "step")
-                states[(peer, layout)] = (ws, h)
+                opt = sf.Optimizer(adamw_config(sf), [(w.detach(), g) for w, g in zip(ws, gs)],
+                                   num_threads=args.threads)
+                step = opt.step
+                states[(peer, layout)] = (ws, opt)
             else:
                 opt = torch.optim.AdamW(ws, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
                                         weight_decay=HYPER["weight_decay"], fused=True)
@@ -55,7 +53,7 @@ def make_configs(args, shim, torch, lists, start):
     return configs, states
 
 
-def verify_configs(shim, torch, lists, start, configs, states):
+def verify_configs(torch, lists, start, configs, states):
     """{layout: verification figures}: the first step of each (stepfuse, torch fused) pair from the
     same start, compared as in the peers mode; None (after saying so on stderr) if a pair disagrees."""
     progress("verifying one step of each against each other")
@@ -64,9 +62,9 @@ def verify_configs(shim, torch, lists, start, configs, states):
         step()
     for layout in lists:
         w0 = start[layout][0]
-        ws_sf, h = states[("stepfuse", layout)]
+        ws_sf, sf_opt = states[("stepfuse", layout)]
         ws_t, opt = states[("torch-fused", layout)]
-        sf_states = shim.copy_states(h, ws_sf, torch)
+        sf_states = state_copies(sf_opt, len(ws_sf), torch)
         ref = [[a.detach() - b for a, b in zip(ws_sf, w0)], sf_states["exp_avg"], sf_states["exp_avg_sq"]]
         d = compare_step([a.detach() - b for a, b in zip(ws_t, w0)], [opt.state[w]["exp_avg"] for w in ws_t],
                          [opt.state[w]["exp_avg_sq"] for w in ws_t], ref)
@@ -78,18 +76,18 @@ def verify_configs(shim, torch, lists, start, configs, states):
     return verify
 
 
-def run_overhead(args, shim, torch, shapes, shapes_source, versions, t_start):
+def run_overhead(args, sf, torch, shapes, shapes_source, versions, t_start):
     """Builds, verifies, times and reports the --overhead configurations; the exit code (2 if
     stepfuse and torch fused AdamW disagree)."""
     n = sum(c for _, c in shapes)
     lists = {"many": [c for _, c in shapes], "flat": [n]}
     start = make_start(args, torch, lists)
-    configs, states = make_configs(args, shim, torch, lists, start)
-    verify = verify_configs(shim, torch, lists, start, configs, states)
+    configs, states = make_configs(args, sf, torch, lists, start)
+    verify = verify_configs(torch, lists, start, configs, states)
     if verify is None:
         return 2
     del start
-    threads_sf = shim.lib.sf_peer_optimizer_num_threads(states[("stepfuse", "many")][1])
+    threads_sf = states[("stepfuse", "many")][1].num_threads
     samples = time_configs(args, configs)
-    report_overhead(args, shim, shapes, shapes_source, versions, t_start, configs, verify, samples, threads_sf)
+    report_overhead(args, sf, shapes, shapes_source, versions, t_start, configs, verify, samples, threads_sf)
     return 0

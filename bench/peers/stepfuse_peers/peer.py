@@ -3,7 +3,9 @@
 A peer sets itself up (optimizer, state), takes one full step per step() call (returning
 only when the step's results are in memory), reports its weights and AdamW state for the
 verification, and says whether the step it just took was applied (checked outside the
-timed region)."""
+timed region). prepare() and finish() run just before and just after every step(), outside
+the timed region: what a training loop does between two steps that is not the step (the
+fresh-gradients peer assigns new .grad tensors there)."""
 
 
 class Peer:
@@ -15,8 +17,14 @@ class Peer:
     def setup(self):
         pass
 
+    def prepare(self):
+        pass
+
     def step(self):
         raise NotImplementedError
+
+    def finish(self):
+        pass
 
     def check_applied(self):
         pass

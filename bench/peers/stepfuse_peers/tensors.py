@@ -28,12 +28,32 @@ def load_shapes(args):
     return shapes, " ".join(cmd)
 
 
+def last_level_cache_bytes(default=32 << 20):
+    """The largest CPU cache (Linux sysfs; `default` where it cannot be read)."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in os.listdir(base):
+            try:
+                with open(os.path.join(base, index, "size")) as f:
+                    text = f.read().strip().upper()
+            except OSError:
+                continue
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            digits = text.rstrip("KMG")
+            if digits.isdigit():
+                best = max(best, int(digits) * mult)
+    except OSError:
+        pass
+    return best or default
+
+
 class Context:
     """The shared tensors: the weights and gradients every torch peer and stepfuse step on, their
     pristine copies, and whether the gradients need restoring before the next peer reads them."""
 
-    def __init__(self, args, shim, torch):
-        self.args, self.shim, self.torch = args, shim, torch
+    def __init__(self, args, sf, torch):
+        self.args, self.sf, self.torch = args, sf, torch
         self.expected_scale = args.loss_scale
         self.versions = {}
         self.grads_dirty = False
@@ -52,6 +72,15 @@ class Context:
             self.grads.append(g)
         self.weights0 = [w.detach().clone() for w in self.weights]
         self.grads_backup = [g.clone() for g in self.grads]
+
+    def evict_caches(self):
+        """Reads and writes a scratch buffer of 4x the last-level cache: run before every timed step
+        (untimed), so that no peer starts with part of its data in cache because of what ran just
+        before it (the restore of the gradients, the fresh-gradients peer's copy)."""
+        if getattr(self, "scratch", None) is None:
+            self.scratch_bytes = 4 * last_level_cache_bytes()
+            self.scratch = self.torch.zeros(self.scratch_bytes // 4, dtype=self.torch.float32)
+        self.scratch.add_(1.0)
 
     def restore_grads(self):
         self.torch._foreach_copy_(self.grads, self.grads_backup)

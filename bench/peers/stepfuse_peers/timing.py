@@ -22,8 +22,8 @@ def interleaved_rounds(items, warmup, steps):
 
 def time_peers(args, ctx, active, status):
     """{peer name: [seconds per timed step]}: the verified peers `active`, interleaved, --gap-ms idle
-    before each step. A peer other than stepfuse that fails is removed from `active` and its status
-    says why; stepfuse failing raises."""
+    before each step (after the peer's untimed prepare() and the cache eviction). A peer other than stepfuse that fails is
+    removed from `active` and its status says why; stepfuse failing raises."""
     samples = {p.name: [] for p in active}
     gap = args.gap_ms / 1000.0
     for timed, order in interleaved_rounds(active, args.warmup, args.steps):
@@ -33,10 +33,13 @@ def time_peers(args, ctx, active, status):
             try:
                 if p.reads_torch_grads and ctx.grads_dirty:
                     ctx.restore_grads()  # untimed: PyTorch's eager path unscaled and clipped them in place
+                p.prepare()
+                ctx.evict_caches()
                 time.sleep(gap)
                 t0 = time.perf_counter()
                 p.step()
                 t = time.perf_counter() - t0
+                p.finish()
                 if p.writes_torch_grads:
                     ctx.grads_dirty = True
                 p.check_applied()

@@ -54,7 +54,9 @@ def verify_peers(ctx, peers, status):
             ctx.restore_weights()
             ctx.restore_grads()
             p.setup()
+            p.prepare()
             p.step()
+            p.finish()
             p.check_applied()
             w, m, v = p.result()
             if p.name == "stepfuse":
