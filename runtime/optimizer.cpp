@@ -231,11 +231,14 @@ std::span<float> Optimizer::mutable_state(std::size_t param, std::string_view na
 std::span<const float> Optimizer::state(std::size_t param, std::string_view name) const {
   return const_cast<Optimizer*>(this)->mutable_state(param, name);
 }
-std::span<const float> Optimizer::master(std::size_t param) const {
+std::span<float> Optimizer::mutable_master(std::size_t param) {
   check_param_index(param, num_params());
   float* m = engine_->master_data(param);
   if (m == nullptr) return {};
   return {m, static_cast<std::size_t>(engine_->params()[param].weight.numel)};
+}
+std::span<const float> Optimizer::master(std::size_t param) const {
+  return const_cast<Optimizer*>(this)->mutable_master(param);
 }
 std::string Optimizer::program_text() const { return to_string(engine_->program()); }
 const std::vector<double>& Optimizer::last_tensor_grad_norms() const { return engine_->tensor_norms(); }

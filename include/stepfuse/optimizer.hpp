@@ -232,6 +232,9 @@ class Optimizer {
   std::span<float> mutable_state(std::size_t param, std::string_view name);
   // fp32 master copy of a parameter; empty when the weights are f32 or masters are off.
   std::span<const float> master(std::size_t param) const;
+  // Writable, as mutable_state(): restoring masters saved by a framework's own
+  // checkpoint format. CUDA: a host copy, copied back before the next step.
+  std::span<float> mutable_master(std::size_t param);
   // The update program this optimizer runs, as text.
   std::string program_text() const;
   // Per-tensor gradient norms (unscaled) from the last reduce pass.

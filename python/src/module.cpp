@@ -31,6 +31,11 @@ NB_MODULE(_stepfuse, m) {
       "stepfuse: the whole mixed-precision optimizer step (unscale, inf/NaN check, clip, update), fused, on "
       "tensors taken zero-copy over DLPack (torch, NumPy, ...).";
 
+  // Views of an optimizer's state (and the torch tensors over them) keep it alive; a
+  // training script that exits with an optimizer still referenced from a torch
+  // optimizer's state is normal, not a leak worth a message at interpreter exit.
+  nb::set_leak_warnings(false);
+
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

@@ -457,11 +457,17 @@ void bind_optimizer(nb::module_& m) {
         std::span<const float> s = self.opt->master(i);
         if (s.empty()) return nb::none();
         std::vector<std::size_t> shape = shape_of(self, i, s.size());
-        return nb::cast(nb::ndarray<nb::numpy, const float>(s.data(), shape.size(), shape.data(), self_handle(self)));
+        // The buffer is the optimizer's own (as mutable_state's): writable, like state(),
+        // for restoring masters from a framework's checkpoint. On a GPU it is the host copy,
+        // sent back before the next step as the state's is.
+        float* data = const_cast<float*>(s.data());
+        return nb::cast(nb::ndarray<nb::numpy, float>(data, shape.size(), shape.data(), self_handle(self)));
       },
       nb::arg("param"),
-      "A read-only float32 NumPy view of a param's fp32 master copy, or None (float32 weights, or "
-      "master_weights=False).",
+      "A writable, zero-copy float32 NumPy view of a param's fp32 master copy (the weight's shape), or None "
+      "(float32 weights, or master_weights=False). Edits take effect at the next step, which updates the master "
+      "and writes it, rounded, to the weight. Like state(), it keeps the optimizer alive and is invalid after "
+      "add_param_group().",
       nb::sig("def master(self, param: int) -> numpy.typing.NDArray[numpy.float32] | None"));
   cls.def(
       "last_tensor_grad_norms", [](const PyOptimizer& self) { return self.opt->last_tensor_grad_norms(); },

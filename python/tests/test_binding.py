@@ -450,7 +450,7 @@ def test_torch_parameters_stand_for_their_pairs_and_bf16():
     assert opt.params()[0][0] is w
     opt.step()
     master = opt.master(0)
-    assert master is not None and master.dtype == np.float32 and not master.flags.writeable
+    assert master is not None and master.dtype == np.float32 and master.flags.writeable
     expected = w0 - 0.1 * w.grad.float()
     torch.testing.assert_close(torch.from_numpy(master.copy()), expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(w.detach(), expected.to(torch.bfloat16))

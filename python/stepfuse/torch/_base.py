@@ -133,6 +133,13 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         param_group = dict(param_group)
         param_group["params"] = params
         super().add_param_group(param_group)
+        # The library's own checks of the group's hyperparameters, now rather than at
+        # the first step; a refused group is not kept.
+        try:
+            _sf.UpdateProgram.from_config(self._config(self.param_groups[-1]))
+        except Exception:
+            self.param_groups.pop()
+            raise
         self._engine_key = None  # re-plan at the next step
 
     def _first_device(self) -> Optional[torch.device]:
@@ -191,20 +198,21 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        # torch casts floating state to the param's dtype; the engine keeps fp32 state
+        # (and fp32 masters for 16-bit params): take the saved tensors at full precision.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for sid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(sid)
+            if not saved or p.dtype == torch.float32:
+                continue
+            for k, v in saved.items():
+                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                    self.state[p][k] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
         # torch's load replaced self.state with the loaded tensors: the next step
         # re-plans and copies them into the engine.
         self._engine = None
         self._engine_key = None
-
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # The engine keeps fp32 state (and fp32 masters for 16-bit params): a loaded
-        # state tensor keeps fp32 precision instead of being cast to the param's dtype.
-        if key == "step":
-            return value
-        if value.is_floating_point():
-            return value.to(dtype=torch.float32, device=param.device)
-        return value.to(device=param.device)
 
     # ---- for subclasses ----
 
@@ -228,20 +236,24 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     # ---- planning ----
 
     def _plan_key(self) -> Tuple[Any, ...]:
+        # Which params have gradients, where their storage is (p.data = ... moves it),
+        # and the flags that pick each group's update program.
         key = []
         for group in self.param_groups:
-            key.append((tuple(id(p) for p in group["params"] if p.grad is not None), self._program_key(group)))
+            key.append((tuple((id(p), p.data_ptr()) for p in group["params"] if p.grad is not None),
+                        self._program_key(group)))
         return tuple(key)
 
     def _prepare(self) -> Optional[Any]:
         """The engine for this step, pointed at the current gradients with the current
-        hyperparameters; None when no param has a gradient."""
+        hyperparameters; None when no param has a gradient. Every check runs before
+        anything is planned or written."""
+        self._check_grads()
         key = self._plan_key()
         if key != self._engine_key or self._engine is None:
             self._replan(key)
         if self._engine is None:
             return None
-        self._check_grads()
         grads = [p.grad for p in self._active]
         ptrs = [g.data_ptr() for g in grads]
         if ptrs != self._grad_ptrs:
@@ -251,7 +263,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         return self._engine
 
     def _check_grads(self) -> None:
-        for p in self._active:
+        with_grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in with_grads:
             g = p.grad
             if g.is_sparse:
                 raise RuntimeError("stepfuse.torch does not support sparse gradients")
@@ -264,7 +277,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             if g.shape != p.shape:
                 raise ValueError(f"stepfuse.torch: a grad of shape {tuple(g.shape)} belongs to a param of shape "
                                  f"{tuple(p.shape)}")
-        for p in self._active:
+            if not p.is_contiguous():
+                raise ValueError("stepfuse.torch: a param is not contiguous (the fused step reads params as flat "
+                                 "buffers)")
+        for p in with_grads:
             if not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()  # the fused step reads flat buffers
 
@@ -426,18 +442,27 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         engine = self._engine
         for g, cg in enumerate(self._cpp_groups):
             group = self.param_groups[cg.torch_group]
-            values = tuple(_as_float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else v
-                           for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, tuple, torch.Tensor)))
+            values = self._group_values_key(group)
             if values == self._group_values[g]:
                 continue
             engine.set_config(self._config(group), g)
             self._group_values[g] = values
+
+    def _group_values_key(self, group: Dict[str, Any]) -> Tuple[Any, ...]:
+        """What a group's config is made of: when it changes, set_config at the next step."""
+        return tuple(_as_float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else v
+                     for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, tuple, torch.Tensor)))
+
+    def _after_applied(self) -> None:
+        """Called after every applied step (the CPU: known at once)."""
 
     def _finish(self, result: Any) -> None:
         if result.pending:  # CUDA: known when read
             self._last_grad_norm = math.nan
             return
         self._last_grad_norm = result.grad_norm
+        if result.applied:
+            self._after_applied()
         if result.applied and self._has_step() and self._step_tensors:
             torch._foreach_add_(self._step_tensors, 1.0)
             for cg in self._cpp_groups:

@@ -132,6 +132,12 @@ class Adagrad(_TorchLike):
         super().__init__(params, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                          initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=foreach,
                          maximize=maximize, differentiable=differentiable, fused=fused, **extra)
+        # As torch's Adagrad: every param's state exists from construction.
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                 "sum": torch.full_like(p, _as_float(group["initial_accumulator_value"]),
+                                                        memory_format=torch.preserve_format)}
 
     def _config(self, g: Dict[str, Any]) -> Any:
         return _sf.Adagrad(lr=_as_float(g["lr"]), lr_decay=_as_float(g["lr_decay"]),
@@ -309,13 +315,32 @@ class ASGD(_TorchLike):
     def __init__(self, params: Any, lr: Any = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
                  weight_decay: float = 0, foreach: Optional[bool] = None, maximize: bool = False,
                  differentiable: bool = False, capturable: bool = False, **extra: Any) -> None:
+        # torch's ASGD steps with the eta its previous step computed from the lr of
+        # that step: a new lr takes effect one step later. Per group: that lr.
+        self._eta_lr: Dict[int, float] = {}
         super().__init__(params, lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, foreach=foreach,
                          maximize=maximize, differentiable=differentiable, capturable=capturable, **extra)
 
+    def _eta_lr_of(self, g: Dict[str, Any]) -> float:
+        return self._eta_lr.get(id(g), _as_float(g["lr"]))
+
     def _config(self, g: Dict[str, Any]) -> Any:
-        return _sf.ASGD(lr=_as_float(g["lr"]), lambd=_as_float(g["lambd"]), alpha=_as_float(g["alpha"]),
+        return _sf.ASGD(lr=self._eta_lr_of(g), lambd=_as_float(g["lambd"]), alpha=_as_float(g["alpha"]),
                         t0=_as_float(g["t0"]), weight_decay=_as_float(g["weight_decay"]),
                         maximize=bool(g["maximize"]))
+
+    def _group_values_key(self, g: Dict[str, Any]) -> Tuple[Any, ...]:
+        return super()._group_values_key(g) + (self._eta_lr_of(g),)
+
+    def _after_applied(self) -> None:
+        stepped = {cg.torch_group for cg in self._cpp_groups}
+        for gi, g in enumerate(self.param_groups):
+            if gi in stepped:
+                self._eta_lr[id(g)] = _as_float(g["lr"])
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._eta_lr = {}  # new group dicts: their lr
 
     def _state_keys(self, g: Dict[str, Any]) -> Sequence[str]:
         return ("ax",)
@@ -328,8 +353,8 @@ class ASGD(_TorchLike):
         return {"eta": torch.tensor(eta, dtype=torch.float32), "mu": torch.tensor(mu, dtype=torch.float32)}
 
 
-def _check_range(name: str, value: float, low: float, high: Optional[float] = None, *, open_high: bool = True) -> None:
-    ok = low <= value and (high is None or (value < high if open_high else value <= high))
+def _check_range(name: str, value: float, low: float, high: Optional[float] = None) -> None:
+    ok = low <= value and (high is None or value < high)
     if not ok:
         raise ValueError(f"Invalid {name}: {value}")
 
@@ -341,8 +366,8 @@ class Lion(StepfuseOptimizer):
     def __init__(self, params: Any, lr: float = 1e-4, betas: Tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, **extra: Any) -> None:
         _check_range("learning rate", _as_float(lr), 0.0)
-        _check_range("beta parameter at index 0", float(betas[0]), 0.0, 1.0, open_high=False)
-        _check_range("beta parameter at index 1", float(betas[1]), 0.0, 1.0, open_high=False)
+        _check_range("beta parameter at index 0", float(betas[0]), 0.0, 1.0)
+        _check_range("beta parameter at index 1", float(betas[1]), 0.0, 1.0)
         _check_range("weight_decay value", float(weight_decay), 0.0)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **extra)
