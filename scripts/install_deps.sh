@@ -17,6 +17,7 @@ packages=(
   libxxhash-dev       # cache keys and checksums
   llvm-14-dev         # the LLVM CPU backend (optional: without it the build has Highway alone)
   python3-venv        # build/pyvenv below
+  python3-dev         # Python's headers: the extension module (pip install .)
 )
 # Arguments: more Debian packages to install the same way (scripts/fuzz.sh: clang 14).
 packages+=("$@")

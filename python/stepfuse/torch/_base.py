@@ -242,6 +242,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             key.append((tuple((id(p), p.data_ptr()) for p in group["params"] if p.grad is not None),
                         self._program_key(group)))
+        # CUDA: the step runs on the current stream; another stream is another plan.
+        if self._device is not None and self._device.type == "cuda":
+            key.append(torch.cuda.current_stream(self._device).cuda_stream)
         return tuple(key)
 
     def _prepare(self) -> Optional[Any]:
