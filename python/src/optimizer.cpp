@@ -454,14 +454,12 @@ void bind_optimizer(nb::module_& m) {
   cls.def(
       "master",
       [](PyOptimizer& self, std::size_t i) -> nb::object {
-        std::span<const float> s = self.opt->master(i);
+        // Writable, as state(): for restoring masters from a framework's checkpoint. On a GPU
+        // it is the host copy, sent back before the next step as the state's is.
+        std::span<float> s = self.opt->mutable_master(i);
         if (s.empty()) return nb::none();
         std::vector<std::size_t> shape = shape_of(self, i, s.size());
-        // The buffer is the optimizer's own (as mutable_state's): writable, like state(),
-        // for restoring masters from a framework's checkpoint. On a GPU it is the host copy,
-        // sent back before the next step as the state's is.
-        float* data = const_cast<float*>(s.data());
-        return nb::cast(nb::ndarray<nb::numpy, float>(data, shape.size(), shape.data(), self_handle(self)));
+        return nb::cast(nb::ndarray<nb::numpy, float>(s.data(), shape.size(), shape.data(), self_handle(self)));
       },
       nb::arg("param"),
       "A writable, zero-copy float32 NumPy view of a param's fp32 master copy (the weight's shape), or None "

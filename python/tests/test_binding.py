@@ -450,10 +450,16 @@ def test_torch_parameters_stand_for_their_pairs_and_bf16():
     assert opt.params()[0][0] is w
     opt.step()
     master = opt.master(0)
-    assert master is not None and master.dtype == np.float32 and master.flags.writeable
+    assert master is not None and master.dtype == np.float32 and master.shape == (64,)
     expected = w0 - 0.1 * w.grad.float()
     torch.testing.assert_close(torch.from_numpy(master.copy()), expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(w.detach(), expected.to(torch.bfloat16))
+    # Writable: a restored master is what the next step starts from.
+    assert master.flags.writeable
+    master[...] = 1.0
+    w.grad.zero_()
+    opt.step()
+    assert torch.equal(w.detach(), torch.ones(64, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="dtype float64"):
         stepfuse.Optimizer(stepfuse.SGD(), [(torch.zeros(3, dtype=torch.float64), torch.zeros(3))])
     with pytest.raises(ValueError, match=r"\.contiguous\(\)"):
