@@ -240,3 +240,34 @@ def test_mismatched_checkpoint_is_refused(util):
     sopt2 = sft.AdamW(groups(util.make_params()[:3]), lr=1e-2)  # a group of another size
     with pytest.raises(ValueError):
         sopt2.load_state_dict(sd)
+
+
+def test_deepcopy_and_pickle_continue_identically(util):
+    """copy.deepcopy and torch.save/torch.load of the optimizer itself (torch pickles its
+    defaults, state and param_groups): the copy keeps max_grad_norm and the state, and
+    steps bitwise as the original does."""
+    import copy
+    import io
+
+    ours = util.make_params()
+    opt = sft.AdamW(ours, lr=1e-2, max_grad_norm=0.5)
+    for step in range(3):
+        util.set_grads(ours, util.make_grads(ours, step))
+        opt.step()
+    dup = copy.deepcopy(opt)
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (dup, loaded):
+        assert other.max_grad_norm == 0.5
+        params = other.param_groups[0]["params"]
+        assert all(p is not q for p, q in zip(params, ours))
+    for step in range(3, 6):
+        grads = util.make_grads(ours, step)
+        for opt_, params in ((opt, ours), (dup, dup.param_groups[0]["params"]),
+                             (loaded, loaded.param_groups[0]["params"])):
+            util.set_grads(params, grads)
+            opt_.step()
+        util.assert_params_equal(dup.param_groups[0]["params"], ours, where=f"deepcopy, step {step}:")
+        util.assert_params_equal(loaded.param_groups[0]["params"], ours, where=f"pickle, step {step}:")

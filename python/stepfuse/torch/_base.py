@@ -91,15 +91,36 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self.norm_type = norm_type
         self.master_weights = bool(master_weights)
         self.num_threads = num_threads
+        self._device: Optional[torch.device] = None
+        self._reset_engine()
+        super().__init__(params, defaults)
+
+    def _reset_engine(self) -> None:
         self._engine: Optional[_sf.Optimizer] = None
         self._engine_key: Any = None
         self._cpp_groups: List[_CppGroup] = []
         self._active: List[torch.Tensor] = []  # the engine's params, in its order
         self._grad_ptrs: List[int] = []
         self._group_values: List[Any] = []  # per engine group: the hyperparameters pushed
+        self._step_tensors: List[torch.Tensor] = []
         self._last_grad_norm = math.nan
-        self._device: Optional[torch.device] = None
-        super().__init__(params, defaults)
+
+    # torch pickles (and deep-copies) an optimizer as defaults, state and param_groups:
+    # keep the options too; the engine is re-planned from the state at the next step.
+    _OPTIONS = ("max_grad_norm", "norm_type", "master_weights", "num_threads", "_device")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        self._export_state()
+        state = super().__getstate__()
+        state.update({k: getattr(self, k) for k in self._OPTIONS})
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for k, default in zip(self._OPTIONS, (None, 2.0, True, None, None)):
+            if not hasattr(self, k):
+                setattr(self, k, default)
+        self._reset_engine()
 
     # ---- torch.optim.Optimizer's interface ----
 
