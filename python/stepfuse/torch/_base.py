@@ -104,6 +104,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._group_values: List[Any] = []  # per engine group: the hyperparameters pushed
         self._step_tensors: List[torch.Tensor] = []
         self._last_grad_norm = math.nan
+        self._norm_pending = False  # CUDA: the last step's norm is still on the device
 
     # torch pickles (and deep-copies) an optimizer as defaults, state and param_groups:
     # keep the options too; the engine is re-planned from the state at the next step.
@@ -191,7 +192,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             engine = self._prepare()
             if engine is not None:
                 engine.step()
-                self._finish(engine.last_result)
+                if self._active[0].device.type == "cuda":
+                    self._norm_pending = True  # enqueued: reading the result would wait for the device
+                else:
+                    self._finish(engine.last_result)
         return loss
 
     def _step_scaled(self, scale: float) -> Optional[Any]:
@@ -209,8 +213,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         (what ``torch.nn.utils.clip_grad_norm_`` would have returned): inf when they
         were not finite, NaN when the step computed none (no clipping and no scaler).
         On CUDA reading it waits for the step."""
-        if self._engine is not None and self._engine.last_result.pending:
+        if self._norm_pending and self._engine is not None:
             self._last_grad_norm = self._engine.last_grad_norm
+            self._norm_pending = False
         return torch.tensor(self._last_grad_norm, dtype=torch.float32)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -482,8 +487,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def _finish(self, result: Any) -> None:
         if result.pending:  # CUDA: known when read
-            self._last_grad_norm = math.nan
+            self._norm_pending = True
             return
+        self._norm_pending = False
         self._last_grad_norm = result.grad_norm
         if result.applied:
             self._after_applied()
