@@ -16,8 +16,10 @@ Order of work, on purpose:
   2. verify: each peer takes one step from the same weights, gradients and zero state,
      and its weight update and AdamW state are compared with stepfuse's (a peer that
      disagrees beyond fp32 rounding is reported and not timed);
-  3. time: warm-up, then rounds in which every peer takes one step, round-robin (the
-     starting peer rotates each round) so that drift in the machine affects all alike.
+  3. time: warm-up, then rounds in which every peer takes one step, each round in another
+     order (a Williams design: every peer directly follows every other equally often), so
+     that drift in the machine and what a peer leaves behind affect all alike. Before each
+     step the process waits until it is idle (--gap-ms at least).
      Restoring the gradients that PyTorch's eager path unscales and clips in place is
      done between steps, outside the timed region. torch's OpenMP threads do not spin
      while another peer steps: OMP_WAIT_POLICY=PASSIVE is set before torch is imported
@@ -39,7 +41,7 @@ the exit codes:
   stepfuse_peer.py (stepfuse, stepfuse.torch, stepfuse.torch-fresh), torch_peers.py,
   jax_peer.py: the peers
   verify.py        each peer's one-step result against stepfuse's
-  timing.py        the interleaved (round-robin) timing
+  timing.py        the interleaved timing
   compare.py       the peers mode; overhead.py: the --overhead mode
   report.py        the tables and the JSON
 """

@@ -12,7 +12,7 @@
 # peers.py with the arguments given here (try --help). STEPFUSE_PEERS_NO_BUILD=1 skips the
 # install and the build and uses what is there. Not part of CI: the first run downloads
 # several GB of wheels (PyPI's torch brings its CUDA libraries; the venv is about 6 GB), and
-# a gpt2-124m run with every peer needs about 14 GB of memory.
+# a gpt2-124m run with every peer peaks at about 17 GB of memory.
 #
 #   bash bench/peers/run.sh                                # gpt2-124m, 2 threads, all peers
 #   bash bench/peers/run.sh --overhead                     # per-step fixed cost on many-small

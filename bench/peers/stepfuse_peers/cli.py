@@ -44,8 +44,9 @@ def parse_args(argv):
                    help="measure the per-step fixed overhead instead: plain AdamW step of stepfuse and torch fused "
                    "AdamW on the preset's tensors vs one flat tensor of the same total size")
     p.add_argument("--gap-ms", type=float, default=10.0,
-                   help="idle time before each timed step, so threads still spinning after the previous peer "
-                   "(XLA's pool, stepfuse's pool; OpenMP's unless PASSIVE) have gone to sleep (default 10)")
+                   help="idle time before each timed step, so threads still at work after the previous peer (XLA's "
+                   "pool, stepfuse's pool; OpenMP's unless PASSIVE) have gone to sleep: at least this long, and "
+                   "longer while the process used more than 10%% of a CPU over the last GAP_MS (default 10)")
     p.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE", "unset"],
                    default=os.environ.get("OMP_WAIT_POLICY", "PASSIVE").upper() or "PASSIVE",
                    help="OMP_WAIT_POLICY for torch's OpenMP threads, set before torch is imported; unset: the OpenMP "

@@ -133,8 +133,14 @@ def print_peers_timing(args, ctx, peers, status, samples, step_total):
     """The timing table, each peer's median over stepfuse's; stores the figures in status[name] for
     the JSON."""
     ref = summarize(samples["stepfuse"])
-    print(f"{args.steps} timed steps per peer after {args.warmup} warm-up rounds, interleaved round-robin (the first "
-          f"peer rotates each round), {args.gap_ms:g} ms idle before each step;")
+    waits = sorted((w, p.name) for p in peers for w in status[p.name].get("idle_wait_ms", []))
+    print(f"{args.steps} timed steps per peer after {args.warmup} warm-up rounds, interleaved (each round in another "
+          f"order of a Williams design: every peer directly follows every other equally often over "
+          f"{2 * len(peers) if len(peers) % 2 else len(peers)} rounds);")
+    if waits:
+        print(f"before each step at least {args.gap_ms:g} ms idle, longer until the process used < 10% of a CPU over "
+              f"{args.gap_ms:g} ms (waits: median {quantile([w for w, _ in waits], 0.5):.0f} ms, max "
+              f"{waits[-1][0]:.0f} ms, before {waits[-1][1]});")
     print("gradients that PyTorch's eager path unscales and clips in place are restored between steps, OUTSIDE the "
           f"timed region; before each step a {getattr(ctx, 'scratch_bytes', 0) >> 20} MB scratch buffer is read and "
           "written (4x the last-level cache), so that no step starts with data left in cache by the one before")
@@ -214,7 +220,8 @@ def report_overhead(args, sf, shapes, shapes_source, versions, t_start, configs,
           "; ".join(f"{layout}: exp_avg {d['exp_avg']:.1e}, exp_avg_sq {d['exp_avg_sq']:.1e}, weight update "
                     f"{d['weight_update']:.1e}" for layout, d in verify.items()))
     print()
-    print(f"{args.steps} timed steps per configuration after {args.warmup} warm-up rounds, interleaved round-robin:")
+    print(f"{args.steps} timed steps per configuration after {args.warmup} warm-up rounds, interleaved (Williams "
+          f"design), at least {args.gap_ms:g} ms idle before each:")
     print(f"  {'peer':<12} {'layout':<7} {'median ms':>10} {'min':>9} {'IQR':>9} {'GB/s':>8}")
     summ = {}
     for peer, layout, _ in configs:
