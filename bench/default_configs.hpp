@@ -1,4 +1,4 @@
-// The built-in optimizers by their lower-case names, with PyTorch's defaults: stepfuse-bench's --optimizer and the peers' shim.
+// The built-in optimizers by their lower-case names, with PyTorch's defaults: stepfuse-bench's --optimizer.
 #pragma once
 
 #include <optional>
@@ -10,8 +10,7 @@ namespace stepfuse::bench {
 
 // The optimizer named `name` ("sgd", "adam", "adamw", "adagrad", "rmsprop", "lion",
 // "nadam", "radam", "adamax", "adadelta", "rprop", "asgd", "lamb") with
-// its defaults, or nothing for another name (the caller words the error). Header-only:
-// the shim (bench/peers/shim.cpp) links the library alone.
+// its defaults, or nothing for another name (the caller words the error).
 inline std::optional<OptimizerConfig> default_config_named(std::string_view name) {
   if (name == "sgd") return optim::SGD{};
   if (name == "adam") return optim::Adam{};

@@ -332,6 +332,42 @@ void bind_optimizer(nb::module_& m) {
       "dtypes (fresh gradients each iteration, as torch allocates after zero_grad(set_to_none=True)). "
       "ValueError (and nothing changes) on a count, size or dtype mismatch.",
       nb::sig("def set_grads(self, grads: collections.abc.Iterable[object]) -> None"));
+  cls.def(
+      "set_grad_pointers",
+      [](PyOptimizer& self, const std::vector<std::uintptr_t>& pointers) {
+        const std::vector<stepfuse::Param>& params = self.opt->params();
+        if (pointers.size() != params.size())
+          throw nb::value_error(("set_grad_pointers: " + std::to_string(pointers.size()) + " pointers for " +
+                                 std::to_string(params.size()) + " params (one per param, in params() order)")
+                                    .c_str());
+        std::vector<stepfuse::TensorView> views;
+        views.reserve(params.size());
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          stepfuse::TensorView v = params[i].grad;
+          v.data = reinterpret_cast<void*>(pointers[i]);
+          views.push_back(v);
+        }
+        self.opt->set_grads(views);  // validates (null, overlaps); changes nothing on an error
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          Tensor& t = self.grads[i];
+          t.owner = nb::none(), t.array = nb::ndarray<>();
+          t.view.data = views[i].data;
+        }
+      },
+      nb::arg("pointers"),
+      "set_grads() for a caller that has checked the new gradients itself: their data pointers (torch's "
+      "Tensor.data_ptr()), one per param, each of the size, dtype and device the param's gradient had. The "
+      "optimizer keeps no reference to them (as after release_grads()): the caller keeps them alive. "
+      "stepfuse.torch uses it to re-point thousands of fresh gradients per step without importing each one.");
+  cls.def(
+      "release_grads",
+      [](PyOptimizer& self) {
+        for (Tensor& t : self.grads) t.owner = nb::none(), t.array = nb::ndarray<>();
+      },
+      "Drops the optimizer's references to its gradient tensors, so that freeing them (torch's "
+      "zero_grad(set_to_none=True)) frees their memory at once. The optimizer still points at that memory: "
+      "until the next set_grads(), the caller must keep it valid for every step (stepfuse.torch calls "
+      "set_grads() whenever a gradient's storage moved). params() then gives None for the grads.");
 
   // ---- hyperparameters and groups ----
   cls.def(

@@ -478,3 +478,33 @@ def test_torch_tensors_outlive_python_references():
     opt.step()
     w, g = opt.params()[0]
     assert torch.equal(w, torch.zeros(1000))
+
+
+def test_set_grad_pointers_and_release_grads():
+    """set_grad_pointers re-points the gradients by address (as set_grads does, bitwise),
+    keeping no reference to them; release_grads drops the references the constructor
+    took; a wrong count or a null pointer is a ValueError that changes nothing."""
+    rng = np.random.default_rng(3)
+    sizes = (5000, 3, 40000)
+    w1 = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    w2 = [w.copy() for w in w1]
+    g_old = [np.zeros(n, np.float32) for n in sizes]
+    a = stepfuse.Optimizer(stepfuse.AdamW(lr=1e-2), list(zip(w1, g_old)), num_threads=1)
+    b = stepfuse.Optimizer(stepfuse.AdamW(lr=1e-2), list(zip(w2, [g.copy() for g in g_old])), num_threads=1)
+    a.release_grads()
+    assert all(g is None for _, g in a.params())
+    for step in range(3):
+        fresh = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+        a.set_grad_pointers([g.ctypes.data for g in fresh])
+        b.set_grads([g.copy() for g in fresh])
+        a.step()
+        b.step()
+    for x, y in zip(w1, w2):
+        assert np.array_equal(x, y)
+    with pytest.raises(ValueError, match="2 pointers for 3 params"):
+        a.set_grad_pointers([fresh[0].ctypes.data, fresh[1].ctypes.data])
+    with pytest.raises(ValueError, match="null"):
+        a.set_grad_pointers([0, fresh[1].ctypes.data, fresh[2].ctypes.data])
+    before = [w.copy() for w in w1]
+    a.step()  # still the last valid pointers
+    assert not all(np.array_equal(x, y) for x, y in zip(w1, before))

@@ -718,3 +718,19 @@ def test_step_without_any_grad_does_nothing(util):
     util.assert_params_equal(ours, before)
     util.assert_state_equal(sopt, before_state)
     util.train_both(topt, sopt, ref, ours, 3, start=3)
+
+
+def test_zero_grad_frees_the_gradients_at_once():
+    """After zero_grad(set_to_none=True) nothing keeps the old gradients alive: the engine
+    holds no reference to them (only their addresses until the next step re-points it)."""
+    import weakref
+
+    params = [torch.randn(1000, requires_grad=True) for _ in range(3)]
+    opt = sft.AdamW(params, lr=1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(1000)
+        opt.step()
+        refs = [weakref.ref(p.grad) for p in params]
+        opt.zero_grad(set_to_none=True)
+        assert all(r() is None for r in refs)

@@ -101,8 +101,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._cpp_groups: List[_CppGroup] = []
         self._active: List[torch.Tensor] = []  # the engine's params, in its order
         self._grad_ptrs: List[int] = []
+        self._active_in_scan_order = True  # the engine's params are the params with grads, in group order
         self._group_values: List[Any] = []  # per engine group: the hyperparameters pushed
-        self._step_tensors: List[torch.Tensor] = []
+        self._steps: Optional[torch.Tensor] = None  # every active param's step count (state[p]["step"] are views)
         self._last_grad_norm = math.nan
         self._norm_pending = False  # CUDA: the last step's norm is still on the device
 
@@ -261,57 +262,69 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     # ---- planning ----
 
-    def _plan_key(self) -> Tuple[Any, ...]:
-        # Which params have gradients, where their storage is (p.data = ... moves it),
-        # and the flags that pick each group's update program.
-        key = []
+    def _scan(self) -> Tuple[Tuple[Any, ...], List[int]]:
+        """One pass over every param: checks each gradient (before anything is planned or
+        written), and returns the plan key — which params have gradients, where their
+        storage is (p.data = ... moves it), the flags that pick each group's update
+        program — and the gradients' data pointers in that order."""
+        key: List[Any] = []
+        ptrs: List[int] = []
         for group in self.param_groups:
-            key.append((tuple((id(p), p.data_ptr()) for p in group["params"] if p.grad is not None),
-                        self._program_key(group)))
+            ids = []
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if (g.dtype is not p.dtype or g.shape != p.shape or g.is_cuda is not p.is_cuda or g.is_sparse
+                        or not g.is_contiguous() or not p.is_contiguous()
+                        or (p.is_cuda and g.get_device() != p.get_device())):
+                    g = self._check_grad(p)
+                ids.append((id(p), p.data_ptr()))
+                ptrs.append(g.data_ptr())
+            key.append((tuple(ids), self._program_key(group)))
         # CUDA: the step runs on the current stream; another stream is another plan.
         if self._device is not None and self._device.type == "cuda":
             key.append(torch.cuda.current_stream(self._device).cuda_stream)
-        return tuple(key)
+        return tuple(key), ptrs
 
     def _prepare(self) -> Optional[Any]:
         """The engine for this step, pointed at the current gradients with the current
-        hyperparameters; None when no param has a gradient. Every check runs before
-        anything is planned or written."""
-        self._check_grads()
-        key = self._plan_key()
+        hyperparameters; None when no param has a gradient."""
+        key, ptrs = self._scan()
         if key != self._engine_key or self._engine is None:
             self._replan(key)
         if self._engine is None:
             return None
-        grads = [p.grad for p in self._active]
-        ptrs = [g.data_ptr() for g in grads]
+        if not self._active_in_scan_order:
+            ptrs = [p.grad.data_ptr() for p in self._active]
         if ptrs != self._grad_ptrs:
-            self._engine.set_grads(grads)
+            # Checked by the scan: only the pointers move (no import of each tensor, no reference kept).
+            self._engine.set_grad_pointers(ptrs)
             self._grad_ptrs = ptrs
         self._push_hyperparameters()
         return self._engine
 
-    def _check_grads(self) -> None:
-        with_grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p in with_grads:
-            g = p.grad
-            if g.is_sparse:
-                raise RuntimeError("stepfuse.torch does not support sparse gradients")
-            if g.dtype != p.dtype:
-                raise TypeError(f"stepfuse.torch: a grad of dtype {g.dtype} belongs to a param of dtype {p.dtype} "
-                                "(they must match, as autograd makes them)")
-            if g.device != p.device:
-                raise ValueError(f"stepfuse.torch: a grad on {g.device} belongs to a param on {p.device} "
-                                 "(they must be on one device)")
-            if g.shape != p.shape:
-                raise ValueError(f"stepfuse.torch: a grad of shape {tuple(g.shape)} belongs to a param of shape "
-                                 f"{tuple(p.shape)}")
-            if not p.is_contiguous():
-                raise ValueError("stepfuse.torch: a param is not contiguous (the fused step reads params as flat "
-                                 "buffers)")
-        for p in with_grads:
-            if not p.grad.is_contiguous():
-                p.grad = p.grad.contiguous()  # the fused step reads flat buffers
+    @staticmethod
+    def _check_grad(p: torch.Tensor) -> torch.Tensor:
+        """A gradient the fast check did not pass: the precise error, or a contiguous copy."""
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError("stepfuse.torch does not support sparse gradients")
+        if g.dtype != p.dtype:
+            raise TypeError(f"stepfuse.torch: a grad of dtype {g.dtype} belongs to a param of dtype {p.dtype} "
+                            "(they must match, as autograd makes them)")
+        if g.device != p.device:
+            raise ValueError(f"stepfuse.torch: a grad on {g.device} belongs to a param on {p.device} "
+                             "(they must be on one device)")
+        if g.shape != p.shape:
+            raise ValueError(f"stepfuse.torch: a grad of shape {tuple(g.shape)} belongs to a param of shape "
+                             f"{tuple(p.shape)}")
+        if not p.is_contiguous():
+            raise ValueError("stepfuse.torch: a param is not contiguous (the fused step reads params as flat "
+                             "buffers)")
+        if not g.is_contiguous():
+            p.grad = g = g.contiguous()  # the fused step reads flat buffers
+        return g
 
     def _replan(self, key: Any) -> None:
         """Builds the engine over the params that have gradients, carrying every
@@ -344,6 +357,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if device.type == "cuda":
             options["cuda_stream"] = torch.cuda.current_stream(device).cuda_stream
         engine = _sf.Optimizer.from_groups(groups, **options)
+        # The params own their gradients: the engine keeping them too would hold a whole
+        # extra set alive through backward after zero_grad(set_to_none=True).
+        engine.release_grads()
         del old
         active = [p for g in cpp_groups for p in g.params]
         # State: what self.state holds (a loaded state dict, or the old engine's), else the engine's initial values.
@@ -367,6 +383,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._engine = engine
         self._cpp_groups = cpp_groups
         self._active = active
+        scan_order = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self._active_in_scan_order = len(scan_order) == len(active) and all(a is b for a, b in zip(scan_order, active))
         self._grad_ptrs = [p.grad.data_ptr() for p in active]
         self._group_values = [None] * len(cpp_groups)
         self._engine_key = key
@@ -403,19 +421,17 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         views on the CPU, snapshots on CUDA."""
         engine = self._engine
         names = set(engine.state_names())
-        self._step_tensors = []
+        steps = self._steps = torch.zeros(len(self._active), dtype=torch.float32)
         for i, p in enumerate(self._active):
             cg = self._cpp_group_of(i)
             group = self.param_groups[cg.torch_group]
             old = self.state.get(p) or {}
             st: Dict[str, Any] = {}
             if self._has_step():
-                step = old.get("step")
-                if not (isinstance(step, torch.Tensor) and step.device.type == "cpu" and step.dtype == torch.float32
-                        and step.dim() == 0):
-                    step = torch.tensor(float(cg.step), dtype=torch.float32)
-                st["step"] = step
-                self._step_tensors.append(step)
+                # Each param's step is its own 0-dim tensor, a view into one buffer of every
+                # active param's count: advancing them all is one add, not one per param.
+                steps[i] = float(cg.step)
+                st["step"] = steps[i]
             st.update(self._derived_state(group, cg.step))
             for name in self._state_keys(group):
                 if name not in names:
@@ -493,10 +509,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._last_grad_norm = result.grad_norm
         if result.applied:
             self._after_applied()
-        if result.applied and self._has_step() and self._step_tensors:
-            torch._foreach_add_(self._step_tensors, 1.0)
-            for cg in self._cpp_groups:
-                cg.step += 1
-        elif result.applied:
+        if result.applied:
+            if self._has_step() and self._steps is not None:
+                self._steps.add_(1.0)
             for cg in self._cpp_groups:
                 cg.step += 1
