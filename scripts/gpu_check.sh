@@ -21,7 +21,9 @@
 #       (bench/peers/torch_cuda_step.py), and prints the table: ms per step, GB/s for the
 #       bytes the step must move, the device-to-device copy's GB/s measured in the same run
 #       and the ratio, kernel launches per step, torch's ms per step and the speedup; and the
-#       kernel cache's cold-compile, disk-hit and memory-hit times. Logs, JSON reports and
+#       kernel cache's cold-compile, disk-hit and memory-hit times; when torch sees the GPU,
+#       also builds the Python package (build requirements from .gpu-deps/wheels) and runs
+#       python/tests/test_torch_cuda.py. Logs, JSON reports and
 #       the table go to DIR/gpu_check/, or to $OUT/gpu_check/ when OUT is set.
 #       --no-gpu-ok: where no GPU is usable, still exit 0 (the tests skip, the CUDA
 #       benchmark reports why it cannot run). --skip-torch: no PyTorch baseline.
@@ -191,6 +193,12 @@ EOF
   fi
   echo "gpu_check --prepare: a program using every package builds and runs against $deps"
   local mib
+  # The Python package's build requirements, as wheels (the GPU machine has no package
+  # registry): its CUDA tests run there when that machine's Python has torch.
+  if command -v python3 >/dev/null 2>&1; then
+    python3 -m pip download -q --only-binary=:all: -d "$deps/wheels" "scikit-build-core>=0.10" "nanobind>=2.2" ||
+      echo "gpu_check --prepare: could not download scikit-build-core and nanobind: the Python CUDA tests will not run there"
+  fi
   mib=$(du -sm "$deps" | cut -f1)
   ((mib < 60)) || die "$deps is $mib MiB: too large to carry (limit 60)"
   echo "gpu_check --prepare: $deps is $mib MiB ($(find "$deps" -type f | wc -l) files); carry it to the GPU machine with the working tree"
@@ -389,6 +397,34 @@ for p in "${presets[@]}"; do
   fi
 done
 end benchmarks
+
+# The Python package's CUDA tests (python/tests/test_torch_cuda.py: stepfuse.torch against
+# torch's fused AdamW and GradScaler on the GPU, stream order, CUDA graph capture), when this
+# machine's python3 has torch with the GPU: a venv over the system's packages, the build
+# requirements from .gpu-deps/wheels, pip install . against .gpu-deps.
+if ((torch_ok)) && [[ -d $abs_deps/wheels ]]; then
+  begin "python: stepfuse.torch on the GPU"
+  pyvenv=$build/pyvenv
+  set +e
+  { [[ -x $pyvenv/bin/python ]] || python3 -m venv --system-site-packages "$pyvenv"; } &&
+    "$pyvenv/bin/python" -m pip install -q --no-index --find-links "$abs_deps/wheels" scikit-build-core nanobind &&
+    CMAKE_ARGS="${cmake_deps[*]}" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+      "$pyvenv/bin/python" -m pip install -q --no-build-isolation --no-deps . >"$results/python_build.log" 2>&1
+  rc=$?
+  if ((rc == 0)); then
+    "$pyvenv/bin/python" -m pytest python/tests/test_torch_cuda.py -q -p no:cacheprovider 2>&1 | tee "$results/python_cuda.log"
+    rc=${PIPESTATUS[0]}
+    line="python CUDA tests: $(tail -n 1 "$results/python_cuda.log")"
+  else
+    tail -n 40 "$results/python_build.log"
+    line="python CUDA tests: the package did not build (exit $rc; $results/python_build.log)"
+  fi
+  set -e
+  ((rc == 0)) || failed+=("python CUDA tests")
+  test_summary+=("$line")
+  echo "$line"
+  end python
+fi
 
 if [[ -n $codegen_pid ]]; then
   begin "cuda_codegen_test (NVRTC only; ran in the background)"
