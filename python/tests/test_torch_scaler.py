@@ -290,3 +290,24 @@ def test_disabled_scaler_steps_plainly(util):
         tscaler.update()
         oscaler.update()
         util.assert_params_close(ours, ref, where=f"step {step}:")
+
+
+def test_last_grad_norm_is_inf_on_a_step_torchs_scaler_skips():
+    """Under torch.amp.GradScaler, a step the scaler skips (found_inf) reports an infinite
+    last_grad_norm, as a step the fused scaler skips does; a finite step reports the norm
+    of the unscaled gradients, as clip_grad_norm_ returns it."""
+    p = torch.randn(100, requires_grad=True)
+    opt = sft.AdamW([p], max_grad_norm=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.tensor(1.0))
+    g = torch.randn(100)
+    p.grad = g * 4.0
+    scaler.step(opt)
+    scaler.update()
+    torch.testing.assert_close(opt.last_grad_norm, torch.linalg.vector_norm(g))
+    p.grad = torch.full((100,), float("inf"))
+    before = p.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.isinf(opt.last_grad_norm)
+    assert torch.equal(p.detach(), before)

@@ -185,7 +185,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and _as_float(found_inf) != 0.0:
-            return loss  # torch's scaler found inf/NaN: skip, as torch's own optimizers do
+            # torch's scaler found inf/NaN: skip, as torch's own optimizers do (the norm of
+            # such gradients is not finite, as the engine reports for a step it skips).
+            self._last_grad_norm, self._norm_pending = math.inf, False
+            return loss
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is not None:
             self._step_scaled(_as_float(grad_scale))
