@@ -12,6 +12,7 @@
 
 from .config import BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, HYPER, MAX_NORM
 from .peer import Peer
+from .torch_peers import TorchEagerPeer
 
 
 def scaler_kwargs(args):
@@ -93,15 +94,9 @@ class StepfuseTorchPeer(Peer):
         self.scaler.step(self.opt)
         self.scaler.update()
 
-    def check_applied(self):
-        # update() halves the scale after a skipped step (and only then, within growth_interval steps).
-        if self.scaler.get_scale() < self.ctx.expected_scale:
-            raise RuntimeError(f"{self.name} skipped a step although every gradient is finite")
-
-    def result(self):
-        st = [self.opt.state[w] for w in self.ctx.weights]
-        return ([w.detach().clone() for w in self.ctx.weights], [s["exp_avg"].clone() for s in st],
-                [s["exp_avg_sq"].clone() for s in st])
+    # torch's optimizer interface: checked and read back as the eager torch peer's are.
+    check_applied = TorchEagerPeer.check_applied
+    result = TorchEagerPeer.result
 
     def extra(self):
         engine = getattr(getattr(self, "opt", None), "_engine", None)

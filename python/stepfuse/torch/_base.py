@@ -41,6 +41,12 @@ def _dummy_param() -> torch.Tensor:
     return torch.zeros(1, requires_grad=True)
 
 
+def _copy_into(view: Any, src: torch.Tensor) -> None:
+    """Copies a saved state tensor into an engine view (a NumPy array; None: nothing to fill)."""
+    if view is not None:
+        view.reshape(-1)[:] = src.detach().to(torch.float32).reshape(-1).cpu().numpy()
+
+
 class _CppGroup:
     """One engine group: params of one torch group with one step count."""
 
@@ -349,8 +355,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             self._cpp_groups, self._active, self._grad_ptrs, self._group_values = [], [], [], []
             self._engine_key = key
             return
-        self._check_active(cpp_groups)
-        groups = [([(p.detach(), p.grad.contiguous()) for p in g.params], self._config(self.param_groups[g.torch_group]))
+        groups = [([(p.detach(), p.grad) for p in g.params], self._config(self.param_groups[g.torch_group]))
                   for g in cpp_groups]
         device = cpp_groups[0].params[0].device
         options: Dict[str, Any] = dict(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
@@ -372,14 +377,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 for name in engine.state_names():
                     src = st.get(name)
                     if isinstance(src, torch.Tensor) and src.numel() == p.numel():
-                        dst = self._engine_view(engine, i, name, p)
-                        if dst is not None:
-                            self._write_engine(engine, i, name, dst, src)
+                        _copy_into(self._engine_view(engine, i, name), src)
                 master = st.get("master_param")
                 if isinstance(master, torch.Tensor) and master.numel() == p.numel():
-                    view = engine.master(i)
-                    if view is not None:
-                        view.reshape(-1)[:] = master.detach().to(torch.float32).reshape(-1).cpu().numpy()
+                    _copy_into(engine.master(i), master)
         for g, cg in enumerate(cpp_groups):
             if cg.step:
                 engine.set_group_step_count(g, cg.step)
@@ -393,12 +394,6 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._engine_key = key
         self._import_views()
 
-    def _check_active(self, cpp_groups: List[_CppGroup]) -> None:
-        devices = {p.device for g in cpp_groups for p in g.params}
-        if len(devices) > 1:
-            raise ValueError(f"stepfuse.torch: the params are on several devices ({sorted(str(d) for d in devices)}); "
-                             "one optimizer steps the params of one device")
-
     def _param_step(self, p: torch.Tensor) -> int:
         st = self.state.get(p)
         if not st:
@@ -409,15 +404,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             return 1 if any(isinstance(v, torch.Tensor) for v in st.values()) else 0
         return int(_as_float(step))
 
-    def _engine_view(self, engine: Any, i: int, name: str, p: torch.Tensor) -> Optional[Any]:
+    @staticmethod
+    def _engine_view(engine: Any, i: int, name: str) -> Optional[Any]:
         try:
             return engine.state(i, name)
         except ValueError:
             return None  # this param's program has no such stream (a group without amsgrad, say)
-
-    @staticmethod
-    def _write_engine(engine: Any, i: int, name: str, dst: Any, src: torch.Tensor) -> None:
-        dst.reshape(-1)[:] = src.detach().to(torch.float32).reshape(-1).cpu().numpy()
 
     def _import_views(self) -> None:
         """Points self.state at the engine's state, in torch's key order: zero-copy
@@ -425,10 +417,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         engine = self._engine
         names = set(engine.state_names())
         steps = self._steps = torch.zeros(len(self._active), dtype=torch.float32)
-        for i, p in enumerate(self._active):
-            cg = self._cpp_group_of(i)
+        members = [(cg, p) for cg in self._cpp_groups for p in cg.params]  # self._active's order
+        for i, (cg, p) in enumerate(members):
             group = self.param_groups[cg.torch_group]
-            old = self.state.get(p) or {}
             st: Dict[str, Any] = {}
             if self._has_step():
                 # Each param's step is its own 0-dim tensor, a view into one buffer of every
@@ -439,7 +430,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             for name in self._state_keys(group):
                 if name not in names:
                     continue
-                view = self._engine_view(engine, i, name, p)
+                view = self._engine_view(engine, i, name)
                 if view is None:
                     continue
                 t = torch.from_numpy(view).view(p.shape)
@@ -452,14 +443,6 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 self.state[p] = st
             elif p in self.state:
                 del self.state[p]
-
-    def _cpp_group_of(self, i: int) -> _CppGroup:
-        n = 0
-        for cg in self._cpp_groups:
-            n += len(cg.params)
-            if i < n:
-                return cg
-        raise IndexError(i)
 
     def _export_state(self) -> None:
         """Brings self.state up to date with the engine: step counts, the scalar state
