@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "stepfuse/distributed.hpp"
 #include "stepfuse/optim.hpp"
 #include "stepfuse/types.hpp"
 #include "stepfuse/update_program.hpp"
@@ -64,6 +65,24 @@ struct OptimizerOptions {
   // CPU has them. Faster for some programs; results then equal Highway's within
   // fp32 rounding instead of bit for bit (the gradient norm is unaffected).
   bool llvm_contract = false;
+
+  // The step across processes (docs/distributed.md). Each rank builds its
+  // Optimizer over its own shard of the model's parameters, with the same options
+  // and the same program (the same optimizer kind and flags) as the others, and a
+  // communicator of the ranks. Every rank then gets the same StepResult (the
+  // global norm, clip coefficient, found_inf and skip decision), and each shard's
+  // update is bitwise the update a one-process step over the whole model would
+  // make. Construction is collective: every rank validates its shard, and when any
+  // rank's fails, every rank throws (the failing rank its own Error, the others an
+  // Error naming it). A step with a reduce pass (loss-scaled, clipping, or
+  // track_grad_norm) makes one collective of a few values per chunk. CPU only so far.
+  std::shared_ptr<Communicator> communicator;
+  // Sharded steps: where each param (params() order) lies in the model. Empty:
+  // every param is a whole tensor, and the model's tensors are rank 0's params, then
+  // rank 1's, and so on. Otherwise one TensorSlice per param; the model's tensors are
+  // ordered by TensorSlice::tensor, and a tensor's slices (on any ranks) must tile
+  // it, each starting at a multiple of kShardAlign elements.
+  std::vector<TensorSlice> slices;
 };
 
 // What one step did.

@@ -3,6 +3,7 @@
 
 #include "stepfuse/convert.hpp"
 #include "stepfuse/cuda.hpp"
+#include "stepfuse/distributed.hpp"
 #include "stepfuse/emit.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/grad_scaler.hpp"

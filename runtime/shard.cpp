@@ -1,0 +1,2 @@
+// placeholder: the sharded step's plan (filled in next)
+#include "runtime/shard.hpp"
