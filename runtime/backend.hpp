@@ -22,6 +22,8 @@ extern "C" {
 
 namespace stepfuse::detail {
 
+class Shard;
+
 // What runs on each tensor: the programs of an optimizer's param groups. Groups of
 // one optimizer run variants of one kind (Adam and Adam with amsgrad, say), so
 // their programs may have different state streams; the state buffers are the
@@ -100,6 +102,10 @@ class Backend {
   // Throws Error(unsupported), changing nothing, when the new pointers do not fit
   // the kernels this backend specialized (CUDA: alignment or one flat buffer).
   virtual void set_grads(const std::vector<Param>& params) = 0;
+
+  // Sharded steps (runtime/shard.hpp): the reduce pass's combine becomes the
+  // model's, over every rank. The CPU backends; CUDA refuses a communicator before.
+  virtual void set_shard(Shard* shard) = 0;
 
   // What runs the steps: "highway", "llvm", "interpreter", "unfused" or "cuda".
   virtual std::string_view name() const = 0;

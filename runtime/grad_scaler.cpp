@@ -207,14 +207,16 @@ bool GradScaler::step(Optimizer& opt) {
     // The fused path: unscale, check, clip and update in one reduce and one update pass.
     last_result_ = opt.step_scaled(static_cast<double>(current_scale_));
     s.found_inf = last_result_.found_inf;
-  } else if (s.found_inf) {  // unscale_ found inf/NaN: skip, write nothing
+  } else if (s.found_inf && detail_access::engine(opt).shard() == nullptr) {  // unscale_ found inf/NaN: skip, write nothing
     last_result_ = StepResult{};
     last_result_.found_inf = true;
     last_result_.grad_norm = INFINITY;
   } else {
     // Already unscaled (and perhaps changed by the caller): the same fused step with
     // scale 1, so the result reports the norm, and gradients made non-finite since
-    // unscale_ still skip the step rather than corrupt the weights.
+    // unscale_ still skip the step rather than corrupt the weights. A sharded
+    // optimizer always comes here, so every rank makes the step's collective: the
+    // gradients unscale_ found non-finite still are, and every rank skips.
     last_result_ = opt.step_scaled(1.0);
     s.found_inf = last_result_.found_inf;
   }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "jit/base/format.hpp"
 #include "runtime/step_engine.hpp"
@@ -11,13 +12,33 @@
 
 namespace stepfuse {
 
+namespace {
+
+// Builds the engine. Sharded, construction is collective (runtime/shard.hpp): a
+// rank whose own construction throws tells the others before rethrowing, so
+// every rank throws and none waits for it.
+template <class... Args>
+std::unique_ptr<detail::StepEngine> make_engine(const OptimizerOptions& options, Args&&... args) {
+  std::unique_ptr<detail::StepEngine> engine;
+  try {
+    engine = std::make_unique<detail::StepEngine>(std::forward<Args>(args)...);
+  } catch (...) {
+    if (options.communicator) detail::Shard::refuse(options, std::current_exception());
+    throw;
+  }
+  if (options.communicator) engine->connect_shard();
+  return engine;
+}
+
+}  // namespace
+
 Optimizer::Optimizer(OptimizerConfig config, std::vector<Param> params, OptimizerOptions options)
-    : engine_(std::make_unique<detail::StepEngine>(std::vector<ParamGroup>{{std::move(params), std::move(config)}},
-                                                   options, /*name_groups=*/false)) {}
+    : engine_(make_engine(options, std::vector<ParamGroup>{{std::move(params), std::move(config)}}, options,
+                          /*name_groups=*/false)) {}
 Optimizer::Optimizer(std::vector<ParamGroup> groups, OptimizerOptions options)
-    : engine_(std::make_unique<detail::StepEngine>(std::move(groups), options, /*name_groups=*/true)) {}
+    : engine_(make_engine(options, std::move(groups), options, /*name_groups=*/true)) {}
 Optimizer::Optimizer(UpdateProgram program, std::vector<Param> params, OptimizerOptions options)
-    : engine_(std::make_unique<detail::StepEngine>(std::move(program), std::move(params), options)) {}
+    : engine_(make_engine(options, std::move(program), std::move(params), options)) {}
 Optimizer::~Optimizer() = default;
 Optimizer::Optimizer(Optimizer&&) noexcept = default;
 Optimizer& Optimizer::operator=(Optimizer&&) noexcept = default;
@@ -72,6 +93,10 @@ void Optimizer::add_param_group(ParamGroup group) {
   if (engine_->custom_program() != nullptr)
     throw Error(ErrorCode::invalid_state,
                 "add_param_group: a custom-program optimizer has one group (build another Optimizer for more tensors)");
+  if (engine_->shard() != nullptr)
+    throw Error(ErrorCode::unsupported,
+                "add_param_group: a sharded optimizer's tensors are fixed at construction (every rank's shard was "
+                "checked against the others'); build a new sharded Optimizer on every rank instead");
   detail::StepEngine& old = *engine_;
   std::vector<ParamGroup> groups = old.param_groups();
   groups.push_back(std::move(group));

@@ -1,2 +1,277 @@
-// placeholder: the sharded step's plan (filled in next)
+// The sharded step's plan and its one collective per step (runtime/shard.hpp).
+//
+// Construction, round 1: every rank's status (its own construction succeeded, or
+// its Error's code and message) and the options that must agree. Round 2 (when
+// every rank succeeded): every rank's tensors, as (model tensor, offset, numel,
+// two-phase). From these each rank builds the same plan of the whole model.
+//
+// A step: each rank sends one value per chunk (the chunk's sum of squares, or its
+// max |g| for the inf-norm), its found_inf flag and a refused flag, padded to
+// the largest rank's chunk count; one all_gather; then each rank combines them in
+// the canonical order (fp64; chunks in order within a tensor, then tensors in
+// order) — the one-process combine over the whole model, bit for bit.
 #include "runtime/shard.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "jit/base/format.hpp"
+#include "stepfuse/error.hpp"
+
+namespace stepfuse::detail {
+
+namespace {
+
+// Round 1: one rank's status and the options every rank must share. Plain bytes,
+// zero-filled, so every rank's copy compares and prints the same.
+struct Header {
+  std::int32_t ok = 0;    // 1: this rank's construction succeeded
+  std::int32_t code = 0;  // its Error's ErrorCode when it did not
+  std::int64_t params = 0;
+  std::int64_t chunks = 0;
+  std::int32_t slices = 0;  // 1: OptimizerOptions::slices given
+  std::int32_t fusion = 0;
+  std::int32_t track_grad_norm = 0;
+  std::int32_t device = 0;
+  double max_grad_norm = 0;  // 0: no clipping
+  double norm_type = 0;
+  char message[448] = {};
+};
+static_assert(sizeof(Header) % 8 == 0);
+
+// Round 2: one param.
+struct Entry {
+  std::int64_t tensor, offset, numel, two_phase;
+};
+static_assert(sizeof(Entry) == 4 * sizeof(std::int64_t));
+
+std::int64_t chunks_of(std::int64_t numel) { return (numel + jit::kChunkElems - 1) / jit::kChunkElems; }
+
+std::vector<Header> exchange_headers(Communicator& comm, const Header& mine) {
+  std::vector<Header> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(&mine, all.data(), sizeof(Header), CommType::u8);
+  return all;
+}
+
+[[noreturn]] void throw_refused(const std::vector<Header>& all, int self) {
+  // The first rank that refused (other than this one, which rethrows its own).
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    if (all[r].ok || static_cast<int>(r) == self) continue;
+    const std::string msg(all[r].message, strnlen(all[r].message, sizeof(all[r].message)));
+    throw Error(static_cast<ErrorCode>(all[r].code),
+                "sharded Optimizer: rank " + std::to_string(r) + " of " + std::to_string(all.size()) +
+                    " could not build its shard, so no rank builds one: " + msg);
+  }
+  throw Error(ErrorCode::invalid_state, "sharded Optimizer: a rank refused");  // not reached
+}
+
+std::string rank_param(std::size_t rank, std::int64_t param) {
+  return "rank " + std::to_string(rank) + " params[" + std::to_string(param) + "]";
+}
+
+std::string describe_max_norm(double v) { return v > 0 ? format_number(v) : std::string("none"); }
+
+// The options every rank must share, or the Error (the same on every rank).
+void check_same_options(const std::vector<Header>& all) {
+  const Header& a = all[0];
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const Header& b = all[r];
+    std::string what;
+    if (std::memcmp(&a.max_grad_norm, &b.max_grad_norm, sizeof(double)) != 0)
+      what = "max_grad_norm (rank 0: " + describe_max_norm(a.max_grad_norm) + ", rank " + std::to_string(r) + ": " +
+             describe_max_norm(b.max_grad_norm) + ")";
+    else if (a.norm_type != b.norm_type)
+      what = "norm_type (rank 0: " + format_number(a.norm_type) + ", rank " + std::to_string(r) + ": " +
+             format_number(b.norm_type) + ")";
+    else if (a.fusion != b.fusion)
+      what = "fusion";
+    else if (a.track_grad_norm != b.track_grad_norm)
+      what = "track_grad_norm";
+    else if (a.device != b.device)
+      what = "device";
+    else if (a.slices != b.slices)
+      what = "slices (given on rank " + std::to_string(a.slices ? 0 : r) + ", empty on rank " +
+             std::to_string(a.slices ? r : 0) + ")";
+    if (!what.empty())
+      throw Error(ErrorCode::invalid_argument, "sharded Optimizer: OptimizerOptions::" + what +
+                                                   " differs between ranks (every rank's step must be the same; pass "
+                                                   "the same options on every rank)");
+  }
+}
+
+Header local_header(const OptimizerOptions& o) {
+  Header h;
+  h.slices = o.slices.empty() ? 0 : 1;
+  h.fusion = static_cast<std::int32_t>(o.fusion);
+  h.track_grad_norm = o.track_grad_norm ? 1 : 0;
+  h.device = static_cast<std::int32_t>(o.device.kind);
+  h.max_grad_norm = o.max_grad_norm.value_or(0.0);
+  h.norm_type = o.norm_type;
+  return h;
+}
+
+}  // namespace
+
+void Shard::refuse(const OptimizerOptions& options, const std::exception_ptr& error) {
+  Header h = local_header(options);
+  h.code = static_cast<std::int32_t>(ErrorCode::invalid_argument);
+  std::string msg = "unknown error";
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    h.code = static_cast<std::int32_t>(e.code());
+    msg = e.what();
+  } catch (const std::exception& e) {
+    h.code = static_cast<std::int32_t>(ErrorCode::invalid_state);
+    msg = e.what();
+  } catch (...) {
+  }
+  std::strncpy(h.message, msg.c_str(), sizeof(h.message) - 1);
+  exchange_headers(*options.communicator, h);  // the others throw; the caller rethrows `error`
+}
+
+Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, const std::vector<bool>& two_phase)
+    : comm_(options.communicator) {
+  Communicator& comm = *comm_;
+  const int self = comm.rank();
+  const auto ranks = static_cast<std::size_t>(comm.size());
+  for (const Param& p : params) local_chunks_ += static_cast<std::size_t>(chunks_of(p.weight.numel));
+
+  Header mine = local_header(options);
+  mine.ok = 1;
+  mine.params = static_cast<std::int64_t>(params.size());
+  mine.chunks = static_cast<std::int64_t>(local_chunks_);
+  const std::vector<Header> all = exchange_headers(comm, mine);
+  for (const Header& h : all)
+    if (!h.ok) throw_refused(all, self);
+  check_same_options(all);
+
+  // Round 2: every rank's tensors.
+  std::size_t max_params = 0, max_chunks = 0;
+  std::vector<std::int64_t> first_tensor(ranks + 1, 0);  // without slices: rank r's params are tensors first_tensor[r] + i
+  for (std::size_t r = 0; r < ranks; ++r) {
+    max_params = std::max(max_params, static_cast<std::size_t>(all[r].params));
+    max_chunks = std::max(max_chunks, static_cast<std::size_t>(all[r].chunks));
+    first_tensor[r + 1] = first_tensor[r] + all[r].params;
+  }
+  std::vector<Entry> entries(max_params, Entry{0, 0, 0, 0});
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const bool sliced = !options.slices.empty();
+    entries[i] = Entry{sliced ? options.slices[i].tensor : first_tensor[static_cast<std::size_t>(self)] + static_cast<std::int64_t>(i),
+                       sliced ? options.slices[i].offset : 0, params[i].weight.numel, two_phase[i] ? 1 : 0};
+  }
+  std::vector<Entry> every(ranks * max_params);
+  if (max_params > 0) comm.all_gather(entries.data(), every.data(), max_params * 4, CommType::i64);
+
+  // The model: every rank's params, ordered by (tensor, offset).
+  struct Piece {
+    Entry e;
+    std::size_t rank;
+    std::int64_t param;
+    std::size_t first_chunk;  // within its rank's layout
+  };
+  std::vector<Piece> pieces;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    std::size_t chunk = 0;
+    for (std::int64_t i = 0; i < all[r].params; ++i) {
+      const Entry& e = every[r * max_params + static_cast<std::size_t>(i)];
+      pieces.push_back({e, r, i, chunk});
+      chunk += static_cast<std::size_t>(chunks_of(e.numel));
+    }
+  }
+  std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+    return a.e.tensor != b.e.tensor ? a.e.tensor < b.e.tensor : a.e.offset < b.e.offset;
+  });
+
+  stride_ = max_chunks + 2;
+  send_.assign(stride_, 0.0);
+  recv_.assign(stride_ * ranks, 0.0);
+  std::vector<std::size_t> model_tensor_of(pieces.size());
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    const Piece& p = pieces[k];
+    const bool first = k == 0 || pieces[k - 1].e.tensor != p.e.tensor;
+    const std::string where = "sharded Optimizer: model tensor " + std::to_string(p.e.tensor) + ": " + rank_param(p.rank, p.param);
+    if (p.e.offset < 0 || p.e.offset % kShardAlign != 0)
+      throw Error(ErrorCode::invalid_argument, where + " starts at element " + std::to_string(p.e.offset) +
+                                                   " (a slice must start at a multiple of " + std::to_string(kShardAlign) +
+                                                   " elements, the reduce pass's chunk)");
+    if (first) {
+      if (p.e.offset != 0)
+        throw Error(ErrorCode::invalid_argument, where + " starts at element " + std::to_string(p.e.offset) +
+                                                     " but no rank holds elements [0, " + std::to_string(p.e.offset) +
+                                                     ") of that tensor (its slices must tile it)");
+      tensor_begin_.push_back(order_.size());
+    } else {
+      const Piece& q = pieces[k - 1];
+      const std::int64_t end = q.e.offset + q.e.numel;
+      if (p.e.offset < end)
+        throw Error(ErrorCode::invalid_argument, where + " (elements [" + std::to_string(p.e.offset) + ", " +
+                                                     std::to_string(p.e.offset + p.e.numel) + ")) overlaps " +
+                                                     rank_param(q.rank, q.param) + " ([" + std::to_string(q.e.offset) +
+                                                     ", " + std::to_string(end) + "))");
+      if (p.e.offset > end)
+        throw Error(ErrorCode::invalid_argument, where + " starts at element " + std::to_string(p.e.offset) +
+                                                     " but no rank holds elements [" + std::to_string(end) + ", " +
+                                                     std::to_string(p.e.offset) + ") of that tensor (its slices must tile it)");
+      if (p.e.two_phase || q.e.two_phase)
+        throw Error(ErrorCode::unsupported,
+                    where + ": the tensor is split across ranks, but its program has two phases (a per-tensor "
+                            "norm inside the update, as LAMB's trust ratio): give each rank whole tensors for it");
+    }
+    model_tensor_of[k] = tensor_begin_.size() - 1;
+    for (std::int64_t c = 0; c < chunks_of(p.e.numel); ++c)
+      order_.push_back(static_cast<std::uint32_t>(p.rank * stride_ + p.first_chunk + static_cast<std::size_t>(c)));
+  }
+  tensor_begin_.push_back(order_.size());
+  tensor_norms_.assign(tensor_begin_.size() - 1, 0.0);
+  local_tensor_.assign(params.size(), 0);
+  for (std::size_t k = 0; k < pieces.size(); ++k)
+    if (pieces[k].rank == static_cast<std::size_t>(self))
+      local_tensor_[static_cast<std::size_t>(pieces[k].param)] = model_tensor_of[k];
+}
+
+Shard::Reduction Shard::combine(std::span<const cpu::ReducePartial> partials, bool inf_norm,
+                                std::vector<double>& tensor_norms) {
+  bool local_inf = false;
+  for (std::size_t c = 0; c < partials.size(); ++c) {
+    send_[c] = inf_norm ? static_cast<double>(partials[c].maxabs) : partials[c].sumsq;
+    local_inf |= partials[c].nonfinite;
+  }
+  const std::size_t flags = stride_ - 2;
+  send_[flags] = local_inf ? 1.0 : 0.0;
+  send_[flags + 1] = 0.0;
+  comm_->all_gather(send_.data(), recv_.data(), stride_, CommType::f64);
+
+  Reduction r;
+  const std::size_t ranks = recv_.size() / stride_;
+  for (std::size_t k = 0; k < ranks; ++k) {
+    if (recv_[k * stride_ + flags + 1] != 0.0)
+      throw Error(ErrorCode::invalid_argument,
+                  "sharded step: rank " + std::to_string(k) +
+                      " refused its input to this step (its own Error says why), so no rank took the step: nothing "
+                      "was written");
+    r.found_inf |= recv_[k * stride_ + flags] != 0.0;
+  }
+  double total = 0;
+  for (std::size_t t = 0; t + 1 < tensor_begin_.size(); ++t) {
+    double acc = 0;
+    for (std::size_t k = tensor_begin_[t]; k < tensor_begin_[t + 1]; ++k)
+      acc = inf_norm ? std::max(acc, recv_[order_[k]]) : acc + recv_[order_[k]];
+    tensor_norms_[t] = inf_norm ? acc : std::sqrt(acc);
+    total = inf_norm ? std::max(total, acc) : total + acc;
+  }
+  r.norm = inf_norm ? total : std::sqrt(total);
+  tensor_norms.resize(local_tensor_.size());
+  for (std::size_t i = 0; i < local_tensor_.size(); ++i) tensor_norms[i] = tensor_norms_[local_tensor_[i]];
+  return r;
+}
+
+void Shard::refuse_step() {
+  std::fill(send_.begin(), send_.end(), 0.0);
+  send_[stride_ - 1] = 1.0;
+  comm_->all_gather(send_.data(), recv_.data(), stride_, CommType::f64);
+}
+
+}  // namespace stepfuse::detail

@@ -1,1 +1,63 @@
+// The sharded step (OptimizerOptions::communicator): how each rank's reduce pass
+// joins the others' into the one-process step's reduction, and the collective
+// checks at construction. docs/distributed.md explains the design.
 #pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "runtime/cpu/kernels.hpp"
+#include "stepfuse/distributed.hpp"
+#include "stepfuse/optimizer.hpp"
+
+namespace stepfuse::detail {
+
+// One rank's view of the model: where its chunks' partials go in the canonical
+// order. Every rank holds the same plan of the whole model (its tensors in order,
+// each tensor's chunks in order, wherever they live), so every rank combines the
+// gathered partials exactly as one process combines its own: the same bits.
+class Shard {
+ public:
+  // Construction is collective: every rank calls exactly one of these two, once.
+  // refuse(): this rank's own construction threw `error`; tells the others (they
+  // throw an Error naming this rank), then returns so the caller rethrows `error`.
+  static void refuse(const OptimizerOptions& options, const std::exception_ptr& error);
+  // This rank's construction succeeded: exchanges every rank's status, options and
+  // tensors, and checks them together. Throws the same Error on every rank when
+  // any rank refused, the options differ, or the slices do not tile the model.
+  // two_phase[i]: param i runs a two-phase program (its tensor cannot be split).
+  Shard(const OptimizerOptions& options, const std::vector<Param>& params, const std::vector<bool>& two_phase);
+
+  struct Reduction {
+    bool found_inf = false;  // on any rank
+    double norm = 0;         // of the whole model's gradients as stored
+  };
+  // The step's collective: this rank's chunk partials (its layout's chunks, in
+  // order) in; the model's reduction out, and each local param's model-tensor norm
+  // in tensor_norms. Throws Error(invalid_argument) on every rank when some rank
+  // refused its step (refuse_step) — before anything was written anywhere.
+  Reduction combine(std::span<const cpu::ReducePartial> partials, bool inf_norm, std::vector<double>& tensor_norms);
+  // This rank refuses the step's input: it makes the step's collective with a
+  // flag that makes every other rank throw, so none of them waits for it.
+  void refuse_step();
+
+  Communicator& communicator() const { return *comm_; }
+  // Bytes each rank contributes to the step's collective (all ranks get size() times it).
+  std::size_t bytes_per_step() const { return stride_ * sizeof(double); }
+  std::size_t model_tensors() const { return tensor_begin_.size() - 1; }
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  std::size_t local_chunks_ = 0;
+  std::size_t stride_ = 0;                    // doubles per rank: max chunks on a rank, found_inf, refused
+  std::vector<double> send_, recv_;
+  std::vector<std::uint32_t> order_;          // positions in recv_, the model's chunks in canonical order
+  std::vector<std::size_t> tensor_begin_;     // model tensor t: order_[tensor_begin_[t], tensor_begin_[t + 1])
+  std::vector<std::size_t> local_tensor_;     // local param i: its model tensor
+  std::vector<double> tensor_norms_;          // per model tensor (scratch)
+};
+
+}  // namespace stepfuse::detail

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "jit/base/format.hpp"
+#include "jit/program_analysis.hpp"
 #include "jit/update_program_rules.hpp"
 #include "runtime/cpu/fused_backend.hpp"
 #include "runtime/cpu/unfused_backend.hpp"
@@ -127,6 +128,31 @@ void validate_options(const OptimizerOptions& o) {
     bad_argument("OptimizerOptions::fusion = " + std::to_string(static_cast<int>(o.fusion)) + " is not a Fusion value");
 }
 
+// The local part of a sharded optimizer's checks (the collective part is Shard's).
+void validate_shard(const std::vector<Param>& params, const OptimizerOptions& o) {
+  if (!o.communicator) {
+    if (!o.slices.empty())
+      bad_argument("OptimizerOptions::slices is set but there is no communicator (slices place a sharded "
+                   "optimizer's params in the model; set OptimizerOptions::communicator, or leave slices empty)");
+    return;
+  }
+  const Communicator& c = *o.communicator;
+  if (c.size() < 1 || c.rank() < 0 || c.rank() >= c.size())
+    bad_argument("OptimizerOptions::communicator '" + std::string(c.name()) + "': rank " + std::to_string(c.rank()) +
+                 " of size " + std::to_string(c.size()) + " (need 0 <= rank < size)");
+  if (o.device.kind == Device::Kind::cuda)
+    throw Error(ErrorCode::unsupported,
+                "OptimizerOptions::communicator: sharded steps run on the CPU only in this version (a CUDA optimizer "
+                "over an NCCL communicator is not implemented yet); use Device::cpu(), or one unsharded optimizer per GPU");
+  if (c.device().kind != Device::Kind::cpu)
+    throw Error(ErrorCode::unsupported, "OptimizerOptions::communicator '" + std::string(c.name()) +
+                                            "' works on device memory, but a CPU optimizer's collectives use host "
+                                            "memory (use a CPU communicator: MPI, or torch.distributed's gloo)");
+  if (!o.slices.empty() && o.slices.size() != params.size())
+    bad_argument("OptimizerOptions::slices has " + std::to_string(o.slices.size()) + " entries for " +
+                 std::to_string(params.size()) + " params (one TensorSlice per param, in params() order; or none)");
+}
+
 }  // namespace
 
 void StepPrograms::index_states() {
@@ -178,6 +204,7 @@ StepEngine::StepEngine(std::vector<ParamGroup> groups, OptimizerOptions options,
   }
   validate_params(params_, ParamNames{name_groups ? &begins : nullptr});
   validate_options(options_);
+  validate_shard(params_, options_);
   rules_.resize(groups_.size());
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const Group& group = groups_[g];
@@ -197,6 +224,7 @@ StepEngine::StepEngine(UpdateProgram program, std::vector<Param> params, Optimiz
     : custom_(std::make_unique<UpdateProgram>(std::move(program))), params_(std::move(params)), options_(options) {
   validate_params(params_, ParamNames{});
   validate_options(options_);
+  validate_shard(params_, options_);
   Group group;
   group.end = params_.size();
   groups_.push_back(group);
@@ -365,9 +393,19 @@ const StepResult& StepEngine::step_device_scale(const float* scale, sf_scaler_st
   return last_;
 }
 
+void StepEngine::connect_shard() {
+  std::vector<bool> two_phase;
+  for (std::size_t i = 0; i < params_.size(); ++i) two_phase.push_back(jit::is_two_phase(programs_.program_of(i)));
+  shard_ = std::make_unique<Shard>(options_, params_, two_phase);
+  backend_->set_shard(shard_.get());
+}
+
 const StepResult& StepEngine::step(double loss_scale, bool scaled) {
-  if (!(std::isfinite(loss_scale) && loss_scale > 0))
+  if (!(std::isfinite(loss_scale) && loss_scale > 0)) {
+    // Sharded: the other ranks are in (or on their way to) the step's collective.
+    if (shard_ && (scaled || options_.max_grad_norm || options_.track_grad_norm)) shard_->refuse_step();
     bad_argument("step: loss_scale = " + format_number(loss_scale) + " (must be finite and > 0)");
+  }
   StepRequest request;
   request.loss_scale = loss_scale;
   request.scaled = scaled;

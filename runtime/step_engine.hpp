@@ -10,6 +10,7 @@
 #include "jit/builtins.hpp"
 #include "runtime/backend.hpp"
 #include "runtime/cuda/cuda_backend.hpp"
+#include "runtime/shard.hpp"
 #include "stepfuse/optimizer.hpp"
 #include "stepfuse/update_program.hpp"
 
@@ -31,6 +32,13 @@ class StepEngine {
   // Not copied or moved: the backend refers to params(), options() and the programs.
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
+
+  // Sharded (OptimizerOptions::communicator): the collective part of construction,
+  // called once the engine is built on this rank (Optimizer's constructors; a rank
+  // whose construction threw calls Shard::refuse instead). Throws on every rank
+  // when any rank refused or the ranks' shards do not fit together.
+  void connect_shard();
+  const Shard* shard() const { return shard_.get(); }
 
   // loss_scale: 1 for a plain step. Returns what the step did (also kept in last()).
   // On CUDA the step is only enqueued: the result is pending until last() reads it.
@@ -117,6 +125,7 @@ class StepEngine {
   std::vector<GroupRules> rules_;           // per group: its scalar rules (jit/step_scalars.h) and step base
   std::vector<GroupRules> rules_scratch_;   // set_config's next rules, before the backend took them
   std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Shard> shard_;  // sharded steps
   CudaBackend* cuda_ = nullptr;  // backend_, when it is the CUDA one
   mutable std::vector<double> tensor_norms_;
   mutable StepResult last_;

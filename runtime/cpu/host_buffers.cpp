@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "runtime/shard.hpp"
+
 namespace stepfuse::cpu {
 
 HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector<Param>& params,
@@ -66,6 +68,10 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
 }
 
 HostBuffers::Reduction HostBuffers::combine(bool inf_norm, std::vector<double>& tensor_norms) const {
+  if (shard_ != nullptr) {
+    const detail::Shard::Reduction s = shard_->combine(partials_, inf_norm, tensor_norms);
+    return {s.found_inf, s.norm};
+  }
   Reduction r;
   double total = 0;
   tensor_norms.resize(layout_.tensor_chunks.size() - 1);

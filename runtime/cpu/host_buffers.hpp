@@ -17,6 +17,10 @@
 #include "stepfuse/optimizer.hpp"
 #include "stepfuse/program.hpp"
 
+namespace stepfuse::detail {
+class Shard;
+}
+
 namespace stepfuse::cpu {
 
 class HostBuffers {
@@ -52,6 +56,9 @@ class HostBuffers {
   // The reduce pass: partial(c) for every chunk c, then the combine in the
   // canonical order (fp64, chunks in order within a tensor, then tensors in
   // order). Writes each tensor's norm of the gradients as stored to tensor_norms.
+  // Sharded (set_shard): the combine is over every rank's partials, the whole
+  // model's (runtime/shard.hpp), one collective; tensor_norms are then the norms
+  // of the model tensors the local params are slices of.
   struct Reduction {
     bool found_inf = false;
     double norm = 0;  // of the gradients as stored (not yet divided by the loss scale)
@@ -61,6 +68,7 @@ class HostBuffers {
     for_chunks([&](std::size_t c, int) { partials_[c] = partial(c); });
     return combine(inf_norm, tensor_norms);
   }
+  void set_shard(detail::Shard* shard) { shard_ = shard; }
   // The first stored gradient of a chunk.
   const void* grad_at(const jit::Chunk& ch, const std::vector<Param>& params) const {
     const TensorView& g = params[ch.tensor].grad;
@@ -77,6 +85,7 @@ class HostBuffers {
   detail::AlignedBuffer masters_;
   std::vector<UpdateArgs> args_;
   std::vector<ReducePartial> partials_;  // one per chunk
+  detail::Shard* shard_ = nullptr;       // the engine's, when sharded
 };
 
 // What the CPU backends have in common: the host buffers, the step's scalars
@@ -98,6 +107,7 @@ class HostBackend : public detail::Backend {
   int threads() const override { return host_.pool().size(); }
   // The reduce pass reads params_ (the engine's, already updated); the update, the args.
   void set_grads(const std::vector<Param>& params) override { host_.set_grads(params); }
+  void set_shard(detail::Shard* shard) override { host_.set_shard(shard); }
 
  protected:
   // The scalar stage's last part: every group's scalars for applying global step

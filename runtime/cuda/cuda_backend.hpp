@@ -108,6 +108,8 @@ class CudaBackend final : public Backend {
   // (a flat or 16-byte-aligned spec needs them so), then copies the tensor table's
   // new pointers to the device, ordered on the stream.
   void set_grads(const std::vector<Param>& params) override;
+  // Sharded steps on CUDA (an NCCL communicator) are refused before a backend is built.
+  void set_shard(Shard*) override {}
 
   // data *= factor, in place on the device, rounded to each tensor's storage
   // format (LossScaleOptimizer::get_unscaled_gradients). Enqueued.

@@ -1,0 +1,517 @@
+// The sharded step (OptimizerOptions::communicator) with N in-process ranks: every
+// rank gets the one-process StepResult, and each shard's update is bitwise the
+// one-process step over the whole model, for every built-in, dtype setup, norm,
+// rank count and partition (whole tensors, or slices on chunk boundaries). The
+// collective checks: a rank that refuses (at construction or in a step) makes
+// every rank throw, never wait. tests/mpi/ runs the same step across processes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "local_communicator.hpp"
+#include "reference/test_data.hpp"
+#include "stepfuse/stepfuse.hpp"
+
+namespace stepfuse {
+namespace {
+
+using ref::HostTensors;
+using testing::LocalGroup;
+
+const std::vector<std::int64_t> kSizes = {40000, 100, 16384, 50000, 7, 33000};
+
+// A gradient element, from (step, tensor, element) alone, so any partition of the
+// model sees the same values: uniform in (-1, 1), times S, times 2^-16, 1 or 2^16 by
+// tensor — magnitudes far enough apart that the fp64 sum of the tensors' sums of
+// squares rounds, so a combine in another order than one process's gives other
+// bits (small sums of fp32 partials are exact in fp64 in any order). inf_step and
+// inf_tensor put a +inf in.
+struct GradSource {
+  double S = 1024.0;
+  int inf_step = -1;
+  std::size_t inf_tensor = 0;
+  double value(int step, std::size_t tensor, std::int64_t j) const {
+    if (step == inf_step && tensor == inf_tensor && j == 3) return INFINITY;
+    std::uint64_t x = (static_cast<std::uint64_t>(step) << 48) ^ (static_cast<std::uint64_t>(tensor) << 40) ^
+                      static_cast<std::uint64_t>(j);
+    x += 0x9E3779B97F4A7C15ull;  // splitmix64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return (static_cast<double>(x >> 11) * 0x1p-53 * 2.0 - 1.0) * S * std::ldexp(1.0, 16 * (static_cast<int>(tensor % 3) - 1));
+  }
+};
+
+// The whole model's weights and gradients.
+struct Model {
+  Model(DType wd, DType gd, const std::vector<std::int64_t>& sizes = kSizes) : w(wd, sizes, false), g(gd, sizes, false) {
+    for (std::size_t t = 0; t < sizes.size(); ++t)
+      for (std::int64_t j = 0; j < sizes[t]; ++j) w.set(t, j, std::sin(0.37 * static_cast<double>(j) + static_cast<double>(t)));
+  }
+  HostTensors w, g;
+};
+
+// A part of the model's tensor `tensor` on one rank.
+struct Piece {
+  std::size_t tensor;
+  std::int64_t offset, numel;
+};
+using Partition = std::vector<std::vector<Piece>>;  // per rank
+
+TensorView slice_of(const TensorView& v, std::int64_t offset, std::int64_t numel) {
+  return {static_cast<char*>(v.data) + offset * static_cast<std::int64_t>(dtype_size(v.dtype)), numel, v.dtype};
+}
+
+void fill_grads(const Model& m, const GradSource& src, int step, const std::vector<Piece>& pieces) {
+  for (const Piece& p : pieces)
+    for (std::int64_t j = p.offset; j < p.offset + p.numel; ++j) m.g.set(p.tensor, j, src.value(step, p.tensor, j));
+}
+
+std::vector<Piece> whole_model() {
+  std::vector<Piece> all;
+  for (std::size_t t = 0; t < kSizes.size(); ++t) all.push_back({t, 0, kSizes[t]});
+  return all;
+}
+
+// Whole tensors: contiguous runs of the model's tensors, one run per rank.
+Partition whole_tensors(int ranks) {
+  Partition p(static_cast<std::size_t>(ranks));
+  for (std::size_t t = 0; t < kSizes.size(); ++t)
+    p[t * static_cast<std::size_t>(ranks) / kSizes.size()].push_back({t, 0, kSizes[t]});
+  return p;
+}
+
+// Slices: tensors 0 and 3 cut at chunk boundaries and spread over the ranks, the
+// others whole, each rank's list in an order unlike the model's.
+Partition sliced(int ranks) {
+  Partition p(static_cast<std::size_t>(ranks));
+  const auto r = [&](int k) -> std::vector<Piece>& { return p[static_cast<std::size_t>(k % ranks)]; };
+  r(0).push_back({0, 0, 16384});
+  r(1).push_back({0, 16384, 40000 - 16384});
+  r(2).push_back({3, 0, 16384});
+  r(0).push_back({3, 16384, 16384});
+  r(1).push_back({3, 32768, 50000 - 32768});
+  r(2).push_back({1, 0, 100});
+  r(1).push_back({2, 0, 16384});
+  r(0).push_back({5, 0, 33000});
+  r(1).push_back({4, 0, 7});
+  return p;
+}
+
+struct DtypeSetup {
+  DType weight, grad;
+  bool masters;
+};
+const DtypeSetup kSetups[] = {{DType::f32, DType::f32, true},
+                         {DType::bf16, DType::bf16, true},
+                         {DType::f16, DType::f32, true},
+                         {DType::bf16, DType::bf16, false}};
+
+struct Norm {
+  std::optional<double> max_grad_norm;
+  double norm_type;
+};
+const Norm kNorms[] = {{std::nullopt, 2.0}, {0.5, 2.0}, {0.01, INFINITY}};
+
+OptimizerOptions base_options(const Norm& n, Fusion fusion = Fusion::fused) {
+  OptimizerOptions o;
+  o.max_grad_norm = n.max_grad_norm;
+  o.norm_type = n.norm_type;
+  o.fusion = fusion;
+  o.cpu_backend = CpuBackend::highway;
+  o.num_threads = 1;
+  return o;
+}
+
+// What one rank saw: per step its result; at the end its params' state and masters.
+struct RankRecord {
+  std::vector<StepResult> results;
+  std::vector<std::vector<float>> state;   // per piece, per state name (in state_names() order), flattened
+  std::vector<std::vector<float>> master;  // per piece
+};
+
+void expect_same_result(const StepResult& a, const StepResult& b, const std::string& what) {
+  EXPECT_EQ(a.applied, b.applied) << what;
+  EXPECT_EQ(a.found_inf, b.found_inf) << what;
+  EXPECT_EQ(std::memcmp(&a.grad_norm, &b.grad_norm, sizeof(double)), 0) << what << ": grad_norm " << a.grad_norm << " vs " << b.grad_norm;
+  EXPECT_EQ(std::memcmp(&a.clip_coef, &b.clip_coef, sizeof(double)), 0) << what << ": clip_coef " << a.clip_coef << " vs " << b.clip_coef;
+}
+
+std::vector<float> state_of(const Optimizer& o, std::size_t param, std::int64_t offset, std::int64_t numel) {
+  std::vector<float> out;
+  for (std::string_view name : o.state_names()) {
+    const std::span<const float> s = o.state(param, name).subspan(static_cast<std::size_t>(offset), static_cast<std::size_t>(numel));
+    out.insert(out.end(), s.begin(), s.end());
+  }
+  return out;
+}
+
+// Runs `steps` loss-scaled steps of `config` one-process and sharded over `parts`,
+// and expects every rank's results, the weights, state and masters bitwise equal.
+void expect_sharded_equals_one_process(const OptimizerConfig& config, const DtypeSetup& setup, const Norm& norm,
+                                       const Partition& parts, const GradSource& src, int steps, const std::string& what,
+                                       Fusion fusion = Fusion::fused) {
+  const int ranks = static_cast<int>(parts.size());
+  Model one(setup.weight, setup.grad), sharded(setup.weight, setup.grad);
+  OptimizerOptions oo = base_options(norm, fusion);
+  oo.master_weights = setup.masters;
+  std::vector<Param> all;
+  for (std::size_t t = 0; t < kSizes.size(); ++t) all.push_back({one.w[t], one.g[t]});
+  Optimizer reference(config, all, oo);
+  std::vector<StepResult> expected;
+  for (int k = 0; k < steps; ++k) {
+    fill_grads(one, src, k, whole_model());
+    expected.push_back(reference.step_scaled(src.S));
+  }
+
+  bool need_slices = false;
+  for (const auto& rank : parts)
+    for (const Piece& p : rank) need_slices |= p.numel != kSizes[p.tensor];
+  std::vector<RankRecord> records(static_cast<std::size_t>(ranks));
+  LocalGroup group(ranks);
+  const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
+    const std::vector<Piece>& mine = parts[static_cast<std::size_t>(r)];
+    OptimizerOptions o = oo;
+    o.communicator = comm;
+    std::vector<Param> params;
+    for (const Piece& p : mine) {
+      params.push_back({slice_of(sharded.w[p.tensor], p.offset, p.numel), slice_of(sharded.g[p.tensor], p.offset, p.numel)});
+      if (need_slices) o.slices.push_back({static_cast<std::int64_t>(p.tensor), p.offset});
+    }
+    Optimizer opt(config, params, o);
+    RankRecord& rec = records[static_cast<std::size_t>(r)];
+    for (int k = 0; k < steps; ++k) {
+      fill_grads(sharded, src, k, mine);
+      rec.results.push_back(opt.step_scaled(src.S));
+    }
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      rec.state.push_back(state_of(opt, i, 0, mine[i].numel));
+      const std::span<const float> m = opt.master(i);
+      rec.master.emplace_back(m.begin(), m.end());
+    }
+  });
+  for (int r = 0; r < ranks; ++r) {
+    if (errors[static_cast<std::size_t>(r)]) {
+      try {
+        std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << what << ": rank " << r << " threw: " << e.what();
+      }
+      return;
+    }
+  }
+  // Two at construction, then one per step (the unfused baseline's separate
+  // finite-check and norm passes make one each when it clips).
+  const int per_step = fusion == Fusion::unfused && norm.max_grad_norm ? 2 : 1;
+  EXPECT_EQ(group.collectives(), 2 + per_step * steps) << what << ": collectives";
+  EXPECT_EQ(sharded.w.snapshot(), one.w.snapshot()) << what << ": weights";
+  for (int r = 0; r < ranks; ++r) {
+    const RankRecord& rec = records[static_cast<std::size_t>(r)];
+    const std::string rw = what + ", rank " + std::to_string(r);
+    for (int k = 0; k < steps; ++k)
+      expect_same_result(rec.results[static_cast<std::size_t>(k)], expected[static_cast<std::size_t>(k)],
+                         rw + ", step " + std::to_string(k));
+    const std::vector<Piece>& mine = parts[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      EXPECT_EQ(rec.state[i], state_of(reference, mine[i].tensor, mine[i].offset, mine[i].numel)) << rw << " piece " << i << " state";
+      const std::span<const float> m = reference.master(mine[i].tensor);
+      const std::vector<float> want = m.empty() ? std::vector<float>{}
+                                                : std::vector<float>(m.begin() + mine[i].offset, m.begin() + mine[i].offset + mine[i].numel);
+      EXPECT_EQ(rec.master[i], want) << rw << " piece " << i << " master";
+    }
+  }
+}
+
+struct Case {
+  const char* name;
+  OptimizerConfig config;
+  bool splittable = true;  // one-phase: its tensors may be split across ranks
+};
+
+const Case kCases[] = {
+    {"SGD", optim::SGD{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true}},
+    {"Adam", optim::Adam{.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true}},
+    {"AdamW", optim::AdamW{.lr = 1e-2}},
+    {"Adagrad", optim::Adagrad{.lr = 0.05, .lr_decay = 1e-3, .initial_accumulator_value = 0.1}},
+    {"RMSprop", optim::RMSprop{.lr = 1e-2, .momentum = 0.5, .centered = true}},
+    {"Lion", optim::Lion{.lr = 1e-3, .weight_decay = 0.1}},
+    {"NAdam", optim::NAdam{.lr = 1e-2, .decoupled_weight_decay = true}},
+    {"RAdam", optim::RAdam{.lr = 1e-2, .weight_decay = 1e-2}},
+    {"Adamax", optim::Adamax{.lr = 1e-2}},
+    {"Adadelta", optim::Adadelta{.lr = 0.5, .weight_decay = 1e-3}},
+    {"Rprop", optim::Rprop{.lr = 1e-2}},
+    {"ASGD", optim::ASGD{.lr = 1e-2, .t0 = 2}},
+    {"LAMB", optim::LAMB{.lr = 1e-2}, false},
+};
+
+class ShardedBuiltin : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ShardedBuiltin, EveryRankGetsTheOneProcessStepBitwise) {
+  const Case& c = GetParam();
+  GradSource src;
+  for (const DtypeSetup& setup : kSetups)
+    for (const Norm& norm : kNorms)
+      for (int ranks = 1; ranks <= 3; ++ranks) {
+        const std::string what = std::string(c.name) + " " + std::string(dtype_name(setup.weight)) + "/" +
+                                 std::string(dtype_name(setup.grad)) + (setup.masters ? "+masters" : "") + " clip " +
+                                 (norm.max_grad_norm ? std::to_string(*norm.max_grad_norm) : "off") + " norm " +
+                                 std::to_string(norm.norm_type) + ", " + std::to_string(ranks) + " ranks";
+        expect_sharded_equals_one_process(c.config, setup, norm, whole_tensors(ranks), src, 3, what + ", whole tensors");
+        if (c.splittable && ranks > 1)
+          expect_sharded_equals_one_process(c.config, setup, norm, sliced(ranks), src, 3, what + ", slices");
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(Builtins, ShardedBuiltin, ::testing::ValuesIn(kCases),
+                         [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+TEST(ShardedStep, UnfusedAndInterpretedStepsAreShardedToo) {
+  GradSource src;
+  for (const Fusion f : {Fusion::unfused, Fusion::interpreted})
+    for (const Norm& norm : kNorms)
+      expect_sharded_equals_one_process(optim::AdamW{.lr = 1e-2}, kSetups[1], norm, sliced(3), src, 3,
+                                        std::string(f == Fusion::unfused ? "unfused" : "interpreted") + " clip " +
+                                            (norm.max_grad_norm ? "on" : "off"),
+                                        f);
+}
+
+TEST(ShardedStep, InfOnOneRankSkipsTheStepOnEveryRank) {
+  GradSource src;
+  src.inf_step = 1;
+  src.inf_tensor = 5;  // on the last rank of whole_tensors(3); rank 0 of sliced(3)
+  for (const Norm& norm : kNorms) {
+    expect_sharded_equals_one_process(optim::AdamW{.lr = 1e-2}, kSetups[0], norm, whole_tensors(3), src, 3, "whole");
+    expect_sharded_equals_one_process(optim::Adam{.lr = 1e-2}, kSetups[1], norm, sliced(3), src, 3, "sliced");
+  }
+}
+
+// The order in which the ranks' partials are combined is the model's, not the
+// ranks': 48 tensors dealt to 3 ranks like cards (tensor t on rank t % 3, placed
+// by slices), with magnitudes for which the order of the fp64 sum shows in the
+// norm — a one-process optimizer over the tensors in reverse order (its combine
+// in reverse) gets other bits, which the test first checks it does.
+TEST(ShardedStep, PartialsAreCombinedInTheModelsOrderNotTheRanks) {
+  std::vector<std::int64_t> sizes;
+  for (int t = 0; t < 48; ++t) sizes.push_back(100 + (t * 7919) % 40000);
+  const int steps = 8;
+  GradSource src;
+  const auto one_process = [&](bool reversed) {
+    Model m(DType::f32, DType::f32, sizes);
+    std::vector<Param> params;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t t = reversed ? sizes.size() - 1 - k : k;
+      params.push_back({m.w[t], m.g[t]});
+    }
+    Optimizer opt(optim::AdamW{}, params, base_options(kNorms[1]));
+    std::vector<double> norms;
+    for (int k = 0; k < steps; ++k) {
+      for (std::size_t t = 0; t < sizes.size(); ++t)
+        for (std::int64_t j = 0; j < sizes[t]; ++j) m.g.set(t, j, src.value(k, t, j));
+      norms.push_back(opt.step_scaled(src.S).grad_norm);
+    }
+    return norms;
+  };
+  const std::vector<double> forward = one_process(false), reverse = one_process(true);
+  ASSERT_NE(forward, reverse) << "the data does not tell the orders apart";
+
+  Model m(DType::f32, DType::f32, sizes);
+  std::vector<std::vector<double>> norms(3);
+  LocalGroup group(3);
+  const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
+    OptimizerOptions o = base_options(kNorms[1]);
+    o.communicator = comm;
+    std::vector<Param> params;
+    std::vector<std::size_t> mine;
+    for (std::size_t t = static_cast<std::size_t>(r); t < sizes.size(); t += 3) {
+      mine.push_back(t);
+      params.push_back({m.w[t], m.g[t]});
+      o.slices.push_back({static_cast<std::int64_t>(t), 0});
+    }
+    Optimizer opt(optim::AdamW{}, params, o);
+    for (int k = 0; k < steps; ++k) {
+      for (const std::size_t t : mine)
+        for (std::int64_t j = 0; j < sizes[t]; ++j) m.g.set(t, j, src.value(k, t, j));
+      norms[static_cast<std::size_t>(r)].push_back(opt.step_scaled(src.S).grad_norm);
+    }
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(errors[static_cast<std::size_t>(r)]);
+    EXPECT_EQ(norms[static_cast<std::size_t>(r)], forward) << "rank " << r;
+  }
+}
+
+// Runs fn on `ranks` ranks and expects every rank to throw an Error with `code`
+// whose message contains `text` (rank `own` may throw its own message instead).
+void expect_every_rank_throws(int ranks, const std::function<void(int, const std::shared_ptr<Communicator>&)>& fn,
+                              ErrorCode code, const std::string& text, int own = -1, const std::string& own_text = "") {
+  LocalGroup group(ranks, std::chrono::seconds(20));
+  const auto errors = group.run(fn);
+  for (int r = 0; r < ranks; ++r) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not throw";
+    try {
+      std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << "rank " << r << ": " << e.what();
+      const std::string& want = r == own ? own_text : text;
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "rank " << r << ": " << e.what();
+    }
+  }
+}
+
+std::vector<Param> rank_params(const Model& m, const std::vector<Piece>& pieces) {
+  std::vector<Param> out;
+  for (const Piece& p : pieces) out.push_back({slice_of(m.w[p.tensor], p.offset, p.numel), slice_of(m.g[p.tensor], p.offset, p.numel)});
+  return out;
+}
+
+TEST(ShardedStep, ARankThatRefusesItsShardMakesEveryRankThrow) {
+  Model m(DType::f32, DType::f32);
+  const Partition parts = whole_tensors(3);
+  expect_every_rank_throws(
+      3,
+      [&](int r, const std::shared_ptr<Communicator>& comm) {
+        std::vector<Param> params = rank_params(m, parts[static_cast<std::size_t>(r)]);
+        if (r == 1) params[0].grad.data = nullptr;  // refused by rank 1's own validation
+        OptimizerOptions o = base_options(kNorms[1]);
+        o.communicator = comm;
+        Optimizer opt(optim::AdamW{}, params, o);
+      },
+      ErrorCode::invalid_argument, "rank 1 of 3 could not build its shard", 1, "grad.data is null");
+}
+
+TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
+  Model m(DType::f32, DType::f32);
+  const Partition parts = whole_tensors(2);
+  expect_every_rank_throws(
+      2,
+      [&](int r, const std::shared_ptr<Communicator>& comm) {
+        OptimizerOptions o = base_options(r == 0 ? kNorms[1] : kNorms[0]);
+        o.communicator = comm;
+        Optimizer opt(optim::AdamW{}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
+      },
+      ErrorCode::invalid_argument, "OptimizerOptions::max_grad_norm (rank 0: 0.5, rank 1: none) differs between ranks");
+}
+
+// Builds Adam (or `config`) on each rank over `parts` with slices.
+void build_sliced(int r, const std::shared_ptr<Communicator>& comm, const Model& m, const Partition& parts,
+                  const OptimizerConfig& config = optim::Adam{}) {
+  OptimizerOptions o = base_options(kNorms[0]);
+  o.communicator = comm;
+  for (const Piece& p : parts[static_cast<std::size_t>(r)]) o.slices.push_back({static_cast<std::int64_t>(p.tensor), p.offset});
+  Optimizer opt(config, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
+}
+
+TEST(ShardedStep, SlicesThatDoNotTileTheModelAreRefusedOnEveryRank) {
+  Model m(DType::f32, DType::f32);
+  const auto check = [&](const Partition& parts, ErrorCode code, const std::string& text) {
+    expect_every_rank_throws(static_cast<int>(parts.size()),
+                             [&](int r, const std::shared_ptr<Communicator>& c) { build_sliced(r, c, m, parts); }, code, text);
+  };
+  check({{{0, 0, 16384}}, {{0, 16000, 24000}}}, ErrorCode::invalid_argument,
+        "model tensor 0: rank 1 params[0] starts at element 16000 (a slice must start at a multiple of 16384");
+  check({{{0, 0, 16384}}, {{0, 32768, 7232}}}, ErrorCode::invalid_argument,
+        "model tensor 0: rank 1 params[0] starts at element 32768 but no rank holds elements [16384, 32768)");
+  check({{{0, 0, 32768}}, {{0, 16384, 23616}}}, ErrorCode::invalid_argument,
+        "model tensor 0: rank 1 params[0] (elements [16384, 40000)) overlaps rank 0 params[0] ([0, 32768))");
+  check({{{3, 16384, 16384}}, {{1, 0, 100}}}, ErrorCode::invalid_argument,
+        "model tensor 3: rank 0 params[0] starts at element 16384 but no rank holds elements [0, 16384)");
+  expect_every_rank_throws(
+      2, [&](int r, const std::shared_ptr<Communicator>& c) { build_sliced(r, c, m, {{{0, 0, 16384}}, {{0, 16384, 23616}}}, optim::LAMB{}); },
+      ErrorCode::unsupported, "its program has two phases");
+}
+
+TEST(ShardedStep, ARankThatRefusesAStepMakesEveryRankThrowAndNothingIsWritten) {
+  Model m(DType::f32, DType::f32);
+  const Partition parts = whole_tensors(3);
+  GradSource src;
+  for (std::size_t t = 0; t < kSizes.size(); ++t)
+    for (std::int64_t j = 0; j < kSizes[t]; ++j) m.g.set(t, j, src.value(0, t, j));
+  const auto before = m.w.snapshot();
+  LocalGroup group(3, std::chrono::seconds(20));
+  std::vector<std::string> messages(3);
+  std::vector<std::int64_t> counts(3);
+  const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
+    OptimizerOptions o = base_options(kNorms[1]);
+    o.communicator = comm;
+    Optimizer opt(optim::AdamW{}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
+    try {
+      opt.step_scaled(r == 2 ? NAN : src.S);
+    } catch (const Error& e) {
+      messages[static_cast<std::size_t>(r)] = e.what();
+    }
+    counts[static_cast<std::size_t>(r)] = opt.step_count();
+    opt.step_scaled(src.S);  // the ranks are still in step: the next step runs everywhere
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(errors[static_cast<std::size_t>(r)]) << "rank " << r;
+    EXPECT_EQ(counts[static_cast<std::size_t>(r)], 0) << "rank " << r;
+  }
+  EXPECT_NE(messages[2].find("loss_scale = nan"), std::string::npos) << messages[2];
+  EXPECT_NE(messages[0].find("rank 2 refused its input to this step"), std::string::npos) << messages[0];
+  EXPECT_NE(messages[1].find("rank 2 refused its input to this step"), std::string::npos) << messages[1];
+  EXPECT_NE(m.w.snapshot(), before) << "the step after the refused one ran";
+}
+
+TEST(ShardedStep, GradScalersOnEveryRankKeepOneScale) {
+  const Partition parts = whole_tensors(2);
+  Model m(DType::bf16, DType::bf16);
+  GradSource src;
+  LocalGroup group(2);
+  std::vector<std::vector<float>> scales(2);
+  const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
+    OptimizerOptions o = base_options(kNorms[1]);
+    o.communicator = comm;
+    Optimizer opt(optim::AdamW{.lr = 1e-2}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
+    GradScaler scaler("cpu", 1024.0, 2.0, 0.5, 2);
+    for (int k = 0; k < 6; ++k) {
+      GradSource s = src;
+      s.S = scaler.get_scale();
+      s.inf_step = 3;
+      s.inf_tensor = 0;  // rank 0 only
+      fill_grads(m, s, k, parts[static_cast<std::size_t>(r)]);
+      if (k == 4) scaler.unscale_(opt);  // the unscale_ path too
+      scaler.step(opt);
+      scaler.update();
+      scales[static_cast<std::size_t>(r)].push_back(static_cast<float>(scaler.get_scale()));
+    }
+  });
+  for (const auto& e : errors) EXPECT_FALSE(e);
+  EXPECT_EQ(scales[0], scales[1]);
+  EXPECT_EQ(scales[0], (std::vector<float>{1024, 2048, 2048, 1024, 1024, 2048})) << "grow every 2 good steps, back off at the inf";
+}
+
+TEST(ShardedStep, LocalChecks) {
+  Model m(DType::f32, DType::f32);
+  std::vector<Param> params = rank_params(m, whole_model());
+  OptimizerOptions o;
+  o.slices = {{0, 0}};
+  try {
+    Optimizer opt(optim::SGD{}, params, o);
+    ADD_FAILURE() << "slices without a communicator";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("there is no communicator"), std::string::npos) << e.what();
+  }
+  LocalGroup one(1);
+  o.communicator = one.communicator(0);
+  try {
+    Optimizer opt(optim::SGD{}, params, o);
+    ADD_FAILURE() << "one slice for six params";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("slices has 1 entries for 6 params"), std::string::npos) << e.what();
+  }
+  o.slices.clear();
+  Optimizer opt(optim::SGD{}, params, o);
+  try {
+    opt.add_param_group({rank_params(m, {}), optim::SGD{}});
+    ADD_FAILURE() << "add_param_group on a sharded optimizer";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  }
+}
+
+}  // namespace
+}  // namespace stepfuse
