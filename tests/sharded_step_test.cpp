@@ -484,6 +484,34 @@ TEST(ShardedStep, GradScalersOnEveryRankKeepOneScale) {
   EXPECT_EQ(scales[0], (std::vector<float>{1024, 2048, 2048, 1024, 1024, 2048})) << "grow every 2 good steps, back off at the inf";
 }
 
+TEST(ShardedStep, LossScaleOptimizersOnEveryRankKeepOneScale) {
+  const Partition parts = sliced(3);
+  Model m(DType::f16, DType::f32);
+  LocalGroup group(3);
+  std::vector<std::vector<double>> scales(3);
+  const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
+    OptimizerOptions o = base_options(kNorms[0]);
+    o.communicator = comm;
+    for (const Piece& p : parts[static_cast<std::size_t>(r)]) o.slices.push_back({static_cast<std::int64_t>(p.tensor), p.offset});
+    Optimizer opt(optim::Adam{.lr = 1e-3}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
+    LossScaleOptimizer lso(opt, true, 256.0, 2);
+    for (int k = 0; k < 6; ++k) {
+      lso.minimize([&](double scale) {
+        GradSource s;
+        s.S = scale;
+        s.inf_step = 2;
+        s.inf_tensor = 3;  // its last slice is on rank 1 only
+        fill_grads(m, s, k, parts[static_cast<std::size_t>(r)]);
+      });
+      scales[static_cast<std::size_t>(r)].push_back(lso.loss_scale());
+    }
+  });
+  for (const auto& e : errors) EXPECT_FALSE(e);
+  EXPECT_EQ(scales[0], scales[1]);
+  EXPECT_EQ(scales[0], scales[2]);
+  EXPECT_EQ(scales[0], (std::vector<double>{256, 512, 256, 256, 512, 512})) << "Keras: x2 every 2 good steps, /2 at the inf";
+}
+
 TEST(ShardedStep, LocalChecks) {
   Model m(DType::f32, DType::f32);
   std::vector<Param> params = rank_params(m, whole_model());
