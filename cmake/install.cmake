@@ -25,11 +25,16 @@ install(TARGETS stepfuse EXPORT stepfuseTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_runtime
           NAMELINK_COMPONENT stepfuse_development
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT stepfuse_runtime)
-# Public headers only: the C++ API (*.hpp) and, where present, the C ABI (*.h).
+# Public headers only: the C++ API (*.hpp) and, where present, the C ABI (*.h); mpi.hpp
+# only with the library that implements it.
+set(_stepfuse_header_excludes "")
+if(NOT STEPFUSE_HAVE_MPI)
+  list(APPEND _stepfuse_header_excludes PATTERN "mpi.hpp" EXCLUDE)
+endif()
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/stepfuse
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
   COMPONENT stepfuse_development
-  FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
+  FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h" ${_stepfuse_header_excludes})
 # The kernels' C ABI (stepfuse/device_abi.h), generated from the headers the kernels embed.
 install(FILES ${PROJECT_BINARY_DIR}/generated/include/stepfuse/device_abi.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/stepfuse
@@ -39,6 +44,20 @@ install(EXPORT stepfuseTargets
   FILE stepfuseTargets.cmake
   DESTINATION ${STEPFUSE_INSTALL_CMAKEDIR}
   COMPONENT stepfuse_development)
+# stepfuse::mpi (when built) in a file of its own, which the package config includes
+# once it has found MPI (stepfuseConfig.cmake.in).
+if(STEPFUSE_HAVE_MPI)
+  install(TARGETS stepfuse_mpi EXPORT stepfuseMpiTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_development
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_runtime
+            NAMELINK_COMPONENT stepfuse_development
+    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT stepfuse_runtime)
+  install(EXPORT stepfuseMpiTargets
+    NAMESPACE stepfuse::
+    FILE stepfuseMpiTargets.cmake
+    DESTINATION ${STEPFUSE_INSTALL_CMAKEDIR}
+    COMPONENT stepfuse_development)
+endif()
 
 # A static libstepfuse.a carries its private dependencies (Highway) to whoever links
 # it, so the package config must find them; a shared library has them as DT_NEEDED.

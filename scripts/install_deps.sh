@@ -16,6 +16,7 @@ packages=(
   nlohmann-json3-dev  # JSON (the kernel ABI descriptions, benchmark reports)
   libxxhash-dev       # cache keys and checksums
   llvm-14-dev         # the LLVM CPU backend (optional: without it the build has Highway alone)
+  libopenmpi-dev openmpi-bin  # stepfuse::mpi and its mpirun tests (optional: without them, neither)
   python3-venv        # build/pyvenv below
   python3-dev         # Python's headers: the extension module (pip install .)
 )
