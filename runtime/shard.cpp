@@ -5,11 +5,14 @@
 // every rank succeeded): every rank's tensors, as (model tensor, offset, numel,
 // two-phase). From these each rank builds the same plan of the whole model.
 //
-// A step: each rank sends one value per chunk (the chunk's sum of squares, or its
-// max |g| for the inf-norm), its found_inf flag and a refused flag, padded to
-// the largest rank's chunk count; one all_gather; then each rank combines them in
-// the canonical order (fp64; chunks in order within a tensor, then tensors in
-// order) — the one-process combine over the whole model, bit for bit.
+// A step: one all_gather, then each rank combines what it got in the canonical
+// order (fp64; chunks in order within a tensor, then tensors in order) — the
+// one-process combine over the whole model, bit for bit. Each rank sends, per
+// param in its order: for a whole model tensor, the tensor's own combine of its
+// chunks (one value: the same additions in the same order as one process makes);
+// for a slice of a split tensor, one value per chunk (the chunk's sum of squares,
+// or its max |g| for the inf-norm), since the tensor's sum runs across ranks. Then
+// its found_inf flag and a refused flag; padded to the largest rank's count.
 #include "runtime/shard.hpp"
 
 #include <algorithm>
@@ -30,7 +33,6 @@ struct Header {
   std::int32_t ok = 0;    // 1: this rank's construction succeeded
   std::int32_t code = 0;  // its Error's ErrorCode when it did not
   std::int64_t params = 0;
-  std::int64_t chunks = 0;
   std::int32_t slices = 0;  // 1: OptimizerOptions::slices given
   std::int32_t fusion = 0;
   std::int32_t track_grad_norm = 0;
@@ -39,7 +41,7 @@ struct Header {
   double norm_type = 0;
   char message[448] = {};
 };
-static_assert(sizeof(Header) % 8 == 0);
+static_assert(sizeof(Header) == 32 + 16 + 448, "no padding: every byte sent is set");
 
 // Round 2: one param.
 struct Entry {
@@ -137,23 +139,20 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
   Communicator& comm = *comm_;
   const int self = comm.rank();
   const auto ranks = static_cast<std::size_t>(comm.size());
-  for (const Param& p : params) local_chunks_ += static_cast<std::size_t>(chunks_of(p.weight.numel));
 
   Header mine = local_header(options);
   mine.ok = 1;
   mine.params = static_cast<std::int64_t>(params.size());
-  mine.chunks = static_cast<std::int64_t>(local_chunks_);
   const std::vector<Header> all = exchange_headers(comm, mine);
   for (const Header& h : all)
     if (!h.ok) throw_refused(all, self);
   check_same_options(all);
 
   // Round 2: every rank's tensors.
-  std::size_t max_params = 0, max_chunks = 0;
+  std::size_t max_params = 0;
   std::vector<std::int64_t> first_tensor(ranks + 1, 0);  // without slices: rank r's params are tensors first_tensor[r] + i
   for (std::size_t r = 0; r < ranks; ++r) {
     max_params = std::max(max_params, static_cast<std::size_t>(all[r].params));
-    max_chunks = std::max(max_chunks, static_cast<std::size_t>(all[r].chunks));
     first_tensor[r + 1] = first_tensor[r] + all[r].params;
   }
   std::vector<Entry> entries(max_params, Entry{0, 0, 0, 0});
@@ -184,10 +183,39 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
   std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
     return a.e.tensor != b.e.tensor ? a.e.tensor < b.e.tensor : a.e.offset < b.e.offset;
   });
-
-  stride_ = max_chunks + 2;
+  // Whole model tensors send one value; slices of split ones one per chunk.
+  const auto whole = [&](std::size_t k) {
+    return (k == 0 || pieces[k - 1].e.tensor != pieces[k].e.tensor) &&
+           (k + 1 == pieces.size() || pieces[k + 1].e.tensor != pieces[k].e.tensor);
+  };
+  std::vector<std::vector<std::size_t>> values_at(ranks);  // per rank, per param: its first value in the rank's send
+  std::vector<std::size_t> values(ranks, 0);
+  for (std::size_t r = 0; r < ranks; ++r) values_at[r].assign(static_cast<std::size_t>(all[r].params), 0);
+  {
+    std::vector<std::vector<std::size_t>> count(ranks);  // per rank, per param
+    for (std::size_t r = 0; r < ranks; ++r) count[r].assign(static_cast<std::size_t>(all[r].params), 0);
+    for (std::size_t k = 0; k < pieces.size(); ++k)
+      count[pieces[k].rank][static_cast<std::size_t>(pieces[k].param)] =
+          whole(k) ? 1 : static_cast<std::size_t>(chunks_of(pieces[k].e.numel));
+    for (std::size_t r = 0; r < ranks; ++r)
+      for (std::size_t i = 0; i < count[r].size(); ++i) {
+        values_at[r][i] = values[r];
+        values[r] += count[r][i];
+      }
+  }
+  stride_ = *std::max_element(values.begin(), values.end()) + 2;
   send_.assign(stride_, 0.0);
   recv_.assign(stride_ * ranks, 0.0);
+  send_plan_.assign(params.size(), SendPlan{});
+  {
+    std::size_t chunk = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      send_plan_[i].first_chunk = chunk;
+      send_plan_[i].chunks = static_cast<std::size_t>(chunks_of(params[i].weight.numel));
+      send_plan_[i].at = values_at[static_cast<std::size_t>(self)][i];
+      chunk += send_plan_[i].chunks;
+    }
+  }
   std::vector<std::size_t> model_tensor_of(pieces.size());
   for (std::size_t k = 0; k < pieces.size(); ++k) {
     const Piece& p = pieces[k];
@@ -203,6 +231,7 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
                                                      " but no rank holds elements [0, " + std::to_string(p.e.offset) +
                                                      ") of that tensor (its slices must tile it)");
       tensor_begin_.push_back(order_.size());
+      tensors_.push_back({p.e.tensor, 0});
     } else {
       const Piece& q = pieces[k - 1];
       const std::int64_t end = q.e.offset + q.e.numel;
@@ -221,23 +250,39 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
                             "norm inside the update, as LAMB's trust ratio): give each rank whole tensors for it");
     }
     model_tensor_of[k] = tensor_begin_.size() - 1;
-    for (std::int64_t c = 0; c < chunks_of(p.e.numel); ++c)
-      order_.push_back(static_cast<std::uint32_t>(p.rank * stride_ + p.first_chunk + static_cast<std::size_t>(c)));
+    tensors_.back().numel = p.e.offset + p.e.numel;
+    const std::size_t at = p.rank * stride_ + values_at[p.rank][static_cast<std::size_t>(p.param)];
+    if (whole(k)) {
+      order_.push_back(static_cast<std::uint32_t>(at));
+      if (p.rank == static_cast<std::size_t>(self)) send_plan_[static_cast<std::size_t>(p.param)].whole = true;
+    } else {
+      for (std::int64_t c = 0; c < chunks_of(p.e.numel); ++c) order_.push_back(static_cast<std::uint32_t>(at + static_cast<std::size_t>(c)));
+    }
   }
   tensor_begin_.push_back(order_.size());
   tensor_norms_.assign(tensor_begin_.size() - 1, 0.0);
   local_tensor_.assign(params.size(), 0);
+  local_offset_.assign(params.size(), 0);
   for (std::size_t k = 0; k < pieces.size(); ++k)
-    if (pieces[k].rank == static_cast<std::size_t>(self))
+    if (pieces[k].rank == static_cast<std::size_t>(self)) {
       local_tensor_[static_cast<std::size_t>(pieces[k].param)] = model_tensor_of[k];
+      local_offset_[static_cast<std::size_t>(pieces[k].param)] = pieces[k].e.offset;
+    }
 }
 
 Shard::Reduction Shard::combine(std::span<const cpu::ReducePartial> partials, bool inf_norm,
                                 std::vector<double>& tensor_norms) {
   bool local_inf = false;
-  for (std::size_t c = 0; c < partials.size(); ++c) {
-    send_[c] = inf_norm ? static_cast<double>(partials[c].maxabs) : partials[c].sumsq;
-    local_inf |= partials[c].nonfinite;
+  for (const cpu::ReducePartial& p : partials) local_inf |= p.nonfinite;
+  const auto value = [&](std::size_t c) { return inf_norm ? static_cast<double>(partials[c].maxabs) : partials[c].sumsq; };
+  for (const SendPlan& p : send_plan_) {
+    if (p.whole) {  // the tensor's combine, as below
+      double acc = 0;
+      for (std::size_t c = p.first_chunk; c < p.first_chunk + p.chunks; ++c) acc = inf_norm ? std::max(acc, value(c)) : acc + value(c);
+      send_[p.at] = acc;
+    } else {
+      for (std::size_t c = 0; c < p.chunks; ++c) send_[p.at + c] = value(p.first_chunk + c);
+    }
   }
   const std::size_t flags = stride_ - 2;
   send_[flags] = local_inf ? 1.0 : 0.0;

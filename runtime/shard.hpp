@@ -49,15 +49,33 @@ class Shard {
   std::size_t bytes_per_step() const { return stride_ * sizeof(double); }
   std::size_t model_tensors() const { return tensor_begin_.size() - 1; }
 
+  // Checkpoints (runtime/checkpoint.cpp): the model's tensors in order (each one's
+  // id, as the ranks named it, and its element count), and where local param i lies.
+  struct ModelTensor {
+    std::int64_t id = 0, numel = 0;
+  };
+  const std::vector<ModelTensor>& tensors() const { return tensors_; }
+  const ModelTensor& tensor_of(std::size_t param) const { return tensors_[local_tensor_[param]]; }
+  std::int64_t offset_of(std::size_t param) const { return local_offset_[param]; }
+
  private:
+  // What a local param sends: its tensor's combined value (a whole model tensor)
+  // or each of its chunks' partials (a slice of a split one), at send_[at...].
+  struct SendPlan {
+    std::size_t first_chunk = 0, chunks = 0;  // in this rank's layout
+    std::size_t at = 0;
+    bool whole = false;
+  };
   std::shared_ptr<Communicator> comm_;
-  std::size_t local_chunks_ = 0;
-  std::size_t stride_ = 0;                    // doubles per rank: max chunks on a rank, found_inf, refused
+  std::vector<SendPlan> send_plan_;            // per local param
+  std::size_t stride_ = 0;                    // doubles per rank: the most values a rank sends, found_inf, refused
   std::vector<double> send_, recv_;
   std::vector<std::uint32_t> order_;          // positions in recv_, the model's chunks in canonical order
   std::vector<std::size_t> tensor_begin_;     // model tensor t: order_[tensor_begin_[t], tensor_begin_[t + 1])
   std::vector<std::size_t> local_tensor_;     // local param i: its model tensor
   std::vector<double> tensor_norms_;          // per model tensor (scratch)
+  std::vector<ModelTensor> tensors_;          // per model tensor
+  std::vector<std::int64_t> local_offset_;    // local param i: its first element in its model tensor
 };
 
 }  // namespace stepfuse::detail
