@@ -11,6 +11,7 @@
 #include "stepfuse/optim.hpp"
 #include "stepfuse/optimizer.hpp"
 #include "stepfuse/program.hpp"
+#include "stepfuse/sharded_optimizer.hpp"
 #include "stepfuse/types.hpp"
 #include "stepfuse/update_program.hpp"
 #include "stepfuse/version.hpp"
