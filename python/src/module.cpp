@@ -8,6 +8,10 @@
 
 #include "common.hpp"
 
+namespace sfpy {
+void bind_distributed(nb::module_& m);  // distributed.cpp
+}
+
 namespace {
 
 // stepfuse::Error by its code: a bad value is ValueError, a valid request this build or
@@ -70,6 +74,7 @@ NB_MODULE(_stepfuse, m) {
 
   sfpy::bind_configs(m);
   sfpy::bind_program(m);
+  sfpy::bind_distributed(m);
   sfpy::bind_optimizer(m);
   sfpy::bind_scaler(m);
 }

@@ -1,6 +1,7 @@
 // stepfuse.Optimizer and StepResult.
 #include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
@@ -33,6 +34,8 @@ struct PyOptions {
   bool track_grad_norm = false;
   std::optional<std::string> cpu_backend;
   bool llvm_contract = false;
+  std::shared_ptr<stepfuse::Communicator> communicator;
+  std::optional<std::vector<stepfuse::TensorSlice>> slices;
 };
 
 OptimizerOptions to_options(const PyOptions& o) {
@@ -58,6 +61,8 @@ OptimizerOptions to_options(const PyOptions& o) {
           ("cpu_backend '" + b + "' is not one of None, 'auto', 'highway', 'llvm'").c_str());
   }
   opts.llvm_contract = o.llvm_contract;
+  opts.communicator = o.communicator;
+  if (o.slices) opts.slices = *o.slices;
   return opts;
 }
 
@@ -186,7 +191,12 @@ const char* kOptionsDoc =
     "num_threads: CPU threads (0: STEPFUSE_NUM_THREADS, else the machine's cores).\n"
     "track_grad_norm: compute the gradient norm on plain steps too.\n"
     "cpu_backend: None (STEPFUSE_CPU_BACKEND, else 'auto'), 'auto', 'highway' or 'llvm'.\n"
-    "llvm_contract: let the LLVM backend fuse multiply-adds (results within fp32 rounding, not bitwise).";
+    "llvm_contract: let the LLVM backend fuse multiply-adds (results within fp32 rounding, not bitwise).\n"
+    "communicator: a Communicator: a sharded step across processes, each rank's optimizer holding its own shard "
+    "of the model's params (same config and options on every rank); every rank gets the global norm, clip "
+    "coefficient and skip decision. Construction and steps are then collective. CPU only.\n"
+    "slices: with a communicator, one TensorSlice per param (where it lies in the model); None: whole tensors, "
+    "rank 0's params first, then rank 1's, and so on.";
 
 }  // namespace
 
@@ -204,7 +214,7 @@ void bind_optimizer(nb::module_& m) {
       "A fused optimizer over a fixed list of caller-owned tensors, updated in place.\n\n"
       "Optimizer(config, params, *, device=None, cuda_stream=0, max_grad_norm=None, norm_type=2.0,\n"
       "          master_weights=True, fusion='fused', num_threads=0, track_grad_norm=False,\n"
-      "          cpu_backend=None, llvm_contract=False)\n\n"
+      "          cpu_backend=None, llvm_contract=False, communicator=None, slices=None)\n\n"
       "config: a config (SGD, Adam, AdamW, ...) or an UpdateProgram. params: (weight, grad) pairs of\n"
       "tensors (torch, NumPy, anything with __dlpack__): float32, float16 or bfloat16, contiguous, all on\n"
       "one device (the CPU or one CUDA GPU); a torch parameter with its .grad allocated may stand for its\n"
@@ -218,9 +228,11 @@ void bind_optimizer(nb::module_& m) {
       [](PyOptimizer* self, nb::handle config, nb::handle params, std::optional<std::string> device,
          std::uintptr_t cuda_stream, std::optional<double> max_grad_norm, double norm_type, bool master_weights,
          std::string fusion, int num_threads, bool track_grad_norm, std::optional<std::string> cpu_backend,
-         bool llvm_contract) {
-        PyOptions po{device,      cuda_stream,     max_grad_norm, norm_type,   master_weights, std::move(fusion),
-                     num_threads, track_grad_norm, cpu_backend,   llvm_contract};
+         bool llvm_contract, std::shared_ptr<stepfuse::Communicator> communicator,
+         std::optional<std::vector<stepfuse::TensorSlice>> slices) {
+        PyOptions po{device,         cuda_stream,       max_grad_norm, norm_type,
+                     master_weights, std::move(fusion), num_threads,   track_grad_norm,
+                     cpu_backend,    llvm_contract,     std::move(communicator), std::move(slices)};
         OptimizerOptions opts = to_options(po);
         Gather g;
         std::optional<stepfuse::OptimizerConfig> cfg = try_config(config);
@@ -240,19 +252,25 @@ void bind_optimizer(nb::module_& m) {
       nb::arg("cuda_stream") = 0, nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0,
       nb::arg("master_weights") = true, nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
       nb::arg("track_grad_norm") = false, nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
+      nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(),
       nb::sig("def __init__(self, config: SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | "
               "Adadelta | Rprop | ASGD | LAMB | UpdateProgram, params: collections.abc.Iterable[tuple[object, "
               "object]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
               "norm_type: float = 2.0, master_weights: bool = True, fusion: str = 'fused', num_threads: int = 0, "
-              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False) -> None"));
+              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
+              "communicator: Communicator | None = None, slices: collections.abc.Sequence[TensorSlice] | None = None) "
+              "-> None"));
 
   cls.def_static(
       "from_groups",
       [](nb::handle groups, std::optional<std::string> device, std::uintptr_t cuda_stream,
          std::optional<double> max_grad_norm, double norm_type, bool master_weights, std::string fusion,
-         int num_threads, bool track_grad_norm, std::optional<std::string> cpu_backend, bool llvm_contract) {
-        PyOptions po{device,      cuda_stream,     max_grad_norm, norm_type,   master_weights, std::move(fusion),
-                     num_threads, track_grad_norm, cpu_backend,   llvm_contract};
+         int num_threads, bool track_grad_norm, std::optional<std::string> cpu_backend, bool llvm_contract,
+         std::shared_ptr<stepfuse::Communicator> communicator,
+         std::optional<std::vector<stepfuse::TensorSlice>> slices) {
+        PyOptions po{device,         cuda_stream,       max_grad_norm, norm_type,
+                     master_weights, std::move(fusion), num_threads,   track_grad_norm,
+                     cpu_backend,    llvm_contract,     std::move(communicator), std::move(slices)};
         OptimizerOptions opts = to_options(po);
         if (!nb::isinstance<nb::iterable>(groups))
           throw nb::type_error(("groups must be a list of (params, config) pairs, not " +
@@ -276,7 +294,8 @@ void bind_optimizer(nb::module_& m) {
       nb::arg("groups"), nb::kw_only(), nb::arg("device") = nb::none(), nb::arg("cuda_stream") = 0,
       nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0, nb::arg("master_weights") = true,
       nb::arg("fusion") = "fused", nb::arg("num_threads") = 0, nb::arg("track_grad_norm") = false,
-      nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false, nb::rv_policy::take_ownership,
+      nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
+      nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(), nb::rv_policy::take_ownership,
       "Parameter groups, as torch.optim param groups: groups is a list of (params, config) pairs, every config "
       "of one kind (all AdamW, say). One step still has one reduce pass and one global gradient norm over every "
       "group. The options are the constructor's.",
@@ -284,8 +303,9 @@ void bind_optimizer(nb::module_& m) {
               "object]], SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | "
               "ASGD | LAMB]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
               "norm_type: float = 2.0, master_weights: bool = True, fusion: str = 'fused', num_threads: int = 0, "
-              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False) -> "
-              "Optimizer"));
+              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
+              "communicator: Communicator | None = None, slices: collections.abc.Sequence[TensorSlice] | None = None) "
+              "-> Optimizer"));
 
   // ---- stepping ----
   cls.def(
