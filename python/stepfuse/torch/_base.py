@@ -19,13 +19,27 @@ loaded. Everything else is cheap per step:
 
 On the CPU, ``state[p]["exp_avg"]`` and friends are zero-copy views of the
 engine's state. On CUDA they are snapshots, refreshed by ``state_dict()``.
+
+Sharded (``communicator=``, see stepfuse.torch.distributed): each rank's optimizer
+holds its own shard of the model's params, and construction and every step are
+collective. Before each step the ranks exchange a few flags (one small all_gather),
+so that they always agree: a gradient refused on one rank raises on every rank; a
+step torch.amp.GradScaler found non-finite on one rank is skipped on every rank; and
+when one rank's plan changes (its set of params with gradients, say), every rank
+re-plans at that step, since building an engine is collective. The model's tensors,
+for the one-process step a sharded step equals, are the engines' params: rank 0's
+params with gradients (group after group; within a group, params of equal step
+counts together), then rank 1's, and so on. State dicts stay per rank.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 import stepfuse as _sf
@@ -39,6 +53,56 @@ def _as_float(value: Any) -> float:
 
 def _dummy_param() -> torch.Tensor:
     return torch.zeros(1, requires_grad=True)
+
+
+def _as_communicator(communicator: Any) -> Optional[Any]:
+    if communicator is None or isinstance(communicator, _sf.Communicator):
+        return communicator
+    from .distributed import as_communicator  # imports torch.distributed only when asked
+    return as_communicator(communicator)
+
+
+def _exchange(communicator: Any, flags: Sequence[int]) -> List[List[int]]:
+    """Every rank's flags (the same number on each), by rank: one all_gather."""
+    send = np.asarray(flags, dtype=np.int64)
+    n = communicator.size()
+    recv = np.zeros(n * send.size, dtype=np.int64)
+    communicator.all_gather(send, recv)
+    return recv.reshape(n, send.size).tolist()
+
+
+def _failed_ranks(rows: List[List[int]]) -> List[int]:
+    return [r for r, row in enumerate(rows) if row[0]]
+
+
+def _collective_init(init: Callable[..., None]) -> Callable[..., None]:
+    """A subclass's __init__, made collective when it is given a communicator: the
+    ranks exchange whether their construction succeeded, so that a construction
+    refused on one rank (a bad param, a bad hyperparameter) raises on every rank
+    instead of leaving the others waiting at their first step."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("communicator") is None or self.__dict__.get("_sf_constructing"):
+            init(self, *args, **kwargs)  # not sharded, or inside the outermost __init__
+            return
+        communicator = kwargs["communicator"] = _as_communicator(kwargs["communicator"])
+        self.__dict__["_sf_constructing"] = True
+        try:
+            try:
+                init(self, *args, **kwargs)
+            except BaseException:
+                _exchange(communicator, [1])
+                raise
+            failed = _failed_ranks(_exchange(communicator, [0]))
+            if failed:
+                raise RuntimeError(f"stepfuse.torch: constructing the optimizer failed on rank(s) {failed} (which "
+                                   f"raise their own errors); every rank raises, so that none waits for the others")
+        finally:
+            self.__dict__.pop("_sf_constructing", None)
+
+    __init__._sf_collective = True  # type: ignore[attr-defined]
+    return __init__
 
 
 def _copy_into(view: Any, src: torch.Tensor) -> None:
@@ -73,6 +137,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     # found_inf attributes) instead of unscaling the gradients itself.
     _step_supports_amp_scaling = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_sf_collective", False):
+            cls.__init__ = _collective_init(init)  # type: ignore[method-assign]
+
     def __init__(
         self,
         params: Any,
@@ -82,6 +152,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         norm_type: float = 2.0,
         master_weights: bool = True,
         num_threads: Optional[int] = None,
+        communicator: Any = None,
     ) -> None:
         if max_grad_norm is not None:
             max_grad_norm = float(max_grad_norm)
@@ -97,9 +168,15 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self.norm_type = norm_type
         self.master_weights = bool(master_weights)
         self.num_threads = num_threads
+        # A sharded step (stepfuse.torch.distributed): a stepfuse.Communicator, or a
+        # torch.distributed ProcessGroup wrapped in a ProcessGroupCommunicator.
+        self.communicator = _as_communicator(communicator)
         self._device: Optional[torch.device] = None
         self._reset_engine()
         super().__init__(params, defaults)
+        if self.communicator is not None and self._device is not None and self._device.type != "cpu":
+            raise NotImplementedError(f"stepfuse.torch: a sharded step (communicator=) runs on the CPU; these params "
+                                      f"are on {self._device} (CUDA params over NCCL are not supported yet)")
 
     def _reset_engine(self) -> None:
         self._engine: Optional[_sf.Optimizer] = None
@@ -118,6 +195,13 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     _OPTIONS = ("max_grad_norm", "norm_type", "master_weights", "num_threads", "_device")
 
     def __getstate__(self) -> Dict[str, Any]:
+        if getattr(self, "communicator", None) is not None:
+            # A copy would be an unsharded optimizer over one shard (clipping with that
+            # shard's norm alone) or a second user of the same connection: neither is safe.
+            raise TypeError("stepfuse.torch: an optimizer with a communicator (a sharded step) cannot be pickled or "
+                            "copied: its communicator is a live connection to the other ranks. Save its "
+                            "state_dict() (each rank's own shard) instead, and load it into an optimizer built with "
+                            "a communicator.")
         self._export_state()
         state = super().__getstate__()
         state.update({k: getattr(self, k) for k in self._OPTIONS})
@@ -128,6 +212,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         for k, default in zip(self._OPTIONS, (None, 2.0, True, None, None)):
             if not hasattr(self, k):
                 setattr(self, k, default)
+        if not hasattr(self, "communicator"):
+            self.communicator = None  # never pickled (see __getstate__); torch's load_state_dict keeps it
         self._reset_engine()
 
     # ---- torch.optim.Optimizer's interface ----
@@ -183,23 +269,26 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
         Under torch.amp.GradScaler, the scaler's ``grad_scale`` and ``found_inf``
         are honoured: the gradients are unscaled inside the step, and a step with
-        non-finite gradients writes nothing.
+        non-finite gradients writes nothing. Sharded, a found_inf on any rank skips
+        the step on every rank.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and _as_float(found_inf) != 0.0:
+        found_inf = found_inf is not None and _as_float(found_inf) != 0.0
+        if found_inf and self.communicator is None:
             # torch's scaler found inf/NaN: skip, as torch's own optimizers do (the norm of
             # such gradients is not finite, as the engine reports for a step it skips).
+            # Sharded, the ranks decide together (_prepare).
             self._last_grad_norm, self._norm_pending = math.inf, False
             return loss
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is not None:
-            self._step_scaled(_as_float(grad_scale))
+            self._step_scaled(_as_float(grad_scale), found_inf)
         else:
-            engine = self._prepare()
+            engine = self._prepare(found_inf)
             if engine is not None:
                 engine.step()
                 if self._active[0].device.type == "cuda":
@@ -208,9 +297,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                     self._finish(engine.last_result)
         return loss
 
-    def _step_scaled(self, scale: float) -> Optional[Any]:
-        """A step on gradients scaled by ``scale``; returns the engine's StepResult (None: no grads)."""
-        engine = self._prepare()
+    def _step_scaled(self, scale: float, found_inf: bool = False) -> Optional[Any]:
+        """A step on gradients scaled by ``scale``; returns the engine's StepResult (None: no grads,
+        or sharded, a step skipped for a ``found_inf`` of some rank)."""
+        engine = self._prepare(found_inf, scale)
         if engine is None:
             return None
         result = engine.step_scaled(scale)
@@ -296,11 +386,19 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             key.append(torch.cuda.current_stream(self._device).cuda_stream)
         return tuple(key), ptrs
 
-    def _prepare(self) -> Optional[Any]:
+    def _prepare(self, found_inf: bool = False, scale: Optional[float] = None) -> Optional[Any]:
         """The engine for this step, pointed at the current gradients with the current
-        hyperparameters; None when no param has a gradient."""
-        key, ptrs = self._scan()
-        if key != self._engine_key or self._engine is None:
+        hyperparameters; None when no param has a gradient. Sharded: None also when
+        the ranks skip the step (``found_inf``, torch.amp.GradScaler's, on some rank)."""
+        if self.communicator is None:
+            key, ptrs = self._scan()
+            replan = key != self._engine_key or self._engine is None
+        else:
+            agreed = self._agree_on_step(found_inf, scale)
+            if agreed is None:
+                return None
+            key, ptrs, replan = agreed
+        if replan:
             self._replan(key)
         if self._engine is None:
             return None
@@ -312,6 +410,58 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             self._grad_ptrs = ptrs
         self._push_hyperparameters()
         return self._engine
+
+    def _agree_on_step(self, found_inf: bool, scale: Optional[float]) -> Optional[Tuple[Any, List[int], bool]]:
+        """Sharded: the scan, then one exchange of flags with the other ranks (before
+        anything collective or written), so that every rank takes the same path:
+        a gradient refused on any rank raises on every rank; a found_inf on any rank
+        skips the step on every rank (None); ranks stepping with different loss
+        scales (``scale``; None: a plain step) raise; when any rank's plan changed,
+        every rank re-plans (building an engine is collective). Returns the scan's
+        key and pointers and whether to re-plan; None when the step is skipped, or
+        when no rank has a gradient."""
+        error: Optional[BaseException] = None
+        key: Any = None
+        ptrs: List[int] = []
+        try:
+            key, ptrs = self._scan()
+        except Exception as e:  # raised below, once every rank knows
+            error = e
+        replan = error is None and (key != self._engine_key or self._engine is None)
+        scale_bits = -1 if scale is None else int(np.float64(scale).view(np.int64))
+        rows = _exchange(self.communicator, [error is not None, replan, found_inf, bool(ptrs), scale_bits])
+        failed = _failed_ranks(rows)
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"stepfuse.torch: the step was refused on rank(s) {failed} (which raise their own "
+                               "errors); every rank raises, so that none waits for the others")
+        without = [r for r, row in enumerate(rows) if not row[3]]
+        if len(without) == len(rows):
+            return None  # no gradients anywhere: no step, as unsharded
+        if without:
+            raise RuntimeError(f"stepfuse.torch: rank(s) {without} have no param with a gradient but the others "
+                               "have: a sharded step needs gradients on every rank (give the params of those ranks "
+                               "gradients, zeros if need be)")
+        if any(row[2] for row in rows):
+            if not found_inf:
+                # torch.amp.GradScaler.update() reads the found_inf it computed from this
+                # rank's gradients alone: its scale does not back off here.
+                warnings.warn("stepfuse.torch: a sharded step is skipped on every rank for the non-finite gradients of "
+                              f"rank(s) {[r for r, row in enumerate(rows) if row[2]]}, but torch.amp.GradScaler on "
+                              f"rank {self.communicator.rank()} saw only its own and will not back off its scale, so "
+                              "the next scaled step raises (the ranks' scales differ): use stepfuse.torch.GradScaler, "
+                              "which backs off on every rank", RuntimeWarning,
+                              stacklevel=4)
+            self._last_grad_norm, self._norm_pending = math.inf, False
+            return None
+        if len({row[4] for row in rows}) > 1:
+            scales = ["none" if row[4] == -1 else float(np.int64(row[4]).view(np.float64)) for row in rows]
+            raise RuntimeError(f"stepfuse.torch: the ranks step with different loss scales (by rank: {scales}); a "
+                               "sharded step needs the same on every rank. torch.amp.GradScaler backs off only on a "
+                               "rank whose own gradients were not finite: use stepfuse.torch.GradScaler, which backs "
+                               "off on every rank")
+        return key, ptrs, any(row[1] for row in rows)
 
     @staticmethod
     def _check_grad(p: torch.Tensor) -> torch.Tensor:
@@ -359,7 +509,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                   for g in cpp_groups]
         device = cpp_groups[0].params[0].device
         options: Dict[str, Any] = dict(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
-                                       master_weights=self.master_weights,
+                                       master_weights=self.master_weights, communicator=self.communicator,
                                        num_threads=self.num_threads if self.num_threads is not None
                                        else (torch.get_num_threads() if device.type == "cpu" else 0))
         if device.type == "cuda":
