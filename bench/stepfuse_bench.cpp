@@ -23,6 +23,7 @@
 // --groups compare builds each timed mode twice, with one group and with two, verifies
 // both (phase 2 runs once for each) and times them back to back in phase 3, in
 // alternating order, so that "two groups / one group" is a ratio of one run.
+// --ranks N (the sharded step across MPI processes) is ranks.cpp's, from main.
 // Each phase is a function below; run() calls them in order. The report (the table and
 // the JSON) is stepfuse_bench_report.cpp's; what the phases hand each other is declared
 // in stepfuse_bench.hpp.
@@ -50,6 +51,7 @@
 #include "model_buffers.hpp"
 #include "param_groups.hpp"
 #include "presets.hpp"
+#include "ranks.hpp"
 #include "rss.hpp"
 #include "stats.hpp"
 #include "stepfuse/stepfuse.hpp"
@@ -564,9 +566,19 @@ int main(int argc, char** argv) {
              "norms: weight_decay 0), the tensors in that order; one step has one global norm and clip over\n"
              "both. 'compare' times every mode with one group and with two, back to back in alternating\n"
              "order, and prints two groups / one group as the median of per-iteration time ratios.\n"
+             "\nThe sharded step (--ranks N): stepfuse-bench starts itself under mpiexec -n N (or runs on\n"
+             "every rank when started under mpiexec -n N). Each rank takes one of N contiguous, balanced parts\n"
+             "of the tensor list, cut at 16,384-element chunk boundaries (--shard slices: a tensor may be\n"
+             "split) or at tensor boundaries only (--shard whole), and times, interleaved, the sharded step\n"
+             "(OptimizerOptions::communicator: MPI) against the local step over the same shard, a bare\n"
+             "all_gather of the step's own size and a bare 128-byte all_reduce; it reports every rank's\n"
+             "medians and the slowest rank's, the overhead, and the bytes the step's one collective sends.\n"
+             "Also used: --preset/--shapes, --optimizer, --weights, --grads, --no-masters, --clip, --norm-type,\n"
+             "--loss-scale, --threads (0: the cores divided among the ranks of a node), --steps, --warmup,\n"
+             "--fusion and --cpu-backend (one each), --json, --json-only. Needs a build with MPI.\n"
              "\nExit codes: 0 ok, 1 bad arguments (a bad shapes file, a configuration or backend the library "
-             "rejects, --cpu-backend llvm without LLVM), 2 verification failed (a mode disagrees with the reference, "
-             "the LLVM fused step is not bitwise Highway's, or a step was skipped), 3 other errors.");
+             "rejects, --cpu-backend llvm without LLVM, --ranks in a build without MPI), 2 verification failed (a "
+             "mode disagrees with the reference, the LLVM fused step is not bitwise Highway's, or a step was skipped), 3 other errors.");
   app.set_version_flag("--version", std::string(sf::version()));
   CLI::Option* preset_opt =
       app.add_option("--preset", a.preset, "tensor list: gpt2-124m, resnet50, llama7b-layer, many-small or flat:N")
@@ -625,6 +637,17 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"off", "on", "compare"}))
       ->type_name("MODE")
       ->capture_default_str();
+  app.add_option("--ranks", a.ranks,
+                 std::string("the sharded step across N MPI processes (starts mpiexec -n N itself; see below)") +
+                     (sb::tool::ranks_supported() ? "" : " [this build has no MPI]"))
+      ->check(CLI::Range(1, 1 << 20))
+      ->type_name("N");
+  app.add_option("--shard", a.shard,
+                 "--ranks: how the model is cut among the ranks: slices (at 16,384-element chunk boundaries, "
+                 "tensors may be split) or whole (whole tensors only)")
+      ->check(CLI::IsMember({"slices", "whole"}))
+      ->type_name("MODE")
+      ->capture_default_str();
   app.add_option("--json", a.json_path, "also write every figure to FILE as JSON")->type_name("FILE");
   app.add_flag("--json-only", a.json_only,
                "print the JSON report to stdout instead of the table (no progress line on stderr)");
@@ -632,11 +655,14 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     a.fusion_given = app.get_option("--fusion")->count() > 0;
     a.cpu_backend_given = app.get_option("--cpu-backend")->count() > 0;
+    a.shard_given = app.get_option("--shard")->count() > 0;
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the error
     return rc == 0 ? sb::kExitOk : sb::kExitUsage;
   }
   try {
+    if (a.ranks > 0) return sb::tool::run_ranks(a, argc, argv);
+    if (a.shard_given) throw sb::UsageError("--shard: says how --ranks cuts the model; pass --ranks N");
     return sb::tool::run(a);
   } catch (const sb::UsageError& e) {
     std::fprintf(stderr, "stepfuse-bench: %s\n", e.what());

@@ -45,6 +45,9 @@ struct Args {
   std::string groups = "off";      // --groups: off, on or compare (GroupsMode)
   bool fusion_given = false;       // --fusion was on the command line
   bool cpu_backend_given = false;  // --cpu-backend was on the command line
+  int ranks = 0;                   // --ranks N: the sharded step across N MPI processes (bench/ranks.hpp); 0: off
+  std::string shard = "slices";    // --shard: how --ranks cuts the model (slices or whole)
+  bool shard_given = false;        // --shard was on the command line
 };
 
 // The modes --fusion can time, in the order they are verified, timed and reported.

@@ -16,6 +16,11 @@
 #                   group and two: the group sizes, the -2g rows, the ratio lines, the JSON's figures), --groups
 #                   on, --print-shapes --groups read back, and the usage errors (no 1-D tensor / no matrix,
 #                   --backend cuda, a bad shape)
+#   ranks           -DHAVE_MPI=ON (-DMPIEXEC=<mpiexec>): --ranks 2 (stepfuse-bench starts mpiexec itself) with
+#                   slices and with whole tensors: exit 0, the table, one all_gather per step of the bytes the
+#                   layout gives, the JSON's figures; --ranks 1 --json-only; under mpiexec -n 1 with --ranks 2,
+#                   and too many ranks for the model: exit 1 saying why. OFF: --ranks exits 1 saying the build
+#                   has no MPI and how to get it. Both: --shard without --ranks is a usage error
 cmake_minimum_required(VERSION 3.20)
 foreach(var BENCH DIR CASE)
   if(NOT DEFINED ${var})
@@ -268,6 +273,81 @@ elseif(CASE STREQUAL "groups")
   bench(--shapes "${DIR}/badshape.shapes" --print-shapes)
   expect_rc(1 "groups (bad shape)")
   expect_in("${err}" "line 1: '64xq' is not a shape for tensor 'w' (expected dims joined by 'x'" "groups (bad shape)")
+
+elseif(CASE STREQUAL "ranks")
+  bench(--preset flat:100000 --shard whole)
+  expect_rc(1 "ranks (--shard without --ranks)")
+  expect_in("${err}" "--shard: says how --ranks cuts the model; pass --ranks N" "ranks (--shard without --ranks)")
+  if(NOT HAVE_MPI)
+    bench(--preset flat:100000 --ranks 2)
+    expect_rc(1 "ranks (no MPI)")
+    expect_in("${err}" "--ranks: this stepfuse-bench was built without MPI" "ranks (no MPI)")
+    expect_in("${err}" "scripts/install_deps.sh" "ranks (no MPI)")
+    return()
+  endif()
+  # flat:100000 is 7 chunks, cut after 3 (49,152 elements): the ranks send 3 and 4 chunk values, + 2 flags.
+  file(REMOVE "${DIR}/ranks.json")
+  bench(--preset flat:100000 --ranks 2 --steps 2 --warmup 1 --threads 1 --json "${DIR}/ranks.json")
+  expect_rc(0 "ranks (slices)")
+  expect_in("${out}" "stepfuse-bench --ranks 2: the sharded step across 2 MPI processes" "ranks (slices) stdout")
+  expect_in("${out}" "bitwise the same on every rank" "ranks (slices) verification")
+  expect_in("${out}" "\n   max  " "ranks (slices) table")
+  expect_in("${out}" "1 call per step (all_gather): 6 f64 per rank = 48 B sent and 48 B received" "ranks (slices)")
+  expect_in("${out}" ": 3, 4; + 2 flags, padded to the largest rank's: 48 B per call expected from the layout (as counted)"
+            "ranks (slices) layout")
+  file(READ "${DIR}/ranks.json" j)
+  string(JSON ranks GET "${j}" config ranks)
+  string(JSON shard GET "${j}" config shard)
+  string(JSON calls GET "${j}" collective calls_per_step)
+  string(JSON sent GET "${j}" collective bytes_sent_per_rank)
+  string(JSON nper LENGTH "${j}" per_rank)
+  string(JSON el1 GET "${j}" per_rank 1 elements)
+  string(JSON sharded GET "${j}" max_over_ranks sharded_step_ms)
+  string(JSON gather GET "${j}" max_over_ranks all_gather_us)
+  string(JSON reduce GET "${j}" max_over_ranks all_reduce_128B_us)
+  string(JSON agree GET "${j}" verification ranks_agree)
+  if(NOT ranks EQUAL 2 OR NOT shard STREQUAL "slices" OR NOT calls EQUAL 1 OR NOT sent EQUAL 48 OR NOT nper EQUAL 2
+     OR NOT el1 EQUAL 50848 OR NOT sharded GREATER 0 OR NOT gather GREATER 0 OR NOT reduce GREATER 0 OR NOT agree)
+    message(FATAL_ERROR "ranks (slices): the JSON is wrong: ranks=${ranks} shard=${shard} calls=${calls} sent=${sent} "
+                        "per_rank=${nper} rank 1 elements=${el1} sharded ms=${sharded} all_gather us=${gather} "
+                        "all_reduce us=${reduce} ranks_agree=${agree}")
+  endif()
+  # Whole tensors: a | b c (the boundary nearest half the elements); 1 and 2 values, + 2 flags.
+  file(WRITE "${DIR}/three.shapes" "a 40000\nb 30000\nc 30000\n")
+  bench(--shapes "${DIR}/three.shapes" --ranks 2 --shard whole --optimizer sgd --steps 1 --warmup 0 --threads 1
+        --json-only)
+  expect_rc(0 "ranks (whole)")
+  string(JSON shard GET "${out}" config shard)
+  string(JSON sent GET "${out}" collective bytes_sent_per_rank)
+  string(JSON v0 GET "${out}" collective values_per_rank 0)
+  string(JSON v1 GET "${out}" collective values_per_rank 1)
+  string(JSON el0 GET "${out}" per_rank 0 elements)
+  if(NOT shard STREQUAL "whole" OR NOT sent EQUAL 32 OR NOT v0 EQUAL 1 OR NOT v1 EQUAL 2 OR NOT el0 EQUAL 40000)
+    message(FATAL_ERROR "ranks (whole): the JSON is wrong: shard=${shard} sent=${sent} values=${v0},${v1} "
+                        "rank 0 elements=${el0}\n${out}")
+  endif()
+  bench(--preset flat:100000 --ranks 1 --steps 1 --warmup 0 --threads 1 --norm-type inf --json-only)
+  expect_rc(0 "ranks (one rank)")
+  string(JSON ranks GET "${out}" config ranks)
+  string(JSON received GET "${out}" collective bytes_received_per_rank)
+  if(NOT ranks EQUAL 1 OR NOT received EQUAL 0)
+    message(FATAL_ERROR "ranks (one rank): the JSON is wrong: ranks=${ranks} received=${received}")
+  endif()
+  # Usage errors: more ranks than the model has chunks (before mpiexec), a world of another size.
+  bench(--preset flat:20000 --ranks 3)
+  expect_rc(1 "ranks (too many ranks)")
+  expect_in("${err}" "--ranks 3: the model has 2 16,384-element chunk(s)" "ranks (too many ranks)")
+  bench(--preset flat:100000 --ranks 2 --backend cuda)
+  expect_rc(1 "ranks (--backend cuda)")
+  expect_in("${err}" "--ranks: the sharded step runs on the CPU so far" "ranks (--backend cuda)")
+  if(MPIEXEC)
+    execute_process(COMMAND ${CMAKE_COMMAND} -E env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+                            "${MPIEXEC}" -n 1 "${BENCH}" --preset flat:100000 --ranks 2
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+    expect_rc(1 "ranks (mpiexec -n 1 --ranks 2)")
+    expect_in("${err}" "--ranks 2: running on 1 MPI process (mpiexec -n 1): pass the same N to both"
+              "ranks (mpiexec -n 1 --ranks 2)")
+  endif()
 
 else()
   message(FATAL_ERROR "stepfuse_bench_cli_test.cmake: unknown CASE '${CASE}'")
