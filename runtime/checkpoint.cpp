@@ -16,7 +16,11 @@
 //   of {"name", "rule", "a", "b", "c"} in the program's scalar order); grad_scaler (a
 //   JSON object: GradScaler::state_dict()) or loss_scale_optimizer (a JSON object:
 //   dynamic, loss_scale, dynamic_growth_steps, dynamic_counter) when saved with one;
-//   checksum (safetensors.hpp).
+//   checksum (safetensors.hpp). A sharded optimizer's file (one per rank) adds shard (a
+//   JSON object: rank, ranks, tensors — the model's tensor count) and, in each
+//   group.<g>.params entry, tensor, offset and tensor_numel: where the param lies in the
+//   model. Optimizer::load_shards reads a set of such files saved with any cut of the
+//   model into this optimizer's cut (the section "sharded checkpoints" below).
 //
 // Versions 1 and 2: section "OPTM" (one optimizer):
 //   str optimizer name, str update program, u32 #fields, (str name, f64 value)*,
@@ -31,15 +35,18 @@
 //
 // Every load checks the whole file and everything in it against the optimizer before
 // it changes anything, then commits all of it.
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <initializer_list>
 #include <map>
 #include <optional>
 #include <set>
 #include <string>
 #include <system_error>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -99,6 +106,38 @@ std::vector<std::string_view> state_streams(const Program& p) {
 std::string kind_of(const detail::StepEngine& e) {
   if (e.custom_program() != nullptr) return "custom update program '" + std::string(e.program().name) + "'";
   return std::string(optimizer_name(e.config()));
+}
+
+// Where a param lies in the model: elements [offset, offset + numel) of the model's
+// tensor `tensor`, which has tensor_numel elements.
+struct Placement {
+  std::int64_t tensor = 0, offset = 0, tensor_numel = 0;
+};
+
+// The model an optimizer's params are part of: a sharded optimizer's (its Shard's
+// tensors, by the ids the ranks gave them), or, unsharded, its params as model
+// tensors 0, 1, ... in params() order. `params`: where each param lies.
+struct ModelView {
+  std::vector<detail::Shard::ModelTensor> tensors;  // in id order
+  std::vector<Placement> params;
+  bool sharded = false;
+};
+
+ModelView model_view(const detail::StepEngine& e) {
+  ModelView v;
+  const std::vector<Param>& params = e.params();
+  const detail::Shard* shard = e.shard();
+  v.sharded = shard != nullptr;
+  if (shard != nullptr) v.tensors = shard->tensors();
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    if (shard != nullptr) {
+      v.params.push_back({shard->tensor_of(p).id, shard->offset_of(p), shard->tensor_of(p).numel});
+    } else {
+      v.tensors.push_back({static_cast<std::int64_t>(p), params[p].weight.numel});
+      v.params.push_back({static_cast<std::int64_t>(p), 0, params[p].weight.numel});
+    }
+  }
+  return v;
 }
 
 // Everything a load restores, parsed and checked against the optimizer before anything
@@ -210,6 +249,11 @@ Described describe(const detail::StepEngine& e) {
     m["scalar_rules"] = rules + "]";
   }
   const std::vector<Param>& params = e.params();
+  const detail::Shard* shard = e.shard();
+  const ModelView model = shard ? model_view(e) : ModelView{};
+  if (shard != nullptr)
+    m["shard"] = "{\"rank\":" + std::to_string(shard->communicator().rank()) + ",\"ranks\":" +
+                 std::to_string(shard->communicator().size()) + ",\"tensors\":" + std::to_string(model.tensors.size()) + "}";
   for (std::size_t g = 0; g < e.num_groups(); ++g) {
     const Program& program = e.program(g);
     m[group_key(g, "program")] = program.name;
@@ -241,7 +285,13 @@ Described describe(const detail::StepEngine& e) {
       list += "{\"numel\":" + std::to_string(numel) + ",\"weight_dtype\":\"" +
               std::string(dtype_name(params[p].weight.dtype)) + "\",\"grad_dtype\":\"" +
               std::string(dtype_name(params[p].grad.dtype)) + "\",\"master\":" +
-              (e.master_data(p) != nullptr ? "true" : "false") + "}";
+              (e.master_data(p) != nullptr ? "true" : "false");
+      if (shard != nullptr) {
+        const Placement& at = model.params[p];
+        list += ",\"tensor\":" + std::to_string(at.tensor) + ",\"offset\":" + std::to_string(at.offset) +
+                ",\"tensor_numel\":" + std::to_string(at.tensor_numel);
+      }
+      list += '}';
       for (std::string_view s : streams) d.tensors.push_back({tensor_name(g, i, s), e.state_data(p, e.state_stream(s)), numel});
       if (const float* master = e.master_data(p)) d.tensors.push_back({tensor_name(g, i, "master"), master, numel});
     }
@@ -310,6 +360,14 @@ class MetadataReader {
     if (!n) bad_member(key, member, "a non-negative integer");
     return *n;
   }
+  std::int64_t int64(const detail::JsonValue& v, std::string_view key, std::string_view member) const {
+    const detail::JsonValue* m = v.find(member);
+    std::int64_t n = 0;
+    if (m == nullptr || m->kind != detail::JsonValue::Kind::number) bad_member(key, member, "an integer");
+    const auto r = std::from_chars(m->text.data(), m->text.data() + m->text.size(), n);
+    if (r.ec != std::errc{} || r.ptr != m->text.data() + m->text.size()) bad_member(key, member, "an integer");
+    return n;
+  }
   const std::string& string(const detail::JsonValue& v, std::string_view key, std::string_view member) const {
     const detail::JsonValue* m = v.find(member);
     if (m == nullptr || m->kind != detail::JsonValue::Kind::string) bad_member(key, member, "a string");
@@ -333,20 +391,63 @@ std::optional<ScalarRule::Kind> rule_kind(std::string_view name) {
   return std::nullopt;
 }
 
+// A custom program's saved scalar rules, in the file's order.
+std::vector<ScalarDef> read_scalar_rules(const MetadataReader& meta) {
+  std::vector<ScalarDef> defs;
+  const detail::JsonValue rules = meta.json("scalar_rules", detail::JsonValue::Kind::array);
+  for (const detail::JsonValue& r : rules.items) {
+    ScalarDef d;
+    d.name = meta.string(r, "scalar_rules", "name");
+    const std::string& rule = meta.string(r, "scalar_rules", "rule");
+    const auto k = rule_kind(rule);
+    if (!k) corrupt(meta.path(), "its scalar rule '" + rule + "' is not one this build knows");
+    d.rule.kind = *k;
+    d.rule.a = meta.number(r, "scalar_rules", "a");
+    d.rule.b = meta.number(r, "scalar_rules", "b");
+    d.rule.c = meta.number(r, "scalar_rules", "c");
+    defs.push_back(std::move(d));
+  }
+  return defs;
+}
+
+// `config` (of the optimizer's kind) with every field set from `fields`, the JSON
+// object of the metadata entry `key`; not yet checked (StepEngine::check_config).
+OptimizerConfig read_config(const MetadataReader& meta, const std::string& key, const detail::JsonValue& fields,
+                            OptimizerConfig config, const std::string& in_group) {
+  std::visit(
+      [&](auto& c) {
+        jit::for_each_field(c, [&](std::string_view name, auto& v) {
+          if (fields.find(name) == nullptr)
+            mismatch(meta.path(), in_group + "hyperparameter '" + std::string(name) + "' is missing");
+          if constexpr (std::is_same_v<std::remove_reference_t<decltype(v)>, bool>)
+            v = meta.boolean(fields, key, name);
+          else
+            v = meta.number(fields, key, name);
+        });
+      },
+      config);
+  return config;
+}
+
+// Error(invalid_argument) unless the file holds this optimizer's kind (or a custom program).
+void check_kind(const detail::SafetensorsFile& f, const detail::StepEngine& e) {
+  const std::string& kind = MetadataReader(f).text("optimizer");
+  if (kind != (e.custom_program() ? kCustomKind : optimizer_name(e.config()))) {
+    const std::string* name = f.meta(group_key(0, "program"));
+    mismatch(f.path(), "it holds " +
+                           (kind == kCustomKind ? "a custom update program '" + (name ? *name : std::string("?")) + "'"
+                                                : "a " + kind + " optimizer") +
+                           ", this one is " + kind_of(e));
+  }
+}
+
 ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEngine& e) {
   const std::string& path = f.path();
   const MetadataReader meta(f);
   const UpdateProgram* custom = e.custom_program();
   ParsedOptimizer out;
 
-  const std::string& kind = meta.text("optimizer");
-  if (kind != (custom ? kCustomKind : optimizer_name(e.config()))) {
-    const std::string* name = f.meta(group_key(0, "program"));
-    mismatch(path, "it holds " +
-                       (kind == kCustomKind ? "a custom update program '" + (name ? *name : std::string("?")) + "'"
-                                            : "a " + kind + " optimizer") +
-                       ", this one is " + kind_of(e));
-  }
+  check_kind(f, e);
   const std::int64_t groups = meta.integer("num_groups");
   if (groups < 1) corrupt(path, "it has no param groups");
   if (static_cast<std::uint64_t>(groups) != e.num_groups())
@@ -364,45 +465,22 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
   }
   if (custom != nullptr) {
     check_program_text(path, meta.text("update_program"), *custom);
-    std::vector<ScalarDef> defs;
-    const detail::JsonValue rules = meta.json("scalar_rules", detail::JsonValue::Kind::array);
-    for (const detail::JsonValue& r : rules.items) {
-      ScalarDef d;
-      d.name = meta.string(r, "scalar_rules", "name");
-      const std::string& rule = meta.string(r, "scalar_rules", "rule");
-      const auto k = rule_kind(rule);
-      if (!k) corrupt(path, "its scalar rule '" + rule + "' is not one this build knows");
-      d.rule.kind = *k;
-      d.rule.a = meta.number(r, "scalar_rules", "a");
-      d.rule.b = meta.number(r, "scalar_rules", "b");
-      d.rule.c = meta.number(r, "scalar_rules", "c");
-      defs.push_back(std::move(d));
-    }
-    out.program = with_saved_rules(path, *custom, defs);
+    out.program = with_saved_rules(path, *custom, read_scalar_rules(meta));
   }
   out.step_count = meta.integer("step_count");
 
   const std::vector<Param>& params = e.params();
+  // A shard file loaded by a sharded optimizer: each param must lie where it lay.
+  const bool placed = e.shard() != nullptr && f.meta("shard") != nullptr;
+  const ModelView model = placed ? model_view(e) : ModelView{};
   std::size_t tensors = 0;
   for (std::size_t g = 0; g < e.num_groups(); ++g) {
     const Program& program = e.program(g);
     const std::string in_group = one_group ? "" : "group " + std::to_string(g) + ": ";
     if (custom == nullptr) {
       const std::string key = group_key(g, "hyperparameters");
-      const detail::JsonValue fields = meta.json(key, detail::JsonValue::Kind::object);
-      OptimizerConfig config = e.config(g);
-      std::visit(
-          [&](auto& c) {
-            jit::for_each_field(c, [&](std::string_view name, auto& v) {
-              if (fields.find(name) == nullptr)
-                mismatch(path, in_group + "hyperparameter '" + std::string(name) + "' is missing");
-              if constexpr (std::is_same_v<std::remove_reference_t<decltype(v)>, bool>)
-                v = meta.boolean(fields, key, name);
-              else
-                v = meta.number(fields, key, name);
-            });
-          },
-          config);
+      const OptimizerConfig config =
+          read_config(meta, key, meta.json(key, detail::JsonValue::Kind::object), e.config(g), in_group);
       try {
         e.check_config(g, config);
       } catch (const Error& err) {
@@ -447,6 +525,16 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
         mismatch(path, at + (master ? "saved with an fp32 master, this optimizer keeps none"
                                     : "saved without an fp32 master, this optimizer keeps one") +
                            " (OptimizerOptions::master_weights differs)");
+      if (placed) {
+        const Placement& here_at = model.params[p];
+        const std::int64_t tensor = meta.int64(entry, params_key, "tensor"), offset = meta.int64(entry, params_key, "offset");
+        if (tensor != here_at.tensor || offset != here_at.offset)
+          mismatch(path, at + "saved as elements [" + std::to_string(offset) + ", " + std::to_string(offset + static_cast<std::int64_t>(numel)) +
+                             ") of model tensor " + std::to_string(tensor) + ", here elements [" + std::to_string(here_at.offset) +
+                             ", " + std::to_string(here_at.offset + static_cast<std::int64_t>(numel)) + ") of model tensor " +
+                             std::to_string(here_at.tensor) +
+                             " (the ranks cut the model differently: load the whole set of shard files with load_shards)");
+      }
       const auto take = [&](std::string_view what, float* dst) {
         const std::string name = tensor_name(g, i, what);
         const detail::SafetensorsTensor* t = f.find(name);
@@ -581,7 +669,8 @@ struct OpenedCheckpoint {
   std::optional<detail::SafetensorsFile> file;      // version 3
 };
 
-OpenedCheckpoint open_checkpoint(const std::string& path) {
+// verify: check the checksum now (load_shards checks it only for the files it takes data from).
+OpenedCheckpoint open_checkpoint(const std::string& path, bool verify = true) {
   detail::MappedFile mapped(path);
   OpenedCheckpoint out;
   if (detail::is_container_file(mapped.bytes())) {
@@ -610,7 +699,7 @@ OpenedCheckpoint open_checkpoint(const std::string& path) {
     corrupt(path, "format version " + std::to_string(version) + " in a safetensors file (versions " +
                       std::to_string(detail::kOldestCheckpointFormat) + " to " +
                       std::to_string(detail::kLastContainerFormat) + " are STEPFUSE files)");
-  f.verify_checksum();
+  if (verify) f.verify_checksum();
   out.file.emplace(std::move(f));
   return out;
 }
@@ -644,6 +733,422 @@ std::map<std::string, double> parse_scaler(const OpenedCheckpoint& c) {
   return state;
 }
 
+// ---- sharded checkpoints: load_shards ----
+
+// One param of a file in the set: group.<group>.param.<index>, where it lies in the model.
+struct SavedParam {
+  std::size_t file = 0;
+  std::size_t group = 0, index = 0;
+  Placement at;
+  std::int64_t numel = 0;
+  std::string weight_dtype, grad_dtype;
+  bool master = false;
+  std::int64_t end() const { return at.offset + numel; }
+};
+
+// A file of the set, its metadata read and checked on its own. A file without
+// "shard" metadata (saved unsharded) is rank 0 of 1, its params model tensors 0, 1, ...
+struct SetFile {
+  explicit SetFile(OpenedCheckpoint opened) : c(std::move(opened)) {}
+  OpenedCheckpoint c;
+  std::int64_t rank = 0, ranks = 1;
+  std::int64_t tensors = -1;  // the model's tensor count ("shard" metadata), or -1
+  std::int64_t step_count = 0;
+  std::vector<std::string> programs;               // per group
+  std::vector<std::int64_t> group_steps;           // per group
+  std::vector<detail::JsonValue> hyperparameters;  // per group (built-ins)
+  std::vector<ScalarDef> rules;                    // custom programs
+  bool used = false;                               // this rank takes data from it
+  const std::string& path() const { return c.file->path(); }
+};
+
+[[noreturn]] void set_error(const std::string& what) {
+  throw Error(ErrorCode::invalid_argument, "load_shards: " + what);
+}
+std::string quoted(const std::string& path) { return "'" + path + "'"; }
+std::string range(std::int64_t begin, std::int64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+}
+constexpr std::int64_t kMaxElements = std::int64_t{1} << 56;  // bounds a file's numbers far from overflow
+
+SetFile read_set_file(const std::string& path, std::size_t index, const detail::StepEngine& e,
+                      std::vector<SavedParam>& out) {
+  SetFile s{open_checkpoint(path, /*verify=*/false)};
+  if (s.c.container)
+    mismatch(path, "it is a format-" + std::to_string(s.c.container->version()) +
+                       " checkpoint, which says nothing of where its params lie in a model; load_shards reads files "
+                       "of format version " + std::to_string(detail::kCheckpointFormat) + " (load it with load())");
+  const detail::SafetensorsFile& f = *s.c.file;
+  const MetadataReader meta(f);
+  check_kind(f, e);
+  if (const UpdateProgram* custom = e.custom_program()) {
+    check_program_text(path, meta.text("update_program"), *custom);
+    s.rules = read_scalar_rules(meta);
+  }
+  s.step_count = meta.integer("step_count");
+  const std::int64_t groups = meta.integer("num_groups");
+  if (groups < 1) corrupt(path, "it has no param groups");
+  const bool sharded = f.meta("shard") != nullptr;
+  if (sharded) {
+    const detail::JsonValue v = meta.json("shard", detail::JsonValue::Kind::object);
+    s.rank = meta.int64(v, "shard", "rank");
+    s.ranks = meta.int64(v, "shard", "ranks");
+    s.tensors = meta.int64(v, "shard", "tensors");
+    if (s.ranks < 1 || s.rank < 0 || s.rank >= s.ranks || s.tensors < 0)
+      corrupt(path, "its metadata \"shard\" says rank " + std::to_string(s.rank) + " of " + std::to_string(s.ranks) +
+                        ", " + std::to_string(s.tensors) + " tensors");
+  }
+  std::int64_t flat = 0;  // an unsharded file's param index: its model tensor
+  for (std::size_t g = 0; g < static_cast<std::size_t>(groups); ++g) {
+    s.programs.push_back(meta.text(group_key(g, "program")));
+    s.group_steps.push_back(meta.integer(group_key(g, "step_count")));
+    if (s.group_steps.back() > s.step_count)
+      corrupt(path, "group " + std::to_string(g) + " has applied " + std::to_string(s.group_steps.back()) +
+                        " steps, more than the optimizer's " + std::to_string(s.step_count));
+    if (e.custom_program() == nullptr)
+      s.hyperparameters.push_back(meta.json(group_key(g, "hyperparameters"), detail::JsonValue::Kind::object));
+    const std::string key = group_key(g, "params");
+    const std::int64_t saved = meta.integer(group_key(g, "num_params"));
+    const detail::JsonValue list = meta.json(key, detail::JsonValue::Kind::array);
+    if (list.items.size() != static_cast<std::uint64_t>(saved))
+      corrupt(path, "group " + std::to_string(g) + " lists " + std::to_string(list.items.size()) + " params, not " +
+                        std::to_string(saved));
+    for (std::size_t i = 0; i < list.items.size(); ++i, ++flat) {
+      const detail::JsonValue& entry = list.items[i];
+      SavedParam p;
+      p.file = index;
+      p.group = g;
+      p.index = i;
+      const std::uint64_t numel = meta.uint(entry, key, "numel");
+      if (numel > static_cast<std::uint64_t>(kMaxElements)) corrupt(path, "a param of " + std::to_string(numel) + " elements");
+      p.numel = static_cast<std::int64_t>(numel);
+      p.weight_dtype = meta.string(entry, key, "weight_dtype");
+      p.grad_dtype = meta.string(entry, key, "grad_dtype");
+      p.master = meta.boolean(entry, key, "master");
+      if (sharded) {
+        p.at = {meta.int64(entry, key, "tensor"), meta.int64(entry, key, "offset"), meta.int64(entry, key, "tensor_numel")};
+        if (p.at.offset < 0 || p.at.tensor_numel > kMaxElements || p.end() > p.at.tensor_numel)
+          corrupt(path, "group " + std::to_string(g) + " param " + std::to_string(i) + " lies at elements " +
+                            range(p.at.offset, p.end()) + " of a model tensor of " + std::to_string(p.at.tensor_numel));
+      } else {
+        p.at = {flat, 0, p.numel};
+      }
+      out.push_back(std::move(p));
+    }
+  }
+  return s;
+}
+
+std::string where_saved(const SetFile& f, const SavedParam& p) {
+  return quoted(f.path()) + " (group " + std::to_string(p.group) + " param " + std::to_string(p.index) + ", elements " +
+         range(p.at.offset, p.end()) + ")";
+}
+
+// The checks of the set as a whole (its metadata only; the same on every rank): one
+// save's files, every rank's once, at one step, whose params tile exactly the model
+// this optimizer is part of. `pieces` comes back ordered by (tensor, offset).
+void check_set(const std::vector<SetFile>& files, std::vector<SavedParam>& pieces, const ModelView& model) {
+  const SetFile& first = files[0];
+  std::map<std::int64_t, std::size_t> by_rank;
+  for (std::size_t k = 0; k < files.size(); ++k) {
+    const SetFile& f = files[k];
+    if (f.ranks != first.ranks || f.tensors != first.tensors)
+      set_error(quoted(first.path()) + " is rank " + std::to_string(first.rank) + "'s shard of a checkpoint saved by " +
+                std::to_string(first.ranks) + " rank" + (first.ranks == 1 ? "" : "s") + " (" +
+                (first.tensors < 0 ? std::string("unsharded") : std::to_string(first.tensors) + " model tensors") + "), " +
+                quoted(f.path()) + " rank " + std::to_string(f.rank) + "'s of " + std::to_string(f.ranks) + " (" +
+                (f.tensors < 0 ? std::string("unsharded") : std::to_string(f.tensors) + " model tensors") +
+                "): the files are not the shards of one checkpoint");
+    const auto [it, fresh] = by_rank.emplace(f.rank, k);
+    if (!fresh)
+      set_error(quoted(files[it->second].path()) + " and " + quoted(f.path()) + " are both rank " + std::to_string(f.rank) +
+                "'s shard (each rank's file must be given once)");
+    if (f.step_count != first.step_count)
+      set_error(quoted(first.path()) + " was saved after " + std::to_string(first.step_count) + " steps, " +
+                quoted(f.path()) + " after " + std::to_string(f.step_count) +
+                ": the files are not the shards of one checkpoint");
+    if (f.rules != first.rules)
+      set_error(quoted(first.path()) + " and " + quoted(f.path()) + " hold different scalar rules");
+  }
+  if (static_cast<std::int64_t>(files.size()) != first.ranks) {
+    std::int64_t missing = 0;
+    while (by_rank.count(missing) != 0) ++missing;
+    set_error("the files are shards of a checkpoint saved by " + std::to_string(first.ranks) + " ranks, but none is rank " +
+              std::to_string(missing) + "'s (" + std::to_string(files.size()) + " of " + std::to_string(first.ranks) +
+              " given): every rank's file must be in the list");
+  }
+
+  std::stable_sort(pieces.begin(), pieces.end(), [](const SavedParam& a, const SavedParam& b) {
+    return a.at.tensor != b.at.tensor ? a.at.tensor < b.at.tensor : a.at.offset < b.at.offset;
+  });
+  std::size_t distinct = 0;
+  auto here = model.tensors.begin();
+  for (std::size_t k = 0; k < pieces.size();) {
+    const std::int64_t t = pieces[k].at.tensor, numel = pieces[k].at.tensor_numel;
+    const std::string tensor = "model tensor " + std::to_string(t);
+    ++distinct;
+    // The pieces of tensor t: [k, next).
+    std::int64_t covered = 0;  // [0, covered) is covered
+    const SavedParam* last = nullptr;  // the piece that reaches `covered`
+    std::size_t next = k;
+    for (; next < pieces.size() && pieces[next].at.tensor == t; ++next) {
+      const SavedParam& p = pieces[next];
+      const SetFile& f = files[p.file];
+      if (p.at.tensor_numel != numel)
+        set_error(tensor + " has " + std::to_string(numel) + " elements in " + quoted(files[pieces[k].file].path()) + " but " +
+                  std::to_string(p.at.tensor_numel) + " in " + quoted(f.path()));
+      if (p.at.offset > covered)
+        set_error(tensor + ": elements " + range(covered, p.at.offset) + " are in none of the files (" +
+                  (last ? "before them: " + where_saved(files[last->file], *last) + "; " : std::string()) +
+                  "after them: " + where_saved(f, p) + ")");
+      if (p.at.offset < covered && p.numel > 0)
+        set_error(tensor + ": elements " + range(p.at.offset, std::min(covered, p.end())) + " are in two files: " +
+                  where_saved(files[last->file], *last) + " and " + where_saved(f, p));
+      if (p.end() >= covered) {
+        covered = p.end();
+        last = &p;
+      }
+    }
+    if (covered < numel)
+      set_error(tensor + ": elements " + range(covered, numel) + " are in none of the files (the last before them: " +
+                where_saved(files[last->file], *last) + ")");
+    // Against this optimizer's model.
+    if (here != model.tensors.end() && here->id < t)
+      set_error("model tensor " + std::to_string(here->id) + " (" + std::to_string(here->numel) +
+                " elements) is in none of the files");
+    if (here == model.tensors.end() || here->id != t)
+      set_error(tensor + " (" + std::to_string(numel) + " elements, in " + quoted(files[pieces[k].file].path()) +
+                ") is not one of this model's " + std::to_string(model.tensors.size()) + " tensors (" +
+                (model.sharded ? std::string("the ids OptimizerOptions::slices gives, or without slices the ranks' params in order")
+                               : "an unsharded optimizer's params are model tensors 0 to " +
+                                     std::to_string(static_cast<std::int64_t>(model.tensors.size()) - 1) + ", in order") +
+                ")");
+    if (here->numel != numel)
+      set_error(tensor + " has " + std::to_string(numel) + " elements in the files (" + quoted(files[pieces[k].file].path()) +
+                "), " + std::to_string(here->numel) + " here");
+    ++here;
+    k = next;
+  }
+  if (here != model.tensors.end())
+    set_error("model tensor " + std::to_string(here->id) + " (" + std::to_string(here->numel) +
+              " elements) is in none of the files");
+  if (first.tensors >= 0 && static_cast<std::int64_t>(distinct) != first.tensors)
+    corrupt(first.path(), "its metadata says the model has " + std::to_string(first.tensors) + " tensors; the files hold " +
+                              std::to_string(distinct));
+}
+
+// The first field in which two configs of one kind differ ("lr 0.01 vs 0.02"), or "".
+std::string config_difference(const OptimizerConfig& a, const OptimizerConfig& b) {
+  std::vector<std::pair<std::string_view, double>> fa, fb;
+  const auto fields = [](const OptimizerConfig& c, std::vector<std::pair<std::string_view, double>>& out) {
+    std::visit([&](const auto& x) { jit::for_each_field(x, [&](std::string_view n, const auto& v) { out.emplace_back(n, static_cast<double>(v)); }); }, c);
+  };
+  fields(a, fa);
+  fields(b, fb);
+  for (std::size_t i = 0; i < fa.size() && i < fb.size(); ++i)
+    if (std::memcmp(&fa[i].second, &fb[i].second, sizeof(double)) != 0)
+      return std::string(fa[i].first) + " " + detail::format_number(fa[i].second) + " vs " + detail::format_number(fb[i].second);
+  return fa.size() == fb.size() ? std::string() : std::string("their fields");
+}
+
+// What this rank takes from the set: for each of its params, the state and master of
+// the elements it covers, from the pieces that hold them; each group's hyperparameters
+// and step count from the saved groups its elements come from (which must agree).
+ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedParam>& pieces, const ModelView& model,
+                           const detail::StepEngine& e) {
+  ParsedOptimizer out;
+  out.step_count = files[0].step_count;
+  const UpdateProgram* custom = e.custom_program();
+  if (custom != nullptr) out.program = with_saved_rules(files[0].path(), *custom, files[0].rules);
+  const std::size_t groups = e.num_groups();
+  const bool one_group = groups == 1;
+  if (custom == nullptr) out.configs.resize(groups);
+  std::vector<const SavedParam*> source(groups, nullptr);  // the saved param a group first took its metadata from
+  std::vector<std::int64_t> group_steps(groups, 0);
+  std::set<std::tuple<std::size_t, std::size_t, std::size_t>> checked;  // (file, saved group, group) pairs seen
+  const std::vector<Param>& params = e.params();
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    const std::size_t g = e.group_of(p);
+    const Placement& at = model.params[p];
+    const std::int64_t numel = params[p].weight.numel, end = at.offset + numel;
+    const std::string here = (one_group ? "params[" : "groups[" + std::to_string(g) + "].params[") +
+                             std::to_string(p - e.group_begin(g)) + "] (elements " + range(at.offset, end) +
+                             " of model tensor " + std::to_string(at.tensor) + ")";
+    const auto lo = std::lower_bound(pieces.begin(), pieces.end(), at.tensor,
+                                     [](const SavedParam& q, std::int64_t t) { return q.at.tensor < t; });
+    for (auto it = lo; it != pieces.end() && it->at.tensor == at.tensor; ++it) {
+      const SavedParam& q = *it;
+      const bool overlaps = q.at.offset < end && at.offset < q.end();
+      if (!overlaps && !(numel == 0 && it == lo)) continue;  // a param of no elements: its tensor's first piece
+      SetFile& f = files[q.file];
+      const std::string& path = f.path();
+      const std::string saved = "group " + std::to_string(q.group) + " param " + std::to_string(q.index) + ", for " + here + ": ";
+      const std::string_view program = e.program(g).name;
+      if (f.programs[q.group] != program)
+        mismatch(path, saved + "saved from update program '" + f.programs[q.group] + "', this one runs '" +
+                           std::string(program) + (custom ? "'" : "' (amsgrad, nesterov, centered or momentum on/off differ)"));
+      const std::string_view w = dtype_name(params[p].weight.dtype), gr = dtype_name(params[p].grad.dtype);
+      if (q.weight_dtype != w || q.grad_dtype != gr)
+        mismatch(path, saved + "saved with weight/grad dtypes " + q.weight_dtype + "/" + q.grad_dtype + ", here " +
+                           std::string(w) + "/" + std::string(gr));
+      if (q.master != (e.master_data(p) != nullptr))
+        mismatch(path, saved + (q.master ? "saved with an fp32 master, this optimizer keeps none"
+                                         : "saved without an fp32 master, this optimizer keeps one") +
+                           " (OptimizerOptions::master_weights differs)");
+      if (checked.emplace(q.file, q.group, g).second) {
+        const std::string group_here = one_group ? "this optimizer" : "this optimizer's group " + std::to_string(g);
+        if (custom == nullptr) {
+          const std::string key = group_key(q.group, "hyperparameters");
+          const OptimizerConfig config = read_config(MetadataReader(*f.c.file), key, f.hyperparameters[q.group], e.config(g),
+                                                     "group " + std::to_string(q.group) + ": ");
+          try {
+            e.check_config(g, config);
+          } catch (const Error& err) {
+            mismatch(path, "group " + std::to_string(q.group) + ": its hyperparameters are not valid for " + group_here +
+                               ": " + err.what());
+          }
+          if (source[g] == nullptr) {
+            out.configs[g] = config;
+          } else if (const std::string d = config_difference(out.configs[g], config); !d.empty()) {
+            set_error(group_here + " takes elements from " + quoted(files[source[g]->file].path()) + " group " +
+                      std::to_string(source[g]->group) + " and " + quoted(path) + " group " + std::to_string(q.group) +
+                      ", whose hyperparameters differ (" + d + ")");
+          }
+        }
+        const std::int64_t steps = f.group_steps[q.group];
+        if (source[g] == nullptr) {
+          group_steps[g] = steps;
+          source[g] = &q;
+        } else if (steps != group_steps[g]) {
+          set_error(group_here + " takes elements from " + quoted(files[source[g]->file].path()) + " group " +
+                    std::to_string(source[g]->group) + " (" + std::to_string(group_steps[g]) + " steps applied) and " +
+                    quoted(path) + " group " + std::to_string(q.group) + " (" + std::to_string(steps) + ")");
+        }
+      }
+      // Elements [first, last) of the model tensor: this param's and the saved one's.
+      const std::int64_t first = std::max(at.offset, q.at.offset), last = std::min(end, q.end());
+      const auto take = [&](std::string_view what, float* dst) {
+        const std::string name = tensor_name(q.group, q.index, what);
+        const detail::SafetensorsTensor* t = f.c.file->find(name);
+        if (t == nullptr) corrupt(path, "tensor '" + name + "' is missing");
+        if (t->dtype != "F32" || t->shape.size() != 1 || t->shape[0] != static_cast<std::uint64_t>(q.numel))
+          corrupt(path, "tensor '" + name + "' is not F32 of shape [" + std::to_string(q.numel) + "]");
+        if (last > first)
+          out.copies.emplace_back(dst + (first - at.offset),
+                                  f.c.file->data(*t).subspan(static_cast<std::size_t>(first - q.at.offset) * sizeof(float),
+                                                             static_cast<std::size_t>(last - first) * sizeof(float)));
+      };
+      for (std::string_view s : state_streams(e.program(g))) take(s, e.state_data(p, e.state_stream(s)));
+      if (float* m = e.master_data(p)) take("master", m);
+      f.used = true;
+    }
+  }
+  for (std::size_t g = 0; g < groups; ++g) out.step_bases.push_back(out.step_count - group_steps[g]);
+  for (const SetFile& f : files)
+    if (f.used) f.c.file->verify_checksum();
+  return out;
+}
+
+// The GradScaler state of the set: every file's, which must be the same.
+std::map<std::string, double> set_scaler_state(const std::vector<SetFile>& files) {
+  std::map<std::string, double> state = parse_scaler(files[0].c);
+  for (std::size_t k = 1; k < files.size(); ++k) {
+    const std::map<std::string, double> other = parse_scaler(files[k].c);
+    bool same = other.size() == state.size();
+    for (auto a = state.cbegin(), b = other.cbegin(); same && a != state.end(); ++a, ++b)
+      same = a->first == b->first && std::memcmp(&a->second, &b->second, sizeof(double)) == 0;
+    if (!same)
+      set_error(quoted(files[0].path()) + " and " + quoted(files[k].path()) +
+                " hold different GradScaler states (every rank's scaler must be the same)");
+  }
+  return state;
+}
+
+// A rank's outcome of its checks, exchanged with every rank (plain bytes, zero-filled).
+struct LoadStatus {
+  std::int32_t ok = 0;
+  std::int32_t code = 0;   // its Error's ErrorCode when not ok
+  std::uint64_t list = 0;  // a hash of the list of paths, which must be the same on every rank
+  char message[496] = {};
+};
+static_assert(sizeof(LoadStatus) == 512);
+
+std::uint64_t hash_paths(const std::vector<std::string>& paths) {
+  std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over each path and a separator
+  const auto mix = [&](unsigned char c) { h = (h ^ c) * 0x100000001b3ull; };
+  for (const std::string& p : paths) {
+    for (const char c : p) mix(static_cast<unsigned char>(c));
+    mix(0);
+  }
+  return h;
+}
+
+// The collective decision: every rank's status, exchanged. Rethrows this rank's own
+// error; throws an Error naming the rank that failed when another did; returns only
+// when every rank may commit.
+void agree(Communicator& comm, const std::vector<std::string>& paths, const std::exception_ptr& error) {
+  LoadStatus mine;
+  mine.ok = error ? 0 : 1;
+  mine.list = hash_paths(paths);
+  if (error) {
+    std::string msg = "unknown error";
+    mine.code = static_cast<std::int32_t>(ErrorCode::invalid_state);
+    try {
+      std::rethrow_exception(error);
+    } catch (const Error& e) {
+      mine.code = static_cast<std::int32_t>(e.code());
+      msg = e.what();
+    } catch (const std::exception& e) {
+      msg = e.what();
+    } catch (...) {
+    }
+    std::strncpy(mine.message, msg.c_str(), sizeof(mine.message) - 1);
+  }
+  std::vector<LoadStatus> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(&mine, all.data(), sizeof(LoadStatus), CommType::u8);
+  if (error) std::rethrow_exception(error);
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (!all[r].ok)
+      throw Error(static_cast<ErrorCode>(all[r].code),
+                  "load_shards: rank " + std::to_string(r) + " of " + std::to_string(all.size()) +
+                      " could not take its part of the checkpoint, so no rank changed anything: " +
+                      std::string(all[r].message, strnlen(all[r].message, sizeof(all[r].message))));
+  for (std::size_t r = 1; r < all.size(); ++r)
+    if (all[r].list != all[0].list)
+      set_error("rank " + std::to_string(r) + " was given another list of files than rank 0 (every rank must pass the "
+                "same list, in the same order), so no rank changed anything");
+}
+
+// load_shards: reads and checks everything; sharded, agrees with the other ranks; then
+// commits (the optimizer, and the scaler when given one).
+void load_shard_set(detail::StepEngine& e, const std::vector<std::string>& paths, GradScaler* scaler) {
+  std::vector<SetFile> files;
+  ParsedOptimizer parsed;
+  std::optional<GradScaler> restored;
+  std::exception_ptr error;
+  try {
+    if (paths.empty()) set_error("no files given");
+    std::vector<SavedParam> pieces;
+    files.reserve(paths.size());
+    for (std::size_t k = 0; k < paths.size(); ++k) files.push_back(read_set_file(paths[k], k, e, pieces));
+    const ModelView model = model_view(e);
+    check_set(files, pieces, model);
+    parsed = take_shard(files, pieces, model, e);
+    if (scaler != nullptr) {
+      restored.emplace(*scaler);  // validate on a copy: nothing changes on an Error
+      restored->load_state_dict(set_scaler_state(files));
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (const detail::Shard* shard = e.shard())
+    agree(shard->communicator(), paths, error);
+  else if (error)
+    std::rethrow_exception(error);
+  commit_optimizer(e, parsed);
+  if (scaler != nullptr) *scaler = *restored;
+}
+
 }  // namespace
 
 // ---- the front-ends ----
@@ -673,6 +1178,12 @@ void Optimizer::save(const std::string& path, const GradScaler& scaler) const {
 void Optimizer::load(const std::string& path) {
   const OpenedCheckpoint c = open_checkpoint(path);
   commit_optimizer(*engine_, parse_optimizer(c, *engine_));
+}
+
+void Optimizer::load_shards(const std::vector<std::string>& paths) { load_shard_set(*engine_, paths, nullptr); }
+
+void Optimizer::load_shards(const std::vector<std::string>& paths, GradScaler& scaler) {
+  load_shard_set(*engine_, paths, &scaler);
 }
 
 void Optimizer::load(const std::string& path, GradScaler& scaler) {

@@ -277,10 +277,47 @@ class Optimizer {
   // have taken, given the same weights. A missing, truncated, corrupt or
   // mismatched file is an Error (io_error for the file, invalid_argument for a
   // mismatch, naming what differs) and leaves the optimizer (and scaler) as they were.
+  //
+  // Sharded (OptimizerOptions::communicator): save() writes this rank's shard, in the
+  // same format, with where each param lies in the model (its model tensor, offset
+  // and the tensor's element count) and the rank and number of ranks in the metadata
+  // (README "Checkpoints"). It is not collective, but every rank must call it, each
+  // with its own path (say "step-1000.rank3.safetensors"): the ranks' files together
+  // are the checkpoint. load() of such a file restores this rank's shard when the
+  // ranks cut the model as they did when it was saved (it checks each param's place);
+  // otherwise use load_shards().
   void save(const std::string& path) const;
   void save(const std::string& path, const GradScaler& scaler) const;
   void load(const std::string& path);
   void load(const std::string& path, GradScaler& scaler);
+
+  // Re-sharding: loads a checkpoint saved by any number of ranks R (the files every
+  // rank's save() wrote, in any order; an unsharded save is one file of one rank)
+  // into this optimizer, whatever its own cut of the model: R' ranks with other
+  // whole tensors or slices, or one unsharded optimizer (whose params are then model
+  // tensors 0, 1, ... in params() order). Each rank takes from the files the state
+  // and fp32 masters of exactly the elements its params cover, each group's
+  // hyperparameters and step count from the saved groups its elements come from, and
+  // the step count. Sharded, the call is collective: every rank calls it at the same
+  // point, with the same list; files are read by each rank itself (a filesystem every
+  // rank sees is assumed), and only those it takes data from are checksummed.
+  //
+  // Checked before anything changes: every file opens and is a checkpoint of this
+  // optimizer's kind (custom: the same program and scalar rules in every file); the
+  // files are one save's (the same number of ranks, each rank's file once, the same
+  // step count); their params tile every model tensor exactly (a gap or an overlap is
+  // an Error naming the tensor, the elements and the files), and the model's tensors
+  // are this one's (the same ids and element counts); each piece taken has this
+  // param's program variant, weight/grad dtypes and master; the hyperparameters and
+  // group step counts a group takes agree (and are valid for it). A file that cannot
+  // be read or is corrupt is Error(io_error); anything else Error(invalid_argument).
+  // Sharded, the ranks then agree: when any rank's checks failed, that rank throws its
+  // own Error and every other rank an Error (with its code) naming that rank, and no
+  // rank changes anything; otherwise every rank commits.
+  // With a scaler: every file must hold a GradScaler state (save(path, scaler)), the
+  // same in all of them, and the scaler takes it.
+  void load_shards(const std::vector<std::string>& paths);
+  void load_shards(const std::vector<std::string>& paths, GradScaler& scaler);
 
  private:
   friend struct detail_access;
