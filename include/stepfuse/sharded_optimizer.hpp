@@ -64,8 +64,9 @@ struct ShardedOptions {
 //     the sum over the ranks of range r; it is divided by size() in fp32
 //     (avg[i] = float(sum[i]) / float(size()), correctly rounded);
 //  2. the inner Optimizer steps the range: one reduce pass whose collective is one
-//     all_gather of a few values per chunk (the global norm and found_inf), one update
-//     pass writing the owned weights (and masters, state) in place;
+//     all_gather of a value per tensor (per chunk of a tensor cut between ranks) and
+//     found_inf, giving the global norm and skip decision, then one update pass writing
+//     the owned weights (and masters, state) in place;
 //  3. if the step was applied, one all_gather of the owned ranges' updated weights, in
 //     their own dtypes, as bytes: every rank's weights become the owners'. A skipped
 //     step (inf/NaN anywhere) moves no weights, and writes nothing anywhere.
