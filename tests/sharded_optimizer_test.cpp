@@ -58,6 +58,14 @@ class Tensors {
     const std::uint16_t b = static_cast<const std::uint16_t*>(v.data)[j];
     return v.dtype == DType::bf16 ? from_bf16(b) : f16_to_float(b);
   }
+  void restore(const std::vector<unsigned char>& bytes) const {
+    std::size_t at = 0;
+    for (const TensorView& v : views_) {
+      const std::size_t n = static_cast<std::size_t>(v.numel) * dtype_size(v.dtype);
+      if (n) std::memcpy(v.data, bytes.data() + at, n);
+      at += n;
+    }
+  }
   std::vector<unsigned char> bytes() const {
     std::vector<unsigned char> out;
     for (const TensorView& v : views_) {
@@ -712,6 +720,89 @@ TEST(ShardedOptimizer, ARankThatRefusesAStepMakesEveryRankThrowAndNothingIsWritt
   }
   EXPECT_NE(messages[2].find("loss_scale = nan"), std::string::npos) << messages[2];
   EXPECT_NE(messages[0].find("rank 2 refused its input to this step"), std::string::npos) << messages[0];
+}
+
+
+// Checkpoints: every rank's shard().save(), resumed by shard().load() of its own
+// file or by load_shards() of all of them; the next step is bitwise the one-process
+// step. Saved by `save_ranks`, resumed on `load_ranks`.
+void expect_resumes(const Case& base, int save_ranks, int load_ranks, bool own_file, const std::string& what) {
+  Case c = base;
+  c.steps = 2;
+  const std::string dir = ::testing::TempDir();
+  std::vector<std::string> files;
+  for (int r = 0; r < save_ranks; ++r) files.push_back(dir + "sharded_optimizer_test.rank" + std::to_string(r) + ".safetensors");
+  std::unique_ptr<Optimizer> ref;
+  std::unique_ptr<Tensors> rw, rg;
+  const std::vector<unsigned char> saved = one_process(c, save_ranks, ref, rw, rg).weights.back();
+  {
+    LocalGroup group(save_ranks);
+    const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
+      Tensors w(c.sizes, c.weights()), g(c.sizes, c.grads());
+      c.init_weights(w);
+      ShardedOptimizer opt(c.param_groups(w, g), comm, c.options());
+      for (int k = 0; k < c.steps; ++k) {
+        c.fill(g, k, r, c.S);
+        opt.step_scaled(c.S);
+      }
+      EXPECT_TRUE(w.bytes() == saved) << what << ": rank " << r;
+      opt.shard().save(files[static_cast<std::size_t>(r)]);
+    });
+    for (const auto& e : errors) EXPECT_FALSE(e) << what;
+  }
+  // The reference: two steps on save_ranks' averages, then one on load_ranks'.
+  c.fill_average(*rg, 2, load_ranks, c.S);
+  const StepResult want = ref->step_scaled(c.S);
+  EXPECT_TRUE(want.applied) << what;
+  const std::vector<unsigned char> want_w = rw->bytes();
+  std::vector<StepResult> got(static_cast<std::size_t>(load_ranks));
+  std::vector<std::vector<unsigned char>> got_w(static_cast<std::size_t>(load_ranks));
+  LocalGroup group(load_ranks);
+  const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
+    Tensors w(c.sizes, c.weights()), g(c.sizes, c.grads());
+    w.restore(saved);
+    ShardedOptimizer opt(c.param_groups(w, g), comm, c.options());
+    if (own_file) opt.shard().load(files[static_cast<std::size_t>(r)]);
+    else opt.shard().load_shards(files);
+    EXPECT_EQ(opt.shard().step_count(), 2) << what;
+    c.fill(g, 2, r, c.S);
+    got[static_cast<std::size_t>(r)] = opt.step_scaled(c.S);
+    got_w[static_cast<std::size_t>(r)] = w.bytes();
+  });
+  for (int r = 0; r < load_ranks; ++r) {
+    const auto ur = static_cast<std::size_t>(r);
+    const std::string at = what + ": " + std::to_string(save_ranks) + " -> " + std::to_string(load_ranks) + " ranks, rank " + std::to_string(r);
+    if (errors[ur]) {
+      try {
+        std::rethrow_exception(errors[ur]);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << at << ": " << e.what();
+      }
+      continue;
+    }
+    expect_same_result(got[ur], want, at);
+    EXPECT_TRUE(got_w[ur] == want_w) << at << ": weights differ";
+  }
+}
+
+TEST(ShardedOptimizer, CheckpointsResume) {
+  Case c;
+  c.sizes = {100, 40000, 7, 0, 33000};
+  c.weight = {bf16, bf16, f32, f32, bf16};
+  c.grad = {bf16, bf16, f32, f32, bf16};
+  c.scaled = true;
+  c.max_grad_norm = 0.5;
+  // One group: every rank owns a part, and the files re-shard onto any number of ranks.
+  c.groups = {{5, optim::AdamW{.lr = 1e-2}}};
+  expect_resumes(c, 3, 3, true, "one group, load()");
+  for (int ranks : {3, 2, 1}) expect_resumes(c, 3, ranks, false, "one group, load_shards()");
+  expect_resumes(c, 1, 2, false, "one group, load_shards()");
+  // Three groups: on three ranks, rank 0 owns nothing of the last two and rank 2
+  // nothing of the first; each holds their places with empty params of tensors past
+  // the model's, so these files resume on the same number of ranks only.
+  c.groups = {{2, optim::AdamW{.lr = 1e-2}}, {3, optim::AdamW{.lr = 3e-3, .weight_decay = 0}}, {5, optim::AdamW{.lr = 1e-2}}};
+  expect_resumes(c, 3, 3, true, "three groups, load()");
+  expect_resumes(c, 3, 3, false, "three groups, load_shards()");
 }
 
 }  // namespace

@@ -166,12 +166,18 @@ class ShardedOptimizer {
   // The inner Optimizer over this rank's pieces: its params() are the pieces (weights:
   // slices of the caller's; gradients: the averaged buffer), its state() and master()
   // those of the owned elements, its config/lr setters apply to this rank (call them
-  // on every rank alike), save()/load() write/read this rank's part (load it into a
-  // ShardedOptimizer over the same model and number of ranks). Do not step it directly.
+  // on every rank alike; its groups have the model's indices). Do not step it directly.
+  // Checkpoints: every rank's shard().save(path_r) together are one (the ranks' files
+  // of a sharded Optimizer); shard().load(path_r) resumes on the same number of ranks,
+  // and shard().load_shards(all paths) also on another number of ranks, as long as no
+  // rank of the saving run held a group's place with an empty param (see
+  // shard_slices(): its tensor id is past the model's, which load_shards refuses) —
+  // true with one group when every rank owns some of it.
   Optimizer& shard();
   const Optimizer& shard() const;
   // Where each of shard().params() lies in the model (tensor index in the model's
-  // order, offset): an empty param holding a group's place has tensor >= num_tensors().
+  // order, offset). A group this rank owns nothing of holds its place in shard() with
+  // one empty param, whose tensor is >= num_tensors() (one id per rank and group).
   std::span<const TensorSlice> shard_slices() const;
 
   // Elements [begin, end) of the model's element list (every tensor in order).
