@@ -146,13 +146,6 @@ struct RanksCase {
   }
 };
 
-sf::DType parse_dtype(const std::string& opt, const std::string& s) {
-  if (s == "f32") return sf::DType::f32;
-  if (s == "f16") return sf::DType::f16;
-  if (s == "bf16") return sf::DType::bf16;
-  throw UsageError(opt + ": unknown dtype '" + s + "' (expected f32, f16 or bf16)");
-}
-
 // The cut points of the model's elements into `ranks` non-empty ranges of about the same
 // size: at tensor boundaries, and (unless whole) at chunk boundaries inside a tensor.
 std::vector<std::int64_t> cut_model(const std::vector<std::int64_t>& off, int ranks, bool whole) {
@@ -223,13 +216,7 @@ RanksCase resolve_ranks_case(const Args& a) {
   c.config = *config;
   c.weights = parse_dtype("--weights", a.weights);
   c.grads = parse_dtype("--grads", a.grads);
-  if (!(a.loss_scale > 0) || !std::isfinite(a.loss_scale))
-    throw UsageError(format("--loss-scale: must be finite and > 0, got %g", a.loss_scale));
-  if (!std::isfinite(sb::round_to(c.grads, static_cast<float>(a.loss_scale * 1e-3))))
-    throw UsageError(format("--loss-scale: %g is too large for %s gradients (scaled gradients up to %g overflow)",
-                            a.loss_scale, a.grads.c_str(), a.loss_scale * 1e-3));
-  if (!(a.clip >= 0) || !std::isfinite(a.clip))
-    throw UsageError(format("--clip: must be finite and >= 0 (0 = off), got %g", a.clip));
+  check_loss_scale_and_clip(a, c.grads);
   c.loss_scale = a.loss_scale;
 
   c.offsets.push_back(0);

@@ -82,13 +82,6 @@ sf::OptimizerConfig make_config(const std::string& name) {
   throw UsageError("--optimizer: unknown optimizer '" + name + "'");
 }
 
-sf::DType parse_dtype(const std::string& opt, const std::string& s) {
-  if (s == "f32") return sf::DType::f32;
-  if (s == "f16") return sf::DType::f16;
-  if (s == "bf16") return sf::DType::bf16;
-  throw UsageError(opt + ": unknown dtype '" + s + "' (expected f32, f16 or bf16)");
-}
-
 void check_applied(const sf::StepResult& r, const char* mode, int iteration) {
   if (!r.applied)
     throw VerifyError(std::string("the ") + mode + " step " + std::to_string(iteration) +
@@ -192,14 +185,7 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
   c.config = make_config(a.optimizer);
   c.weights = parse_dtype("--weights", a.weights);
   c.grads = parse_dtype("--grads", a.grads);
-  if (!(a.loss_scale > 0) || !std::isfinite(a.loss_scale))
-    throw UsageError(format("--loss-scale: must be finite and > 0, got %g", a.loss_scale));
-  // The gradients are filled with magnitudes up to 1e-3 * S (model_buffers.hpp).
-  if (!std::isfinite(sb::round_to(c.grads, static_cast<float>(a.loss_scale * 1e-3))))
-    throw UsageError(format("--loss-scale: %g is too large for %s gradients (scaled gradients up to %g overflow)",
-                            a.loss_scale, a.grads.c_str(), a.loss_scale * 1e-3));
-  if (!(a.clip >= 0) || !std::isfinite(a.clip))
-    throw UsageError(format("--clip: must be finite and >= 0 (0 = off), got %g", a.clip));
+  check_loss_scale_and_clip(a, c.grads);
   if (a.backend != "cpu" && a.backend != "cuda")
     throw UsageError("--backend: unknown backend '" + a.backend + "' (expected cpu or cuda)");
   if (a.cpu_backend_given && a.backend == "cuda")
@@ -540,6 +526,24 @@ int run(const Args& a) {
 }
 
 }  // namespace
+
+sf::DType parse_dtype(const std::string& opt, const std::string& s) {
+  if (s == "f32") return sf::DType::f32;
+  if (s == "f16") return sf::DType::f16;
+  if (s == "bf16") return sf::DType::bf16;
+  throw UsageError(opt + ": unknown dtype '" + s + "' (expected f32, f16 or bf16)");
+}
+
+void check_loss_scale_and_clip(const Args& a, sf::DType grads) {
+  if (!(a.loss_scale > 0) || !std::isfinite(a.loss_scale))
+    throw UsageError(format("--loss-scale: must be finite and > 0, got %g", a.loss_scale));
+  if (!std::isfinite(sb::round_to(grads, static_cast<float>(a.loss_scale * 1e-3))))
+    throw UsageError(format("--loss-scale: %g is too large for %s gradients (scaled gradients up to %g overflow)",
+                            a.loss_scale, a.grads.c_str(), a.loss_scale * 1e-3));
+  if (!(a.clip >= 0) || !std::isfinite(a.clip))
+    throw UsageError(format("--clip: must be finite and >= 0 (0 = off), got %g", a.clip));
+}
+
 }  // namespace stepfuse::bench::tool
 
 int main(int argc, char** argv) {

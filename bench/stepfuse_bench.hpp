@@ -183,4 +183,10 @@ void report(const Args& a, const Case& c, const FusedOnly& fo, const Verificatio
             GroupedRuns* grouped, const Timing& timing, const BandwidthProbe& probe, double llvm_first_ms,
             std::chrono::steady_clock::time_point t_start, std::ofstream& json_out);
 
+// --weights / --grads: "f32", "f16" or "bf16", else UsageError naming `opt`.
+DType parse_dtype(const std::string& opt, const std::string& s);
+// --loss-scale and --clip, checked (UsageError) against the gradients' dtype: the
+// gradients are filled with magnitudes up to 1e-3 * S (model_buffers.hpp).
+void check_loss_scale_and_clip(const Args& a, DType grads);
+
 }  // namespace stepfuse::bench::tool

@@ -4,6 +4,8 @@
 // protocol bug (one rank skipping a collective) fails the test.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -136,5 +138,25 @@ class LocalGroup {
   std::uint64_t generation_ = 0;
   std::int64_t collectives_ = 0;
 };
+
+// Runs fn on `ranks` ranks and expects every rank to throw an Error with `code`
+// whose message contains `text` (rank `own` may throw its own message instead).
+inline void expect_every_rank_throws(int ranks,
+                                     const std::function<void(int, const std::shared_ptr<Communicator>&)>& fn,
+                                     ErrorCode code, const std::string& text, int own = -1,
+                                     const std::string& own_text = "") {
+  LocalGroup group(ranks, std::chrono::seconds(20));
+  const auto errors = group.run(fn);
+  for (int r = 0; r < ranks; ++r) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not throw";
+    try {
+      std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << "rank " << r << ": " << e.what();
+      const std::string& want = r == own ? own_text : text;
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "rank " << r << ": " << e.what();
+    }
+  }
+}
 
 }  // namespace stepfuse::testing

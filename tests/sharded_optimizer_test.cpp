@@ -26,6 +26,7 @@
 namespace stepfuse {
 namespace {
 
+using testing::expect_every_rank_throws;
 using testing::LocalGroup;
 
 // bf16 <-> fp32 inline (the test's hot loops; no NaN here): round to nearest even,
@@ -596,22 +597,6 @@ TEST(ShardedOptimizer, BytesPerStep) {
 
 // Runs fn on `ranks` ranks; expects every rank to throw an Error with `code` whose
 // message contains `text` (rank `own`: `own_text`).
-void expect_every_rank_throws(int ranks, const std::function<void(int, const std::shared_ptr<Communicator>&)>& fn,
-                              ErrorCode code, const std::string& text, int own = -1, const std::string& own_text = "") {
-  LocalGroup group(ranks, std::chrono::seconds(20));
-  const auto errors = group.run(fn);
-  for (int r = 0; r < ranks; ++r) {
-    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not throw";
-    try {
-      std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), code) << "rank " << r << ": " << e.what();
-      const std::string& want = r == own ? own_text : text;
-      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "rank " << r << ": " << e.what();
-    }
-  }
-}
-
 TEST(ShardedOptimizer, ModelsThatDifferAreRefusedOnEveryRank) {
   const auto build = [](const Case& mine, int r, const Case& other, const std::shared_ptr<Communicator>& comm,
                         ShardedOptions so = {}) {

@@ -19,6 +19,7 @@ namespace stepfuse {
 namespace {
 
 using namespace sharded_test;  // NOLINT: the shared model, partitions and cases
+using testing::expect_every_rank_throws;
 using testing::LocalGroup;
 
 // What one rank saw: per step its result; at the end its params' state and masters.
@@ -197,24 +198,6 @@ TEST(ShardedStep, PartialsAreCombinedInTheModelsOrderNotTheRanks) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_FALSE(errors[static_cast<std::size_t>(r)]);
     EXPECT_EQ(norms[static_cast<std::size_t>(r)], forward) << "rank " << r;
-  }
-}
-
-// Runs fn on `ranks` ranks and expects every rank to throw an Error with `code`
-// whose message contains `text` (rank `own` may throw its own message instead).
-void expect_every_rank_throws(int ranks, const std::function<void(int, const std::shared_ptr<Communicator>&)>& fn,
-                              ErrorCode code, const std::string& text, int own = -1, const std::string& own_text = "") {
-  LocalGroup group(ranks, std::chrono::seconds(20));
-  const auto errors = group.run(fn);
-  for (int r = 0; r < ranks; ++r) {
-    ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not throw";
-    try {
-      std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), code) << "rank " << r << ": " << e.what();
-      const std::string& want = r == own ? own_text : text;
-      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << "rank " << r << ": " << e.what();
-    }
   }
 }
 

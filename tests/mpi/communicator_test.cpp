@@ -3,6 +3,8 @@
 // computed on each rank from every rank's inputs, which are exact in their type and
 // depend on the rank.
 #include <gtest/gtest.h>
+
+#include "mpi_world.hpp"
 #include <mpi.h>
 
 #include <algorithm>
@@ -32,16 +34,8 @@ constexpr ReduceOp kOps[] = {ReduceOp::sum, ReduceOp::max, ReduceOp::min};
 // Empty, one element, a round count, and a prime.
 constexpr std::size_t kCounts[] = {0, 1, 1000, 1009};
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using stepfuse::mpi_test::world_rank;
+using stepfuse::mpi_test::world_size;
 
 // One communicator over MPI_COMM_WORLD for the tests that need no other; made by the
 // first test that uses it (on every rank: the tests run in the same order), freed

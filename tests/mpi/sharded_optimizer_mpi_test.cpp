@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include "mpi_world.hpp"
+
 #include <cmath>
 #include <cstring>
 #include <algorithm>
@@ -24,16 +26,8 @@
 namespace stepfuse {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using stepfuse::mpi_test::world_rank;
+using stepfuse::mpi_test::world_size;
 
 const std::vector<std::int64_t> kSizes = {40000, 100, 16384, 50000, 7, 33000};
 

@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include "mpi_world.hpp"
+
 #include <string>
 #include <vector>
 
@@ -20,16 +22,8 @@ namespace {
 
 using namespace sharded_test;  // NOLINT: the shared model, partitions and cases
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using stepfuse::mpi_test::world_rank;
+using stepfuse::mpi_test::world_size;
 
 // This rank's shard of `parts`, stepped `steps` times with loss scale src.S, against
 // the one-process step over the whole model.
