@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <ostream>
 #include <span>
 #include <string>
 #include <vector>
@@ -147,6 +148,9 @@ struct Case {
   OptimizerConfig config;
   bool splittable = true;  // one-phase: its tensors may be split across ranks
 };
+
+// GoogleTest prints a case (and CTest names it) by its optimizer's name.
+inline void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 inline const Case kCases[] = {
     {"SGD", optim::SGD{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true}},
