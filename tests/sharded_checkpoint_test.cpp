@@ -18,6 +18,7 @@
 
 #include "checkpoint_support.hpp"
 #include "local_communicator.hpp"
+#include "sharded_support.hpp"
 #include "reference/test_data.hpp"
 #include "runtime/safetensors.hpp"
 #include "stepfuse/stepfuse.hpp"
@@ -25,39 +26,12 @@
 namespace stepfuse {
 namespace {
 
-using ref::HostTensors;
+using namespace sharded_test;  // NOLINT: the shared model, its gradients and slices
 using testing::LocalGroup;
 
-const std::vector<std::int64_t> kSizes = {40000, 100, 16384, 50000, 7, 33000};
+// The loss scale of every step; the gradients are sharded_support.hpp's, times it.
 constexpr double kScale = 1024.0;
-
-// A gradient element from (step, tensor, element) alone, so every cut of the model
-// sees the same values: uniform in (-1, 1) times the loss scale.
-double grad_value(int step, std::size_t tensor, std::int64_t j) {
-  std::uint64_t x = (static_cast<std::uint64_t>(step) << 48) ^ (static_cast<std::uint64_t>(tensor) << 40) ^
-                    static_cast<std::uint64_t>(j);
-  x += 0x9E3779B97F4A7C15ull;  // splitmix64
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return (static_cast<double>(x >> 11) * 0x1p-53 * 2.0 - 1.0) * kScale;
-}
-
-// The whole model's weights and gradients.
-struct Model {
-  Model(DType wd, DType gd) : w(wd, kSizes, false), g(gd, kSizes, false) {
-    for (std::size_t t = 0; t < kSizes.size(); ++t)
-      for (std::int64_t j = 0; j < kSizes[t]; ++j) w.set(t, j, std::sin(0.37 * static_cast<double>(j) + static_cast<double>(t)));
-  }
-  HostTensors w, g;
-};
-
-// A part of the model's tensor `tensor` on one rank.
-struct Piece {
-  std::size_t tensor;
-  std::int64_t offset, numel;
-};
-using Partition = std::vector<std::vector<Piece>>;  // per rank
+const GradSource kGrads{.S = kScale};
 
 Piece whole(std::size_t t) { return {t, 0, kSizes[t]}; }
 
@@ -81,21 +55,6 @@ const Partition kSliced2 = {{{0, 0, 32768}, {3, 32768, 50000 - 32768}, whole(4),
 const Partition kSliced3b = {{whole(1), {3, 0, 16384}, whole(2)},
                              {{3, 16384, 50000 - 16384}, {0, 0, 16384}},
                              {{0, 16384, 40000 - 16384}, whole(4), whole(5)}};
-
-TensorView slice_of(const TensorView& v, std::int64_t offset, std::int64_t numel) {
-  return {static_cast<char*>(v.data) + offset * static_cast<std::int64_t>(dtype_size(v.dtype)), numel, v.dtype};
-}
-
-void fill_grads(const Model& m, int step, const std::vector<Piece>& pieces) {
-  for (const Piece& p : pieces)
-    for (std::int64_t j = p.offset; j < p.offset + p.numel; ++j) m.g.set(p.tensor, j, grad_value(step, p.tensor, j));
-}
-
-std::vector<Piece> whole_model() {
-  std::vector<Piece> all;
-  for (std::size_t t = 0; t < kSizes.size(); ++t) all.push_back(whole(t));
-  return all;
-}
 
 bool is_whole(const Partition& parts) {
   for (const auto& rank : parts)
@@ -188,7 +147,7 @@ struct Reference {
     std::vector<Piece> order;
     opt.emplace(build(s, m, whole_model(), nullptr, true, order));
     for (int k = 0; k < kBefore + kAfter; ++k) {
-      fill_grads(m, k, whole_model());
+      fill_grads(m, kGrads, k, whole_model());
       const StepResult r = opt->step_scaled(kScale);
       if (k >= kBefore) results.push_back(r);
     }
@@ -213,7 +172,7 @@ std::vector<std::string> train_and_save(const RunSetup& s, const Partition& part
                      Optimizer opt = build(s, m, parts[static_cast<std::size_t>(r)], comm, is_whole(parts), order);
                      GradScaler scaler("cpu", kScale, 2.0, 0.5, 2);
                      for (int k = 0; k < kBefore; ++k) {
-                       fill_grads(m, k, order);
+                       fill_grads(m, kGrads, k, order);
                        if (scaler_state != nullptr) {
                          scaler.step(opt);
                          scaler.update();
@@ -263,7 +222,7 @@ void expect_resumes_bitwise(const RunSetup& s, const Reference& ref, const std::
     opt.load_shards(paths);
     steps[rr] = opt.step_count();
     for (int k = kBefore; k < kBefore + kAfter; ++k) {
-      fill_grads(m, k, order);
+      fill_grads(m, kGrads, k, order);
       results[rr].push_back(opt.step_scaled(kScale));
     }
     for (std::size_t i = 0; i < order.size(); ++i) {
@@ -329,7 +288,7 @@ TEST_P(ShardedCheckpoint, ResumesBitwiseOnAnyCut) {
     std::vector<Piece> order;
     Optimizer opt = build(s, m, whole_model(), nullptr, true, order);
     for (int k = 0; k < kBefore; ++k) {
-      fill_grads(m, k, order);
+      fill_grads(m, kGrads, k, order);
       opt.step_scaled(kScale);
     }
     opt.save(dir.file("unsharded.safetensors"));
@@ -404,7 +363,7 @@ void expect_refused_everywhere(const RunSetup& s, const Partition& cut, const st
                      std::vector<Piece> order;
                      Optimizer opt = build(s, m, cut[rr], comm, is_whole(cut), order);
                      opt.set_lr(0.125);
-                     fill_grads(m, 7, order);
+                     fill_grads(m, kGrads, 7, order);
                      opt.step_scaled(kScale);
                      const Held before = held(opt);
                      try {
