@@ -32,6 +32,7 @@
 #include "ranks.hpp"
 
 #include "cli_support.hpp"
+#include "jit/program_analysis.hpp"
 
 #if STEPFUSE_BENCH_MPI
 
@@ -229,9 +230,7 @@ RanksCase resolve_ranks_case(const Args& a) {
     c.offsets.push_back(c.offsets.back() + t.numel);
   }
   if (c.tensors.empty()) throw UsageError("--ranks: the tensor list has no element to shard");
-  const sf::UpdateProgram update = sf::UpdateProgram::from_config(c.config);
-  const sf::Program& program = update.program();
-  for (int i = 0; i < program.num_instrs; ++i) c.two_phase |= program.code[i].op == sf::Op::phase;
+  c.two_phase = jit::is_two_phase(sf::UpdateProgram::from_config(c.config).program());
   c.tensor_cuts = c.whole || c.two_phase;
   c.cuts = cut_model(c.offsets, c.ranks, c.tensor_cuts);
   if (c.cuts.empty()) {

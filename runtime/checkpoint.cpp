@@ -50,6 +50,10 @@
 #include <type_traits>
 #include <vector>
 
+// Header-only, as in runtime/safetensors.cpp: nothing to link.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "jit/base/format.hpp"
 #include "jit/builtins.hpp"
 #include "jit/config_fields.hpp"
@@ -1066,21 +1070,15 @@ std::map<std::string, double> set_scaler_state(const std::vector<SetFile>& files
 
 // A rank's outcome of its checks, exchanged with every rank (plain bytes, zero-filled).
 struct LoadStatus {
-  std::int32_t ok = 0;
-  std::int32_t code = 0;   // its Error's ErrorCode when not ok
+  detail::RankStatus status;
   std::uint64_t list = 0;  // a hash of the list of paths, which must be the same on every rank
-  char message[496] = {};
 };
-static_assert(sizeof(LoadStatus) == 512);
+static_assert(sizeof(LoadStatus) == sizeof(detail::RankStatus) + 8);
 
 std::uint64_t hash_paths(const std::vector<std::string>& paths) {
-  std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over each path and a separator
-  const auto mix = [&](unsigned char c) { h = (h ^ c) * 0x100000001b3ull; };
-  for (const std::string& p : paths) {
-    for (const char c : p) mix(static_cast<unsigned char>(c));
-    mix(0);
-  }
-  return h;
+  std::string joined;  // each path and a separator
+  for (const std::string& p : paths) joined.append(p).push_back('\0');
+  return XXH3_64bits(joined.data(), joined.size());
 }
 
 // The collective decision: every rank's status, exchanged. Rethrows this rank's own
@@ -1088,31 +1086,12 @@ std::uint64_t hash_paths(const std::vector<std::string>& paths) {
 // when every rank may commit.
 void agree(Communicator& comm, const std::vector<std::string>& paths, const std::exception_ptr& error) {
   LoadStatus mine;
-  mine.ok = error ? 0 : 1;
+  mine.status = detail::RankStatus::of(error);
   mine.list = hash_paths(paths);
-  if (error) {
-    std::string msg = "unknown error";
-    mine.code = static_cast<std::int32_t>(ErrorCode::invalid_state);
-    try {
-      std::rethrow_exception(error);
-    } catch (const Error& e) {
-      mine.code = static_cast<std::int32_t>(e.code());
-      msg = e.what();
-    } catch (const std::exception& e) {
-      msg = e.what();
-    } catch (...) {
-    }
-    std::strncpy(mine.message, msg.c_str(), sizeof(mine.message) - 1);
-  }
   std::vector<LoadStatus> all(static_cast<std::size_t>(comm.size()));
   comm.all_gather(&mine, all.data(), sizeof(LoadStatus), CommType::u8);
-  if (error) std::rethrow_exception(error);
-  for (std::size_t r = 0; r < all.size(); ++r)
-    if (!all[r].ok)
-      throw Error(static_cast<ErrorCode>(all[r].code),
-                  "load_shards: rank " + std::to_string(r) + " of " + std::to_string(all.size()) +
-                      " could not take its part of the checkpoint, so no rank changed anything: " +
-                      std::string(all[r].message, strnlen(all[r].message, sizeof(all[r].message))));
+  detail::throw_if_any_failed(all, error, "load_shards",
+                              "could not take its part of the checkpoint, so no rank changed anything");
   for (std::size_t r = 1; r < all.size(); ++r)
     if (all[r].list != all[0].list)
       set_error("rank " + std::to_string(r) + " was given another list of files than rank 0 (every rank must pass the "

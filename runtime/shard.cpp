@@ -30,8 +30,7 @@ namespace {
 // Round 1: one rank's status and the options every rank must share. Plain bytes,
 // zero-filled, so every rank's copy compares and prints the same.
 struct Header {
-  std::int32_t ok = 0;    // 1: this rank's construction succeeded
-  std::int32_t code = 0;  // its Error's ErrorCode when it did not
+  RankStatus status;  // this rank's construction
   std::int64_t params = 0;
   std::int32_t slices = 0;  // 1: OptimizerOptions::slices given
   std::int32_t fusion = 0;
@@ -39,9 +38,8 @@ struct Header {
   std::int32_t device = 0;
   double max_grad_norm = 0;  // 0: no clipping
   double norm_type = 0;
-  char message[448] = {};
 };
-static_assert(sizeof(Header) == 32 + 16 + 448, "no padding: every byte sent is set");
+static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16, "no padding: every byte sent is set");
 
 // Round 2: one param.
 struct Entry {
@@ -55,18 +53,6 @@ std::vector<Header> exchange_headers(Communicator& comm, const Header& mine) {
   std::vector<Header> all(static_cast<std::size_t>(comm.size()));
   comm.all_gather(&mine, all.data(), sizeof(Header), CommType::u8);
   return all;
-}
-
-[[noreturn]] void throw_refused(const std::vector<Header>& all, int self) {
-  // The first rank that refused (other than this one, which rethrows its own).
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r].ok || static_cast<int>(r) == self) continue;
-    const std::string msg(all[r].message, strnlen(all[r].message, sizeof(all[r].message)));
-    throw Error(static_cast<ErrorCode>(all[r].code),
-                "sharded Optimizer: rank " + std::to_string(r) + " of " + std::to_string(all.size()) +
-                    " could not build its shard, so no rank builds one: " + msg);
-  }
-  throw Error(ErrorCode::invalid_state, "sharded Optimizer: a rank refused");  // not reached
 }
 
 std::string rank_param(std::size_t rank, std::int64_t param) {
@@ -116,21 +102,43 @@ Header local_header(const OptimizerOptions& o) {
 
 }  // namespace
 
-void Shard::refuse(const OptimizerOptions& options, const std::exception_ptr& error) {
-  Header h = local_header(options);
-  h.code = static_cast<std::int32_t>(ErrorCode::invalid_argument);
+std::string message_of(const std::exception& e) {
+  std::string_view m = e.what();
+  if (m.starts_with("stepfuse: ")) m.remove_prefix(10);
+  return std::string(m);
+}
+
+RankStatus RankStatus::of(const std::exception_ptr& error) {
+  RankStatus s;
+  if (!error) {
+    s.ok = 1;
+    return s;
+  }
+  s.code = static_cast<std::int32_t>(ErrorCode::invalid_state);
   std::string msg = "unknown error";
   try {
     std::rethrow_exception(error);
   } catch (const Error& e) {
-    h.code = static_cast<std::int32_t>(e.code());
-    msg = e.what();
+    s.code = static_cast<std::int32_t>(e.code());
+    msg = message_of(e);
   } catch (const std::exception& e) {
-    h.code = static_cast<std::int32_t>(ErrorCode::invalid_state);
-    msg = e.what();
+    msg = message_of(e);
   } catch (...) {
   }
-  std::strncpy(h.message, msg.c_str(), sizeof(h.message) - 1);
+  std::strncpy(s.message, msg.c_str(), sizeof(s.message) - 1);
+  return s;
+}
+
+void throw_rank_failed(const RankStatus& status, std::size_t rank, std::size_t ranks, std::string_view who,
+                       std::string_view failed) {
+  throw Error(static_cast<ErrorCode>(status.code),
+              std::string(who) + ": rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " " +
+                  std::string(failed) + ": " + std::string(status.message, strnlen(status.message, sizeof(status.message))));
+}
+
+void Shard::refuse(const OptimizerOptions& options, const std::exception_ptr& error) {
+  Header h = local_header(options);
+  h.status = RankStatus::of(error);
   exchange_headers(*options.communicator, h);  // the others throw; the caller rethrows `error`
 }
 
@@ -141,11 +149,10 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
   const auto ranks = static_cast<std::size_t>(comm.size());
 
   Header mine = local_header(options);
-  mine.ok = 1;
+  mine.status = RankStatus::of(nullptr);
   mine.params = static_cast<std::int64_t>(params.size());
   const std::vector<Header> all = exchange_headers(comm, mine);
-  for (const Header& h : all)
-    if (!h.ok) throw_refused(all, self);
+  throw_if_any_failed(all, nullptr, "sharded Optimizer", "could not build its shard, so no rank builds one");
   check_same_options(all);
 
   // Round 2: every rank's tensors.

@@ -7,6 +7,8 @@
 #include <exception>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "runtime/cpu/kernels.hpp"
@@ -14,6 +16,39 @@
 #include "stepfuse/optimizer.hpp"
 
 namespace stepfuse::detail {
+
+// An exception's message without the "stepfuse: " an Error's starts with (to quote
+// it in another message).
+std::string message_of(const std::exception& e);
+
+// A rank's outcome of its own part of a collective operation (its checks), sent in
+// that operation's all_gather, before anything changes: plain bytes, zero-filled, so
+// every rank's copy prints the same. The first member of the operation's record.
+struct RankStatus {
+  std::int32_t ok = 0;    // 1: this rank's part succeeded
+  std::int32_t code = 0;  // else its Error's ErrorCode (invalid_state for another exception)
+  char message[440] = {};
+  // ok when `error` is null, else its code and message.
+  static RankStatus of(const std::exception_ptr& error);
+};
+static_assert(sizeof(RankStatus) == 448);
+
+// After the all_gather of every rank's record (`status` its RankStatus): returns when
+// every rank succeeded. Otherwise every rank throws: a rank that failed rethrows its
+// own `error`; the others throw an Error with the code of the first rank that failed,
+// "<who>: rank r of n <failed>: <that rank's message>".
+template <class Record>
+void throw_if_any_failed(const std::vector<Record>& all, const std::exception_ptr& error, std::string_view who,
+                         std::string_view failed);
+[[noreturn]] void throw_rank_failed(const RankStatus& status, std::size_t rank, std::size_t ranks, std::string_view who,
+                                    std::string_view failed);
+template <class Record>
+void throw_if_any_failed(const std::vector<Record>& all, const std::exception_ptr& error, std::string_view who,
+                         std::string_view failed) {
+  if (error) std::rethrow_exception(error);
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (!all[r].status.ok) throw_rank_failed(all[r].status, r, all.size(), who, failed);
+}
 
 // One rank's view of the model: where its chunks' partials go in the canonical
 // order. Every rank holds the same plan of the whole model (its tensors in order,

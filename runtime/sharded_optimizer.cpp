@@ -11,6 +11,10 @@
 #include <string>
 #include <utility>
 
+// Header-only, as in runtime/safetensors.cpp: nothing to link.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "jit/builtins.hpp"
 #include "jit/program_analysis.hpp"
 #include "runtime/cpu/kernels.hpp"
@@ -29,13 +33,6 @@ namespace {
   throw Error(ErrorCode::invalid_argument, "ShardedOptimizer: " + message);
 }
 
-// An Error's message without the "stepfuse: " it starts with (to quote it in another).
-std::string message_of(const std::exception& e) {
-  std::string_view m = e.what();
-  if (m.starts_with("stepfuse: ")) m.remove_prefix(10);
-  return std::string(m);
-}
-
 // The most elements one tensor may have (as an Optimizer's limit).
 constexpr std::int64_t kMaxNumel = std::int64_t{1} << 48;
 // Copies are split into pieces of at most this many elements, spread over the threads.
@@ -45,13 +42,15 @@ bool valid_dtype(DType t) { return static_cast<unsigned>(t) <= static_cast<unsig
 
 DType wire_dtype(CommType t) { return t == CommType::f16 ? DType::f16 : t == CommType::bf16 ? DType::bf16 : DType::f32; }
 
-// FNV-1a, 64 bits: a summary of a model that every rank computes the same way.
+// A summary of a model that every rank computes the same way: XXH3-64 of its fields.
 struct Hash {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  void bytes(const void* p, std::size_t n) {
-    const auto* b = static_cast<const unsigned char*>(p);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
+  Hash() {
+    XXH3_INITSTATE(&state);
+    XXH3_64bits_reset(&state);
   }
+  XXH3_state_t state;
+  std::uint64_t digest() const { return XXH3_64bits_digest(&state); }
+  void bytes(const void* p, std::size_t n) { XXH3_64bits_update(&state, p, n); }
   template <class T>
   void value(T v) {
     bytes(&v, sizeof(v));
@@ -64,14 +63,12 @@ struct Hash {
 
 // Round 1: one rank's status and its model's summary. Plain bytes, zero-filled.
 struct Summary {
-  std::int32_t ok = 0;
-  std::int32_t code = 0;
+  detail::RankStatus status;  // this rank's own checks
   std::uint64_t layout = 0;   // groups, tensor sizes and dtypes
   std::uint64_t configs = 0;  // every group's program, scalar rules and initial state
   std::int64_t groups = 0, tensors = 0, elements = 0;
   std::int32_t grad_type = 0;
   std::int32_t unused = 0;
-  char message[448] = {};
 };
 static_assert(sizeof(Summary) % 8 == 0);
 
@@ -101,7 +98,7 @@ void check_model(const std::vector<ParamGroup>& groups, const OptimizerOptions& 
     try {
       jit::validate_config(groups[g].config);
     } catch (const Error& e) {
-      throw Error(e.code(), "ShardedOptimizer: " + gname + "config: " + message_of(e));
+      throw Error(e.code(), "ShardedOptimizer: " + gname + "config: " + detail::message_of(e));
     }
     for (std::size_t i = 0; i < groups[g].params.size(); ++i) {
       const Param& p = groups[g].params[i];
@@ -157,27 +154,11 @@ Summary summarize(const std::vector<ParamGroup>& groups, const ShardedOptions& s
     for (int k = 0; k < program.num_streams; ++k)
       if (program.streams[k].role == StreamRole::state) configs.value(jit::initial_state_value(g.config, program, k));
   }
-  s.layout = layout.h;
-  s.configs = configs.h;
+  s.layout = layout.digest();
+  s.configs = configs.digest();
   s.groups = static_cast<std::int64_t>(groups.size());
   s.grad_type = static_cast<std::int32_t>(sharded.grad_type);
   return s;
-}
-
-void set_message(Summary& s, const std::exception_ptr& error) {
-  s.code = static_cast<std::int32_t>(ErrorCode::invalid_argument);
-  std::string msg = "unknown error";
-  try {
-    std::rethrow_exception(error);
-  } catch (const Error& e) {
-    s.code = static_cast<std::int32_t>(e.code());
-    msg = message_of(e);
-  } catch (const std::exception& e) {
-    s.code = static_cast<std::int32_t>(ErrorCode::invalid_state);
-    msg = message_of(e);
-  } catch (...) {
-  }
-  std::strncpy(s.message, msg.c_str(), sizeof(s.message) - 1);
 }
 
 std::string describe(const Summary& s) {
@@ -187,15 +168,8 @@ std::string describe(const Summary& s) {
 
 // Every rank's summary checked together: the same Error on every rank (the rank
 // whose own checks failed rethrows its own).
-void check_summaries(const std::vector<Summary>& all, int self, const std::exception_ptr& mine) {
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r].ok) continue;
-    if (static_cast<int>(r) == self) std::rethrow_exception(mine);
-    const std::string msg(all[r].message, strnlen(all[r].message, sizeof(all[r].message)));
-    throw Error(static_cast<ErrorCode>(all[r].code), "ShardedOptimizer: rank " + std::to_string(r) + " of " +
-                                                         std::to_string(all.size()) +
-                                                         " refused its model, so no rank builds one: " + msg);
-  }
+void check_summaries(const std::vector<Summary>& all, const std::exception_ptr& mine) {
+  detail::throw_if_any_failed(all, mine, "ShardedOptimizer", "refused its model, so no rank builds one");
   const Summary& a = all[0];
   for (std::size_t r = 1; r < all.size(); ++r) {
     const Summary& b = all[r];
@@ -344,15 +318,14 @@ ShardedOptimizer::Impl::Impl(std::vector<ParamGroup> groups, std::shared_ptr<Com
   try {
     check_model(groups, options, sharded);
     mine = summarize(groups, sharded);
-    mine.ok = 1;
   } catch (...) {
     error = std::current_exception();
     mine = Summary{};
-    set_message(mine, error);
   }
+  mine.status = detail::RankStatus::of(error);
   std::vector<Summary> all(static_cast<std::size_t>(ranks));
   comm->all_gather(&mine, all.data(), sizeof(Summary), CommType::u8);
-  check_summaries(all, rank, error);
+  check_summaries(all, error);
 
   // The same model everywhere: the same partition everywhere. Then the inner
   // Optimizer, whose construction is collective (a rank failing before it tells the others).

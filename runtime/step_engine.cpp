@@ -22,13 +22,6 @@ namespace {
 
 [[noreturn]] void bad_argument(const std::string& message) { throw Error(ErrorCode::invalid_argument, message); }
 
-// An Error's message without the "stepfuse: " every message starts with, to prefix it with where it applies.
-std::string message_of(const Error& e) {
-  std::string_view m = e.what();
-  if (m.starts_with("stepfuse: ")) m.remove_prefix(10);
-  return std::string(m);
-}
-
 bool valid_dtype(DType t) { return static_cast<unsigned>(t) <= static_cast<unsigned>(DType::bf16); }
 
 // Where a param is, as the caller wrote it: "params[3]" or "groups[1].params[0]".
