@@ -7,6 +7,9 @@
 # into build/pyvenv, pytest). Prints CTest's and pytest's summaries and each phase's time;
 # exits non-zero if anything failed. Extra arguments go to every ctest run (e.g. -L
 # consumer, -R adam).
+# A CTest test that fails runs once more (ctest --repeat until-pass:2): the summary at the
+# end names every test that failed an attempt, with the tail of that attempt's output, and
+# says which of them passed on the rerun (flaky) and which failed twice (a failure).
 # STEPFUSE_FUZZ_SECONDS sets the fuzzing time per target (default 30; 0 skips it).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -57,6 +60,26 @@ counted() {
   return "$rc"
 }
 
+# failed_attempts PRESET: every attempt of a test that failed in that build's last ctest
+# run, from CTest's LastTest.log: "PRESET: NAME" and the last 30 lines of its output (the
+# first 20 such attempts).
+attempts=()
+failed_attempts() {
+  local log="build/$1/Testing/Temporary/LastTest.log"
+  [ -f "$log" ] || return 0
+  awk -v preset="$1" '
+    /^[0-9]+\/[0-9]+ Testing: / { name = $0; sub(/^[0-9]+\/[0-9]+ Testing: /, "", name); n = 0; inout = 0; next }
+    /^Output:$/ { inout = 1; getline; next }
+    /^<end of output>$/ { inout = 0; next }
+    inout { lines[n++ % 30] = $0; next }
+    /^Test Failed\.$/ && ++k > 20 { next }
+    /^Test Failed\.$/ {
+      printf "--- %s: %s failed; the last lines of its output:\n", preset, name
+      for (i = (n > 30 ? n - 30 : 0); i < n; ++i) print "    " lines[i % 30]
+    }
+    END { if (k > 20) printf "--- %s: %d more failed attempts (build/%s/Testing/Temporary/LastTest.log)\n", preset, k - 20, preset }' "$log"
+}
+
 fuzz_seconds=${STEPFUSE_FUZZ_SECONDS:-30}
 for preset in release asan fuzz tsan; do
   [ "$preset" = fuzz ] && [ "$fuzz_seconds" = 0 ] && continue
@@ -66,12 +89,22 @@ for preset in release asan fuzz tsan; do
     # each fuzz target on its seed corpus, $jobs at a time
     phase "fuzz: ${fuzz_seconds}s per target" counted bash scripts/fuzz.sh --no-install --time "$fuzz_seconds" --parallel "$jobs"
   else
-    phase "${preset}: test" counted ctest --preset "$preset" --parallel "$jobs" "$@"
+    rm -f "build/${preset}/Testing/Temporary/LastTest.log"
+    phase "${preset}: test" counted ctest --preset "$preset" --parallel "$jobs" --repeat until-pass:2 "$@"
+    attempts+=("$(failed_attempts "$preset")")
   fi
 done
 
 # the Python package (built by pip, not by the presets) and its pytest suite
 phase "python: build + test" counted bash scripts/test_python.sh --no-install
+
+report=$(printf '%s' "${attempts[@]}")
+if [ -n "$report" ]; then
+  echo
+  echo "==> tests that failed an attempt (each ran twice at most; one that passed on the"
+  echo "    rerun is flaky, one that failed twice is in CTest's FAILED list above)"
+  printf '%s\n' "${attempts[@]}" | sed '/^$/d'
+fi
 
 echo
 echo "==> phases"

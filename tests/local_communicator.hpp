@@ -24,7 +24,7 @@ namespace stepfuse::testing {
 
 class LocalGroup {
  public:
-  explicit LocalGroup(int ranks, std::chrono::seconds timeout = std::chrono::seconds(60))
+  explicit LocalGroup(int ranks, std::chrono::seconds timeout = std::chrono::seconds(180))
       : ranks_(ranks), timeout_(timeout), slots_(static_cast<std::size_t>(ranks), nullptr) {}
 
   std::shared_ptr<Communicator> communicator(int rank) { return std::make_shared<Rank>(this, rank); }
@@ -145,7 +145,7 @@ inline void expect_every_rank_throws(int ranks,
                                      const std::function<void(int, const std::shared_ptr<Communicator>&)>& fn,
                                      ErrorCode code, const std::string& text, int own = -1,
                                      const std::string& own_text = "") {
-  LocalGroup group(ranks, std::chrono::seconds(20));
+  LocalGroup group(ranks);
   const auto errors = group.run(fn);
   for (int r = 0; r < ranks; ++r) {
     ASSERT_TRUE(errors[static_cast<std::size_t>(r)]) << "rank " << r << " did not throw";

@@ -357,7 +357,7 @@ void expect_refused_everywhere(const RunSetup& s, const Partition& cut, const st
   std::vector<std::string> messages(static_cast<std::size_t>(ranks));
   std::vector<std::optional<ErrorCode>> codes(static_cast<std::size_t>(ranks));
   std::vector<bool> unchanged(static_cast<std::size_t>(ranks), false);
-  LocalGroup group(ranks, std::chrono::seconds(20));
+  LocalGroup group(ranks);
   rethrow_failures(group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
                      const auto rr = static_cast<std::size_t>(r);
                      std::vector<Piece> order;

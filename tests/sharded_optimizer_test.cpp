@@ -276,7 +276,7 @@ struct RankRun {
 
 std::vector<RankRun> sharded_run(const Case& c, int ranks) {
   std::vector<RankRun> runs(static_cast<std::size_t>(ranks));
-  LocalGroup group(ranks, std::chrono::seconds(30));
+  LocalGroup group(ranks);
   const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& base) {
     auto comm = std::make_shared<Counting>(base);
     Tensors w(c.sizes, c.weights()), g(c.sizes, c.grads());
@@ -494,7 +494,7 @@ TEST(ShardedOptimizer, Bf16AndF16Wires) {
 TEST(ShardedOptimizer, Partition) {
   const auto ranges_of = [](const Case& c, int ranks) {
     std::vector<ShardedOptimizer::Range> out(static_cast<std::size_t>(ranks));
-    LocalGroup group(ranks, std::chrono::seconds(30));
+    LocalGroup group(ranks);
     const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
       Tensors w(c.sizes, c.weights()), g(c.sizes, c.grads());
       ShardedOptimizer opt(c.param_groups(w, g), comm, c.options());
@@ -680,7 +680,7 @@ TEST(ShardedOptimizer, ARankThatRefusesItsModelMakesEveryRankThrow) {
 TEST(ShardedOptimizer, ARankThatRefusesAStepMakesEveryRankThrowAndNothingIsWritten) {
   Case c;
   c.scaled = true;
-  LocalGroup group(3, std::chrono::seconds(20));
+  LocalGroup group(3);
   std::vector<std::string> messages(3);
   std::vector<bool> same(3), moved(3);
   const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {

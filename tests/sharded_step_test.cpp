@@ -264,7 +264,7 @@ TEST(ShardedStep, ARankThatRefusesAStepMakesEveryRankThrowAndNothingIsWritten) {
   for (std::size_t t = 0; t < kSizes.size(); ++t)
     for (std::int64_t j = 0; j < kSizes[t]; ++j) m.g.set(t, j, src.value(0, t, j));
   const auto before = m.w.snapshot();
-  LocalGroup group(3, std::chrono::seconds(20));
+  LocalGroup group(3);
   std::vector<std::string> messages(3);
   std::vector<std::int64_t> counts(3);
   const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
