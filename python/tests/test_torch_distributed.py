@@ -285,9 +285,10 @@ def test_adamw_and_sgd_clip_globally(gloo_run):
 
 @needs_gloo
 def test_grad_scalers_skip_together(gloo_run):
-    """stepfuse.torch.GradScaler and torch.amp.GradScaler: an inf in one rank's gradients
-    skips the step on both; the fused scaler backs off on both; torch's backs off only
-    where it saw the inf, with a warning, and the next step is refused on both."""
+    """stepfuse.torch.GradScaler (fused, and after unscale_) and torch.amp.GradScaler: an
+    inf in one rank's gradients skips the step on both; the fused scaler backs off on
+    both; torch's backs off only where it saw the inf, with a warning, and the next step
+    is refused on both."""
     _check_case(gloo_run, "scalers")
 
 
@@ -430,8 +431,9 @@ def _case_steps(rank, world):
 
 def _case_scalers(rank, world):
     inf_step = 2
-    for scaler_cls in (torch.amp.GradScaler, sft.GradScaler):
-        name = scaler_cls.__module__ + "." + scaler_cls.__name__
+    # (stepfuse.torch.GradScaler with unscale_: torch's path, found_inf combined over the ranks)
+    for scaler_cls, unscale in ((torch.amp.GradScaler, False), (sft.GradScaler, False), (sft.GradScaler, True)):
+        name = scaler_cls.__module__ + "." + scaler_cls.__name__ + (" after unscale_" if unscale else "")
         full = _leaves(_model())
         ours = _leaves(_mine(rank, _model()))
         ref = sft.AdamW(full, lr=1e-2, max_grad_norm=1.0, num_threads=1)
@@ -448,6 +450,9 @@ def _case_scalers(rank, world):
                 if rank == 1:
                     ours[1].grad.view(-1)[3] = math.inf
             before = [p.detach().clone() for p in ours]
+            if unscale:
+                s_ref.unscale_(ref)
+                s.unscale_(opt)
             s_ref.step(ref)
             if scaler_cls is torch.amp.GradScaler and step == inf_step + 1:
                 # The ranks' torch.amp.GradScaler scales now differ (below): refused on both.
@@ -458,6 +463,8 @@ def _case_scalers(rank, world):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 s.step(opt)
+            if scaler_cls is sft.GradScaler:
+                assert not caught, f"{name} step {step}: {[str(w.message) for w in caught]}"
             s_ref.update()
             s.update()
             what = f"{name} step {step}"

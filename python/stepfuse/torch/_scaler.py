@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from ._base import StepfuseOptimizer
+from ._base import StepfuseOptimizer, _exchange
 
 __all__ = ["GradScaler"]
 
@@ -23,7 +23,25 @@ class GradScaler(torch.amp.GradScaler):
     ``scaler.unscale_(opt)`` (say, before ``clip_grad_norm_``) still works: the step
     is then torch's path, on the already unscaled gradients. Any other optimizer
     gets torch's behaviour unchanged.
+
+    With a sharded optimizer (``communicator=``) the scale stays one on every rank,
+    as torch's ``ShardedGradScaler`` does for FSDP: the fused step decides found_inf
+    for the whole model, and ``unscale_`` combines its found_inf over the ranks
+    (one small all_gather; call it on every rank).
     """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        communicator = getattr(optimizer, "communicator", None)
+        if not self._enabled or not isinstance(optimizer, StepfuseOptimizer) or communicator is None:
+            return
+        # torch recorded this rank's found_inf: make it the model's, so that every rank
+        # skips the step and update() backs off everywhere.
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        mine = any(float(t.item()) != 0.0 for t in found.values())
+        if any(row[0] for row in _exchange(communicator, [mine])):
+            for t in found.values():
+                t.fill_(1.0)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if not self._enabled or not isinstance(optimizer, StepfuseOptimizer):
