@@ -251,7 +251,7 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
         throw Error(ErrorCode::invalid_argument, where + " starts at element " + std::to_string(p.e.offset) +
                                                      " but no rank holds elements [" + std::to_string(end) + ", " +
                                                      std::to_string(p.e.offset) + ") of that tensor (its slices must tile it)");
-      if (p.e.two_phase || q.e.two_phase)
+      if ((p.e.two_phase || q.e.two_phase) && p.e.numel > 0 && end > 0)  // (empty pieces split nothing)
         throw Error(ErrorCode::unsupported,
                     where + ": the tensor is split across ranks, but its program has two phases (a per-tensor "
                             "norm inside the update, as LAMB's trust ratio): give each rank whole tensors for it");

@@ -418,8 +418,10 @@ void ShardedOptimizer::Impl::plan(const std::vector<ParamGroup>& groups, const O
   const int wanted = options.num_threads > 0 ? options.num_threads : detail::ThreadPool::default_threads();
   threads = static_cast<int>(std::clamp<std::int64_t>(elements / (std::int64_t{1} << 18), 1, wanted));
 
-  // The inner Optimizer's groups: this rank's pieces of each group, or one empty
-  // param holding the group's place (its model tensor past the model's, unique per rank).
+  // The inner Optimizer's groups: this rank's pieces of each group, then one empty
+  // param, on every rank, of model tensor num_tensors() + g: the group's place when the
+  // rank owns none of it, and in checkpoints the group's step count and hyperparameters
+  // for any rank count (the ids do not depend on the cut, so load_shards re-shards).
   const std::vector<Piece>& own = pieces[static_cast<std::size_t>(rank)];
   const std::int64_t range_begin = ranges[static_cast<std::size_t>(rank)].begin;
   std::size_t k = 0;
@@ -436,10 +438,8 @@ void ShardedOptimizer::Impl::plan(const std::vector<ParamGroup>& groups, const O
       pg.params.push_back(q);
       slices.push_back({static_cast<std::int64_t>(p.tensor), p.offset});
     }
-    if (pg.params.empty()) {
-      pg.params.push_back(Param{TensorView{nullptr, 0, DType::f32}, TensorView{nullptr, 0, DType::f32}});
-      slices.push_back({static_cast<std::int64_t>(tensors.size() + static_cast<std::size_t>(rank) * groups.size() + g), 0});
-    }
+    pg.params.push_back(Param{TensorView{nullptr, 0, DType::f32}, TensorView{nullptr, 0, DType::f32}});
+    slices.push_back({static_cast<std::int64_t>(tensors.size() + g), 0});
     inner_groups.push_back(std::move(pg));
   }
 }

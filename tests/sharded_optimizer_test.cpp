@@ -783,11 +783,43 @@ TEST(ShardedOptimizer, CheckpointsResume) {
   for (int ranks : {3, 2, 1}) expect_resumes(c, 3, ranks, false, "one group, load_shards()");
   expect_resumes(c, 1, 2, false, "one group, load_shards()");
   // Three groups: on three ranks, rank 0 owns nothing of the last two and rank 2
-  // nothing of the first; each holds their places with empty params of tensors past
-  // the model's, so these files resume on the same number of ranks only.
+  // nothing of the first (their places held by the groups' empty params); on two, each
+  // rank owns part of two groups; on one, all. The files re-shard onto any number.
   c.groups = {{2, optim::AdamW{.lr = 1e-2}}, {3, optim::AdamW{.lr = 3e-3, .weight_decay = 0}}, {5, optim::AdamW{.lr = 1e-2}}};
   expect_resumes(c, 3, 3, true, "three groups, load()");
-  expect_resumes(c, 3, 3, false, "three groups, load_shards()");
+  for (int ranks : {3, 2, 1}) expect_resumes(c, 3, ranks, false, "three groups, load_shards()");
+  expect_resumes(c, 1, 3, false, "three groups, load_shards()");
+  expect_resumes(c, 2, 3, false, "three groups, load_shards()");
+}
+
+// Every rank's shard ends each group with one empty param of tensor num_tensors() + g,
+// whatever it owns of the group.
+TEST(ShardedOptimizer, EveryGroupEndsWithItsPlace) {
+  Case c;
+  c.sizes = {100, 40000, 7, 0, 33000};
+  c.weight = {f32, f32, f32, f32, f32};
+  c.grad = c.weight;
+  c.groups = {{2, optim::AdamW{.lr = 1e-2}}, {3, optim::AdamW{.lr = 3e-3}}, {5, optim::AdamW{.lr = 1e-2}}};
+  LocalGroup group(3);
+  const auto errors = group.run([&](int r, const std::shared_ptr<Communicator>& comm) {
+    Tensors w(c.sizes, c.weights()), g(c.sizes, c.grads());
+    ShardedOptimizer opt(c.param_groups(w, g), comm, c.options());
+    const Optimizer& inner = opt.shard();
+    const std::span<const TensorSlice> slices = opt.shard_slices();
+    ASSERT_EQ(inner.num_groups(), 3u);
+    ASSERT_EQ(slices.size(), inner.params().size());
+    std::size_t end = 0;  // of the group, in params()
+    for (std::size_t k = 0; k < 3; ++k) {
+      const std::size_t begin = end;
+      end += inner.group_params(k).size();
+      ASSERT_LT(begin, end) << "rank " << r << " group " << k;
+      EXPECT_EQ(slices[end - 1].tensor, static_cast<std::int64_t>(opt.num_tensors() + k)) << "rank " << r << " group " << k;
+      EXPECT_EQ(inner.group_params(k).back().weight.numel, 0) << "rank " << r << " group " << k;
+      for (std::size_t i = begin; i + 1 < end; ++i)
+        EXPECT_LT(slices[i].tensor, static_cast<std::int64_t>(opt.num_tensors())) << "rank " << r << " group " << k;
+    }
+  });
+  for (const auto& e : errors) EXPECT_FALSE(e);
 }
 
 }  // namespace

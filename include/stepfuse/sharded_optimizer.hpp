@@ -169,15 +169,13 @@ class ShardedOptimizer {
   // on every rank alike; its groups have the model's indices). Do not step it directly.
   // Checkpoints: every rank's shard().save(path_r) together are one (the ranks' files
   // of a sharded Optimizer); shard().load(path_r) resumes on the same number of ranks,
-  // and shard().load_shards(all paths) also on another number of ranks, as long as no
-  // rank of the saving run held a group's place with an empty param (see
-  // shard_slices(): its tensor id is past the model's, which load_shards refuses) —
-  // true with one group when every rank owns some of it.
+  // and shard().load_shards(all paths) on any number of ranks, with any groups.
   Optimizer& shard();
   const Optimizer& shard() const;
   // Where each of shard().params() lies in the model (tensor index in the model's
-  // order, offset). A group this rank owns nothing of holds its place in shard() with
-  // one empty param, whose tensor is >= num_tensors() (one id per rank and group).
+  // order, offset). Each group ends, on every rank, with one empty param of tensor
+  // num_tensors() + g: it holds the group's place where the rank owns nothing of it,
+  // and carries the group's step count and hyperparameters in checkpoints.
   std::span<const TensorSlice> shard_slices() const;
 
   // Elements [begin, end) of the model's element list (every tensor in order).
