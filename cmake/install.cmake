@@ -26,10 +26,13 @@ install(TARGETS stepfuse EXPORT stepfuseTargets
           NAMELINK_COMPONENT stepfuse_development
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT stepfuse_runtime)
 # Public headers only: the C++ API (*.hpp) and, where present, the C ABI (*.h); mpi.hpp
-# only with the library that implements it.
+# and nccl.hpp only with the libraries that implement them.
 set(_stepfuse_header_excludes "")
 if(NOT STEPFUSE_HAVE_MPI)
   list(APPEND _stepfuse_header_excludes PATTERN "mpi.hpp" EXCLUDE)
+endif()
+if(NOT STEPFUSE_HAVE_NCCL)
+  list(APPEND _stepfuse_header_excludes PATTERN "nccl.hpp" EXCLUDE)
 endif()
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/stepfuse
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
@@ -55,6 +58,20 @@ if(STEPFUSE_HAVE_MPI)
   install(EXPORT stepfuseMpiTargets
     NAMESPACE stepfuse::
     FILE stepfuseMpiTargets.cmake
+    DESTINATION ${STEPFUSE_INSTALL_CMAKEDIR}
+    COMPONENT stepfuse_development)
+endif()
+
+# stepfuse::nccl (when built), also in a file of its own: it needs nothing more to be found.
+if(STEPFUSE_HAVE_NCCL)
+  install(TARGETS stepfuse_nccl EXPORT stepfuseNcclTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_development
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_runtime
+            NAMELINK_COMPONENT stepfuse_development
+    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT stepfuse_runtime)
+  install(EXPORT stepfuseNcclTargets
+    NAMESPACE stepfuse::
+    FILE stepfuseNcclTargets.cmake
     DESTINATION ${STEPFUSE_INSTALL_CMAKEDIR}
     COMPONENT stepfuse_development)
 endif()

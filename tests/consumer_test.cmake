@@ -16,6 +16,7 @@ function(stepfuse_add_consumer_test name mode)
       -DC_COMPILER=${CMAKE_C_COMPILER}
       -DCXX_COMPILER=${CMAKE_CXX_COMPILER}
       -DPKG_CONFIG=${STEPFUSE_PKG_CONFIG}
+      -DHAVE_NCCL=${STEPFUSE_HAVE_NCCL}
       -P ${CMAKE_CURRENT_LIST_DIR}/consumer_test_driver.cmake)
   set_tests_properties(${name} PROPERTIES LABELS consumer TIMEOUT 900)
 endfunction()

@@ -116,11 +116,15 @@ endif()
 
 run_step("build the consumer" "${CMAKE_COMMAND}" --build "${consumer_build}" --config "${CONFIG}"
          --parallel ${jobs})
-if(EXISTS "${consumer_build}/stepfuse_consumer")
-  run_consumer("${consumer_build}/stepfuse_consumer")
-else()
-  run_consumer("${consumer_build}/${CONFIG}/stepfuse_consumer")
-endif()
+foreach(exe stepfuse_consumer stepfuse_nccl_consumer)
+  if(EXISTS "${consumer_build}/${exe}")
+    run_consumer("${consumer_build}/${exe}")
+  elseif(EXISTS "${consumer_build}/${CONFIG}/${exe}")
+    run_consumer("${consumer_build}/${CONFIG}/${exe}")
+  elseif(exe STREQUAL "stepfuse_consumer" OR HAVE_NCCL)
+    message(FATAL_ERROR "consumer test: ${exe} was not built")
+  endif()
+endforeach()
 
 # pkg-config: compile the same program by hand with the flags the .pc file gives.
 if(MODE STREQUAL "install")

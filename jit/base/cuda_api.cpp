@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -254,33 +255,12 @@ bool is_directory(const std::string& path) {
   return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-// The files to try, in the order cuda_api.hpp documents; duplicates removed.
+// The files to try, in the order cuda_api.hpp documents.
 std::vector<std::string> nvrtc_candidates(const std::string& override_path) {
   if (!override_path.empty()) return {override_path};
   // Newest first: a directory holding both majors (rare) gets the newer NVRTC.
   static const char* const kNames[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"};
-  std::vector<std::string> out;
-  auto add = [&out](std::string p) {
-    if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(std::move(p));
-  };
-  auto add_dir = [&add](std::string dir) {
-    if (!dir.empty() && dir.back() == '/') dir.pop_back();
-    for (const char* n : kNames) add(dir + "/" + n);
-  };
-  if (const char* env = std::getenv("STEPFUSE_NVRTC_PATH"); env && *env) {
-    if (is_directory(env)) {
-      add_dir(env);
-    } else {
-      add(env);
-    }
-  }
-  for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
-    if (const char* env = std::getenv(var); env && *env) add_dir(std::string(env) + "/lib64");
-  }
-  add_dir("/usr/local/cuda/lib64");
-  // Bare names: the loader's search (LD_LIBRARY_PATH, ld.so.cache, RUNPATH).
-  for (const char* n : kNames) add(n);
-  return out;
+  return toolkit_library_candidates("STEPFUSE_NVRTC_PATH", kNames);
 }
 
 // Fills `a` from an open libnvrtc; returns the first missing symbol, or "" when complete.
@@ -356,6 +336,31 @@ const NvrtcState& nvrtc_state() {
 }
 
 }  // namespace
+
+std::vector<std::string> toolkit_library_candidates(const char* env_var, std::span<const char* const> names) {
+  std::vector<std::string> out;
+  auto add = [&out](std::string p) {
+    if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(std::move(p));
+  };
+  auto add_dir = [&add, names](std::string dir) {
+    if (!dir.empty() && dir.back() == '/') dir.pop_back();
+    for (const char* n : names) add(dir + "/" + n);
+  };
+  if (const char* env = std::getenv(env_var); env && *env) {
+    if (is_directory(env)) {
+      add_dir(env);
+    } else {
+      add(env);
+    }
+  }
+  for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
+    if (const char* env = std::getenv(var); env && *env) add_dir(std::string(env) + "/lib64");
+  }
+  add_dir("/usr/local/cuda/lib64");
+  // Bare names: the loader's search (LD_LIBRARY_PATH, ld.so.cache, RUNPATH).
+  for (const char* n : names) add(n);
+  return out;
+}
 
 const DriverApi* driver() {
   const DriverState& s = driver_state();

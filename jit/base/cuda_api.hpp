@@ -14,8 +14,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace stepfuse::cuda {
 
@@ -159,6 +161,12 @@ const NvrtcApi* nvrtc();
 const Loaded& nvrtc_status();
 // (major, minor) of the loaded NVRTC, e.g. {13, 0}; {0, 0} when not loaded.
 std::pair<int, int> nvrtc_version();
+
+// The files to try when loading a library of the CUDA toolkit (NVRTC, NCCL), in order,
+// without duplicates: $<env_var> (a file, or a directory holding one of `names`), then
+// each name in $CUDA_HOME/lib64, $CUDA_PATH/lib64 and /usr/local/cuda/lib64, then the
+// bare names (the loader's search: LD_LIBRARY_PATH, ld.so.cache, RUNPATH).
+std::vector<std::string> toolkit_library_candidates(const char* env_var, std::span<const char* const> names);
 
 // Throws Error(device_error) "<what>: <CUresult name>: <description>" unless ok.
 void check(CUresult result, const char* what);
