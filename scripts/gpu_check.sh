@@ -13,7 +13,8 @@
 #   scripts/gpu_check.sh [--no-gpu-ok] [--build-dir DIR] [--jobs N] [--skip-torch]
 #       There, from the repository root, with .gpu-deps/ carried along: configures a Release
 #       build in DIR (default build-gpu) against .gpu-deps, builds the library, the GPU tests
-#       (cuda_gpu_test, cuda_loader_test, cuda_codegen_test, kernel_cache_test) and
+#       (cuda_gpu_test, cuda_loader_test, cuda_codegen_test, kernel_cache_test,
+#       nccl_communicator_test: NCCL's one-rank collectives on the GPU) and
 #       stepfuse-bench on every core, prints the GPU (nvidia-smi), runs the tests and
 #       stepfuse-bench's smoke tests, then stepfuse-bench --backend cuda on gpt2-124m and
 #       llama7b-layer (AdamW, clipping to 1.0, bf16 weights and gradients, fp32 masters) and,
@@ -267,7 +268,7 @@ end configure
 tests=(cuda_loader_test kernel_cache_test)
 [[ -f tests/cuda_codegen_test.cpp ]] && tests+=(cuda_codegen_test)
 tests+=(cuda_gpu_test)
-for t in custom_program_test emit_test; do [[ -f tests/$t.cpp ]] && tests+=("$t"); done
+for t in custom_program_test emit_test nccl_communicator_test; do [[ -f tests/$t.cpp ]] && tests+=("$t"); done
 examples=()
 [[ -f examples/run_emitted/run_emitted.c ]] && examples=(stepfuse-emit-kernel stepfuse-run-emitted)
 begin "build (${#tests[@]} test programs, ${#examples[@]} examples, stepfuse-bench; $jobs jobs)"
