@@ -47,33 +47,26 @@ install(EXPORT stepfuseTargets
   FILE stepfuseTargets.cmake
   DESTINATION ${STEPFUSE_INSTALL_CMAKEDIR}
   COMPONENT stepfuse_development)
-# stepfuse::mpi (when built) in a file of its own, which the package config includes
-# once it has found MPI (stepfuseConfig.cmake.in).
+# The communicators, each (when built) in an export file of its own, which the package
+# config includes when it can: stepfuse::mpi once it has found MPI, stepfuse::nccl always
+# (it loads NCCL at run time) (stepfuseConfig.cmake.in).
+function(stepfuse_install_optional target export)
+  install(TARGETS ${target} EXPORT ${export}
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_development
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_runtime
+            NAMELINK_COMPONENT stepfuse_development
+    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT stepfuse_runtime)
+  install(EXPORT ${export}
+    NAMESPACE stepfuse::
+    FILE ${export}.cmake
+    DESTINATION ${STEPFUSE_INSTALL_CMAKEDIR}
+    COMPONENT stepfuse_development)
+endfunction()
 if(STEPFUSE_HAVE_MPI)
-  install(TARGETS stepfuse_mpi EXPORT stepfuseMpiTargets
-    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_development
-    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_runtime
-            NAMELINK_COMPONENT stepfuse_development
-    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT stepfuse_runtime)
-  install(EXPORT stepfuseMpiTargets
-    NAMESPACE stepfuse::
-    FILE stepfuseMpiTargets.cmake
-    DESTINATION ${STEPFUSE_INSTALL_CMAKEDIR}
-    COMPONENT stepfuse_development)
+  stepfuse_install_optional(stepfuse_mpi stepfuseMpiTargets)
 endif()
-
-# stepfuse::nccl (when built), also in a file of its own: it needs nothing more to be found.
 if(STEPFUSE_HAVE_NCCL)
-  install(TARGETS stepfuse_nccl EXPORT stepfuseNcclTargets
-    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_development
-    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT stepfuse_runtime
-            NAMELINK_COMPONENT stepfuse_development
-    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT stepfuse_runtime)
-  install(EXPORT stepfuseNcclTargets
-    NAMESPACE stepfuse::
-    FILE stepfuseNcclTargets.cmake
-    DESTINATION ${STEPFUSE_INSTALL_CMAKEDIR}
-    COMPONENT stepfuse_development)
+  stepfuse_install_optional(stepfuse_nccl stepfuseNcclTargets)
 endif()
 
 # A static libstepfuse.a carries its private dependencies (Highway) to whoever links

@@ -17,6 +17,7 @@
 #include "stepfuse/convert.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/nccl.hpp"
+#include "tests/nccl/fake_nccl.hpp"
 
 namespace stepfuse {
 namespace {
@@ -24,16 +25,7 @@ namespace {
 using detail::NcclLibrary;
 using detail::open_nccl;
 
-// tests/nccl/fake_nccl.cpp's records and comms.
-struct FakeNcclCall {
-  const char* name;
-  const void* send;
-  void* recv;
-  std::size_t count;
-  int type, op;
-  void* stream;
-  int calls;
-};
+// tests/nccl/fake_nccl.cpp's comms and records.
 struct Fake {
   NcclLibrary lib;
   ncclComm_t (*create)(int rank, int size, int device, int fail) = nullptr;

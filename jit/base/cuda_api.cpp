@@ -266,11 +266,7 @@ std::vector<std::string> nvrtc_candidates(const std::string& override_path) {
 // Fills `a` from an open libnvrtc; returns the first missing symbol, or "" when complete.
 std::string resolve_nvrtc(void* lib, NvrtcApi& a) {
   std::string missing;
-  auto get = [&](auto& slot, const char* name) {
-    void* p = dlsym(lib, name);
-    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(p);
-    if (!p && missing.empty()) missing = name;
-  };
+  auto get = [&](auto& slot, const char* name) { resolve_symbol(lib, slot, name, missing); };
   get(a.nvrtcVersion, "nvrtcVersion");
   get(a.nvrtcGetErrorString, "nvrtcGetErrorString");
   get(a.nvrtcGetNumSupportedArchs, "nvrtcGetNumSupportedArchs");
@@ -336,6 +332,12 @@ const NvrtcState& nvrtc_state() {
 }
 
 }  // namespace
+
+void* library_symbol(void* lib, const char* name, std::string& missing, bool required) {
+  void* p = dlsym(lib, name);
+  if (p == nullptr && required && missing.empty()) missing = name;
+  return p;
+}
 
 std::vector<std::string> toolkit_library_candidates(const char* env_var, std::span<const char* const> names) {
   std::vector<std::string> out;

@@ -168,6 +168,15 @@ std::pair<int, int> nvrtc_version();
 // bare names (the loader's search: LD_LIBRARY_PATH, ld.so.cache, RUNPATH).
 std::vector<std::string> toolkit_library_candidates(const char* env_var, std::span<const char* const> names);
 
+// dlsym(lib, name) into `slot` (nullptr when absent); the first absent required name
+// goes into `missing` when that is still empty. For filling a function table.
+void* library_symbol(void* lib, const char* name, std::string& missing, bool required);
+template <class Fn>
+void resolve_symbol(void* lib, Fn*& slot, const char* name, std::string& missing, bool required = true) {
+  // POSIX guarantees a dlsym result converts to a function pointer.
+  slot = reinterpret_cast<Fn*>(library_symbol(lib, name, missing, required));
+}
+
 // Throws Error(device_error) "<what>: <CUresult name>: <description>" unless ok.
 void check(CUresult result, const char* what);
 // For destructors, which must not throw: true when ok; otherwise sends "<what> failed

@@ -4,7 +4,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "jit/base/cuda_api.hpp"
@@ -29,9 +28,7 @@ std::string version_text(int code) {
 std::string resolve(void* lib, NcclApi& a) {
   std::string missing;
   auto get = [&](auto& slot, const char* name, bool required = true) {
-    void* p = dlsym(lib, name);
-    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(p);
-    if (!p && required && missing.empty()) missing = name;
+    cuda::resolve_symbol(lib, slot, name, missing, required);
   };
   get(a.ncclGetVersion, "ncclGetVersion");
   get(a.ncclGetErrorString, "ncclGetErrorString");

@@ -6,23 +6,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "fake_nccl.hpp"
+
 struct ncclComm {
   int rank, size, device;
   int fail;  // the result every collective returns, when not 0
 };
 using ncclComm_t = ncclComm*;
 using cudaStream_t = void*;
-
-// The last collective, for the test to inspect (fakeNcclLastCall).
-struct FakeNcclCall {
-  const char* name;
-  const void* send;
-  void* recv;
-  std::size_t count;
-  int type, op;
-  cudaStream_t stream;
-  int calls;  // collectives called so far
-};
 
 namespace {
 FakeNcclCall g_last{};
