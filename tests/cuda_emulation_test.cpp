@@ -523,6 +523,7 @@ struct ProgramCase {
   const char* name;
   OptimizerConfig config;
 };
+void PrintTo(const ProgramCase& c, std::ostream* os) { *os << c.name; }  // gtest's name for the parameter
 
 std::vector<ProgramCase> program_cases() {
   return {

@@ -211,6 +211,11 @@ std::vector<Case> all_cases() {
   return out;
 }
 
+// gtest's (and CTest's) name for a case's parameter.
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.config.name << "_" << c.dtypes.name << "_" << kind_name(c.kind);
+}
+
 class BuiltinBitwise : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BuiltinBitwise, LlvmEqualsHighway) {
