@@ -139,12 +139,19 @@ void throw_rank_failed(const RankStatus& status, std::size_t rank, std::size_t r
 void Shard::refuse(const OptimizerOptions& options, const std::exception_ptr& error) {
   Header h = local_header(options);
   h.status = RankStatus::of(error);
-  exchange_headers(*options.communicator, h);  // the others throw; the caller rethrows `error`
+  // The others throw; the caller rethrows `error`. When the exchange itself cannot be
+  // made (a communicator of a device this process cannot use, a failing transport),
+  // `error` is still the one to report: the others' collective fails or times out on
+  // their side, as with a rank that died.
+  try {
+    exchange_headers(*host_communicator(options.communicator), h);
+  } catch (const std::exception&) {
+  }
 }
 
 Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, const std::vector<bool>& two_phase)
-    : comm_(options.communicator) {
-  Communicator& comm = *comm_;
+    : comm_(options.communicator), host_comm_(host_communicator(options.communicator)) {
+  Communicator& comm = *host_comm_;
   const int self = comm.rank();
   const auto ranks = static_cast<std::size_t>(comm.size());
 
@@ -299,11 +306,7 @@ Shard::Reduction Shard::combine(std::span<const cpu::ReducePartial> partials, bo
   Reduction r;
   const std::size_t ranks = recv_.size() / stride_;
   for (std::size_t k = 0; k < ranks; ++k) {
-    if (recv_[k * stride_ + flags + 1] != 0.0)
-      throw Error(ErrorCode::invalid_argument,
-                  "sharded step: rank " + std::to_string(k) +
-                      " refused its input to this step (its own Error says why), so no rank took the step: nothing "
-                      "was written");
+    if (recv_[k * stride_ + flags + 1] != 0.0) throw_refused(k);
     r.found_inf |= recv_[k * stride_ + flags] != 0.0;
   }
   double total = 0;
@@ -324,6 +327,27 @@ void Shard::refuse_step() {
   std::fill(send_.begin(), send_.end(), 0.0);
   send_[stride_ - 1] = 1.0;
   comm_->all_gather(send_.data(), recv_.data(), stride_, CommType::f64);
+}
+
+void Shard::throw_refused(std::size_t rank) {
+  throw Error(ErrorCode::invalid_argument,
+              "sharded step: rank " + std::to_string(rank) +
+                  " refused its input to this step (its own Error says why), so no rank took the step: nothing was "
+                  "written");
+}
+
+Shard::DevicePlan Shard::device_plan() const {
+  DevicePlan p;
+  for (const SendPlan& s : send_plan_) {
+    p.send_at.push_back(static_cast<long long>(s.at));
+    p.send_whole.push_back(s.whole ? 1 : 0);
+  }
+  p.order = order_;
+  p.tensor_begin.assign(tensor_begin_.begin(), tensor_begin_.end());
+  p.local_tensor.assign(local_tensor_.begin(), local_tensor_.end());
+  p.stride = stride_;
+  p.ranks = recv_.size() / stride_;
+  return p;
 }
 
 }  // namespace stepfuse::detail

@@ -17,6 +17,12 @@
 
 namespace stepfuse::detail {
 
+// `comm` for host buffers: itself when its device is the CPU, else a communicator
+// that copies host buffers to its device and back around each collective (and
+// waits for it): for the few small collectives of construction and checkpoints,
+// never a step's (runtime/cuda/cuda_staging.cpp).
+std::shared_ptr<Communicator> host_communicator(std::shared_ptr<Communicator> comm);
+
 // An exception's message without the "stepfuse: " an Error's starts with (to quote
 // it in another message).
 std::string message_of(const std::exception& e);
@@ -78,8 +84,27 @@ class Shard {
   // This rank refuses the step's input: it makes the step's collective with a
   // flag that makes every other rank throw, so none of them waits for it.
   void refuse_step();
+  // What every other rank throws when rank `rank` refused its step.
+  [[noreturn]] static void throw_refused(std::size_t rank);
 
-  Communicator& communicator() const { return *comm_; }
+  // The step's plan as tables, for a backend that combines on the device (CUDA,
+  // jit/cuda/kernels/shard_kernel.cuh): the same sends and the same order as combine().
+  struct DevicePlan {
+    std::vector<long long> send_at;       // per local param: its first value in the send
+    std::vector<int> send_whole;          // per local param: 1: one value, its chunks' combine
+    std::vector<std::uint32_t> order;     // positions in the gathered values, in canonical order
+    std::vector<long long> tensor_begin;  // per model tensor, and one past the last
+    std::vector<int> local_tensor;        // per local param: its model tensor
+    std::size_t stride = 0;               // doubles per rank; the last two: found_inf, refused
+    std::size_t ranks = 0;
+  };
+  DevicePlan device_plan() const;
+
+  // The communicator for host buffers (construction, checkpoints): the step's own,
+  // or for a communicator of device memory, one that stages through it.
+  Communicator& communicator() const { return *host_comm_; }
+  // The step's own communicator (device memory for a CUDA step's).
+  Communicator& device_communicator() const { return *comm_; }
   // Bytes each rank contributes to the step's collective (all ranks get size() times it).
   std::size_t bytes_per_step() const { return stride_ * sizeof(double); }
   std::size_t model_tensors() const { return tensor_begin_.size() - 1; }
@@ -101,7 +126,8 @@ class Shard {
     std::size_t at = 0;
     bool whole = false;
   };
-  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> comm_;       // the step's collective
+  std::shared_ptr<Communicator> host_comm_;  // host buffers (communicator())
   std::vector<SendPlan> send_plan_;            // per local param
   std::size_t stride_ = 0;                    // doubles per rank: the most values a rank sends, found_inf, refused
   std::vector<double> send_, recv_;

@@ -80,6 +80,12 @@ void check_model(const std::vector<ParamGroup>& groups, const OptimizerOptions& 
                  "ShardedOptimizer sets the inner Optimizer's)");
   if (!options.slices.empty())
     bad_argument("OptimizerOptions::slices is set (the ShardedOptimizer partitions the model itself)");
+  if (options.device.kind != Device::Kind::cpu)
+    throw Error(ErrorCode::unsupported,
+                "ShardedOptimizer: OptimizerOptions::device is a GPU, but the ShardedOptimizer stages gradients and "
+                "weights in host memory (CPU only in this version); on GPUs, build a sharded Optimizer "
+                "(OptimizerOptions::communicator = stepfuse::nccl_communicator(...)) over each rank's shard, and "
+                "reduce-scatter the gradients and all-gather the weights as your framework does");
   if (sharded.grad_type != CommType::f32 && sharded.grad_type != CommType::bf16 && sharded.grad_type != CommType::f16)
     bad_argument("ShardedOptions::grad_type = " + std::string(comm_type_name(sharded.grad_type)) +
                  " (the gradients travel as f32, bf16 or f16)");
@@ -311,6 +317,12 @@ ShardedOptimizer::Impl::Impl(std::vector<ParamGroup> groups, std::shared_ptr<Com
   if (ranks < 1 || rank < 0 || rank >= ranks)
     bad_argument("communicator '" + std::string(comm->name()) + "': rank " + std::to_string(rank) + " of size " +
                  std::to_string(ranks) + " (need 0 <= rank < size)");
+
+  // Its collectives pass host memory: a communicator of device memory fails on every rank alike.
+  if (comm->device().kind != Device::Kind::cpu)
+    throw Error(ErrorCode::unsupported, "ShardedOptimizer: communicator '" + std::string(comm->name()) +
+                                            "' works on device memory, but the ShardedOptimizer's collectives pass host "
+                                            "memory (use a CPU communicator: MPI, or torch.distributed's gloo)");
 
   // Round 1: every rank's checks and model summary.
   Summary mine;

@@ -133,11 +133,17 @@ void validate_shard(const std::vector<Param>& params, const OptimizerOptions& o)
   if (c.size() < 1 || c.rank() < 0 || c.rank() >= c.size())
     bad_argument("OptimizerOptions::communicator '" + std::string(c.name()) + "': rank " + std::to_string(c.rank()) +
                  " of size " + std::to_string(c.size()) + " (need 0 <= rank < size)");
-  if (o.device.kind == Device::Kind::cuda)
+  if (o.device.kind == Device::Kind::cuda && c.device().kind != Device::Kind::cuda)
     throw Error(ErrorCode::unsupported,
-                "OptimizerOptions::communicator: sharded steps run on the CPU only in this version (a CUDA optimizer "
-                "over an NCCL communicator is not implemented yet); use Device::cpu(), or one unsharded optimizer per GPU");
-  if (c.device().kind != Device::Kind::cpu)
+                "OptimizerOptions::communicator '" + std::string(c.name()) +
+                    "' works on host memory, but a CUDA optimizer's sharded step runs its collective on the device, "
+                    "with no host sync (use stepfuse::nccl_communicator over a comm of cuda:" +
+                    std::to_string(o.device.index) + ", on the optimizer's stream)");
+  if (o.device.kind == Device::Kind::cuda && c.device().index != o.device.index)
+    bad_argument("OptimizerOptions::communicator '" + std::string(c.name()) + "' works on cuda:" +
+                 std::to_string(c.device().index) + " but the optimizer is on cuda:" + std::to_string(o.device.index) +
+                 " (give each GPU's optimizer the communicator of that GPU)");
+  if (o.device.kind == Device::Kind::cpu && c.device().kind != Device::Kind::cpu)
     throw Error(ErrorCode::unsupported, "OptimizerOptions::communicator '" + std::string(c.name()) +
                                             "' works on device memory, but a CPU optimizer's collectives use host "
                                             "memory (use a CPU communicator: MPI, or torch.distributed's gloo)");
@@ -196,8 +202,8 @@ StepEngine::StepEngine(std::vector<ParamGroup> groups, OptimizerOptions options,
     groups_.push_back(std::move(group));
   }
   validate_params(params_, ParamNames{name_groups ? &begins : nullptr});
+  validate_shard(params_, options_);  // first: a communicator of the wrong memory is wrong on any machine
   validate_options(options_);
-  validate_shard(params_, options_);
   rules_.resize(groups_.size());
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const Group& group = groups_[g];
@@ -216,8 +222,8 @@ StepEngine::StepEngine(std::vector<ParamGroup> groups, OptimizerOptions options,
 StepEngine::StepEngine(UpdateProgram program, std::vector<Param> params, OptimizerOptions options)
     : custom_(std::make_unique<UpdateProgram>(std::move(program))), params_(std::move(params)), options_(options) {
   validate_params(params_, ParamNames{});
+  validate_shard(params_, options_);  // first: a communicator of the wrong memory is wrong on any machine
   validate_options(options_);
-  validate_shard(params_, options_);
   Group group;
   group.end = params_.size();
   groups_.push_back(group);
@@ -396,7 +402,12 @@ void StepEngine::connect_shard() {
 const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   if (!(std::isfinite(loss_scale) && loss_scale > 0)) {
     // Sharded: the other ranks are in (or on their way to) the step's collective.
-    if (shard_ && (scaled || options_.max_grad_norm || options_.track_grad_norm)) shard_->refuse_step();
+    if (shard_ && (scaled || options_.max_grad_norm || options_.track_grad_norm)) {
+      if (cuda_ != nullptr)
+        cuda_->refuse_shard_step();
+      else
+        shard_->refuse_step();
+    }
     bad_argument("step: loss_scale = " + format_number(loss_scale) + " (must be finite and > 0)");
   }
   StepRequest request;

@@ -19,12 +19,13 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 7;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 8;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
                                     //    one element function per spec; 5: two-phase programs (sf_phase1,
                                     //    sf_phase_combine, sf_update's norms); 6: param groups (sf_tensor.group,
                                     //    the group rules and scalars in device memory, read at every launch);
-                                    // 7: program variants per param group (sf_body_v<n>, shared state buffers)
+                                    // 7: program variants per param group (sf_body_v<n>, shared state buffers);
+                                    // 8: sf_finish shared by sf_finalize and the sharded step's kernels
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -119,6 +120,8 @@ constexpr std::string_view kReduceCommon = embedded_file("jit/cuda/kernels/reduc
 constexpr std::string_view kReduceChunkL2 = embedded_file("jit/cuda/kernels/reduce_chunk_l2.cuh");
 constexpr std::string_view kReduceChunkInf = embedded_file("jit/cuda/kernels/reduce_chunk_inf.cuh");
 constexpr std::string_view kReduceKernel = embedded_file("jit/cuda/kernels/reduce_kernel.cuh");
+constexpr std::string_view kShardAbi = embedded_file("jit/cuda/shard_abi.h");
+constexpr std::string_view kShardKernel = embedded_file("jit/cuda/kernels/shard_kernel.cuh");
 constexpr std::string_view kUpdateSpan = embedded_file("jit/cuda/kernels/update_span.cuh");
 constexpr std::string_view kUpdateKernel = embedded_file("jit/cuda/kernels/update_kernel.cuh");
 constexpr std::string_view kPhase1Chunk = embedded_file("jit/cuda/kernels/phase1_chunk.cuh");
@@ -255,6 +258,7 @@ std::string canonical_text(const CudaSpec& spec) {
   o << "stepfuse cuda emitter " << kEmitterVersion << "\n"
     << "norm " << (spec.norm == CudaNorm::l2 ? "l2" : "inf") << "\n"
     << "flat " << spec.flat << "\naligned16 " << spec.aligned16 << "\n"
+    << (spec.sharded ? "sharded\n" : "")
     << "combos";
   for (const DtypeCombo& c : spec.combos)
     o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "");
@@ -369,6 +373,11 @@ std::string reduce_part(const CudaSpec& spec) {
                {"NORM_OF_TOTAL", l2 ? "sqrt(total)" : "total"},
                {"NUM_SCALARS", std::to_string(max_scalars(spec))},
                {"REDUCE_CASES", reduce_cases}});
+  if (spec.sharded)
+    out += std::string(kShardAbi) + "\n" +
+           fill(std::string(kShardKernel), {{"PARTIAL_VALUE", l2 ? "p->sumsq" : "(double)p->maxabs"},
+                                            {"COMBINE", l2 ? "acc + x" : "acc < x ? x : acc"},
+                                            {"NORM_OF_TOTAL", l2 ? "sqrt(total)" : "total"}});
   return out;
 }
 
@@ -431,7 +440,7 @@ std::string reduce_canonical_text(const CudaSpec& spec) {
   o << "stepfuse cuda emitter " << kEmitterVersion << ", reduce kernel\n"
     << "norm " << (spec.norm == CudaNorm::l2 ? "l2" : "inf") << "\ngrads";
   for (const DtypeCombo& c : spec.combos) o << " " << dtype_name(c.grad);
-  o << "\nscalars " << max_scalars(spec) << "\n";
+  o << "\nscalars " << max_scalars(spec) << "\n" << (spec.sharded ? "sharded\n" : "");
   return o.str();
 }
 

@@ -38,6 +38,8 @@ struct CudaSpec {
   bool flat = false;       // every stream is one contiguous buffer, one combo: no span table
   bool aligned16 = false;  // every stream base 16-byte aligned, state offsets multiples of 4:
                            // the update uses 16-byte (f32) / 8-byte (f16, bf16) vector accesses
+  bool sharded = false;    // OptimizerOptions::communicator: the reduce module also has the sharded
+                           // step's sf_reduce_shard and sf_shard_finalize (kernels/shard_kernel.cuh)
 };
 
 // Canonical text of a spec: stable across runs and compilers (the cache key's core).

@@ -13,6 +13,7 @@
 #include "jit/cuda/cuda_layout.hpp"
 #include "jit/program_analysis.hpp"
 #include "runtime/cuda/cuda_scaler.hpp"
+#include "runtime/shard.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::detail {
@@ -180,6 +181,7 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   // Several groups: per-tensor blocks (a block's scalars are its tensor's group's), never the flat layout.
   // Groups whose flags pick other variants of the program run them in the same kernels.
   jit::CudaLayout layout = jit::plan_cuda_layout(program, params_, options, /*allow_flat=*/num_groups_ == 1);
+  layout.spec.sharded = options.communicator != nullptr;
   std::vector<const Program*> group_programs;
   for (const StepPrograms::Group& g : programs.groups) group_programs.push_back(g.program);
   const std::vector<int> group_variant = jit::assign_groups(layout, group_programs, programs.tensor_group);
@@ -218,6 +220,10 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
     }
   }
   reduce_ = reduce_module_->get("sf_reduce");
+  if (spec_.sharded) {
+    reduce_shard_ = reduce_module_->get("sf_reduce_shard");
+    shard_finalize_ = reduce_module_->get("sf_shard_finalize");
+  }
   update_ = update_module_->get("sf_update");
   if (jit::is_two_phase(program)) {
     phase1_ = update_module_->get("sf_phase1");
@@ -343,7 +349,24 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
   const bool reduce = request.scaled || clip || options_.track_grad_norm || request.device_scale != nullptr;
   cuda::CUdeviceptr tensors = tensors_.get(), chunks = chunks_.get(), blocks = blocks_.get();
   cuda::CUdeviceptr partials = partials_.get(), sums = tensor_sums_.get(), st = step_state_.get();
-  if (reduce) {
+  if (reduce && shard_ != nullptr) {
+    // The sharded step: this rank's values, every rank's (the step's one collective,
+    // on the communicator's stream: the optimizer's), then the model's combine.
+    int num_tensors = static_cast<int>(params_.size());
+    int num_chunks = num_chunks_;
+    sf_shard shard = shard_args_;
+    void* reduce_args[] = {&tensors, &num_tensors, &chunks, &num_chunks, &partials, &st, &shard};
+    const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
+    launch(reduce_shard_, "sf_reduce_shard", grid, 32 * SF_REDUCE_WARPS, stream_, reduce_args);
+    shard_->device_communicator().all_gather(shard_send_.as<void>(), shard_recv_.as<void>(),
+                                             static_cast<std::size_t>(shard.stride), CommType::f64);
+    const float* scale_ptr = request.device_scale;
+    double scale_value = request.loss_scale;
+    int check_finite = request.scaled || request.device_scale != nullptr || clip ? 1 : 0;
+    sf_scaler_state* scaler = request.scaler;
+    void* finalize_args[] = {&shard, &sums, &num_tensors, &st, &hyper, &scale_ptr, &scale_value, &check_finite, &scaler};
+    launch(shard_finalize_, "sf_shard_finalize", 1, SF_SHARD_THREADS, stream_, finalize_args);
+  } else if (reduce) {
     int num_tensors = static_cast<int>(params_.size());
     int num_chunks = num_chunks_;
     const float* scale_ptr = request.device_scale;
@@ -355,6 +378,8 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
     const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
     launch(reduce_, "sf_reduce", grid, 32 * SF_REDUCE_WARPS, stream_, args);
   }
+  if (shard_ != nullptr && !reduce)  // a plain step has no collective: no rank refused it
+    cuda::check(api().cuMemsetD8Async(shard_refused_.get(), 0xff, sizeof(int), stream_), "cuMemsetD8Async");
   sf_streams streams{};
   for (int s = 0; s < kMaxStreams; ++s) streams.s[s] = state_[s].as<float>();
   long long flat_numel = layout_.state_elems;  // the flat layout's elements (jit::CudaLayout::flat_numel)
@@ -400,6 +425,11 @@ void CudaBackend::scale_tensors(const std::vector<TensorView>& tensors, float fa
 
 StepResult CudaBackend::read_result(std::vector<double>* tensor_norms) const {
   synchronize();
+  if (shard_ != nullptr) {  // a rank refused this step: nothing was applied anywhere
+    int refused = -1;
+    cuda::check(api().cuMemcpyDtoH(&refused, shard_refused_.get(), sizeof refused), "cuMemcpyDtoH");
+    if (refused >= 0) Shard::throw_refused(static_cast<std::size_t>(refused));
+  }
   sf_step_state st{};
   cuda::check(api().cuMemcpyDtoH(&st, step_state_.get(), sizeof st), "cuMemcpyDtoH");
   StepResult r;
@@ -486,6 +516,59 @@ float* CudaBackend::state_data(int buffer) const {
 float* CudaBackend::masters_data() const {
   host_view();
   return host_masters_.data();
+}
+
+// ---- the sharded step ----
+
+namespace {
+
+template <class T>
+DeviceBuffer upload_now(const std::vector<T>& v, cuda::CUstream stream) {
+  DeviceBuffer b = upload_table(v, stream);
+  cuda::check(api().cuStreamSynchronize(stream), "cuStreamSynchronize");  // `v` may go
+  return b;
+}
+
+}  // namespace
+
+void CudaBackend::set_shard(Shard* shard) {
+  if (shard == nullptr) return;
+  ctx_->make_current();
+  const Shard::DevicePlan plan = shard->device_plan();
+  shard_tables_[0] = upload_now(plan.send_at, stream_);
+  shard_tables_[1] = upload_now(plan.send_whole, stream_);
+  shard_tables_[2] = upload_now(plan.order, stream_);
+  shard_tables_[3] = upload_now(plan.tensor_begin, stream_);
+  shard_tables_[4] = upload_now(plan.local_tensor, stream_);
+  shard_send_ = DeviceBuffer(plan.stride * sizeof(double));
+  shard_recv_ = DeviceBuffer(plan.stride * plan.ranks * sizeof(double));
+  shard_sums_ = DeviceBuffer(std::max<std::size_t>(plan.tensor_begin.size() - 1, 1) * sizeof(double));
+  shard_refused_ = DeviceBuffer(sizeof(int));
+  cuda::check(api().cuMemsetD8Async(shard_refused_.get(), 0xff, sizeof(int), stream_), "cuMemsetD8Async");  // -1
+  sf_shard& a = shard_args_;
+  a.send_at = shard_tables_[0].as<const long long>();
+  a.send_whole = shard_tables_[1].as<const int>();
+  a.send = shard_send_.as<double>();
+  a.recv = shard_recv_.as<const double>();
+  a.order = shard_tables_[2].as<const unsigned int>();
+  a.tensor_begin = shard_tables_[3].as<const long long>();
+  a.local_tensor = shard_tables_[4].as<const int>();
+  a.model_sums = shard_sums_.as<double>();
+  a.refused = shard_refused_.as<int>();
+  a.stride = static_cast<long long>(plan.stride);
+  a.num_model_tensors = static_cast<int>(plan.tensor_begin.size() - 1);
+  a.ranks = static_cast<int>(plan.ranks);
+  shard_ = shard;
+}
+
+void CudaBackend::refuse_shard_step() {
+  ctx_->make_current();
+  std::vector<double> send(static_cast<std::size_t>(shard_args_.stride), 0.0);
+  send.back() = 1.0;  // refused
+  // From pageable memory: staged before the call returns, so `send` may go.
+  cuda::check(api().cuMemcpyHtoDAsync(shard_send_.get(), send.data(), send.size() * sizeof(double), stream_),
+              "cuMemcpyHtoDAsync");
+  shard_->device_communicator().all_gather(shard_send_.as<void>(), shard_recv_.as<void>(), send.size(), CommType::f64);
 }
 
 }  // namespace stepfuse::detail

@@ -18,6 +18,7 @@
 
 extern "C" {
 #include "jit/cuda/device_abi.h"
+#include "jit/cuda/shard_abi.h"
 }
 
 namespace stepfuse::detail {
@@ -108,8 +109,14 @@ class CudaBackend final : public Backend {
   // (a flat or 16-byte-aligned spec needs them so), then copies the tensor table's
   // new pointers to the device, ordered on the stream.
   void set_grads(const std::vector<Param>& params) override;
-  // Sharded steps on CUDA (an NCCL communicator) are refused before a backend is built.
-  void set_shard(Shard*) override {}
+  // A sharded step (runtime/shard.hpp; the spec was made sharded at construction):
+  // uploads the step's plan and allocates the collective's buffers. Each step then
+  // runs sf_reduce_shard, the communicator's all_gather (enqueued on its stream,
+  // which must be this optimizer's), and sf_shard_finalize: no host sync.
+  void set_shard(Shard* shard) override;
+  // This rank refuses its step: the step's all_gather with the refused flag set, so
+  // every other rank's step applies nothing and its result raises the Error.
+  void refuse_shard_step();
 
   // data *= factor, in place on the device, rounded to each tensor's storage
   // format (LossScaleOptimizer::get_unscaled_gradients). Enqueued.
@@ -146,6 +153,11 @@ class CudaBackend final : public Backend {
   // kernels, each chunk's sums and each tensor's norms (SF_MAX_NORM_SLOTS floats apiece).
   cuda::CUfunction phase1_ = nullptr, combine_ = nullptr;
   DeviceBuffer norm_sums_, norms_;
+  // A sharded step (set_shard): its kernels, tables and buffers (jit/cuda/shard_abi.h).
+  Shard* shard_ = nullptr;
+  cuda::CUfunction reduce_shard_ = nullptr, shard_finalize_ = nullptr;
+  DeviceBuffer shard_tables_[5], shard_send_, shard_recv_, shard_sums_, shard_refused_;
+  sf_shard shard_args_{};
 };
 
 }  // namespace stepfuse::detail

@@ -33,6 +33,29 @@ SF_DEV SF_INLINE void sf_fin_load(const sf_span* SF_RESTRICT chunks, int num_chu
   }
 }
 
+/* The scalar stage, by one thread, from the step's norm (of the gradients as stored)
+ * and found_inf: the results in *st, found_inf recorded in the scaler, and when the
+ * step is applied every group's scalars and the new step count. */
+SF_DEV void sf_finish(double norm, int found_inf, sf_step_state* st, const sf_hyper* hyper, double scale,
+                      int check_finite, sf_scaler_state* scaler) {
+  st->found_inf = found_inf;
+  st->loss_scale = scale;
+  if (scaler) {
+    if (found_inf) scaler->found_inf = 1;
+    scaler->recorded = 1;
+  }
+  const sf_stage stage = sf_step_stage(found_inf, check_finite, norm, scale, hyper->max_grad_norm, st->step);
+  st->grad_norm = stage.grad_norm;
+  st->clip_coef = stage.clip_coef;
+  st->gscale = stage.gscale;
+  st->applied = stage.applied;
+  if (!stage.applied) return;  /* skipped: nothing is written, the step count stays */
+  for (int g = 0; g < hyper->num_groups; ++g)  /* every group's scalars, at its own step */
+    sf_eval_scalars(hyper->groups[g].rules, {NUM_SCALARS}, stage.step - hyper->groups[g].step_base, stage.gscale,
+                    hyper->scalars + (long long)g * SF_MAX_SCALARS);
+  st->step = stage.step;
+}
+
 /* Combines the partials in the CPU's order and runs the scalar stage. One block.
  * Invariant (the numerics): each tensor's chunk partials are combined by ONE thread,
  * sequentially in chunk order in fp64, from 0.0; then thread 0 combines the tensors'
@@ -103,34 +126,14 @@ SF_DEV void sf_finalize(const sf_tensor* SF_RESTRICT tensors, int num_tensors, c
     }
   }
   if (threadIdx.x != 0) return;
-  const double norm = {NORM_OF_TOTAL};
-  const int found_inf = any_bad;
-  st->found_inf = found_inf;
-  st->loss_scale = scale;
   st->blocks_done = 0u;
-  if (scaler) {
-    if (found_inf) scaler->found_inf = 1;
-    scaler->recorded = 1;
-  }
-  const sf_stage stage = sf_step_stage(found_inf, check_finite, norm, scale, hyper->max_grad_norm, st->step);
-  st->grad_norm = stage.grad_norm;
-  st->clip_coef = stage.clip_coef;
-  st->gscale = stage.gscale;
-  st->applied = stage.applied;
-  if (!stage.applied) return;  /* skipped: nothing is written, the step count stays */
-  for (int g = 0; g < hyper->num_groups; ++g)  /* every group's scalars, at its own step */
-    sf_eval_scalars(hyper->groups[g].rules, {NUM_SCALARS}, stage.step - hyper->groups[g].step_base, stage.gscale,
-                    hyper->scalars + (long long)g * SF_MAX_SCALARS);
-  st->step = stage.step;
+  sf_finish({NORM_OF_TOTAL}, any_bad, st, hyper, scale, check_finite, scaler);
 }
 
-/* The reduce pass: one warp per chunk; the last block to finish runs sf_finalize.
- * The loss scale is *scale_ptr when given (a GradScaler's, on the device), else scale_value
- * (a double, as the CPU divides by: Optimizer::step_scaled takes any finite S > 0). */
-extern "C" __global__ void __launch_bounds__(32 * SF_REDUCE_WARPS)
-sf_reduce(const sf_tensor* SF_RESTRICT tensors, int num_tensors, const sf_span* SF_RESTRICT chunks, int num_chunks,
-          sf_partial* partials, double* tensor_sums, sf_step_state* st, const sf_hyper hyper, const float* scale_ptr,
-          double scale_value, int check_finite, sf_scaler_state* scaler) {
+/* The reduce pass's blocks: one warp per chunk writes the chunk's partial. Returns 1
+ * in the last block to finish (all partials written and visible), else 0. */
+SF_DEV SF_INLINE int sf_reduce_blocks(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT chunks,
+                                      int num_chunks, sf_partial* partials, sf_step_state* st) {
   __shared__ uint4 stage[SF_REDUCE_WARPS][32];  /* each warp's staging slots (sf_reduce_chunk_*) */
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c = blockIdx.x * SF_REDUCE_WARPS + warp;
@@ -149,8 +152,19 @@ sf_reduce(const sf_tensor* SF_RESTRICT tensors, int num_tensors, const sf_span* 
   __shared__ int is_last;
   if (threadIdx.x == 0) is_last = atomicAdd(&st->blocks_done, 1u) == gridDim.x - 1;
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last) return 0;
   __threadfence();
+  return 1;
+}
+
+/* The reduce pass: one warp per chunk; the last block to finish runs sf_finalize.
+ * The loss scale is *scale_ptr when given (a GradScaler's, on the device), else scale_value
+ * (a double, as the CPU divides by: Optimizer::step_scaled takes any finite S > 0). */
+extern "C" __global__ void __launch_bounds__(32 * SF_REDUCE_WARPS)
+sf_reduce(const sf_tensor* SF_RESTRICT tensors, int num_tensors, const sf_span* SF_RESTRICT chunks, int num_chunks,
+          sf_partial* partials, double* tensor_sums, sf_step_state* st, const sf_hyper hyper, const float* scale_ptr,
+          double scale_value, int check_finite, sf_scaler_state* scaler) {
+  if (!sf_reduce_blocks(tensors, chunks, num_chunks, partials, st)) return;
   const double scale = scale_ptr ? (double)*(const volatile float*)scale_ptr : scale_value;
   sf_finalize(tensors, num_tensors, chunks, num_chunks, partials, tensor_sums, st, &hyper, scale, check_finite, scaler);
 }
