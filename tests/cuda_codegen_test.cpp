@@ -318,6 +318,16 @@ TEST(CudaCodegenCompile, EveryBuiltinInEveryLayoutForCubinAndPtx) {
   const int adam = static_cast<int>(jit::builtin_named("adam"));
   updates.push_back(make_job("adam unaligned step kernels (emit_cuda) sm_90", jit::emit_cuda(make_spec(adam, Layout::unaligned)),
                              "adam_step.cu", {90, CudaOutput::cubin}, {"sf_reduce", "sf_update"}, false));
+  // The sharded step's reduce module (sf_reduce_shard, sf_shard_finalize beside sf_reduce),
+  // L2 as CUBIN and the inf-norm as PTX.
+  for (const Layout l : {Layout::unaligned, Layout::inf_norm}) {
+    CudaSpec sharded = make_spec(adam, l);
+    sharded.sharded = true;
+    const CudaTarget t = l == Layout::inf_norm ? CudaTarget{90, CudaOutput::ptx} : CudaTarget{90, CudaOutput::cubin};
+    reduces.push_back(make_job(std::string("adam ") + layout_name(l) + " sharded reduce " + jit::arch_name(t),
+                               jit::emit_cuda_reduce(sharded), "stepfuse_reduce_shard.cu", t,
+                               {"sf_reduce", "sf_reduce_shard", "sf_shard_finalize"}, false));
+  }
 
   // The plan covers every program's table as CUBIN, both archs with tables, and both
   // target kinds for every program and every layout class.
@@ -436,6 +446,7 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
   for (int b = 0; b < jit::kNumBuiltins; ++b)
     if (static_cast<Builtin>(b) != jit::builtin_named("adam"))
       variant(std::string("program ") + std::string(program_of(b).name), [&](CudaSpec& s) { s.program = program_of(b); });
+  variant("sharded", [](CudaSpec& s) { s.sharded = true; });
   variant("combo weight", [](CudaSpec& s) { s.combos[1].weight = DType::f16; });
   variant("combo grad", [](CudaSpec& s) { s.combos[1].grad = DType::f32; });
   variant("combo master", [](CudaSpec& s) { s.combos[1].master = false; });
@@ -502,9 +513,9 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
     }
   }
   // The reduce key tells apart what the reduce kernel depends on (norm, the grad dtype
-  // of each combination in order, the number of scalars), and nothing else.
+  // of each combination in order, the number of scalars, sharded), and nothing else.
   const std::string r = jit::reduce_canonical_text(base);
-  for (const char* what : {"norm inf", "combo grad", "combo order", "one combo more", "one combo less", "no combos"}) {
+  for (const char* what : {"norm inf", "combo grad", "combo order", "one combo more", "one combo less", "no combos", "sharded"}) {
     const auto it = std::find_if(specs.begin(), specs.end(), [&](const auto& v) { return v.first == what; });
     ASSERT_NE(it, specs.end());
     EXPECT_NE(jit::reduce_canonical_text(it->second), r) << what;
@@ -512,7 +523,7 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
   for (const auto& [what, spec] : specs) {
     const CudaSpec& s = spec;
     bool same_grads = s.norm == base.norm && s.combos.size() == base.combos.size() &&
-                      s.program.num_scalars == base.program.num_scalars;
+                      s.program.num_scalars == base.program.num_scalars && s.sharded == base.sharded;
     for (std::size_t k = 0; same_grads && k < s.combos.size(); ++k) same_grads = s.combos[k].grad == base.combos[k].grad;
     EXPECT_EQ(jit::reduce_canonical_text(s) == r, same_grads) << what;
   }

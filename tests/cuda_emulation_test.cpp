@@ -16,6 +16,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <span>
@@ -25,13 +29,16 @@
 
 #include "jit/builtins.hpp"
 #include "jit/cuda/cuda_layout.hpp"
+#include "jit/program_analysis.hpp"
 #include "jit/update_program_rules.hpp"
 #include "runtime/scale_tensors.hpp"
+#include "runtime/shard.hpp"
 #include "runtime/thread_pool.hpp"
 #include "stepfuse/stepfuse.hpp"
 #include "tests/cuda_emulation/emulated_kernels.hpp"
 #include "tests/reference/lars_program.hpp"
 #include "tests/cuda_emulation/emulated_specs.hpp"
+#include "tests/local_communicator.hpp"
 #include "tests/cuda_emulation/cuda_shim.hpp"  // last: it defines CUDA's qualifiers as macros
 
 namespace stepfuse {
@@ -226,6 +233,7 @@ class EmulatedOptimizer {
     for (std::size_t g = 0; g < group_sizes.size(); ++g)
       group_of.insert(group_of.end(), group_sizes[g], static_cast<std::uint32_t>(g));
     layout_ = jit::plan_cuda_layout(*program_, params_, options_, /*allow_flat=*/num_groups == 1);
+    layout_.spec.sharded = options_.communicator != nullptr;  // as CudaBackend
     group_variant_ = jit::assign_groups(layout_, group_programs_, group_of);
     slots_ = jit::cuda_stream_slots(layout_.spec);
     // Group g's initial value of state buffer b (0 when its variant has no such stream).
@@ -255,13 +263,13 @@ class EmulatedOptimizer {
       if (!used) continue;
       state_[s].assign(static_cast<std::size_t>(std::max<long long>(total, 1)) + kSlack, kPoison);
       if (num_groups == 1) {
-        emulate(util.fill, launch(grid_for(total, 256), 256, true), state_[s].data(), total, init(s, 0));
+        run(util.fill, launch(grid_for(total, 256), 256, true), state_[s].data(), total, init(s, 0));
         continue;
       }
       for (std::size_t i = 0; i < params_.size(); ++i) {  // each tensor its group's initial value
         const long long n = params_[i].weight.numel;
         if (n > 0)
-          emulate(util.fill, launch(grid_for(n, 256), 256, true), state_[s].data() + layout_.layout.offsets[i], n,
+          run(util.fill, launch(grid_for(n, 256), 256, true), state_[s].data() + layout_.layout.offsets[i], n,
                   init(s, group_of[i]));
       }
     }
@@ -270,7 +278,7 @@ class EmulatedOptimizer {
       if (layout_.layout.master_offsets[i] < 0) continue;
       layout_.tensors[i].master = masters_.data() + layout_.layout.master_offsets[i];
       const long long n = params_[i].weight.numel;
-      emulate(util.widen[static_cast<int>(params_[i].weight.dtype)], launch(grid_for(n, 256), 256, true),
+      run(util.widen[static_cast<int>(params_[i].weight.dtype)], launch(grid_for(n, 256), 256, true),
               static_cast<const void*>(params_[i].weight.data), layout_.tensors[i].master, n);
     }
     // The tables, each at least one element long (as the backend's device copies).
@@ -283,6 +291,33 @@ class EmulatedOptimizer {
       norm_sums_.assign(layout_.chunks.size() * SF_MAX_NORM_SLOTS, kPoison);
       norms_.assign(std::max<std::size_t>(params_.size(), 1) * SF_MAX_NORM_SLOTS, kPoison);
     }
+    if (options_.communicator) connect_shard();
+  }
+
+  // StepEngine::connect_shard (collective: every rank builds its optimizer at once),
+  // then CudaBackend::set_shard.
+  void connect_shard() {
+    std::vector<bool> two_phase;
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      two_phase.push_back(jit::is_two_phase(*group_programs_[static_cast<std::size_t>(layout_.tensors[i].group)]));
+    shard_ = std::make_unique<detail::Shard>(options_, params_, two_phase);
+    plan_ = shard_->device_plan();
+    send_.assign(plan_.stride, static_cast<double>(kPoison));
+    recv_.assign(plan_.stride * plan_.ranks, static_cast<double>(kPoison));
+    model_sums_.assign(std::max<std::size_t>(plan_.tensor_begin.size() - 1, 1), static_cast<double>(kPoison));
+    sf_shard& a = shard_args_;
+    a.send_at = plan_.send_at.data();
+    a.send_whole = plan_.send_whole.data();
+    a.send = send_.data();
+    a.recv = recv_.data();
+    a.order = plan_.order.data();
+    a.tensor_begin = plan_.tensor_begin.data();
+    a.local_tensor = plan_.local_tensor.data();
+    a.model_sums = model_sums_.data();
+    a.refused = &refused_;
+    a.stride = static_cast<long long>(plan_.stride);
+    a.num_model_tensors = static_cast<int>(plan_.tensor_begin.size() - 1);
+    a.ranks = static_cast<int>(plan_.ranks);
   }
 
  public:
@@ -292,8 +327,18 @@ class EmulatedOptimizer {
   // StepEngine::step_device_scale: the scale read on the device, found_inf recorded in the scaler.
   void step_device_scale(const float* scale, sf_scaler_state* scaler) { launch_step(1.0, scale, scaler, true); }
 
+  // CudaBackend::refuse_shard_step (StepEngine::step on a bad loss scale, sharded).
+  void refuse_step() {
+    std::fill(send_.begin(), send_.end(), 0.0);
+    send_.back() = 1.0;
+    shard_->device_communicator().all_gather(send_.data(), recv_.data(), send_.size(), CommType::f64);
+  }
+  // The first rank that refused the last step (sf_shard.refused), or -1.
+  int refused_rank() const { return refused_; }
+
   // CudaBackend::read_result.
   StepResult result(std::vector<double>* tensor_norms) const {
+    if (shard_ && refused_ >= 0) detail::Shard::throw_refused(static_cast<std::size_t>(refused_));
     StepResult r;
     r.applied = st_.applied != 0;
     r.found_inf = st_.found_inf != 0;
@@ -341,6 +386,19 @@ class EmulatedOptimizer {
     return it == slot.end() ? -1 : static_cast<int>(it - slot.begin());
   }
 
+  // emulate(), one launch at a time in the process: the emulation's shared memory and
+  // thread pool are the process's (ranks of a sharded test run on threads of their own).
+  // (One mutex for every instantiation: a static inside the template would be one per kernel.)
+  static std::mutex& launch_mutex() {
+    static std::mutex mu;
+    return mu;
+  }
+  template <class... Params, class... Args>
+  static void run(void (*kernel)(Params...), EmuLaunch l, Args&&... args) {
+    std::lock_guard lock(launch_mutex());
+    emulate(kernel, l, std::forward<Args>(args)...);
+  }
+
   EmuLaunch launch(unsigned grid, unsigned block, bool sequential = false) {
     return {grid, block, seed_ ? seed_ + ++launches_ : 0, sequential};
   }
@@ -353,10 +411,24 @@ class EmulatedOptimizer {
     const sf_hyper hyper = hyper_;  // the same arguments every step: what a captured graph replays
     const bool clip = options_.max_grad_norm.has_value();
     const bool reduce = scaled || clip || options_.track_grad_norm || scale_ptr != nullptr;
-    if (reduce) {
+    if (shard_ && !reduce) refused_ = -1;
+    if (reduce && shard_) {
+      // The sharded step: this rank's values, the all_gather (outside the emulation's
+      // lock: the other ranks' kernels run meanwhile), the model's combine.
+      std::fill(send_.begin(), send_.end(), static_cast<double>(kPoison));
+      std::fill(recv_.begin(), recv_.end(), static_cast<double>(kPoison));
+      std::fill(model_sums_.begin(), model_sums_.end(), static_cast<double>(kPoison));
+      refused_ = -7;
+      const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
+      run(kernels_->reduce_shard, launch(grid, 32 * SF_REDUCE_WARPS), layout_.tensors.data(),
+          static_cast<int>(params_.size()), layout_.chunks.data(), num_chunks_, partials_.data(), &st_, shard_args_);
+      shard_->device_communicator().all_gather(send_.data(), recv_.data(), plan_.stride, CommType::f64);
+      run(kernels_->shard_finalize, launch(1, SF_SHARD_THREADS), shard_args_, tensor_sums_.data(),
+          static_cast<int>(params_.size()), &st_, hyper, scale_ptr, loss_scale, scaled || clip ? 1 : 0, scaler);
+    } else if (reduce) {
       const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
       EXPECT_EQ(static_cast<int>(grid), layout_.reduce_grid());
-      emulate(kernels_->reduce, launch(grid, 32 * SF_REDUCE_WARPS), layout_.tensors.data(), static_cast<int>(params_.size()),
+      run(kernels_->reduce, launch(grid, 32 * SF_REDUCE_WARPS), layout_.tensors.data(), static_cast<int>(params_.size()),
               layout_.chunks.data(), num_chunks_, partials_.data(), tensor_sums_.data(), &st_, hyper, scale_ptr,
               loss_scale, scaled || clip ? 1 : 0, scaler);
     }
@@ -368,16 +440,16 @@ class EmulatedOptimizer {
       std::fill(norm_sums_.begin(), norm_sums_.end(), kPoison);
       std::fill(norms_.begin(), norms_.end(), kPoison);
       const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
-      emulate(kernels_->phase1, launch(grid, 32 * SF_REDUCE_WARPS), layout_.tensors.data(), layout_.chunks.data(),
+      run(kernels_->phase1, launch(grid, 32 * SF_REDUCE_WARPS), layout_.tensors.data(), layout_.chunks.data(),
               num_chunks_, streams, norm_sums_.data(), &st_, hyper, reduce ? 0 : 1);
-      emulate(kernels_->combine, launch(1, 256), layout_.tensors.data(), static_cast<int>(params_.size()),
+      run(kernels_->combine, launch(1, 256), layout_.tensors.data(), static_cast<int>(params_.size()),
               norm_sums_.data(), norms_.data(), &st_, reduce ? 0 : 1);
-      emulate(kernels_->update_norms, launch(static_cast<unsigned>(layout_.num_update_blocks), SF_UPDATE_THREADS),
+      run(kernels_->update_norms, launch(static_cast<unsigned>(layout_.num_update_blocks), SF_UPDATE_THREADS),
               layout_.tensors.data(), layout_.blocks.data(), static_cast<long long>(layout_.flat_numel()), streams, &st_,
               hyper, reduce ? 0 : 1, static_cast<const float*>(norms_.data()));
       return;
     }
-    emulate(kernels_->update, launch(static_cast<unsigned>(layout_.num_update_blocks), SF_UPDATE_THREADS),
+    run(kernels_->update, launch(static_cast<unsigned>(layout_.num_update_blocks), SF_UPDATE_THREADS),
             layout_.tensors.data(), layout_.blocks.data(), static_cast<long long>(layout_.flat_numel()), streams, &st_, hyper,
             reduce ? 0 : 1);
   }
@@ -403,6 +475,12 @@ class EmulatedOptimizer {
   std::vector<sf_partial> partials_;
   std::vector<double> tensor_sums_;
   sf_step_state st_;
+  // A sharded step's (connect_shard): the plan, its "device" tables and buffers.
+  std::unique_ptr<detail::Shard> shard_;
+  detail::Shard::DevicePlan plan_;
+  std::vector<double> send_, recv_, model_sums_;
+  int refused_ = -1;
+  sf_shard shard_args_{};
 };
 
 // ---- CPU vs emulated device ----
@@ -958,6 +1036,243 @@ TEST_F(EmulatedStep, NoMasters) {
     k == 1 ? p.step() : p.step_scaled(1.0);
     p.expect_same("step " + std::to_string(k + 1));
   }
+}
+
+// ---- the sharded step (OptimizerOptions::communicator, jit/cuda/kernels/shard_kernel.cuh) ----
+
+// Rank r's params: pieces of the model's tensors (whole, or a slice on a chunk boundary).
+struct Piece {
+  std::size_t tensor;
+  std::int64_t offset, numel;
+};
+using Partition = std::vector<std::vector<Piece>>;
+
+// f32 tensors and bf16 ones with masters, alternating (kShardCombos): several chunks in
+// the large ones, odd sizes, an empty one.
+const std::vector<std::int64_t> kShardSizes = {40000, 33, 16385, 4097, 70000, 5, 0, 17};
+
+Partition whole_tensors(const std::vector<std::vector<std::size_t>>& ranks) {
+  Partition out;
+  for (const auto& tensors : ranks) {
+    out.emplace_back();
+    for (const std::size_t t : tensors) out.back().push_back({t, 0, kShardSizes[t]});
+  }
+  return out;
+}
+
+// 1, 2 and 3 ranks, tensors 0 and 4 split across ranks (each rank's list starts with an
+// f32 tensor and holds a bf16 one: every rank's spec is the same).
+std::vector<Partition> split_partitions() {
+  constexpr std::int64_t A = kShardAlign;
+  return {
+      whole_tensors({{0, 1, 2, 3, 4, 5, 6, 7}}),
+      {{{0, 0, A}, {1, 0, 33}, {2, 0, 16385}, {3, 0, 4097}}, {{0, A, 40000 - A}, {4, 0, 70000}, {5, 0, 5}, {6, 0, 0}, {7, 0, 17}}},
+      {{{0, 0, 2 * A}, {1, 0, 33}, {4, 0, A}},
+       {{0, 2 * A, 40000 - 2 * A}, {2, 0, 16385}, {3, 0, 4097}, {4, A, 2 * A}},
+       {{4, 3 * A, 70000 - 3 * A}, {5, 0, 5}, {6, 0, 0}, {7, 0, 17}}},
+  };
+}
+
+// One CPU optimizer over the whole model against one emulated sharded CUDA optimizer
+// per rank (each on its own thread, with an in-process communicator), over the same
+// model: every rank's slices of the weights, state and masters, and every rank's
+// result, must be the one process's, bit for bit.
+class ShardedRun {
+ public:
+  ShardedRun(Model& model, const OptimizerConfig& config, const OptimizerOptions& options, Partition partition,
+             std::uint32_t order_seed)
+      : model_(model), partition_(std::move(partition)), group_(static_cast<int>(partition_.size())),
+        cpu_(config, model.params(false), Pair::cpu_options(options)), dev_(partition_.size()) {
+    all([&](std::size_t r, const std::shared_ptr<Communicator>& comm) {
+      OptimizerOptions o = options;
+      o.communicator = comm;
+      std::vector<Param> params;
+      for (const Piece& p : partition_[r]) {
+        const TensorShape& s = model_.shape(p.tensor);
+        std::byte* w = static_cast<std::byte*>(model_.weight(true, p.tensor)) + p.offset * std::int64_t(dtype_size(s.weight));
+        std::byte* g = static_cast<std::byte*>(model_.grad(p.tensor)) + p.offset * std::int64_t(dtype_size(s.grad));
+        params.push_back({{w, p.numel, s.weight}, {g, p.numel, s.grad}});
+        o.slices.push_back({static_cast<std::int64_t>(p.tensor), p.offset});
+      }
+      dev_[r] = std::make_unique<EmulatedOptimizer>(config, std::move(params), o, order_seed + static_cast<std::uint32_t>(r));
+    });
+  }
+
+  std::size_t ranks() const { return dev_.size(); }
+  EmulatedOptimizer& dev(std::size_t r) { return *dev_[r]; }
+  Optimizer& cpu() { return cpu_; }
+
+  // A plain step for scale 1, else a scaled one, on the CPU and on every rank.
+  void step_at(double s) {
+    if (s == 1.0)
+      cpu_.step();
+    else
+      cpu_.step_scaled(s);
+    all([&](std::size_t r, const std::shared_ptr<Communicator>&) { dev_[r]->step(s, s != 1.0); });
+  }
+  // Every rank steps at scale s, but rank `refuser` refuses its step (StepEngine's bad loss scale).
+  void step_refused_by(std::size_t refuser, double s) {
+    all([&](std::size_t r, const std::shared_ptr<Communicator>&) {
+      if (r == refuser)
+        dev_[r]->refuse_step();
+      else
+        dev_[r]->step(s, true);
+    });
+  }
+
+  void expect_same(const std::string& when) const {
+    SCOPED_TRACE(when);
+    const StepResult c = cpu_.last_result();
+    const std::vector<double>& cpu_norms = cpu_.last_tensor_grad_norms();
+    for (std::size_t r = 0; r < ranks(); ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(ranks()));
+      const EmulatedOptimizer& d = *dev_[r];
+      EXPECT_EQ(cpu_.step_count(), d.step_count());
+      std::vector<double> norms;
+      const StepResult g = d.result(&norms);
+      EXPECT_EQ(c.applied, g.applied);
+      EXPECT_EQ(c.found_inf, g.found_inf);
+      EXPECT_TRUE(same(c.grad_norm, g.grad_norm)) << "grad_norm: one process " << c.grad_norm << ", rank " << g.grad_norm;
+      EXPECT_TRUE(same(c.clip_coef, g.clip_coef)) << "clip_coef: one process " << c.clip_coef << ", rank " << g.clip_coef;
+      for (std::size_t i = 0; i < partition_[r].size(); ++i) {
+        const Piece& p = partition_[r][i];
+        EXPECT_TRUE(same(cpu_norms[p.tensor], norms[i])) << "param " << i << " (tensor " << p.tensor << ") norm";
+        const std::string name = "param " + std::to_string(i) + " (tensor " + std::to_string(p.tensor) + " at " +
+                                 std::to_string(p.offset) + ")";
+        for (std::string_view state : cpu_.state_names()) {
+          const std::span<const float> cs = cpu_.state(p.tensor, state);
+          const float* ds = d.state(i, state);
+          expect_same_values(p.numel, [&](std::int64_t k) {
+            return std::pair{cs[static_cast<std::size_t>(p.offset + k)], ds[k]};
+          }, name + " " + std::string(state));
+        }
+        const std::span<const float> cm = cpu_.master(p.tensor);
+        const float* dm = d.master(i);
+        if (!cm.empty() && dm != nullptr)
+          expect_same_values(p.numel, [&](std::int64_t k) { return std::pair{cm[static_cast<std::size_t>(p.offset + k)], dm[k]}; },
+                             name + " master");
+      }
+      d.expect_slack_untouched();
+    }
+    model_.expect_nothing_written_outside();
+    for (std::size_t t = 0; t < model_.size(); ++t) {
+      const TensorShape& s = model_.shape(t);
+      expect_same_values(s.numel, [&](std::int64_t i) {
+        return std::pair{load(s.weight, model_.weight(false, t), i), load(s.weight, model_.weight(true, t), i)};
+      }, "tensor " + std::to_string(t) + " weights");
+    }
+  }
+
+ private:
+  // fn(rank, communicator) on every rank's thread; a rank's exception fails the test.
+  void all(const std::function<void(std::size_t, const std::shared_ptr<Communicator>&)>& fn) {
+    const std::vector<std::exception_ptr> errors =
+        group_.run([&](int r, const std::shared_ptr<Communicator>& comm) { fn(static_cast<std::size_t>(r), comm); });
+    for (std::size_t r = 0; r < errors.size(); ++r)
+      if (errors[r]) {
+        try {
+          std::rethrow_exception(errors[r]);
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "rank " << r << ": " << e.what();
+        }
+      }
+  }
+
+  Model& model_;
+  Partition partition_;
+  testing::LocalGroup group_;
+  Optimizer cpu_;
+  std::vector<std::unique_ptr<EmulatedOptimizer>> dev_;
+};
+
+class EmulatedSharded : public Seeded {};
+
+// AdamW with L2 clipping on 1, 2 and 3 ranks, tensors split across ranks: scaled and
+// plain steps, then an inf on the last rank only (every rank skips), then on.
+TEST_F(EmulatedSharded, EveryRankStepsAsOneProcessBitwise) {
+  for (const Partition& partition : split_partitions()) {
+    SCOPED_TRACE(std::to_string(partition.size()) + " ranks");
+    Model model(shapes_for(kShardSizes, sf_emu::kShardCombos), false, 0, rng);
+    ShardedRun run(model, optim::AdamW{.lr = 1e-3, .weight_decay = 0.01}, {.max_grad_norm = 1.0}, partition, seed | 1);
+    for (std::size_t r = 0; r < run.ranks(); ++r) EXPECT_EQ(run.dev(r).spec_name(), "adam_sharded");
+    const double scales[] = {1024.0, 1.0, 3000.5, 0.25};
+    for (int k = 0; k < 4; ++k) {
+      model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+      run.step_at(scales[k]);
+      run.expect_same("step " + std::to_string(k + 1));
+    }
+    model.draw_grads(rng, 512.0f);
+    model.set_grad(7, 3, INFINITY);  // the last rank's tensor
+    run.step_at(1024.0);
+    run.expect_same("an inf on one rank");
+    EXPECT_FALSE(run.dev(0).step_state().applied);
+    model.draw_grads(rng, 512.0f);
+    run.step_at(1024.0);
+    run.expect_same("after the skip");
+    EXPECT_EQ(run.dev(0).step_count(), 5);
+  }
+}
+
+// The inf-norm, clipping, on 3 ranks with split tensors.
+TEST_F(EmulatedSharded, InfNormClipping) {
+  Model model(shapes_for(kShardSizes, sf_emu::kShardCombos), false, 0, rng);
+  ShardedRun run(model, optim::Adam{.lr = 1e-3}, {.max_grad_norm = 0.75, .norm_type = INFINITY}, split_partitions()[2],
+                 seed | 1);
+  EXPECT_EQ(run.dev(2).spec_name(), "adam_inf_sharded");
+  const double scales[] = {2048.0, 1.0, 3.0};
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+    run.step_at(scales[k]);
+    run.expect_same("step " + std::to_string(k + 1));
+  }
+}
+
+// LAMB (two phases: each tensor's trust ratio inside the update) over whole tensors.
+TEST_F(EmulatedSharded, TwoPhaseProgramOverWholeTensors) {
+  Model model(shapes_for(kShardSizes, sf_emu::kShardCombos), false, 0, rng);
+  ShardedRun run(model, optim::LAMB{.lr = 1e-3, .weight_decay = 0.1}, {.max_grad_norm = 5.0},
+                 whole_tensors({{0, 1}, {2, 3}, {4, 5, 6, 7}}), seed | 1);
+  EXPECT_EQ(run.dev(1).spec_name(), "lamb_sharded");
+  const double scales[] = {1024.0, 1.0, 3000.5};
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+    run.step_at(scales[k]);
+    run.expect_same("step " + std::to_string(k + 1));
+  }
+}
+
+// A rank that refuses its step (a bad loss scale): the others apply nothing, and their
+// result raises the Error naming that rank; the next step goes on as one process's.
+TEST_F(EmulatedSharded, ARefusedStepAppliesNothing) {
+  Model model(shapes_for(kShardSizes, sf_emu::kShardCombos), false, 0, rng);
+  ShardedRun run(model, optim::AdamW{.lr = 1e-3}, {.max_grad_norm = 1.0}, split_partitions()[2], seed | 1);
+  model.draw_grads(rng, 512.0f);
+  run.step_at(1024.0);
+  run.expect_same("step 1");
+  model.draw_grads(rng, 512.0f);
+  run.step_refused_by(1, 1024.0);
+  for (const std::size_t r : {0u, 2u}) {
+    EXPECT_EQ(run.dev(r).refused_rank(), 1);
+    EXPECT_FALSE(run.dev(r).step_state().applied);
+    EXPECT_EQ(run.dev(r).step_count(), 1);
+    std::vector<double> norms;
+    try {
+      static_cast<void>(run.dev(r).result(&norms));
+      ADD_FAILURE() << "rank " << r << ": no Error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("rank 1 refused its input"), std::string::npos) << e.what();
+    }
+  }
+  // Nothing was written: the weights are still the one process's after one step.
+  for (std::size_t t = 0; t < model.size(); ++t) {
+    const TensorShape& s = model.shape(t);
+    expect_same_values(s.numel, [&](std::int64_t i) {
+      return std::pair{load(s.weight, model.weight(false, t), i), load(s.weight, model.weight(true, t), i)};
+    }, "tensor " + std::to_string(t) + " weights after the refused step");
+  }
+  run.step_at(1024.0);
+  run.expect_same("the step after");
 }
 
 // ---- the GradScaler on the device ----

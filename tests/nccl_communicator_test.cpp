@@ -1,11 +1,13 @@
 // The NCCL Communicator (stepfuse/nccl.hpp): the loader against the CUDA toolkit's real
 // libnccl.so.2 (no GPU needed to load it), the communicator's calls through NCCL's ABI
 // against a stand-in library (tests/nccl/fake_nccl.cpp), and, where a GPU exists, one-rank
-// collectives on device memory through the real NCCL (scripts/gpu_check.sh runs them).
+// collectives on device memory and a sharded CUDA optimizer's step through the real NCCL
+// (scripts/gpu_check.sh runs them).
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +19,7 @@
 #include "stepfuse/convert.hpp"
 #include "stepfuse/error.hpp"
 #include "stepfuse/nccl.hpp"
+#include "stepfuse/stepfuse.hpp"
 #include "tests/nccl/fake_nccl.hpp"
 
 namespace stepfuse {
@@ -252,6 +255,123 @@ TEST(NcclOnGpu, OneRankCollectivesOnTheStream) {
   EXPECT_EQ(got, host);
   cu->cuMemFree(a);
   cu->cuMemFree(b);
+  cu->cuStreamDestroy(stream);
+  destroy(comm);
+}
+
+// A sharded CUDA optimizer over a one-rank NCCL communicator on the optimizer's stream
+// (sf_reduce_shard, ncclAllGather, sf_shard_finalize) against the same optimizer without
+// a communicator, bitwise: clipped steps at several loss scales, an inf, a refused loss
+// scale, then a GradScaler keeping its scale on the device.
+TEST(NcclOnGpu, OneRankShardedCudaStepIsTheLocalStepBitwise) {
+  const cuda::DriverApi* cu = cuda::driver();
+  if (cu == nullptr) GTEST_SKIP() << "no GPU: " << cuda::driver_status().reason;
+  int devices = 0;
+  if (cu->cuDeviceGetCount(&devices) != cuda::CUDA_SUCCESS || devices == 0) GTEST_SKIP() << "no GPU";
+  NcclLibrary lib = open_nccl(toolkit_candidates(), false);
+  ASSERT_EQ(lib.error, "");
+  using InitAll = int (*)(ncclComm_t*, int, const int*);
+  using Destroy = int (*)(ncclComm_t);
+  auto init_all = reinterpret_cast<InitAll>(dlsym(lib.handle, "ncclCommInitAll"));
+  auto destroy = reinterpret_cast<Destroy>(dlsym(lib.handle, "ncclCommDestroy"));
+  ASSERT_TRUE(init_all && destroy);
+  cuda::CUdevice dev = 0;
+  cuda::CUcontext ctx = nullptr;
+  cuda::check(cu->cuDeviceGet(&dev, 0), "cuDeviceGet");
+  cuda::check(cu->cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  cuda::check(cu->cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+  ncclComm_t comm = nullptr;
+  const int device_list[] = {0};
+  ASSERT_EQ(init_all(&comm, 1, device_list), 0);
+  cuda::CUstream stream = nullptr;
+  cuda::check(cu->cuStreamCreate(&stream, cuda::CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+
+  // Tensors of several chunks, odd sizes; f32 weights and grads.
+  const std::vector<std::int64_t> sizes = {40000, 33, 70000, 5, 16384};
+  std::int64_t total = 0;
+  for (const std::int64_t n : sizes) total += n;
+  const std::size_t bytes = static_cast<std::size_t>(total) * sizeof(float);
+  std::vector<float> w0(static_cast<std::size_t>(total)), g(w0.size());
+  std::uint32_t x = 12345u;
+  const auto next = [&] {
+    x = x * 1664525u + 1013904223u;
+    return static_cast<float>(x >> 8) / 16777216.0f - 0.5f;
+  };
+  for (float& v : w0) v = next();
+  cuda::CUdeviceptr wa = 0, wb = 0, gd = 0;
+  cuda::check(cu->cuMemAlloc(&wa, bytes), "cuMemAlloc");
+  cuda::check(cu->cuMemAlloc(&wb, bytes), "cuMemAlloc");
+  cuda::check(cu->cuMemAlloc(&gd, bytes), "cuMemAlloc");
+  cuda::check(cu->cuMemcpyHtoD(wa, w0.data(), bytes), "cuMemcpyHtoD");
+  cuda::check(cu->cuMemcpyHtoD(wb, w0.data(), bytes), "cuMemcpyHtoD");
+  const auto params_at = [&](cuda::CUdeviceptr w) {
+    std::vector<Param> params;
+    std::int64_t at = 0;
+    for (const std::int64_t n : sizes) {
+      auto* wp = reinterpret_cast<float*>(static_cast<std::uintptr_t>(w)) + at;
+      auto* gp = reinterpret_cast<float*>(static_cast<std::uintptr_t>(gd)) + at;
+      params.push_back({{wp, n, DType::f32}, {gp, n, DType::f32}});
+      at += n;
+    }
+    return params;
+  };
+  OptimizerOptions o;
+  o.device = Device::cuda(0);
+  o.cuda_stream = reinterpret_cast<void*>(stream);
+  o.max_grad_norm = 1.0;
+  const optim::AdamW config{.lr = 1e-3, .weight_decay = 0.01};
+  {
+    Optimizer local(config, params_at(wb), o);
+    o.communicator = detail::nccl_communicator_with(lib, comm, reinterpret_cast<CUstream>(stream));
+    Optimizer sharded(config, params_at(wa), o);  // collective (one rank)
+
+    const auto expect_same = [&](const std::string& when) {
+      SCOPED_TRACE(when);
+      const StepResult a = sharded.last_result(), b = local.last_result();
+      EXPECT_EQ(a.applied, b.applied);
+      EXPECT_EQ(a.found_inf, b.found_inf);
+      EXPECT_EQ(std::memcmp(&a.grad_norm, &b.grad_norm, sizeof(double)), 0) << a.grad_norm << " vs " << b.grad_norm;
+      EXPECT_EQ(std::memcmp(&a.clip_coef, &b.clip_coef, sizeof(double)), 0) << a.clip_coef << " vs " << b.clip_coef;
+      std::vector<float> ha(w0.size()), hb(w0.size());
+      cuda::check(cu->cuMemcpyDtoH(ha.data(), wa, bytes), "cuMemcpyDtoH");
+      cuda::check(cu->cuMemcpyDtoH(hb.data(), wb, bytes), "cuMemcpyDtoH");
+      EXPECT_EQ(std::memcmp(ha.data(), hb.data(), bytes), 0) << "weights differ";
+    };
+    const auto draw = [&](float scale, bool with_inf) {
+      for (float& v : g) v = next() * scale;
+      if (with_inf) g[40000 + 7] = INFINITY;
+      cuda::check(cu->cuMemcpyHtoD(gd, g.data(), bytes), "cuMemcpyHtoD");
+    };
+    const double scales[] = {1024.0, 3000.5, 0.25, 65536.0};
+    for (int k = 0; k < 4; ++k) {
+      draw(static_cast<float>(scales[k]), k == 2);
+      sharded.step_scaled(scales[k]);
+      local.step_scaled(scales[k]);
+      expect_same("step " + std::to_string(k + 1));
+    }
+    EXPECT_FALSE(sharded.last_result().applied) << "the inf step";
+    // A refused loss scale: the rank throws (after the step's collective), nothing is written.
+    EXPECT_THROW(sharded.step_scaled(NAN), Error);
+    draw(512.0f, false);
+    sharded.step_scaled(512.0);
+    local.step_scaled(512.0);
+    expect_same("after a refused step");
+    // A GradScaler whose scale lives on the device: no host read in step or update.
+    GradScaler sa("cuda", 256.0), sb("cuda", 256.0);
+    for (int k = 0; k < 3; ++k) {
+      draw(256.0f, k == 1);
+      sa.step(sharded);
+      sb.step(local);
+      sa.update();
+      sb.update();
+      expect_same("scaler step " + std::to_string(k + 1));
+      EXPECT_EQ(sa.get_scale(), sb.get_scale());
+    }
+    EXPECT_EQ(sharded.step_count(), local.step_count());
+  }
+  cu->cuMemFree(wa);
+  cu->cuMemFree(wb);
+  cu->cuMemFree(gd);
   cu->cuStreamDestroy(stream);
   destroy(comm);
 }

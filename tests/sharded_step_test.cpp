@@ -374,5 +374,65 @@ TEST(ShardedStep, LocalChecks) {
   }
 }
 
+// A communicator that says it moves device memory of `device` (no collective is reached:
+// construction refuses the pairing first).
+class DeviceClaim final : public Communicator {
+ public:
+  explicit DeviceClaim(Device device) : device_(device) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string_view name() const override { return "device-claim"; }
+  Device device() const override { return device_; }
+  void all_gather(const void*, void*, std::size_t, CommType) override { ADD_FAILURE() << "no collective expected"; }
+  void all_reduce(void*, std::size_t, CommType, ReduceOp) override { ADD_FAILURE() << "no collective expected"; }
+  void reduce_scatter(const void*, void*, std::size_t, CommType, ReduceOp) override {
+    ADD_FAILURE() << "no collective expected";
+  }
+
+ private:
+  Device device_;
+};
+
+// The optimizer's device and the communicator's memory must match (checked before any
+// device or collective is touched, so this runs without a GPU).
+TEST(ShardedStep, TheCommunicatorsMemoryMustBeTheOptimizersDevice) {
+  Model m(DType::f32, DType::f32);
+  const std::vector<Param> params = rank_params(m, whole_model());
+  const auto refused = [&](OptimizerOptions o, ErrorCode code, const std::string& words) {
+    try {
+      Optimizer opt(optim::AdamW{}, params, o);
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  LocalGroup one(1);
+  OptimizerOptions o;
+  o.max_grad_norm = 1.0;
+  o.device = Device::cuda(0);
+  o.communicator = one.communicator(0);  // host memory
+  refused(o, ErrorCode::unsupported, "use stepfuse::nccl_communicator over a comm of cuda:0");
+  o.communicator = std::make_shared<DeviceClaim>(Device::cuda(1));
+  refused(o, ErrorCode::invalid_argument, "works on cuda:1 but the optimizer is on cuda:0");
+  o.device = Device::cpu();
+  refused(o, ErrorCode::unsupported, "works on device memory, but a CPU optimizer's collectives use host memory");
+
+  // ShardedOptimizer (ZeRO-2) stages gradients and weights in host memory.
+  const auto zero2_refused = [&](std::shared_ptr<Communicator> comm, OptimizerOptions opts, const std::string& words) {
+    try {
+      ShardedOptimizer z(optim::AdamW{}, params, std::move(comm), opts);
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  zero2_refused(std::make_shared<DeviceClaim>(Device::cuda(0)), {}, "the ShardedOptimizer's collectives pass host memory");
+  OptimizerOptions on_gpu;
+  on_gpu.device = Device::cuda(0);
+  zero2_refused(one.communicator(0), on_gpu, "OptimizerOptions::device is a GPU");
+}
+
 }  // namespace
 }  // namespace stepfuse

@@ -65,7 +65,7 @@ std::string wrapper(const std::string& name, const std::vector<Source>& sources,
       "// then skipped by their include guards, so the kernels and the test share sf_tensor & co.\n"
       "#include \"jit/step_scalars.h\"\n"
       "#include \"jit/step_stage.h\"\n"
-      "extern \"C\" {\n#include \"jit/cuda/device_abi.h\"\n}\n"
+      "extern \"C\" {\n#include \"jit/cuda/device_abi.h\"\n#include \"jit/cuda/shard_abi.h\"\n}\n"
       "#include \"tests/cuda_emulation/emulated_kernels.hpp\"\n";
   for (const Source& s : sources) {
     out += "\n";
@@ -84,7 +84,10 @@ void expect_kernels(const std::string& what, const std::string& text, const std:
 // reduce_canonical_text(), as the kernel cache shares it.
 void emit_step(const std::string& dir, const sf_emu::EmulatedSpec& s, const std::string& reduce) {
   const std::string update = stepfuse::jit::emit_cuda_update(s.spec);
-  expect_kernels(s.name + " reduce", reduce, {"sf_reduce"});
+  const std::vector<std::string> reduce_kernels = s.spec.sharded
+                                                      ? std::vector<std::string>{"sf_reduce", "sf_reduce_shard", "sf_shard_finalize"}
+                                                      : std::vector<std::string>{"sf_reduce"};
+  expect_kernels(s.name + " reduce", reduce, reduce_kernels);
   expect_kernels(s.name + " update", update, stepfuse::jit::cuda_update_kernel_names(s.spec.program));
   const std::string k = "emu_" + s.name + "_";
   // A two-phase program's update source has sf_phase1 and sf_phase_combine, and its
@@ -93,10 +96,13 @@ void emit_step(const std::string& dir, const sf_emu::EmulatedSpec& s, const std:
   const std::string update_kernels = stepfuse::jit::is_two_phase(s.spec.program)
                                          ? "nullptr, " + u + "sf_phase1, " + u + "sf_phase_combine, " + u + "sf_update"
                                          : u + "sf_update, nullptr, nullptr, nullptr";
+  const std::string r = "&" + k + "reduce::" + k;
+  const std::string shard_kernels =
+      s.spec.sharded ? r + "sf_reduce_shard, " + r + "sf_shard_finalize" : std::string("nullptr, nullptr");
   const std::string tail = "extern const sf_emu::StepKernels emu_step_" + s.name + ";\n" +
                            "const sf_emu::StepKernels emu_step_" + s.name + " = {\n    \"" + s.name + "\",\n    R\"sfspec(" +
                            stepfuse::jit::canonical_text(s.spec) + ")sfspec\",\n    &" + k + "reduce::" + k + "sf_reduce, " +
-                           update_kernels + "};\n";
+                           update_kernels + ", " + shard_kernels + "};\n";
   write(dir + "/" + s.name + "_reduce.cu", reduce);
   write(dir + "/" + s.name + "_update.cu", update);
   write(dir + "/emu_" + s.name + ".cpp", wrapper(s.name, {{k + "reduce", s.name + "_reduce.cu", reduce},

@@ -11,6 +11,7 @@
 #include "jit/step_scalars.h"
 extern "C" {
 #include "jit/cuda/device_abi.h"
+#include "jit/cuda/shard_abi.h"
 }
 
 namespace sf_emu {
@@ -28,6 +29,12 @@ using CombineKernel = void (*)(const sf_tensor* tensors, int num_tensors, const 
                                const sf_step_state* st, int plain);
 using UpdateNormsKernel = void (*)(const sf_tensor* tensors, const sf_span* blocks, long long flat_numel,
                                    sf_streams streams, sf_step_state* st, sf_hyper hyper, int plain, const float* norms);
+// A sharded spec's reduce module also has these (jit/cuda/kernels/shard_kernel.cuh).
+using ReduceShardKernel = void (*)(const sf_tensor* tensors, int num_tensors, const sf_span* chunks, int num_chunks,
+                                   sf_partial* partials, sf_step_state* st, sf_shard shard);
+using ShardFinalizeKernel = void (*)(sf_shard shard, double* tensor_sums, int num_tensors, sf_step_state* st,
+                                     sf_hyper hyper, const float* scale_ptr, double scale_value, int check_finite,
+                                     sf_scaler_state* scaler);
 using UpdateScaleKernel = void (*)(sf_scaler_state* s);
 using ScaleKernel = void (*)(void* data, long long n, const float* scale, int reciprocal, int* found_inf);
 using WidenKernel = void (*)(const void* src, float* dst, long long n);
@@ -42,6 +49,8 @@ struct StepKernels {
   Phase1Kernel phase1;
   CombineKernel combine;
   UpdateNormsKernel update_norms;
+  ReduceShardKernel reduce_shard;      // a sharded spec's; else null
+  ShardFinalizeKernel shard_finalize;
 };
 
 // The utility module; scale and widen indexed by DType.

@@ -30,6 +30,10 @@ inline const std::vector<DtypeCombo> kMixedNoMasters = {
 inline const std::vector<DtypeCombo> kBf16Masters = {{DType::bf16, DType::bf16, true}};
 inline const std::vector<DtypeCombo> kF16Masters = {{DType::f16, DType::f16, true}};
 
+// The sharded tests' model: f32 tensors and bf16 ones with masters, each rank's list
+// starting with an f32 one and holding a bf16 one (so every rank has this spec).
+inline const std::vector<DtypeCombo> kShardCombos = {{DType::f32, DType::f32, false}, {DType::bf16, DType::bf16, true}};
+
 struct EmulatedSpec {
   std::string name;  // a C identifier
   stepfuse::jit::CudaSpec spec;
@@ -98,6 +102,14 @@ inline std::vector<EmulatedSpec> emulated_specs() {
                                                {5, 3, 3}, kMixedMasters)});
   out.push_back({"sgd_groups", groups_spec({builtin_named("sgd_momentum"), builtin_named("sgd"), builtin_named("sgd_nesterov")},
                                            {4, 4, 3}, kMixedMasters)});
+  // The sharded step (OptimizerOptions::communicator): L2 and inf norms; LAMB's two phases.
+  const auto sharded = [](stepfuse::jit::CudaSpec spec) {
+    spec.sharded = true;
+    return spec;
+  };
+  out.push_back({"adam_sharded", sharded(make_spec(kAdam, kShardCombos, false, true))});
+  out.push_back({"adam_inf_sharded", sharded(make_spec(kAdam, kShardCombos, false, true, CudaNorm::inf))});
+  out.push_back({"lamb_sharded", sharded(make_spec(kLamb, kShardCombos, false, true))});
   return out;
 }
 
