@@ -14,7 +14,8 @@
 #       There, from the repository root, with .gpu-deps/ carried along: configures a Release
 #       build in DIR (default build-gpu) against .gpu-deps, builds the library, the GPU tests
 #       (cuda_gpu_test, cuda_loader_test, cuda_codegen_test, kernel_cache_test,
-#       nccl_communicator_test: NCCL's one-rank collectives on the GPU) and
+#       nccl_communicator_test: NCCL's one-rank collectives and a one-rank sharded CUDA
+#       optimizer's step, bitwise against the local step, on the GPU) and
 #       stepfuse-bench on every core, prints the GPU (nvidia-smi), runs the tests and
 #       stepfuse-bench's smoke tests, then stepfuse-bench --backend cuda on gpt2-124m and
 #       llama7b-layer (AdamW, clipping to 1.0, bf16 weights and gradients, fp32 masters) and,

@@ -8,7 +8,9 @@
 //
 //   ncclComm_t comm;                      // from ncclCommInitRank, as usual
 //   ncclCommInitRank(&comm, nranks, id, rank);
-//   stepfuse::OptimizerOptions options;
+//   stepfuse::OptimizerOptions options;    // a CUDA optimizer's sharded step:
+//   options.device = stepfuse::Device::cuda(dev);
+//   options.cuda_stream = stream;          // the same stream as the communicator's
 //   options.communicator = stepfuse::nccl_communicator(comm, stream);
 #pragma once
 

@@ -75,7 +75,11 @@ struct OptimizerOptions {
   // make. Construction is collective: every rank validates its shard, and when any
   // rank's fails, every rank throws (the failing rank its own Error, the others an
   // Error naming it). A step with a reduce pass (loss-scaled, clipping, or
-  // track_grad_norm) makes one collective of a few values per chunk. CPU only so far.
+  // track_grad_norm) makes one collective of a few values per chunk. A CUDA
+  // optimizer needs a communicator of device memory on its device (nccl_communicator
+  // on the optimizer's cuda_stream): the step's collective is enqueued on the stream
+  // between the reduce and update kernels, and a rank that refused the step makes the
+  // others throw when they read its result.
   std::shared_ptr<Communicator> communicator;
   // Sharded steps: where each param (params() order) lies in the model. Empty:
   // every param is a whole tensor, and the model's tensors are rank 0's params, then

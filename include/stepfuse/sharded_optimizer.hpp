@@ -117,7 +117,8 @@ struct ShardedOptions {
 // a few scalars for the norm and the overflow check. The ranges are padded to the
 // largest, which is within one chunk (or one uncut tensor) of N / R.
 //
-// Not thread-safe: one thread per rank drives it. CPU only (as the sharded step).
+// Not thread-safe: one thread per rank drives it. CPU only: its collectives move host
+// memory (a CUDA ZeRO-2 step, over NCCL, is not built yet).
 class ShardedOptimizer {
  public:
   // One group. options: as for an Optimizer, except that communicator and slices

@@ -175,8 +175,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._reset_engine()
         super().__init__(params, defaults)
         if self.communicator is not None and self._device is not None and self._device.type != "cpu":
-            raise NotImplementedError(f"stepfuse.torch: a sharded step (communicator=) runs on the CPU; these params "
-                                      f"are on {self._device} (CUDA params over NCCL are not supported yet)")
+            raise NotImplementedError(f"stepfuse.torch: a sharded step (communicator=) takes CPU params so far; these "
+                                      f"params are on {self._device} (an nccl process group is not wrapped yet; from "
+                                      f"C++, a CUDA optimizer steps sharded over stepfuse::nccl_communicator)")
 
     def _reset_engine(self) -> None:
         self._engine: Optional[_sf.Optimizer] = None

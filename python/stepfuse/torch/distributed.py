@@ -15,8 +15,9 @@ skips together when any rank's gradients are not finite; each shard's update is
 bitwise the one a single process stepping every param would make (the model's
 tensors ordered as rank 0's params, then rank 1's, and so on).
 
-The sharded step runs on the CPU: the group needs a backend that takes CPU tensors
-(gloo, or a ``"cpu:gloo,cuda:nccl"`` group). CUDA params (NCCL) are not supported yet.
+From Python the sharded step takes CPU params: the group needs a backend that takes CPU
+tensors (gloo, or a ``"cpu:gloo,cuda:nccl"`` group). CUDA params over an nccl group are
+not supported yet (the C++ library's CUDA sharded step runs over its NCCL communicator).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class ProcessGroupCommunicator(_sf.Communicator):
         if not cpu_capable or backends == ["nccl"]:
             raise NotImplementedError(
                 f"ProcessGroupCommunicator: the group's backend is {self.backend}, which cannot run collectives on CPU "
-                "tensors, and the sharded step runs on the CPU (CUDA params over NCCL are not supported yet): use a "
+                "tensors, and from Python the sharded step takes CPU params (CUDA params over nccl are not supported "
+                "yet): use a "
                 "gloo group, e.g. torch.distributed.new_group(backend='gloo')")
         self._gather_fallback = False
         self._scatter_fallback = False
