@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -130,7 +131,9 @@ TEST(NcclLoader, PrefersTheLibraryTheProcessHasLoaded) {
   EXPECT_EQ(lib.version, version);
   const std::string named = nccl_library();
   EXPECT_EQ(named.rfind("libnccl.so.2 2.", 0), 0u) << named;
-  if (version == 22899) EXPECT_EQ(named, "libnccl.so.2 2.28.99");
+  if (version == 22899) {
+    EXPECT_EQ(named, "libnccl.so.2 2.28.99");
+  }
 }
 
 TEST(NcclCommunicator, CallsNcclWithItsTypesOpsAndStream) {
@@ -210,30 +213,48 @@ TEST(NcclCommunicator, NcclErrorsNameTheCallAndNcclsWords) {
 
 // ---- on a GPU: the real NCCL, one rank, device memory, the communicator's stream ----
 
-TEST(NcclOnGpu, OneRankCollectivesOnTheStream) {
-  const cuda::DriverApi* cu = cuda::driver();
-  if (cu == nullptr) GTEST_SKIP() << "no GPU: " << cuda::driver_status().reason;
-  int devices = 0;
-  if (cu->cuDeviceGetCount(&devices) != cuda::CUDA_SUCCESS || devices == 0) GTEST_SKIP() << "no GPU";
-  NcclLibrary lib = open_nccl(toolkit_candidates(), false);
-  ASSERT_EQ(lib.error, "");
-  using InitAll = int (*)(ncclComm_t*, int, const int*);
-  using Destroy = int (*)(ncclComm_t);
-  auto init_all = reinterpret_cast<InitAll>(dlsym(lib.handle, "ncclCommInitAll"));
-  auto destroy = reinterpret_cast<Destroy>(dlsym(lib.handle, "ncclCommDestroy"));
-  ASSERT_TRUE(init_all && destroy);
+// The real NCCL on GPU 0: one rank (ncclCommInitAll), a non-blocking stream of the
+// primary context. Skips where there is no GPU.
+class NcclOnGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    cu = cuda::driver();
+    if (cu == nullptr) GTEST_SKIP() << "no GPU: " << cuda::driver_status().reason;
+    int devices = 0;
+    if (cu->cuDeviceGetCount(&devices) != cuda::CUDA_SUCCESS || devices == 0) GTEST_SKIP() << "no GPU";
+    lib = open_nccl(toolkit_candidates(), false);
+    ASSERT_EQ(lib.error, "");
+    using InitAll = int (*)(ncclComm_t*, int, const int*);
+    auto init_all = reinterpret_cast<InitAll>(dlsym(lib.handle, "ncclCommInitAll"));
+    destroy = reinterpret_cast<Destroy>(dlsym(lib.handle, "ncclCommDestroy"));
+    ASSERT_TRUE(init_all && destroy);
+    cuda::CUdevice dev = 0;
+    cuda::CUcontext ctx = nullptr;
+    cuda::check(cu->cuDeviceGet(&dev, 0), "cuDeviceGet");
+    cuda::check(cu->cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    cuda::check(cu->cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+    const int device_list[] = {0};
+    ASSERT_EQ(init_all(&comm, 1, device_list), 0);
+    cuda::check(cu->cuStreamCreate(&stream, cuda::CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  }
+  void TearDown() override {
+    if (stream != nullptr) cu->cuStreamDestroy(stream);
+    if (comm != nullptr) destroy(comm);
+  }
+  std::shared_ptr<Communicator> communicator() const {
+    return detail::nccl_communicator_with(lib, comm, reinterpret_cast<CUstream>(stream));
+  }
 
-  cuda::CUdevice dev = 0;
-  cuda::CUcontext ctx = nullptr;
-  cuda::check(cu->cuDeviceGet(&dev, 0), "cuDeviceGet");
-  cuda::check(cu->cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-  cuda::check(cu->cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+  using Destroy = int (*)(ncclComm_t);
+  const cuda::DriverApi* cu = nullptr;
+  NcclLibrary lib;
+  Destroy destroy = nullptr;
   ncclComm_t comm = nullptr;
-  const int device_list[] = {0};
-  ASSERT_EQ(init_all(&comm, 1, device_list), 0);
   cuda::CUstream stream = nullptr;
-  cuda::check(cu->cuStreamCreate(&stream, cuda::CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-  const auto c = detail::nccl_communicator_with(lib, comm, reinterpret_cast<CUstream>(stream));
+};
+
+TEST_F(NcclOnGpu, OneRankCollectivesOnTheStream) {
+  const auto c = communicator();
   EXPECT_EQ(c->size(), 1);
   EXPECT_EQ(c->device(), Device::cuda(0));
 
@@ -255,37 +276,13 @@ TEST(NcclOnGpu, OneRankCollectivesOnTheStream) {
   EXPECT_EQ(got, host);
   cu->cuMemFree(a);
   cu->cuMemFree(b);
-  cu->cuStreamDestroy(stream);
-  destroy(comm);
 }
 
 // A sharded CUDA optimizer over a one-rank NCCL communicator on the optimizer's stream
 // (sf_reduce_shard, ncclAllGather, sf_shard_finalize) against the same optimizer without
 // a communicator, bitwise: clipped steps at several loss scales, an inf, a refused loss
 // scale, then a GradScaler keeping its scale on the device.
-TEST(NcclOnGpu, OneRankShardedCudaStepIsTheLocalStepBitwise) {
-  const cuda::DriverApi* cu = cuda::driver();
-  if (cu == nullptr) GTEST_SKIP() << "no GPU: " << cuda::driver_status().reason;
-  int devices = 0;
-  if (cu->cuDeviceGetCount(&devices) != cuda::CUDA_SUCCESS || devices == 0) GTEST_SKIP() << "no GPU";
-  NcclLibrary lib = open_nccl(toolkit_candidates(), false);
-  ASSERT_EQ(lib.error, "");
-  using InitAll = int (*)(ncclComm_t*, int, const int*);
-  using Destroy = int (*)(ncclComm_t);
-  auto init_all = reinterpret_cast<InitAll>(dlsym(lib.handle, "ncclCommInitAll"));
-  auto destroy = reinterpret_cast<Destroy>(dlsym(lib.handle, "ncclCommDestroy"));
-  ASSERT_TRUE(init_all && destroy);
-  cuda::CUdevice dev = 0;
-  cuda::CUcontext ctx = nullptr;
-  cuda::check(cu->cuDeviceGet(&dev, 0), "cuDeviceGet");
-  cuda::check(cu->cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-  cuda::check(cu->cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-  ncclComm_t comm = nullptr;
-  const int device_list[] = {0};
-  ASSERT_EQ(init_all(&comm, 1, device_list), 0);
-  cuda::CUstream stream = nullptr;
-  cuda::check(cu->cuStreamCreate(&stream, cuda::CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-
+TEST_F(NcclOnGpu, OneRankShardedCudaStepIsTheLocalStepBitwise) {
   // Tensors of several chunks, odd sizes; f32 weights and grads.
   const std::vector<std::int64_t> sizes = {40000, 33, 70000, 5, 16384};
   std::int64_t total = 0;
@@ -322,7 +319,7 @@ TEST(NcclOnGpu, OneRankShardedCudaStepIsTheLocalStepBitwise) {
   const optim::AdamW config{.lr = 1e-3, .weight_decay = 0.01};
   {
     Optimizer local(config, params_at(wb), o);
-    o.communicator = detail::nccl_communicator_with(lib, comm, reinterpret_cast<CUstream>(stream));
+    o.communicator = communicator();
     Optimizer sharded(config, params_at(wa), o);  // collective (one rank)
 
     const auto expect_same = [&](const std::string& when) {
@@ -372,8 +369,6 @@ TEST(NcclOnGpu, OneRankShardedCudaStepIsTheLocalStepBitwise) {
   cu->cuMemFree(wa);
   cu->cuMemFree(wb);
   cu->cuMemFree(gd);
-  cu->cuStreamDestroy(stream);
-  destroy(comm);
 }
 
 }  // namespace
