@@ -1227,6 +1227,22 @@ TEST_F(EmulatedSharded, InfNormClipping) {
   }
 }
 
+// A split tensor whose chunks' sums differ by 16 orders of magnitude: adding its small
+// chunks in any order but the model's (chunk 0 first, then 1, 2, 3, 4, wherever they
+// live) gives other bits, so this fails if a rank's values are combined out of order.
+TEST_F(EmulatedSharded, ASplitTensorsChunksAreCombinedInTheModelsOrder) {
+  Model model(shapes_for(kShardSizes, sf_emu::kShardCombos), false, 0, rng);
+  ASSERT_EQ(model.shape(4).grad, DType::f32);
+  ShardedRun run(model, optim::Adam{.lr = 1e-3}, {.max_grad_norm = 1.0}, split_partitions()[2], seed | 1);
+  for (int k = 0; k < 3; ++k) {
+    model.draw_grads(rng, 1.0f);
+    auto* g = static_cast<float*>(model.grad(4));  // 70000 elements: chunk 0 on rank 0, 1-2 on rank 1, 3-4 on rank 2
+    for (std::int64_t i = 0; i < kShardSizes[4]; ++i) g[i] *= i < kShardAlign ? 1e4f : 1e-4f * static_cast<float>(k + 1);
+    run.step_at(1.0);
+    run.expect_same("step " + std::to_string(k + 1));
+  }
+}
+
 // LAMB (two phases: each tensor's trust ratio inside the update) over whole tensors.
 TEST_F(EmulatedSharded, TwoPhaseProgramOverWholeTensors) {
   Model model(shapes_for(kShardSizes, sf_emu::kShardCombos), false, 0, rng);
