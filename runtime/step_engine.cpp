@@ -402,11 +402,15 @@ void StepEngine::connect_shard() {
 const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   if (!(std::isfinite(loss_scale) && loss_scale > 0)) {
     // Sharded: the other ranks are in (or on their way to) the step's collective.
+    // If even that fails (a transport error), the loss scale is still the Error to report.
     if (shard_ && (scaled || options_.max_grad_norm || options_.track_grad_norm)) {
-      if (cuda_ != nullptr)
-        cuda_->refuse_shard_step();
-      else
-        shard_->refuse_step();
+      try {
+        if (cuda_ != nullptr)
+          cuda_->refuse_shard_step();
+        else
+          shard_->refuse_step();
+      } catch (const std::exception&) {
+      }
     }
     bad_argument("step: loss_scale = " + format_number(loss_scale) + " (must be finite and > 0)");
   }

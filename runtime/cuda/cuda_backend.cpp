@@ -544,6 +544,9 @@ void CudaBackend::set_shard(Shard* shard) {
   shard_recv_ = DeviceBuffer(plan.stride * plan.ranks * sizeof(double));
   shard_sums_ = DeviceBuffer(std::max<std::size_t>(plan.tensor_begin.size() - 1, 1) * sizeof(double));
   shard_refused_ = DeviceBuffer(sizeof(int));
+  std::vector<double> refusal(plan.stride, 0.0);
+  refusal.back() = 1.0;  // the refused flag (shard_kernel.cuh: send[stride - 1])
+  shard_refusal_ = upload_now(refusal, stream_);
   cuda::check(api().cuMemsetD8Async(shard_refused_.get(), 0xff, sizeof(int), stream_), "cuMemsetD8Async");  // -1
   sf_shard& a = shard_args_;
   a.send_at = shard_tables_[0].as<const long long>();
@@ -563,12 +566,11 @@ void CudaBackend::set_shard(Shard* shard) {
 
 void CudaBackend::refuse_shard_step() {
   ctx_->make_current();
-  std::vector<double> send(static_cast<std::size_t>(shard_args_.stride), 0.0);
-  send.back() = 1.0;  // refused
-  // From pageable memory: staged before the call returns, so `send` may go.
-  cuda::check(api().cuMemcpyHtoDAsync(shard_send_.get(), send.data(), send.size() * sizeof(double), stream_),
-              "cuMemcpyHtoDAsync");
-  shard_->device_communicator().all_gather(shard_send_.as<void>(), shard_recv_.as<void>(), send.size(), CommType::f64);
+  // A device-to-device copy: asynchronous, and legal while the stream is captured.
+  const std::size_t stride = static_cast<std::size_t>(shard_args_.stride);
+  cuda::check(api().cuMemcpyDtoDAsync(shard_send_.get(), shard_refusal_.get(), stride * sizeof(double), stream_),
+              "cuMemcpyDtoDAsync");
+  shard_->device_communicator().all_gather(shard_send_.as<void>(), shard_recv_.as<void>(), stride, CommType::f64);
 }
 
 }  // namespace stepfuse::detail

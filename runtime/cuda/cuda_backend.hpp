@@ -157,6 +157,7 @@ class CudaBackend final : public Backend {
   Shard* shard_ = nullptr;
   cuda::CUfunction reduce_shard_ = nullptr, shard_finalize_ = nullptr;
   DeviceBuffer shard_tables_[5], shard_send_, shard_recv_, shard_sums_, shard_refused_;
+  DeviceBuffer shard_refusal_;  // what a refusing rank sends: zeros, then the refused flag
   sf_shard shard_args_{};
 };
 

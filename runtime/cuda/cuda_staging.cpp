@@ -26,6 +26,7 @@ class StagedCommunicator final : public Communicator {
   void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
     const std::size_t bytes = count * comm_type_size(type);
     if (bytes == 0) return;  // (the same count on every rank: every rank skips it)
+    ctx_.make_current();  // the buffers are the communicator's device's
     DeviceBuffer s(bytes), r(bytes * static_cast<std::size_t>(size()));
     to_device(s, send, bytes);
     device_->all_gather(s.as<void>(), r.as<void>(), count, type);
@@ -34,6 +35,7 @@ class StagedCommunicator final : public Communicator {
   void all_reduce(void* data, std::size_t count, CommType type, ReduceOp op) override {
     const std::size_t bytes = count * comm_type_size(type);
     if (bytes == 0) return;
+    ctx_.make_current();  // the buffers are the communicator's device's
     DeviceBuffer d(bytes);
     to_device(d, data, bytes);
     device_->all_reduce(d.as<void>(), count, type, op);
@@ -42,6 +44,7 @@ class StagedCommunicator final : public Communicator {
   void reduce_scatter(const void* send, void* recv, std::size_t count, CommType type, ReduceOp op) override {
     const std::size_t bytes = count * comm_type_size(type);
     if (bytes == 0) return;
+    ctx_.make_current();  // the buffers are the communicator's device's
     DeviceBuffer s(bytes * static_cast<std::size_t>(size())), r(bytes);
     to_device(s, send, s.bytes());
     device_->reduce_scatter(s.as<void>(), r.as<void>(), count, type, op);
@@ -52,7 +55,6 @@ class StagedCommunicator final : public Communicator {
   // The copy from pageable memory may still be in flight when cuMemcpyHtoD returns,
   // and the collective runs on the communicator's stream: wait for the context.
   void to_device(DeviceBuffer& dst, const void* src, std::size_t bytes) const {
-    ctx_.make_current();
     const cuda::DriverApi& a = *cuda::driver();
     cuda::check(a.cuMemcpyHtoD(dst.get(), src, bytes), "cuMemcpyHtoD");
     cuda::check(a.cuCtxSynchronize(), "cuCtxSynchronize");
