@@ -121,6 +121,10 @@ void validate_options(const OptimizerOptions& o) {
     bad_argument("OptimizerOptions::fusion = " + std::to_string(static_cast<int>(o.fusion)) + " is not a Fusion value");
 }
 
+std::string stream_name(const void* stream) {
+  return stream == nullptr ? "null (the legacy default stream)" : format_pointer(stream);
+}
+
 // The local part of a sharded optimizer's checks (the collective part is Shard's).
 void validate_shard(const std::vector<Param>& params, const OptimizerOptions& o) {
   if (!o.communicator) {
@@ -143,6 +147,11 @@ void validate_shard(const std::vector<Param>& params, const OptimizerOptions& o)
     bad_argument("OptimizerOptions::communicator '" + std::string(c.name()) + "' works on cuda:" +
                  std::to_string(c.device().index) + " but the optimizer is on cuda:" + std::to_string(o.device.index) +
                  " (give each GPU's optimizer the communicator of that GPU)");
+  if (o.device.kind == Device::Kind::cuda && c.cuda_stream() != o.cuda_stream)
+    bad_argument("OptimizerOptions::communicator '" + std::string(c.name()) + "' enqueues its collectives on stream " +
+                 stream_name(c.cuda_stream()) + " but OptimizerOptions::cuda_stream is " + stream_name(o.cuda_stream) +
+                 " (the step's collective runs between its kernels: give the communicator the optimizer's stream, "
+                 "e.g. nccl_communicator(comm, stream) with options.cuda_stream = stream)");
   if (o.device.kind == Device::Kind::cpu && c.device().kind != Device::Kind::cpu)
     throw Error(ErrorCode::unsupported, "OptimizerOptions::communicator '" + std::string(c.name()) +
                                             "' works on device memory, but a CPU optimizer's collectives use host "

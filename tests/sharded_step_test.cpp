@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -378,11 +379,12 @@ TEST(ShardedStep, LocalChecks) {
 // construction refuses the pairing first).
 class DeviceClaim final : public Communicator {
  public:
-  explicit DeviceClaim(Device device) : device_(device) {}
+  explicit DeviceClaim(Device device, void* stream = nullptr) : device_(device), stream_(stream) {}
   int rank() const override { return 0; }
   int size() const override { return 1; }
   std::string_view name() const override { return "device-claim"; }
   Device device() const override { return device_; }
+  void* cuda_stream() const override { return stream_; }
   void all_gather(const void*, void*, std::size_t, CommType) override { ADD_FAILURE() << "no collective expected"; }
   void all_reduce(void*, std::size_t, CommType, ReduceOp) override { ADD_FAILURE() << "no collective expected"; }
   void reduce_scatter(const void*, void*, std::size_t, CommType, ReduceOp) override {
@@ -391,6 +393,7 @@ class DeviceClaim final : public Communicator {
 
  private:
   Device device_;
+  void* stream_;
 };
 
 // The optimizer's device and the communicator's memory must match (checked before any
@@ -415,6 +418,10 @@ TEST(ShardedStep, TheCommunicatorsMemoryMustBeTheOptimizersDevice) {
   refused(o, ErrorCode::unsupported, "use stepfuse::nccl_communicator over a comm of cuda:0");
   o.communicator = std::make_shared<DeviceClaim>(Device::cuda(1));
   refused(o, ErrorCode::invalid_argument, "works on cuda:1 but the optimizer is on cuda:0");
+  void* const stream = reinterpret_cast<void*>(std::uintptr_t{0x5f00});
+  o.communicator = std::make_shared<DeviceClaim>(Device::cuda(0), stream);
+  refused(o, ErrorCode::invalid_argument,
+          "enqueues its collectives on stream 0x5f00 but OptimizerOptions::cuda_stream is null (the legacy default stream)");
   o.device = Device::cpu();
   refused(o, ErrorCode::unsupported, "works on device memory, but a CPU optimizer's collectives use host memory");
 

@@ -47,6 +47,11 @@ class Communicator {
   virtual int size() const = 0;
   // Where the buffers live (Device::cpu() unless overridden).
   virtual Device device() const { return Device::cpu(); }
+  // A CUDA communicator: the CUDA stream (a CUstream / cudaStream_t) its calls are
+  // enqueued on; nullptr is the legacy default stream. A sharded CUDA optimizer
+  // requires it to be its own OptimizerOptions::cuda_stream, so that the step's
+  // collective is ordered between the step's kernels. Unused for a CPU communicator.
+  virtual void* cuda_stream() const { return nullptr; }
   // A short description for messages and benchmarks: "mpi", "nccl", "torch.distributed(gloo)".
   virtual std::string_view name() const = 0;
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <charconv>
+#include <cstdint>
 #include <string>
 #include <system_error>
 
@@ -30,6 +31,17 @@ inline std::string format_float(float v) {
   char buf[32];
   const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, v);
   if (r.ec != std::errc{}) return "?";
+  return std::string(buf, r.ptr);
+}
+
+// A pointer or handle as "0x7f..." ("null" for nullptr; a CUDA stream's null is the
+// legacy default stream, which callers say in their own words).
+inline std::string format_pointer(const void* p) {
+  if (p == nullptr) return "null";
+  char buf[2 + 16];
+  const std::to_chars_result r = std::to_chars(buf + 2, buf + sizeof buf, reinterpret_cast<std::uintptr_t>(p), 16);
+  buf[0] = '0';
+  buf[1] = 'x';
   return std::string(buf, r.ptr);
 }
 

@@ -1,8 +1,8 @@
 // host_communicator (runtime/shard.hpp): host buffers over a communicator of device
 // memory (NCCL), for the sharded step's construction and checkpoints. Each
-// collective copies its input to the device, runs, waits for the whole context
-// (the communicator's stream is its own), and copies the result back: a few small
-// collectives per optimizer, never on the step's path.
+// collective copies its input to the device, runs, and copies the result back, all
+// on the communicator's stream, then waits for that stream: a few small collectives
+// per optimizer, never on the step's path.
 #include <memory>
 #include <string>
 
@@ -52,18 +52,18 @@ class StagedCommunicator final : public Communicator {
   }
 
  private:
-  // The copy from pageable memory may still be in flight when cuMemcpyHtoD returns,
-  // and the collective runs on the communicator's stream: wait for the context.
+  // Both copies on the communicator's stream, so that the collective between them is
+  // ordered after the first and before the second; the host waits for the stream.
   void to_device(DeviceBuffer& dst, const void* src, std::size_t bytes) const {
     const cuda::DriverApi& a = *cuda::driver();
-    cuda::check(a.cuMemcpyHtoD(dst.get(), src, bytes), "cuMemcpyHtoD");
-    cuda::check(a.cuCtxSynchronize(), "cuCtxSynchronize");
+    cuda::check(a.cuMemcpyHtoDAsync(dst.get(), src, bytes, stream()), "cuMemcpyHtoDAsync");
   }
   void to_host(void* dst, const DeviceBuffer& src, std::size_t bytes) const {
     const cuda::DriverApi& a = *cuda::driver();
-    cuda::check(a.cuCtxSynchronize(), "cuCtxSynchronize (waiting for the communicator's collective)");
-    cuda::check(a.cuMemcpyDtoH(dst, src.get(), bytes), "cuMemcpyDtoH");
+    cuda::check(a.cuMemcpyDtoHAsync(dst, src.get(), bytes, stream()), "cuMemcpyDtoHAsync");
+    cuda::check(a.cuStreamSynchronize(stream()), "cuStreamSynchronize (waiting for the communicator's collective)");
   }
+  cuda::CUstream stream() const { return static_cast<cuda::CUstream>(device_->cuda_stream()); }
 
   std::shared_ptr<Communicator> device_;
   CudaContext ctx_;

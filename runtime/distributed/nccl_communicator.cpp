@@ -136,6 +136,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Device device() const override { return Device::cuda(device_); }
+  void* cuda_stream() const override { return stream_; }
   std::string_view name() const override { return "nccl"; }
 
   void all_gather(const void* send, void* recv, std::size_t count, CommType type) override {
