@@ -18,6 +18,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -1102,6 +1103,15 @@ class ShardedRun {
   EmulatedOptimizer& dev(std::size_t r) { return *dev_[r]; }
   Optimizer& cpu() { return cpu_; }
 
+  // For each scale: grads drawn at half of it, a step at it (step_at), then expect_same.
+  void steps_at(std::mt19937& rng, std::initializer_list<double> scales) {
+    int k = 0;
+    for (const double s : scales) {
+      model_.draw_grads(rng, static_cast<float>(0.5 * s));
+      step_at(s);
+      expect_same("step " + std::to_string(++k));
+    }
+  }
   // A plain step for scale 1, else a scaled one, on the CPU and on every rank.
   void step_at(double s) {
     if (s == 1.0)
@@ -1195,12 +1205,7 @@ TEST_F(EmulatedSharded, EveryRankStepsAsOneProcessBitwise) {
     Model model(shapes_for(kShardSizes, sf_emu::kShardCombos), false, 0, rng);
     ShardedRun run(model, optim::AdamW{.lr = 1e-3, .weight_decay = 0.01}, {.max_grad_norm = 1.0}, partition, seed | 1);
     for (std::size_t r = 0; r < run.ranks(); ++r) EXPECT_EQ(run.dev(r).spec_name(), "adam_sharded");
-    const double scales[] = {1024.0, 1.0, 3000.5, 0.25};
-    for (int k = 0; k < 4; ++k) {
-      model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
-      run.step_at(scales[k]);
-      run.expect_same("step " + std::to_string(k + 1));
-    }
+    run.steps_at(rng, {1024.0, 1.0, 3000.5, 0.25});
     model.draw_grads(rng, 512.0f);
     model.set_grad(7, 3, INFINITY);  // the last rank's tensor
     run.step_at(1024.0);
@@ -1219,12 +1224,7 @@ TEST_F(EmulatedSharded, InfNormClipping) {
   ShardedRun run(model, optim::Adam{.lr = 1e-3}, {.max_grad_norm = 0.75, .norm_type = INFINITY}, split_partitions()[2],
                  seed | 1);
   EXPECT_EQ(run.dev(2).spec_name(), "adam_inf_sharded");
-  const double scales[] = {2048.0, 1.0, 3.0};
-  for (int k = 0; k < 3; ++k) {
-    model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
-    run.step_at(scales[k]);
-    run.expect_same("step " + std::to_string(k + 1));
-  }
+  run.steps_at(rng, {2048.0, 1.0, 3.0});
 }
 
 // A split tensor whose chunks' sums differ by 16 orders of magnitude: adding its small
@@ -1249,12 +1249,7 @@ TEST_F(EmulatedSharded, TwoPhaseProgramOverWholeTensors) {
   ShardedRun run(model, optim::LAMB{.lr = 1e-3, .weight_decay = 0.1}, {.max_grad_norm = 5.0},
                  whole_tensors({{0, 1}, {2, 3}, {4, 5, 6, 7}}), seed | 1);
   EXPECT_EQ(run.dev(1).spec_name(), "lamb_sharded");
-  const double scales[] = {1024.0, 1.0, 3000.5};
-  for (int k = 0; k < 3; ++k) {
-    model.draw_grads(rng, static_cast<float>(0.5 * scales[k]));
-    run.step_at(scales[k]);
-    run.expect_same("step " + std::to_string(k + 1));
-  }
+  run.steps_at(rng, {1024.0, 1.0, 3000.5});
 }
 
 // A rank that refuses its step (a bad loss scale): the others apply nothing, and their

@@ -349,34 +349,29 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
   const bool reduce = request.scaled || clip || options_.track_grad_norm || request.device_scale != nullptr;
   cuda::CUdeviceptr tensors = tensors_.get(), chunks = chunks_.get(), blocks = blocks_.get();
   cuda::CUdeviceptr partials = partials_.get(), sums = tensor_sums_.get(), st = step_state_.get();
-  if (reduce && shard_ != nullptr) {
-    // The sharded step: this rank's values, every rank's (the step's one collective,
-    // on the communicator's stream: the optimizer's), then the model's combine.
-    int num_tensors = static_cast<int>(params_.size());
-    int num_chunks = num_chunks_;
-    sf_shard shard = shard_args_;
-    void* reduce_args[] = {&tensors, &num_tensors, &chunks, &num_chunks, &partials, &st, &shard};
-    const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
-    launch(reduce_shard_, "sf_reduce_shard", grid, 32 * SF_REDUCE_WARPS, stream_, reduce_args);
-    shard_->device_communicator().all_gather(shard_send_.as<void>(), shard_recv_.as<void>(),
-                                             static_cast<std::size_t>(shard.stride), CommType::f64);
-    const float* scale_ptr = request.device_scale;
-    double scale_value = request.loss_scale;
-    int check_finite = request.scaled || request.device_scale != nullptr || clip ? 1 : 0;
-    sf_scaler_state* scaler = request.scaler;
-    void* finalize_args[] = {&shard, &sums, &num_tensors, &st, &hyper, &scale_ptr, &scale_value, &check_finite, &scaler};
-    launch(shard_finalize_, "sf_shard_finalize", 1, SF_SHARD_THREADS, stream_, finalize_args);
-  } else if (reduce) {
+  if (reduce) {
     int num_tensors = static_cast<int>(params_.size());
     int num_chunks = num_chunks_;
     const float* scale_ptr = request.device_scale;
     double scale_value = request.loss_scale;  // a double: must match sf_reduce (jit/cuda/kernels/reduce_kernel.cuh)
     int check_finite = request.scaled || request.device_scale != nullptr || clip ? 1 : 0;
     sf_scaler_state* scaler = request.scaler;
-    void* args[] = {&tensors, &num_tensors, &chunks,      &num_chunks,   &partials, &sums,
-                    &st,      &hyper,       &scale_ptr,   &scale_value,  &check_finite, &scaler};
     const unsigned grid = static_cast<unsigned>(std::max((num_chunks_ + SF_REDUCE_WARPS - 1) / SF_REDUCE_WARPS, 1));
-    launch(reduce_, "sf_reduce", grid, 32 * SF_REDUCE_WARPS, stream_, args);
+    if (shard_ != nullptr) {
+      // The sharded step: this rank's values, every rank's (the step's one collective,
+      // on the communicator's stream: the optimizer's), then the model's combine.
+      sf_shard shard = shard_args_;
+      void* reduce_args[] = {&tensors, &num_tensors, &chunks, &num_chunks, &partials, &st, &shard};
+      launch(reduce_shard_, "sf_reduce_shard", grid, 32 * SF_REDUCE_WARPS, stream_, reduce_args);
+      shard_->device_communicator().all_gather(shard_send_.as<void>(), shard_recv_.as<void>(),
+                                               static_cast<std::size_t>(shard.stride), CommType::f64);
+      void* finalize_args[] = {&shard, &sums, &num_tensors, &st, &hyper, &scale_ptr, &scale_value, &check_finite, &scaler};
+      launch(shard_finalize_, "sf_shard_finalize", 1, SF_SHARD_THREADS, stream_, finalize_args);
+    } else {
+      void* args[] = {&tensors, &num_tensors, &chunks,      &num_chunks,   &partials, &sums,
+                      &st,      &hyper,       &scale_ptr,   &scale_value,  &check_finite, &scaler};
+      launch(reduce_, "sf_reduce", grid, 32 * SF_REDUCE_WARPS, stream_, args);
+    }
   }
   if (shard_ != nullptr && !reduce)  // a plain step has no collective: no rank refused it
     cuda::check(api().cuMemsetD8Async(shard_refused_.get(), 0xff, sizeof(int), stream_), "cuMemsetD8Async");
@@ -520,34 +515,24 @@ float* CudaBackend::masters_data() const {
 
 // ---- the sharded step ----
 
-namespace {
-
-template <class T>
-DeviceBuffer upload_now(const std::vector<T>& v, cuda::CUstream stream) {
-  DeviceBuffer b = upload_table(v, stream);
-  cuda::check(api().cuStreamSynchronize(stream), "cuStreamSynchronize");  // `v` may go
-  return b;
-}
-
-}  // namespace
-
 void CudaBackend::set_shard(Shard* shard) {
   if (shard == nullptr) return;
   ctx_->make_current();
   const Shard::DevicePlan plan = shard->device_plan();
-  shard_tables_[0] = upload_now(plan.send_at, stream_);
-  shard_tables_[1] = upload_now(plan.send_whole, stream_);
-  shard_tables_[2] = upload_now(plan.order, stream_);
-  shard_tables_[3] = upload_now(plan.tensor_begin, stream_);
-  shard_tables_[4] = upload_now(plan.local_tensor, stream_);
+  shard_tables_[0] = upload_table(plan.send_at, stream_);
+  shard_tables_[1] = upload_table(plan.send_whole, stream_);
+  shard_tables_[2] = upload_table(plan.order, stream_);
+  shard_tables_[3] = upload_table(plan.tensor_begin, stream_);
+  shard_tables_[4] = upload_table(plan.local_tensor, stream_);
   shard_send_ = DeviceBuffer(plan.stride * sizeof(double));
   shard_recv_ = DeviceBuffer(plan.stride * plan.ranks * sizeof(double));
   shard_sums_ = DeviceBuffer(std::max<std::size_t>(plan.tensor_begin.size() - 1, 1) * sizeof(double));
   shard_refused_ = DeviceBuffer(sizeof(int));
   std::vector<double> refusal(plan.stride, 0.0);
   refusal.back() = 1.0;  // the refused flag (shard_kernel.cuh: send[stride - 1])
-  shard_refusal_ = upload_now(refusal, stream_);
+  shard_refusal_ = upload_table(refusal, stream_);
   cuda::check(api().cuMemsetD8Async(shard_refused_.get(), 0xff, sizeof(int), stream_), "cuMemsetD8Async");  // -1
+  cuda::check(api().cuStreamSynchronize(stream_), "cuStreamSynchronize");  // the host tables above may go
   sf_shard& a = shard_args_;
   a.send_at = shard_tables_[0].as<const long long>();
   a.send_whole = shard_tables_[1].as<const int>();
