@@ -22,14 +22,26 @@ struct DtypeCombo {
   DType weight = DType::f32;
   DType grad = DType::f32;
   bool master = false;  // fp32 master weights (weight is f16/bf16)
+  // bf16 weights without masters, stored with stochastic rounding (jit/stochastic_round.h)
+  bool stochastic = false;
   bool operator==(const DtypeCombo&) const = default;
   // A dense index for kernel tables, below kNumComboIndices (some are unused:
-  // f32 weights have no masters).
+  // f32 weights have no masters): weight-major, then grad, then masters; the
+  // stochastic combos (bf16 weights, no masters) last, by grad.
   constexpr int index() const {
+    if (stochastic) return 18 + static_cast<int>(grad);
     return static_cast<int>(weight) * 6 + static_cast<int>(grad) * 2 + (master ? 1 : 0);
   }
 };
-inline constexpr int kNumComboIndices = 18;
+inline constexpr int kNumComboIndices = 21;
+
+// The combo of a tensor with these dtypes under OptimizerOptions::master_weights
+// and ::stochastic_rounding: masters for f16/bf16 weights when kept; stochastic
+// rounding for bf16 weights without them.
+constexpr DtypeCombo param_combo(DType weight, DType grad, bool master_weights, bool stochastic_rounding) {
+  const bool master = master_weights && weight != DType::f32;
+  return {weight, grad, master, stochastic_rounding && !master && weight == DType::bf16};
+}
 
 // One tensor of a list, without its pointers.
 struct TensorShape {

@@ -323,6 +323,12 @@ Shard::Reduction Shard::combine(std::span<const cpu::ReducePartial> partials, bo
   return r;
 }
 
+std::int64_t Shard::model_index_of(std::size_t param) const {
+  std::int64_t index = local_offset_[param];
+  for (std::size_t t = 0; t < local_tensor_[param]; ++t) index += tensors_[t].numel;
+  return index;
+}
+
 void Shard::refuse_step() {
   std::fill(send_.begin(), send_.end(), 0.0);
   send_[stride_ - 1] = 1.0;

@@ -117,6 +117,8 @@ class Shard {
   const std::vector<ModelTensor>& tensors() const { return tensors_; }
   const ModelTensor& tensor_of(std::size_t param) const { return tensors_[local_tensor_[param]]; }
   std::int64_t offset_of(std::size_t param) const { return local_offset_[param]; }
+  // Local param i's first element in the whole model (every model tensor's elements in order).
+  std::int64_t model_index_of(std::size_t param) const;
 
  private:
   // What a local param sends: its tensor's combined value (a whole model tensor)

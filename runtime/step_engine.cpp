@@ -121,6 +121,29 @@ void validate_options(const OptimizerOptions& o) {
     bad_argument("OptimizerOptions::fusion = " + std::to_string(static_cast<int>(o.fusion)) + " is not a Fusion value");
 }
 
+// Stochastic rounding: bf16 weights without masters, and at least one of them.
+void validate_rounding(const std::vector<Param>& params, const OptimizerOptions& o, std::string_view optimizer) {
+  if (!o.stochastic_rounding) return;
+  const std::string at = std::string(optimizer) + ": OptimizerOptions::stochastic_rounding";
+  if (o.device.kind == Device::Kind::cuda)
+    throw Error(ErrorCode::unsupported, at + ": the CUDA kernels do not round stochastically yet (run the step on the "
+                                             "CPU, or keep fp32 masters on the GPU)");
+  if (o.master_weights)
+    bad_argument(at + " is set with master_weights = true (the weights are then rounded from their fp32 masters, "
+                      "to nearest; stochastic rounding is the alternative to masters: set master_weights = false)");
+  bool any_bf16 = false;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].weight.dtype == DType::f16)
+      bad_argument(at + ": params[" + std::to_string(i) +
+                   "] has f16 weights; stochastic rounding is for bf16 weights (keep fp32 masters for f16 weights, "
+                   "or store them as bf16)");
+    any_bf16 |= params[i].weight.dtype == DType::bf16;
+  }
+  if (!any_bf16)
+    bad_argument(at + " is set but no param has bf16 weights (f32 weights are stored exactly; there is nothing to "
+                      "round: leave stochastic_rounding off)");
+}
+
 std::string stream_name(const void* stream) {
   return stream == nullptr ? "null (the legacy default stream)" : format_pointer(stream);
 }
@@ -264,6 +287,7 @@ void StepEngine::set_custom_rules(const UpdateProgram& program) {
 }
 
 void StepEngine::setup() {
+  validate_rounding(params_, options_, custom_ ? custom_->name() : optimizer_name(groups_[0].config));
   programs_.index_states();
   if (options_.device.kind == Device::Kind::cuda) {
     auto cuda = std::make_unique<CudaBackend>(programs_, params_, options_);

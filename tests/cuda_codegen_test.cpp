@@ -914,7 +914,7 @@ TEST(CudaElementFunctions, BitwiseEqualToTheCpuFusedKernels) {
           const std::string what = std::string(prog.name) + " [" + nc.label + "] step " + std::to_string(sp.step) +
                                    " " + combo_name(combo);
           SCOPED_TRACE(what);
-          const cpu::UpdateFn fused = cpu::fused_update_kernel(builtin, combo.weight, combo.grad, combo.master);
+          const cpu::UpdateFn fused = cpu::fused_update_kernel(builtin, combo);
           ASSERT_NE(fused, nullptr);
 
           Tricky draw(static_cast<std::uint32_t>(10000 * b + 1000 * ci + 10 * k + sp.step));

@@ -541,7 +541,7 @@ TEST(LlvmBackend, EveryVectorWidthMatchesHighwayKernels) {
       const auto k = jit::cpu_kernels_for(spec, target);
       for (std::size_t ci = 0; ci < combos.size(); ++ci) {
         const jit::DtypeCombo c = combos[ci];
-        const cpu::UpdateFn hwy = cpu::fused_update_kernel(builtin, c.weight, c.grad, c.master);
+        const cpu::UpdateFn hwy = cpu::fused_update_kernel(builtin, c);
         ASSERT_NE(hwy, nullptr);
         std::vector<float> g(kN), w(kN), s[kMaxStreams];
         fill(g, 0.1f), fill(w, 1.0f);
@@ -568,7 +568,7 @@ TEST(LlvmBackend, EveryVectorWidthMatchesHighwayKernels) {
           }
         }
         // A two-phase program's phase 1 first, on both sides: its chunk sums bitwise alike.
-        if (const cpu::Phase1Fn hwy1 = cpu::fused_phase1_kernel(builtin, c.weight, c.grad, c.master)) {
+        if (const cpu::Phase1Fn hwy1 = cpu::fused_phase1_kernel(builtin, c)) {
           ASSERT_EQ(k->phase1.size(), combos.size());
           float sums[2][kMaxNormSlots];
           hwy1(a[0], 0, kN, sums[0]);

@@ -50,6 +50,15 @@ struct OptimizerOptions {
   std::optional<double> max_grad_norm;  // clip_grad_norm_ on the unscaled grads, inside the step
   double norm_type = 2.0;               // 2.0 or INFINITY
   bool master_weights = true;           // fp32 masters for f16/bf16 weights
+  // bf16 weights without masters (master_weights = false): round each updated
+  // weight to bf16 stochastically instead of to nearest even, so that updates
+  // smaller than half a bf16 ulp still move the weight on average. The random
+  // bits are Philox4x32-10 keyed by `seed`, counted by the step and the element's
+  // index in the model (docs/low-precision.md): bitwise the same on every backend,
+  // thread count and device, and run to run. Needs at least one bf16 weight and
+  // no f16 weights; f32 weights in the list are unaffected.
+  bool stochastic_rounding = false;
+  std::uint64_t seed = 0;
   Fusion fusion = Fusion::fused;
   // Threads for the CPU backend; 0 = STEPFUSE_NUM_THREADS, else the machine's cores,
   // but no more than one per 256 K elements (small lists run faster on fewer).

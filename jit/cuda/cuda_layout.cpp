@@ -42,7 +42,7 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& pa
   std::vector<TensorShape> shapes;
   shapes.reserve(params.size());
   for (const Param& p : params)
-    shapes.push_back({p.weight.numel, {p.weight.dtype, p.grad.dtype, options.master_weights && p.weight.dtype != DType::f32}});
+    shapes.push_back({p.weight.numel, param_combo(p.weight.dtype, p.grad.dtype, options.master_weights, options.stochastic_rounding)});
   // A two-phase program's phase 2 reads each tensor's norms by its index in the block
   // table: never the flat layout (jit/cuda/emit_cuda.hpp).
   CudaLayout l = plan_cuda_layout(program, shapes, options.norm_type == INFINITY ? CudaNorm::inf : CudaNorm::l2,

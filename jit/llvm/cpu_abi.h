@@ -25,6 +25,10 @@ typedef struct sf_cpu_update_args {
   const float* scalars;             /* the program's per-step scalars */
   const float* norms;               /* two-phase programs, phase 2: this tensor's norm of each reduction slot
                                        (SF_CPU_MAX_NORM_SLOTS floats); else unused */
+  /* Combos with stochastic rounding (bf16 weights without masters; jit/stochastic_round.h): */
+  uint64_t sr_seed;                 /* the optimizer's seed (Philox key) */
+  uint64_t sr_step;                 /* the step being applied (1-based), set before each update pass */
+  uint64_t sr_base;                 /* the model index of the tensor's element 0 */
 } sf_cpu_update_args;
 
 #endif /* STEPFUSE_JIT_LLVM_CPU_ABI_H_ */

@@ -12,10 +12,10 @@
 // such pairs, equal to Highway within fp32 rounding instead of bitwise.
 //
 // The functions' C ABI (also what the emit API documents):
-//   void  sf_cpu_update_<w>_<g>[_m](const sf_cpu_update_args* args, uint64_t begin, uint64_t n);
+//   void  sf_cpu_update_<w>_<g>[_m|_sr](const sf_cpu_update_args* args, uint64_t begin, uint64_t n);
 //       elements [begin, begin + n) of one tensor: reads grad, weight (or master),
 //       state; writes weight, master, state (layout of cpu::UpdateArgs).
-//   void  sf_cpu_phase1_<w>_<g>[_m](const sf_cpu_update_args* args, uint64_t begin, uint64_t n, float* sums);
+//   void  sf_cpu_phase1_<w>_<g>[_m|_sr](const sf_cpu_update_args* args, uint64_t begin, uint64_t n, float* sums);
 //       a two-phase program only (then the update function is its phase 2, reading
 //       args->norms): phase 1 over one reduce chunk [begin, begin + n) (begin a
 //       multiple of 32 within the tensor, n <= SF_CPU_CHUNK_ELEMS); writes state and

@@ -65,6 +65,7 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
   for (std::size_t k = 0; k < c.combos.size(); ++k)
     j.begin_object().integer("index", static_cast<long long>(k)).str("weight", dtype_name(c.combos[k].weight))
         .str("grad", dtype_name(c.combos[k].grad)).boolean("master", c.combos[k].master)
+        .boolean("stochastic", c.combos[k].stochastic)
         .str("update", names[k]).end_object();
   j.end_array().begin_array("reduce_grads");
   for (std::size_t k = 0; k < spec.reduce_grads.size(); ++k)
@@ -117,7 +118,15 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
         "the program's per-step scalars (program.scalars order), from the scalar stage; read"},
        {"norms", "const float*", offsetof(sf_cpu_update_args, norms),
         "a two-phase program's update (phase 2): the tensor's norm of each reduction slot (SF_CPU_MAX_NORM_SLOTS "
-        "floats, see step); read. Unused by a one-phase program"}});
+        "floats, see step); read. Unused by a one-phase program"},
+       {"sr_seed", "uint64_t", offsetof(sf_cpu_update_args, sr_seed),
+        "stochastic combos: the optimizer's seed, the Philox key of the rounding; else unused"},
+       {"sr_step", "uint64_t", offsetof(sf_cpu_update_args, sr_step),
+        "stochastic combos: the step being applied (stage.step, 1-based), the high half of the Philox counter; else "
+        "unused"},
+       {"sr_base", "uint64_t", offsetof(sf_cpu_update_args, sr_base),
+        "stochastic combos: the model index of the tensor's element 0 (element e of the concatenation of every "
+        "tensor in order); else unused"}});
   write_type(j, "sf_scalar_rule", sizeof(sf_scalar_rule), alignof(sf_scalar_rule),
                   "how one per-step scalar is computed: sf_eval_rule(rule, step, gscale), rounded to fp32 (the "
                   "caller's scalar stage)",
@@ -221,8 +230,9 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
                            "(float)sqrt(the chunk sums added in fp64 in chunk order from 0); then phase 2: for every "
                            "tensor, args as below with norms = its SF_CPU_MAX_NORM_SLOTS norms, its update function "
                            "over [0, numel) in any split"
-                         : "update: for every tensor, args = {grad, weight, master, state bases, scalars}; call its "
-                           "update function over [0, numel) in any split (the reduce's chunks are a natural one)")
+                         : "update: for every tensor, args = {grad, weight, master, state bases, scalars, and for "
+                           "stochastic combos sr_seed, sr_step = stage.step, sr_base}; call its update function over "
+                           "[0, numel) in any split (the reduce's chunks are a natural one)")
       .str({}, "steps applied so far = stage.step; new hyperparameters are new rules at the next scalar stage (never "
                "recompile)")
       .end_array();

@@ -7,6 +7,7 @@
 #include "hwy/highway.h"
 #include "runtime/cpu/convert-inl.h"
 #include "runtime/cpu/kernels.hpp"
+#include "runtime/cpu/stochastic_round-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace stepfuse::cpu::HWY_NAMESPACE {
@@ -92,6 +93,21 @@ void Narrow(const float* src, int type, void* dst, std::size_t n) {
   else NarrowT<DType::bf16>(src, dst, n);
 }
 
+void NarrowBf16StochasticArray(const float* src, std::uint16_t* dst, std::size_t n, std::uint64_t seed,
+                               std::uint64_t step, std::uint64_t first) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  const RoundingKey key{seed, step, first};
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) StoreBf16Stochastic(d, hn::LoadU(d, src + i), dst, i, key);
+  if (i == n) return;
+  alignas(64) float in[hn::MaxLanes(d)] = {};
+  alignas(64) std::uint16_t out[hn::MaxLanes(d)];
+  std::memcpy(in, src + i, (n - i) * sizeof(float));
+  StoreBf16Stochastic(d, hn::Load(d, in), out, 0, RoundingKey{seed, step, first + i});
+  std::memcpy(dst + i, out, (n - i) * sizeof(std::uint16_t));
+}
+
 }  // namespace stepfuse::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -101,6 +117,11 @@ HWY_EXPORT(Widen);
 HWY_EXPORT(Narrow);
 HWY_EXPORT(Scale);
 HWY_EXPORT(WidenScaled);
+HWY_EXPORT(NarrowBf16StochasticArray);
+void narrow_bf16_stochastic(const float* src, std::uint16_t* dst, std::size_t n, std::uint64_t seed,
+                            std::uint64_t step, std::uint64_t first) {
+  HWY_DYNAMIC_DISPATCH(NarrowBf16StochasticArray)(src, dst, n, seed, step, first);
+}
 void widen_scaled(DType type, const void* src, float* dst, std::size_t n, float s) {
   HWY_DYNAMIC_DISPATCH(WidenScaled)(static_cast<int>(type), src, dst, n, s);
 }

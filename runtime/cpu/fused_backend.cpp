@@ -33,8 +33,8 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
       interpret = true;
       continue;
     }
-    k.update = fused_update_kernel(*group.fused, c.weight, c.grad, c.master);
-    k.phase1 = fused_phase1_kernel(*group.fused, c.weight, c.grad, c.master);  // two-phase programs
+    k.update = fused_update_kernel(*group.fused, c);
+    k.phase1 = fused_phase1_kernel(*group.fused, c);  // two-phase programs
     if (k.update == nullptr)
       throw Error(ErrorCode::unsupported, "no fused CPU kernel for " + std::string(group.program->name) + " with " +
                                               std::string(dtype_name(c.weight)) + " weights and " +
@@ -162,6 +162,7 @@ StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<do
   r.clip_coef = stage.clip_coef;
   if (!stage.applied) return r;
   eval_scalars(request, stage.step, stage.gscale);
+  if (options_.stochastic_rounding) host_.set_rounding_step(stage.step);
   // Two-phase programs: phase 1 over their chunks, then each tensor's norms, which
   // phase 2 (the update below) reads through `args` (runtime/cpu/two_phase.hpp).
   const std::vector<UpdateArgs>& args = two_phase_.any() ? two_phase_.args(host_.args()) : host_.args();

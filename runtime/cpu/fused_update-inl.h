@@ -16,6 +16,7 @@
 #include "jit/program_analysis.hpp"
 #include "runtime/cpu/convert-inl.h"
 #include "runtime/cpu/kernels.hpp"
+#include "runtime/cpu/stochastic_round-inl.h"
 #include "runtime/cpu/vector_ops-inl.h"
 #include "stepfuse/program.hpp"
 
@@ -30,26 +31,40 @@ struct Streams {
   float* master;
   float* state[kMaxStreams];
   const float* norms;  // phase 2 of a two-phase program: the tensor's norms
+  RoundingKey rounding;  // M == kStochasticWeights: the bf16 weights' random bits
 };
+
+// The weight modes (template parameter M): how the param stream is kept.
+inline constexpr int kPlainWeights = 0;       // the weights themselves, rounded to nearest when narrower
+inline constexpr int kMasterWeights = 1;      // fp32 masters; the weights are their copies, rounded to nearest
+inline constexpr int kStochasticWeights = 2;  // bf16 weights, rounded stochastically (jit/stochastic_round.h)
+
+// Streams of a whole tensor's args.
+HWY_INLINE Streams StreamsOf(const UpdateArgs& a) {
+  return {a.grad, a.weight, a.master,
+          {a.state[0], a.state[1], a.state[2], a.state[3], a.state[4], a.state[5], a.state[6], a.state[7]},
+          a.norms, {a.sr_seed, a.sr_step, a.sr_base}};
+}
 
 // Executes instruction I of program P on lanes [i, i + Lanes(d)). Phase 1 of a
 // two-phase program: `acc` holds the reduction slots' accumulators of these
 // lanes, and in a tail (kTail) only the first `live` lanes are real elements.
-template <const Program& P, int I, DType W, DType G, bool M, bool kTail = false, class D, class V>
+template <const Program& P, int I, DType W, DType G, int M, bool kTail = false, class D, class V>
 HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i, V* acc = nullptr,
                      std::size_t live = 0) {
   constexpr Instr in = P.code[I];
   if constexpr (in.op == Op::load) {
     constexpr StreamRole role = P.streams[in.attr].role;
     if constexpr (role == StreamRole::grad) v[I] = LoadAs<G>(d, st.grad, i);
-    else if constexpr (role == StreamRole::param && M) v[I] = hn::LoadU(d, st.master + i);
+    else if constexpr (role == StreamRole::param && M == kMasterWeights) v[I] = hn::LoadU(d, st.master + i);
     else if constexpr (role == StreamRole::param) v[I] = LoadAs<W>(d, st.weight, i);
     else v[I] = hn::LoadU(d, st.state[in.attr] + i);
   } else if constexpr (in.op == Op::store) {
     constexpr StreamRole role = P.streams[in.attr].role;
     if constexpr (role == StreamRole::param) {
-      if constexpr (M) hn::StoreU(v[in.a], d, st.master + i);
-      StoreAs<W>(d, v[in.a], st.weight, i);
+      if constexpr (M == kMasterWeights) hn::StoreU(v[in.a], d, st.master + i);
+      if constexpr (M == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.rounding);
+      else StoreAs<W>(d, v[in.a], st.weight, i);
     } else {
       hn::StoreU(v[in.a], d, st.state[in.attr] + i);
     }
@@ -73,14 +88,14 @@ HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i, V*
   }
 }
 
-template <const Program& P, DType W, DType G, bool M, class D, class V, std::size_t... I>
+template <const Program& P, DType W, DType G, int M, class D, class V, std::size_t... I>
 HWY_INLINE void Body(D d, const V* s, const Streams& st, std::size_t i, std::index_sequence<I...>) {
   V v[sizeof...(I)];
   (Exec<P, static_cast<int>(I), W, G, M>(d, v, s, st, i), ...);
 }
 
 // Phase 1's body: the same, accumulating the reduce_sumsq values into `acc`.
-template <const Program& P, DType W, DType G, bool M, bool kTail, class D, class V, std::size_t... I>
+template <const Program& P, DType W, DType G, int M, bool kTail, class D, class V, std::size_t... I>
 HWY_INLINE void Body1(D d, const V* s, const Streams& st, std::size_t i, V* acc, std::size_t live,
                       std::index_sequence<I...>) {
   V v[sizeof...(I) > 0 ? sizeof...(I) : 1];
@@ -96,7 +111,7 @@ constexpr unsigned StoredStreams() {
   return mask;
 }
 
-template <const Program& P, DType W, DType G, bool M>
+template <const Program& P, DType W, DType G, int M>
 void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   const hn::ScalableTag<float> d;
   using V = hn::Vec<decltype(d)>;
@@ -104,9 +119,7 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   const std::size_t N = hn::Lanes(d);
   V s[P.num_scalars > 0 ? P.num_scalars : 1];
   for (int k = 0; k < P.num_scalars; ++k) s[k] = hn::Set(d, a.scalars[k]);
-  const Streams st{a.grad, a.weight, a.master,
-                   {a.state[0], a.state[1], a.state[2], a.state[3], a.state[4], a.state[5], a.state[6], a.state[7]},
-                   a.norms};
+  const Streams st = StreamsOf(a);
   const std::size_t end = begin + n;
   std::size_t i = begin;
   for (; i + N <= end; i += N) Body<P, W, G, M>(d, s, st, i, kSeq);
@@ -123,8 +136,9 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   const std::size_t wsize = dtype_size(W), gsize = dtype_size(G);
   std::memcpy(grad_buf, static_cast<const char*>(a.grad) + i * gsize, rem * gsize);
   std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
-  if constexpr (M) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
-  Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms};
+  if constexpr (M == kMasterWeights) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
+  // The buffers' element 0 is the tensor's element i.
+  Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, {a.sr_seed, a.sr_step, a.sr_base + i}};
   for (int k = 0; k < P.num_streams; ++k) {
     if (P.streams[k].role != StreamRole::state) continue;
     std::memcpy(state_buf[k], a.state[k] + i, rem * sizeof(float));
@@ -136,7 +150,7 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
     if (!(kStored & (1u << k))) continue;
     if (P.streams[k].role == StreamRole::param) {
       std::memcpy(static_cast<char*>(a.weight) + i * wsize, weight_buf, rem * wsize);
-      if constexpr (M) std::memcpy(a.master + i, master_buf, rem * sizeof(float));
+      if constexpr (M == kMasterWeights) std::memcpy(a.master + i, master_buf, rem * sizeof(float));
     } else {
       std::memcpy(a.state[k] + i, state_buf[k], rem * sizeof(float));
     }
@@ -149,7 +163,7 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
 // of squares of docs/architecture.md §5, as the reduce pass computes a chunk's:
 // element i into lane i mod 32 (32 / N vectors of N lanes), the last partial group
 // zero-padded, then the fixed tree. sums[r]: slot r's sum (0 when not reduced).
-template <const Program& P, DType W, DType G, bool M>
+template <const Program& P, DType W, DType G, int M>
 void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* sums) {
   const hn::ScalableTag<float> d;
   using V = hn::Vec<decltype(d)>;
@@ -162,9 +176,7 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
   V acc[kVecs][kMaxNormSlots];
   for (auto& row : acc)
     for (V& x : row) x = hn::Zero(d);
-  const Streams st{a.grad, a.weight, a.master,
-                   {a.state[0], a.state[1], a.state[2], a.state[3], a.state[4], a.state[5], a.state[6], a.state[7]},
-                   a.norms};
+  const Streams st = StreamsOf(a);
   const std::size_t end = begin + n;
   std::size_t i = begin;
   for (; i + kLanes <= end; i += kLanes)
@@ -180,8 +192,8 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
     const std::size_t wsize = dtype_size(W), gsize = dtype_size(G);
     std::memcpy(grad_buf, static_cast<const char*>(a.grad) + i * gsize, rem * gsize);
     std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
-    if constexpr (M) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
-    Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms};
+    if constexpr (M == kMasterWeights) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
+    Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, {a.sr_seed, a.sr_step, a.sr_base + i}};
     for (int k = 0; k < P.num_streams; ++k) {
       if (P.streams[k].role != StreamRole::state) continue;
       std::memcpy(state_buf[k], a.state[k] + i, rem * sizeof(float));
@@ -196,7 +208,7 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
       if (!(kStored & (1u << k))) continue;
       if (P.streams[k].role == StreamRole::param) {  // (validation keeps the param out of phase 1)
         std::memcpy(static_cast<char*>(a.weight) + i * wsize, weight_buf, rem * wsize);
-        if constexpr (M) std::memcpy(a.master + i, master_buf, rem * sizeof(float));
+        if constexpr (M == kMasterWeights) std::memcpy(a.master + i, master_buf, rem * sizeof(float));
       } else {
         std::memcpy(a.state[k] + i, state_buf[k], rem * sizeof(float));
       }
@@ -218,49 +230,55 @@ template <const Program& P>
 inline constexpr Program kPart1 = jit::phase_program(P, 1);
 
 // The update kernel of P (phase 2 of a two-phase program) and its phase-1 kernel (null for one phase).
-template <const Program& P, DType W, DType G, bool M>
+template <const Program& P, DType W, DType G, int M>
 constexpr UpdateFn UpdateEntry() {
   if constexpr (jit::is_two_phase(P)) return &FusedUpdate<kPart1<P>, W, G, M>;
   else return &FusedUpdate<P, W, G, M>;
 }
-template <const Program& P, DType W, DType G, bool M>
+template <const Program& P, DType W, DType G, int M>
 constexpr Phase1Fn Phase1Entry() {
   if constexpr (jit::is_two_phase(P)) return &FusedPhase1<kPart0<P>, W, G, M>;
   else return nullptr;
 }
 
 // Table of kernels for the programs Ps..., indexed [program][jit::DtypeCombo::index()]:
-// weight-major, then grad, then masters (f32 weights have none).
+// weight-major, then grad, then masters (f32 weights have none); then the
+// stochastically rounded bf16 weights, by grad.
 static_assert(jit::DtypeCombo{DType::f16, DType::bf16, true}.index() == 11 &&
-                  jit::DtypeCombo{DType::bf16, DType::f32, false}.index() == 12,
+                  jit::DtypeCombo{DType::bf16, DType::f32, false}.index() == 12 &&
+                  jit::DtypeCombo{DType::bf16, DType::f32, false, true}.index() == 18 &&
+                  jit::kNumComboIndices == 21,
               "the rows below are in jit::DtypeCombo::index() order");
 template <const Program&... Ps>
 struct FusedTable {
   // Entry<P, W, G, M>() for every jit::DtypeCombo::index(), null where there is none.
-  template <class Fn, template <const Program&, DType, DType, bool> class Entry, const Program& P>
+  template <class Fn, template <const Program&, DType, DType, int> class Entry, const Program& P>
   static constexpr Fn Row(int combo) {
+    constexpr int kP = kPlainWeights, kM = kMasterWeights, kS = kStochasticWeights;
     constexpr Fn fns[jit::kNumComboIndices] = {
-        Entry<P, DType::f32, DType::f32, false>::get(),   nullptr,
-        Entry<P, DType::f32, DType::f16, false>::get(),   nullptr,
-        Entry<P, DType::f32, DType::bf16, false>::get(),  nullptr,
-        Entry<P, DType::f16, DType::f32, false>::get(),   Entry<P, DType::f16, DType::f32, true>::get(),
-        Entry<P, DType::f16, DType::f16, false>::get(),   Entry<P, DType::f16, DType::f16, true>::get(),
-        Entry<P, DType::f16, DType::bf16, false>::get(),  Entry<P, DType::f16, DType::bf16, true>::get(),
-        Entry<P, DType::bf16, DType::f32, false>::get(),  Entry<P, DType::bf16, DType::f32, true>::get(),
-        Entry<P, DType::bf16, DType::f16, false>::get(),  Entry<P, DType::bf16, DType::f16, true>::get(),
-        Entry<P, DType::bf16, DType::bf16, false>::get(), Entry<P, DType::bf16, DType::bf16, true>::get(),
+        Entry<P, DType::f32, DType::f32, kP>::get(),   nullptr,
+        Entry<P, DType::f32, DType::f16, kP>::get(),   nullptr,
+        Entry<P, DType::f32, DType::bf16, kP>::get(),  nullptr,
+        Entry<P, DType::f16, DType::f32, kP>::get(),   Entry<P, DType::f16, DType::f32, kM>::get(),
+        Entry<P, DType::f16, DType::f16, kP>::get(),   Entry<P, DType::f16, DType::f16, kM>::get(),
+        Entry<P, DType::f16, DType::bf16, kP>::get(),  Entry<P, DType::f16, DType::bf16, kM>::get(),
+        Entry<P, DType::bf16, DType::f32, kP>::get(),  Entry<P, DType::bf16, DType::f32, kM>::get(),
+        Entry<P, DType::bf16, DType::f16, kP>::get(),  Entry<P, DType::bf16, DType::f16, kM>::get(),
+        Entry<P, DType::bf16, DType::bf16, kP>::get(), Entry<P, DType::bf16, DType::bf16, kM>::get(),
+        Entry<P, DType::bf16, DType::f32, kS>::get(),  Entry<P, DType::bf16, DType::f16, kS>::get(),
+        Entry<P, DType::bf16, DType::bf16, kS>::get(),
     };
     return fns[combo];
   }
-  template <const Program& P, DType W, DType G, bool M>
+  template <const Program& P, DType W, DType G, int M>
   struct UpdateOf {
     static constexpr UpdateFn get() { return UpdateEntry<P, W, G, M>(); }
   };
-  template <const Program& P, DType W, DType G, bool M>
+  template <const Program& P, DType W, DType G, int M>
   struct Phase1Of {
     static constexpr Phase1Fn get() { return Phase1Entry<P, W, G, M>(); }
   };
-  template <class Fn, template <const Program&, DType, DType, bool> class Entry>
+  template <class Fn, template <const Program&, DType, DType, int> class Entry>
   static Fn Lookup(int program, int combo) {
     constexpr Fn (*rows[])(int) = {&Row<Fn, Entry, Ps>...};
     if (program < 0 || program >= static_cast<int>(sizeof...(Ps))) return nullptr;

@@ -13,7 +13,7 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
   std::vector<jit::TensorShape> shapes;
   std::int64_t elements = 0;
   for (const Param& p : params) {
-    shapes.push_back({p.weight.numel, {p.weight.dtype, p.grad.dtype, options.master_weights && p.weight.dtype != DType::f32}});
+    shapes.push_back({p.weight.numel, jit::param_combo(p.weight.dtype, p.grad.dtype, options.master_weights, options.stochastic_rounding)});
     elements += p.weight.numel;
   }
   layout_ = jit::plan_layout(shapes);
@@ -53,8 +53,12 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
   });
 
   args_.resize(params.size());
+  std::uint64_t model_index = 0;  // stochastic rounding: the tensor's first element in the model (unsharded)
   for (std::size_t i = 0; i < params.size(); ++i) {
     UpdateArgs& a = args_[i];
+    a.sr_seed = options.seed;
+    a.sr_base = model_index;
+    model_index += static_cast<std::uint64_t>(params[i].weight.numel);
     a.grad = params[i].grad.data;
     a.weight = params[i].weight.data;
     a.master = layout_.master_offsets[i] >= 0 ? masters_.data() + layout_.master_offsets[i] : nullptr;
@@ -65,6 +69,12 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
     }
     a.scalars = scalars[g];
   }
+}
+
+void HostBuffers::set_shard(detail::Shard* shard) {
+  shard_ = shard;
+  if (shard != nullptr)
+    for (std::size_t i = 0; i < args_.size(); ++i) args_[i].sr_base = static_cast<std::uint64_t>(shard->model_index_of(i));
 }
 
 HostBuffers::Reduction HostBuffers::combine(bool inf_norm, std::vector<double>& tensor_norms) const {

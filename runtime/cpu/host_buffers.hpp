@@ -68,7 +68,13 @@ class HostBuffers {
     for_chunks([&](std::size_t c, int) { partials_[c] = partial(c); });
     return combine(inf_norm, tensor_norms);
   }
-  void set_shard(detail::Shard* shard) { shard_ = shard; }
+  // Sharded: the combine is every rank's, and stochastic rounding counts elements
+  // by their index in the whole model.
+  void set_shard(detail::Shard* shard);
+  // Stochastic rounding: the step the update pass applies (the Philox counter's high half).
+  void set_rounding_step(std::int64_t step) {
+    for (UpdateArgs& a : args_) a.sr_step = static_cast<std::uint64_t>(step);
+  }
   // The first stored gradient of a chunk.
   const void* grad_at(const jit::Chunk& ch, const std::vector<Param>& params) const {
     const TensorView& g = params[ch.tensor].grad;

@@ -180,7 +180,10 @@ void Exec(const ExecCall& c, std::size_t n) {
     case LKind::axpby: return RunFused<LKind::axpby>(c, n);
     // The storage conversions of runtime/cpu/convert.cpp (f32 included).
     case LKind::widen: return widen(c.lp_type, c.lp_src, c.dst, n);
-    case LKind::narrow: return narrow(c.src[0].p, c.lp_type, c.lp_dst, n);
+    case LKind::narrow:
+      if (c.stochastic)
+        return narrow_bf16_stochastic(c.src[0].p, static_cast<std::uint16_t*>(c.lp_dst), n, c.sr_seed, c.sr_step, c.sr_first);
+      return narrow(c.src[0].p, c.lp_type, c.lp_dst, n);
     case LKind::copy: return RunCopy(c, n);
     case LKind::reduce: return RunReduce(c, n);
   }
@@ -195,10 +198,11 @@ HWY_AFTER_NAMESPACE();
 namespace stepfuse::cpu {
 HWY_EXPORT(GetExec);
 
-Interpreter::Interpreter(const Program& program, DType weight, DType grad, bool masters)
+Interpreter::Interpreter(const Program& program, DType weight, DType grad, bool masters, bool stochastic)
     : lowered_(jit::lower(program, weight, grad, masters)),
       weight_(weight),
       grad_(grad),
+      stochastic_(stochastic),
       exec_(HWY_DYNAMIC_DISPATCH(GetExec)()) {}
 
 ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::size_t begin, float* const* slots,
@@ -232,6 +236,7 @@ ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::s
   } else if (li.kind == jit::LKind::narrow) {
     c.lp_type = weight_;
     c.lp_dst = static_cast<char*>(a.weight) + begin * dtype_size(weight_);
+    if (stochastic_) c.stochastic = true, c.sr_seed = a.sr_seed, c.sr_step = a.sr_step, c.sr_first = a.sr_base + begin;
   } else if (li.kind == jit::LKind::reduce) {
     c.lanes = lanes + static_cast<std::size_t>(li.attr) * 32;
   }
@@ -283,7 +288,7 @@ InterpreterSet::InterpreterSet(const std::vector<const Program*>& tensor_program
     auto it = std::find(keys.begin(), keys.end(), key);
     if (it == keys.end()) {
       keys.push_back(key);
-      interpreters_.push_back(std::make_unique<Interpreter>(*key.first, c.weight, c.grad, c.master));
+      interpreters_.push_back(std::make_unique<Interpreter>(*key.first, c.weight, c.grad, c.master, c.stochastic));
       max_slots_ = std::max(max_slots_, interpreters_.back()->num_slots());
       it = keys.end() - 1;
     }

@@ -29,6 +29,9 @@ struct ExecCall {
   float* dst = nullptr;
   const void* lp_src = nullptr;  // widen
   void* lp_dst = nullptr;        // narrow
+  // narrow with stochastic rounding: the key, and the model index of lp_dst's element 0
+  bool stochastic = false;
+  std::uint64_t sr_seed = 0, sr_step = 0, sr_first = 0;
   float* lanes = nullptr;        // reduce: the slot's 32 canonical accumulator lanes, in/out
   ExecSrc src[4];
 };
@@ -40,7 +43,8 @@ class Interpreter {
   // (measured best on the machines this was tuned on).
   static constexpr std::size_t kBlock = 1024;
 
-  Interpreter(const Program& program, DType weight, DType grad, bool masters);
+  // stochastic: bf16 weights without masters, rounded stochastically when stored.
+  Interpreter(const Program& program, DType weight, DType grad, bool masters, bool stochastic = false);
 
   int num_slots() const { return lowered_.num_slots; }
   int num_ops() const { return static_cast<int>(lowered_.code.size()); }
@@ -71,6 +75,7 @@ class Interpreter {
 
   jit::LoweredProgram lowered_;
   DType weight_, grad_;
+  bool stochastic_ = false;
   ExecFn exec_;
 };
 

@@ -22,6 +22,10 @@ static_assert(kChunkElems % 32 == 0, "the reduce's 32 interleaved lanes");
 // ---- conversions (whole arrays; any length) ----
 void widen(DType type, const void* src, float* dst, std::size_t n);    // exact
 void narrow(const float* src, DType type, void* dst, std::size_t n);   // round to nearest even
+// f32 -> bf16 rounded stochastically (jit/stochastic_round.h): src[i] with the
+// random word of model element first + i at applied step `step` under `seed`.
+void narrow_bf16_stochastic(const float* src, std::uint16_t* dst, std::size_t n, std::uint64_t seed,
+                            std::uint64_t step, std::uint64_t first);
 
 // ---- reduce pass ----
 // Partial results of one chunk of gradients (as stored, still loss-scaled).
@@ -51,9 +55,9 @@ using Phase1Fn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t
 
 // The fused loop generated at compile time for a built-in program, or null (a
 // two-phase program's: its phase 2).
-UpdateFn fused_update_kernel(jit::Builtin program, DType weight, DType grad, bool masters);
+UpdateFn fused_update_kernel(jit::Builtin program, const jit::DtypeCombo& combo);
 // A two-phase built-in's phase-1 loop; null for a one-phase program.
-Phase1Fn fused_phase1_kernel(jit::Builtin program, DType weight, DType grad, bool masters);
+Phase1Fn fused_phase1_kernel(jit::Builtin program, const jit::DtypeCombo& combo);
 // The fused kernels are compiled in this many translation units, each a slice of
 // the built-in programs (runtime/cpu/update_kernels_<k>.cpp).
 inline constexpr int kUpdateSlices = 5;

@@ -75,6 +75,10 @@ StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<
   }
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
   eval_scalars(request, step_count_ + 1, 1.0);
+  if (options_.stochastic_rounding) {
+    host_.set_rounding_step(step_count_ + 1);
+    for (UpdateArgs& a : tmp_args_) a.sr_step = static_cast<std::uint64_t>(step_count_ + 1);
+  }
   const std::vector<UpdateArgs>& step_args = use_tmp ? tmp_args_ : host_.args();
   // Two-phase programs: every group's phase-1 ops (a reduce op adds into its chunk's
   // lanes), then each tensor's norms, which the update ops below (phase 2) read.

@@ -18,23 +18,23 @@ Phase1Fn update_kernel_2_phase1(int slot, int combo);
 Phase1Fn update_kernel_3_phase1(int slot, int combo);
 Phase1Fn update_kernel_4_phase1(int slot, int combo);
 
-UpdateFn fused_update_kernel(jit::Builtin program, DType weight, DType grad, bool masters) {
+UpdateFn fused_update_kernel(jit::Builtin program, const jit::DtypeCombo& combo) {
   static constexpr UpdateFn (*kSlices[])(int, int) = {&update_kernel_0, &update_kernel_1, &update_kernel_2,
                                                       &update_kernel_3, &update_kernel_4};
   static_assert(std::size(kSlices) == kUpdateSlices, "one runtime/cpu/update_kernels_<k>.cpp per slice");
   const int b = static_cast<int>(program);
   if (b >= jit::kNumBuiltins) return nullptr;
-  return kSlices[b % kUpdateSlices](b / kUpdateSlices, jit::DtypeCombo{weight, grad, masters}.index());
+  return kSlices[b % kUpdateSlices](b / kUpdateSlices, combo.index());
 }
 
-Phase1Fn fused_phase1_kernel(jit::Builtin program, DType weight, DType grad, bool masters) {
+Phase1Fn fused_phase1_kernel(jit::Builtin program, const jit::DtypeCombo& combo) {
   static constexpr Phase1Fn (*kSlices[])(int, int) = {&update_kernel_0_phase1, &update_kernel_1_phase1,
                                                       &update_kernel_2_phase1, &update_kernel_3_phase1,
                                                       &update_kernel_4_phase1};
   static_assert(std::size(kSlices) == kUpdateSlices, "one runtime/cpu/update_kernels_<k>.cpp per slice");
   const int b = static_cast<int>(program);
   if (b >= jit::kNumBuiltins) return nullptr;
-  return kSlices[b % kUpdateSlices](b / kUpdateSlices, jit::DtypeCombo{weight, grad, masters}.index());
+  return kSlices[b % kUpdateSlices](b / kUpdateSlices, combo.index());
 }
 
 }  // namespace stepfuse::cpu

@@ -1,0 +1,76 @@
+/* Stochastic rounding of bf16 weights, written once: the random bits of an
+ * element and the rounding that uses them. Counter-based, so every backend (the
+ * Highway kernels, the LLVM-compiled code, the generated CUDA kernels, the
+ * unfused baseline) computes bitwise the same weights for the same step, on any
+ * thread count, ISA or device, and a run is reproducible from its seed.
+ *
+ * The generator is Philox4x32-10 (Salmon et al., "Parallel random numbers: as
+ * easy as 1, 2, 3", SC 2011; the generator of cuRAND, PyTorch and JAX), keyed
+ * by the optimizer's seed. Element e of the model (its index in the
+ * concatenation of every param in order; for a sharded optimizer, the whole
+ * model's) at applied step t uses word (e & 3) of
+ *     philox4x32_10(counter = {lo(e >> 2), hi(e >> 2), lo(t), hi(t)}, key = {lo(seed), hi(seed)}),
+ * so one Philox call serves four consecutive elements. Rounding x (fp32) to
+ * bf16 adds the word's upper 16 bits to x's bits and truncates: x rounds away
+ * from zero with probability (the dropped fraction of an ulp), which makes the
+ * rounding unbiased. NaN stays a quiet NaN and inf stays inf; a finite x whose
+ * rounding carries past the largest bf16 becomes inf, as the next value up.
+ *
+ * Embedded verbatim into the generated CUDA source. C and C++ and CUDA; no
+ * includes. Changing anything here changes generated code: bump the CUDA and
+ * LLVM emitters' versions. */
+#ifndef STEPFUSE_JIT_STOCHASTIC_ROUND_H_
+#define STEPFUSE_JIT_STOCHASTIC_ROUND_H_
+
+#ifndef SF_HD
+#define SF_HD
+#endif
+
+/* Philox4x32's constants: the round multipliers and the key schedule's Weyl increments. */
+#define SF_PHILOX_M0 0xD2511F53u
+#define SF_PHILOX_M1 0xCD9E8D57u
+#define SF_PHILOX_W0 0x9E3779B9u
+#define SF_PHILOX_W1 0xBB67AE85u
+
+/* Philox4x32-10 of counter c under key k, into out. */
+SF_HD static inline void sf_philox4x32_10(const unsigned c_in[4], const unsigned k_in[2], unsigned out[4]) {
+  unsigned c0 = c_in[0], c1 = c_in[1], c2 = c_in[2], c3 = c_in[3];
+  unsigned k0 = k_in[0], k1 = k_in[1];
+  for (int r = 0; r < 10; ++r) {
+    const unsigned long long p0 = (unsigned long long)SF_PHILOX_M0 * c0;
+    const unsigned long long p1 = (unsigned long long)SF_PHILOX_M1 * c2;
+    const unsigned hi0 = (unsigned)(p0 >> 32), lo0 = (unsigned)p0;
+    const unsigned hi1 = (unsigned)(p1 >> 32), lo1 = (unsigned)p1;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += SF_PHILOX_W0;
+    k1 += SF_PHILOX_W1;
+  }
+  out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
+}
+
+/* The random word of model element `index` at applied step `step` (1-based) under `seed`. */
+SF_HD static inline unsigned sf_sr_word(unsigned long long seed, unsigned long long step, unsigned long long index) {
+  const unsigned long long block = index >> 2;
+  const unsigned c[4] = {(unsigned)block, (unsigned)(block >> 32), (unsigned)step, (unsigned)(step >> 32)};
+  const unsigned k[2] = {(unsigned)seed, (unsigned)(seed >> 32)};
+  unsigned out[4];
+  sf_philox4x32_10(c, k, out);
+  return out[index & 3];
+}
+
+/* The bf16 bits of fp32 x rounded stochastically with random word r. */
+SF_HD static inline unsigned short sf_bf16_round_stochastic(float x, unsigned r) {
+  union {
+    float f;
+    unsigned u;
+  } v;
+  v.f = x;
+  if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((v.u >> 16) | 0x40u); /* NaN: quiet */
+  /* inf + r stays inf: the carry never leaves the dropped half */
+  return (unsigned short)((v.u + (r >> 16)) >> 16);
+}
+
+#endif /* STEPFUSE_JIT_STOCHASTIC_ROUND_H_ */
