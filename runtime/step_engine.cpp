@@ -125,9 +125,6 @@ void validate_options(const OptimizerOptions& o) {
 void validate_rounding(const std::vector<Param>& params, const OptimizerOptions& o, std::string_view optimizer) {
   if (!o.stochastic_rounding) return;
   const std::string at = std::string(optimizer) + ": OptimizerOptions::stochastic_rounding";
-  if (o.device.kind == Device::Kind::cuda)
-    throw Error(ErrorCode::unsupported, at + ": the CUDA kernels do not round stochastically yet (run the step on the "
-                                             "CPU, or keep fp32 masters on the GPU)");
   if (o.master_weights)
     bad_argument(at + " is set with master_weights = true (the weights are then rounded from their fp32 masters, "
                       "to nearest; stochastic rounding is the alternative to masters: set master_weights = false)");

@@ -248,6 +248,7 @@ class EmulatedOptimizer {
     hyper_.scalars = group_scalars_.data();
     hyper_.num_groups = static_cast<int>(num_groups);
     hyper_.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
+    hyper_.seed = options_.seed;
     const std::string canonical = jit::canonical_text(layout_.spec);
     for (const sf_emu::StepKernels* k : sf_emu::step_kernels())
       if (canonical == k->canonical) kernels_ = k;
@@ -319,6 +320,8 @@ class EmulatedOptimizer {
     a.stride = static_cast<long long>(plan_.stride);
     a.num_model_tensors = static_cast<int>(plan_.tensor_begin.size() - 1);
     a.ranks = static_cast<int>(plan_.ranks);
+    if (options_.stochastic_rounding)  // the rounding counts elements by their index in the whole model
+      for (std::size_t i = 0; i < params_.size(); ++i) layout_.tensors[i].model_index = shard_->model_index_of(i);
   }
 
  public:
@@ -1039,6 +1042,34 @@ TEST_F(EmulatedStep, NoMasters) {
   }
 }
 
+// Stochastic rounding of bf16 weights (jit/stochastic_round.h): the table layout aligned
+// and not (the 4-element stores and the scalar ones), after a reduce and on plain steps,
+// and the flat layout, each element with the bits of its index in the model.
+TEST_F(EmulatedStep, StochasticRounding) {
+  OptimizerOptions options;
+  options.master_weights = false;
+  options.stochastic_rounding = true;
+  options.seed = 0xC0FFEE;
+  Model table(shapes_for(kSizes, sf_emu::kMixedStochastic), false, 0, rng);
+  Model unaligned(shapes_for(kSizes, sf_emu::kMixedStochastic), false, 1, rng);
+  Model flat(shapes_for({4096, 16388, 0, 40000, 4, 12}, sf_emu::kBf16Stochastic), true, 0, rng);
+  Pair pt(table, kAdamW, options), pf(flat, kAdamW, options);
+  OptimizerOptions clipped = options;
+  clipped.max_grad_norm = 5.0;
+  Pair pu(unaligned, kAdamW, clipped);
+  EXPECT_EQ(pt.dev.spec_name(), "adam_stochastic");
+  EXPECT_EQ(pu.dev.spec_name(), "adam_stochastic_unaligned");
+  EXPECT_EQ(pf.dev.spec_name(), "adam_flat_stochastic");
+  const double scales[] = {256.0, 1.0, 8.0, 1.0};
+  for (int k = 0; k < 4; ++k) {
+    for (Model* m : {&table, &unaligned, &flat}) m->draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+    for (Pair* p : {&pt, &pu, &pf}) {
+      p->step_at(scales[k]);
+      p->expect_same("step " + std::to_string(k + 1));
+    }
+  }
+}
+
 // ---- the sharded step (OptimizerOptions::communicator, jit/cuda/kernels/shard_kernel.cuh) ----
 
 // Rank r's params: pieces of the model's tensors (whole, or a slice on a chunk boundary).
@@ -1216,6 +1247,20 @@ TEST_F(EmulatedSharded, EveryRankStepsAsOneProcessBitwise) {
     run.expect_same("after the skip");
     EXPECT_EQ(run.dev(0).step_count(), 5);
   }
+}
+
+// Stochastic rounding keys each element by its index in the whole model: every rank's
+// bf16 weights are the one process's bitwise, split tensors included.
+TEST_F(EmulatedSharded, StochasticRoundingCountsElementsInTheWholeModel) {
+  Model model(shapes_for(kShardSizes, sf_emu::kShardStochastic), false, 0, rng);
+  OptimizerOptions options;
+  options.max_grad_norm = 1.0;
+  options.master_weights = false;
+  options.stochastic_rounding = true;
+  options.seed = 99;
+  ShardedRun run(model, optim::AdamW{.lr = 1e-3}, options, split_partitions()[2], seed | 1);
+  for (std::size_t r = 0; r < run.ranks(); ++r) EXPECT_EQ(run.dev(r).spec_name(), "adam_sharded_stochastic");
+  run.steps_at(rng, {1024.0, 1.0, 3000.5});
 }
 
 // The inf-norm, clipping, on 3 ranks with split tensors.

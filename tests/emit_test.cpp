@@ -327,7 +327,9 @@ TEST(EmitCpu, IrObjectAbiAndHeaderDescribeTheSameFunctions) {
   for (const json& f : args["fields"]) offsets.push_back(f["offset"]);
   EXPECT_EQ(offsets, (std::vector<std::size_t>{offsetof(cpu::UpdateArgs, grad), offsetof(cpu::UpdateArgs, weight),
                                                offsetof(cpu::UpdateArgs, master), offsetof(cpu::UpdateArgs, state),
-                                               offsetof(cpu::UpdateArgs, scalars), offsetof(cpu::UpdateArgs, norms)}));
+                                               offsetof(cpu::UpdateArgs, scalars), offsetof(cpu::UpdateArgs, norms),
+                                               offsetof(cpu::UpdateArgs, sr_seed), offsetof(cpu::UpdateArgs, sr_step),
+                                               offsetof(cpu::UpdateArgs, sr_base)}));
   EXPECT_THAT(abi["reduce"]["combine"].get<std::string>(), HasSubstr("chunk order"));
   EXPECT_THAT(abi["threading"].get<std::string>(), HasSubstr("Chunks are independent"));
   EXPECT_THAT(k.abi_header, HasSubstr("typedef struct sf_cpu_update_args {"));

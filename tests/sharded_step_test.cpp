@@ -34,11 +34,13 @@ struct RankRecord {
 // and expects every rank's results, the weights, state and masters bitwise equal.
 void expect_sharded_equals_one_process(const OptimizerConfig& config, const DtypeSetup& setup, const Norm& norm,
                                        const Partition& parts, const GradSource& src, int steps, const std::string& what,
-                                       Fusion fusion = Fusion::fused) {
+                                       Fusion fusion = Fusion::fused, bool stochastic_rounding = false) {
   const int ranks = static_cast<int>(parts.size());
   Model one(setup.weight, setup.grad), sharded(setup.weight, setup.grad);
   OptimizerOptions oo = base_options(norm, fusion);
   oo.master_weights = setup.masters;
+  oo.stochastic_rounding = stochastic_rounding;
+  oo.seed = 0x5EED;
   std::vector<Param> all;
   for (std::size_t t = 0; t < kSizes.size(); ++t) all.push_back({one.w[t], one.g[t]});
   Optimizer reference(config, all, oo);
@@ -135,6 +137,23 @@ TEST(ShardedStep, UnfusedAndInterpretedStepsAreShardedToo) {
                                         std::string(f == Fusion::unfused ? "unfused" : "interpreted") + " clip " +
                                             (norm.max_grad_norm ? "on" : "off"),
                                         f);
+}
+
+// Stochastic rounding draws each element's bits by its index in the whole model, so
+// every partition gives the one process's bf16 weights (each backend's own loops).
+TEST(ShardedStep, StochasticRoundingCountsElementsInTheWholeModel) {
+  GradSource src;
+  const DtypeSetup bf16_no_masters = kSetups[3];
+  ASSERT_TRUE(bf16_no_masters.weight == DType::bf16 && !bf16_no_masters.masters);
+  for (const Fusion f : {Fusion::fused, Fusion::interpreted, Fusion::unfused})
+    for (const Norm& norm : kNorms) {
+      const std::string what = std::string(f == Fusion::fused ? "fused" : f == Fusion::unfused ? "unfused" : "interpreted") +
+                               " clip " + (norm.max_grad_norm ? "on" : "off");
+      expect_sharded_equals_one_process(optim::AdamW{.lr = 1e-2}, bf16_no_masters, norm, sliced(3), src, 3,
+                                        what + ", slices", f, /*stochastic_rounding=*/true);
+      expect_sharded_equals_one_process(optim::SGD{.lr = 0.1, .momentum = 0.9}, bf16_no_masters, norm,
+                                        whole_tensors(2), src, 3, what + ", whole tensors", f, true);
+    }
 }
 
 TEST(ShardedStep, InfOnOneRankSkipsTheStepOnEveryRank) {

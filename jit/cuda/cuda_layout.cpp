@@ -44,9 +44,12 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& pa
   for (const Param& p : params)
     shapes.push_back({p.weight.numel, param_combo(p.weight.dtype, p.grad.dtype, options.master_weights, options.stochastic_rounding)});
   // A two-phase program's phase 2 reads each tensor's norms by its index in the block
-  // table: never the flat layout (jit/cuda/emit_cuda.hpp).
+  // table: never the flat layout (jit/cuda/emit_cuda.hpp). Nor does a sharded step that
+  // rounds stochastically: its params' model indices need not be contiguous.
+  const bool sharded_rounding = options.stochastic_rounding && options.communicator != nullptr;
   CudaLayout l = plan_cuda_layout(program, shapes, options.norm_type == INFINITY ? CudaNorm::inf : CudaNorm::l2,
-                                  allow_flat && is_flat(params) && !is_two_phase(program), vector_aligned(params));
+                                  allow_flat && is_flat(params) && !is_two_phase(program) && !sharded_rounding,
+                                  vector_aligned(params));
   for (std::size_t i = 0; i < params.size(); ++i) {
     l.tensors[i].grad = params[i].grad.data;
     l.tensors[i].weight = params[i].weight.data;
@@ -64,6 +67,7 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<TensorShap
   l.spec.flat = flat;
   l.spec.combos = l.layout.combos;
   l.tensors.resize(tensors.size());
+  long long model_index = 0;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const std::int64_t numel = tensors[i].numel;
     sf_tensor& t = l.tensors[i];
@@ -77,6 +81,8 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<TensorShap
     t.combo = l.layout.tensor_combo[i];
     t.group = 0;  // the caller sets param groups
     t.pad_ = 0;
+    t.model_index = model_index;  // unsharded: the params' elements in order (a sharded optimizer's come later)
+    model_index += numel;
     for (std::int64_t b = 0; b < numel; b += SF_UPDATE_ELEMS)
       l.blocks.push_back({b, static_cast<int>(i), static_cast<int>(std::min<std::int64_t>(SF_UPDATE_ELEMS, numel - b))});
   }

@@ -45,6 +45,7 @@ typedef struct sf_tensor {
   int combo;           /* index of its dtype combination in the generated kernel */
   int group;           /* its param group: the index of its rules in sf_hyper.groups */
   int pad_;
+  long long model_index; /* its element 0's index in the model: stochastic rounding's counter (jit/stochastic_round.h) */
 } sf_tensor;
 
 /* A span of one tensor: a reduce chunk or an update block. */
@@ -85,6 +86,7 @@ typedef struct sf_hyper {
   double max_grad_norm;         /* > 0: clip to it; 0: no clipping */
   int num_groups;
   int pad_;
+  unsigned long long seed;      /* stochastic rounding of bf16 weights: the Philox key */
 } sf_hyper;
 
 /* Per-optimizer state on the device, owned by the kernels; the host reads it

@@ -19,13 +19,15 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 8;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 9;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
                                     //    one element function per spec; 5: two-phase programs (sf_phase1,
                                     //    sf_phase_combine, sf_update's norms); 6: param groups (sf_tensor.group,
                                     //    the group rules and scalars in device memory, read at every launch);
                                     // 7: program variants per param group (sf_body_v<n>, shared state buffers);
-                                    // 8: sf_finish shared by sf_finalize and the sharded step's kernels
+                                    // 8: sf_finish shared by sf_finalize and the sharded step's kernels;
+                                    // 9: stochastic rounding of bf16 weights (jit/stochastic_round.h,
+                                    //    sf_tensor.model_index, sf_hyper.seed)
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -164,8 +166,13 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
     store4 += "sf_store4_f32(t->master, begin + i, p);\n";
     store1 += "sf_store_f32(t->master, begin + i + j, p[j]);\n";
   }
-  store4 += "sf_store4_" + W + "(t->weight, begin + i, p);\n";
-  store1 += "sf_store_" + W + "(t->weight, begin + i + j, p[j]);\n";
+  if (c.stochastic) {  // the model index of element begin + i is t->model_index + begin + i
+    store4 += "sf_store4_bf16_sr(t->weight, begin + i, p, t->model_index + begin + i, sr_seed, sr_step);\n";
+    store1 += "sf_store_bf16_sr(t->weight, begin + i + j, p[j], t->model_index + begin + i + j, sr_seed, sr_step);\n";
+  } else {
+    store4 += "sf_store4_" + W + "(t->weight, begin + i, p);\n";
+    store1 += "sf_store_" + W + "(t->weight, begin + i + j, p[j]);\n";
+  }
   for (int s = 0; s < prog.num_streams; ++s) {
     if (prog.streams[s].role != StreamRole::state) continue;
     const std::string S = std::to_string(s), B = std::to_string(slots[static_cast<std::size_t>(s)]);
@@ -225,6 +232,11 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
 // its index in the block table (a flat range has none). Variants: table layout, one
 // variant per combination, one-phase programs.
 void check_spec(const CudaSpec& spec) {
+  for (const DtypeCombo& c : spec.combos)
+    if (c.stochastic && (c.weight != DType::bf16 || c.master))
+      throw Error(ErrorCode::invalid_argument, "CUDA emitter: a combination with stochastic rounding has " +
+                                                   std::string(dtype_name(c.weight)) + (c.master ? " weights and masters" : " weights") +
+                                                   " (stochastic rounding is for bf16 weights without fp32 masters)");
   if (is_two_phase(spec.program) && spec.flat)
     throw Error(ErrorCode::invalid_argument,
                 "CUDA emitter: program '" + std::string(spec.program.name) +
@@ -261,7 +273,7 @@ std::string canonical_text(const CudaSpec& spec) {
     << (spec.sharded ? "sharded\n" : "")
     << "combos";
   for (const DtypeCombo& c : spec.combos)
-    o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "");
+    o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "") << (c.stochastic ? "/stochastic" : "");
   o << "\nscalars " << static_cast<int>(spec.program.num_scalars) << "\nstreams";
   for (int s = 0; s < spec.program.num_streams; ++s)
     o << " " << spec.program.streams[s].name << ":" << static_cast<int>(spec.program.streams[s].role);
@@ -321,7 +333,8 @@ std::vector<std::array<int, kMaxStreams>> cuda_stream_slots(const CudaSpec& spec
 const std::string& cuda_embedded_headers() {
   static const std::string text =
       std::string(embedded_file("jit/cuda/device_prelude.cuh")) + "\n" + std::string(embedded_file("jit/step_scalars.h")) +
-      "\n" + std::string(embedded_file("jit/step_stage.h")) + "\n" + std::string(embedded_file("jit/cuda/device_abi.h")) + "\n";
+      "\n" + std::string(embedded_file("jit/step_stage.h")) + "\n" + std::string(embedded_file("jit/stochastic_round.h")) +
+      "\n" + std::string(embedded_file("jit/cuda/device_abi.h")) + "\n";
   return text;
 }
 
@@ -415,11 +428,11 @@ std::string update_part(const CudaSpec& spec, bool with_reduce_common) {
     dispatch =
         "  const long long begin = (long long)blockIdx.x * SF_UPDATE_ELEMS;\n"
         "  const long long rest = flat_numel - begin;\n"
-        "  sf_update_span_0(&tensors[0], begin, rest < SF_UPDATE_ELEMS ? (int)rest : SF_UPDATE_ELEMS, &streams, sc);";
+        "  sf_update_span_0(&tensors[0], begin, rest < SF_UPDATE_ELEMS ? (int)rest : SF_UPDATE_ELEMS, &streams, sc, hyper.seed, sr_step);";
   } else {
     dispatch = "  const sf_span b = blocks[blockIdx.x];\n  const sf_tensor* t = &tensors[b.tensor];\n  switch (t->combo) {\n";
     for (std::size_t k = 0; k < spec.combos.size(); ++k)
-      dispatch += "    case " + std::to_string(k) + ": sf_update_span_" + std::to_string(k) + "(t, b.begin, b.len, &streams, sc" +
+      dispatch += "    case " + std::to_string(k) + ": sf_update_span_" + std::to_string(k) + "(t, b.begin, b.len, &streams, sc, hyper.seed, sr_step" +
                   (two_phase ? ", norms + (long long)b.tensor * SF_MAX_NORM_SLOTS" : "") + "); break;\n";
     dispatch += "    default: break;\n  }";
   }

@@ -30,7 +30,10 @@ void write_types(JsonWriter& j) {
               SF_FIELD(sf_tensor, num_chunks, "int", "its reduce chunks: ceil(numel / SF_CHUNK_ELEMS)"),
               SF_FIELD(sf_tensor, combo, "int", "index of its dtype combination (spec.combos)"),
               SF_FIELD(sf_tensor, group, "int", "its param group: index into sf_hyper.groups (0 without groups)"),
-              SF_FIELD(sf_tensor, pad_, "int", "0")});
+              SF_FIELD(sf_tensor, pad_, "int", "0"),
+              SF_FIELD(sf_tensor, model_index, "long long",
+                       "the model index of its element 0 (the params' elements counted in order): the counter of "
+                       "stochastic rounding for combos with it")});
   write_type(j, "sf_span", sizeof(sf_span), alignof(sf_span), "a reduce chunk or an update block of one tensor",
              {SF_FIELD(sf_span, begin, "long long", "first element, within the tensor"),
               SF_FIELD(sf_span, tensor, "int", "index into the tensor table"),
@@ -63,7 +66,9 @@ void write_types(JsonWriter& j) {
               SF_FIELD(sf_hyper, scalars, "float*",
                        "device scratch: num_groups * SF_MAX_SCALARS floats, the step's scalars per group"),
               SF_FIELD(sf_hyper, max_grad_norm, "double", "> 0: clip the global norm to it (clip_grad_norm_); 0: no clipping"),
-              SF_FIELD(sf_hyper, num_groups, "int", ">= 1"), SF_FIELD(sf_hyper, pad_, "int", "0")});
+              SF_FIELD(sf_hyper, num_groups, "int", ">= 1"), SF_FIELD(sf_hyper, pad_, "int", "0"),
+              SF_FIELD(sf_hyper, seed, "unsigned long long",
+                       "stochastic rounding of bf16 weights (combos with it): the Philox key; else unused")});
   write_type(j, "sf_step_state", sizeof(sf_step_state), alignof(sf_step_state),
              "per-optimizer device state owned by the kernels: zero it once before the first step, then leave it",
              {SF_FIELD(sf_step_state, step, "long long", "steps applied so far (skipped steps do not count)"),
@@ -111,7 +116,8 @@ std::string describe_cuda_abi(const CudaSpec& spec, const UpdateProgram& program
   j.begin_object("spec").begin_array("combos");
   for (std::size_t k = 0; k < spec.combos.size(); ++k)
     j.begin_object().integer("index", static_cast<long long>(k)).str("weight", dtype_name(spec.combos[k].weight))
-        .str("grad", dtype_name(spec.combos[k].grad)).boolean("master", spec.combos[k].master).end_object();
+        .str("grad", dtype_name(spec.combos[k].grad)).boolean("master", spec.combos[k].master)
+        .boolean("stochastic", spec.combos[k].stochastic).end_object();
   j.end_array().begin_array("tensor_combos");
   for (const int c : tensor_combos) j.integer({}, c);
   j.end_array().boolean("flat", spec.flat).boolean("aligned16", spec.aligned16);

@@ -77,7 +77,10 @@ StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<
   eval_scalars(request, step_count_ + 1, 1.0);
   if (options_.stochastic_rounding) {
     host_.set_rounding_step(step_count_ + 1);
-    for (UpdateArgs& a : tmp_args_) a.sr_step = static_cast<std::uint64_t>(step_count_ + 1);
+    for (std::size_t i = 0; i < tmp_args_.size(); ++i) {  // (a sharded optimizer's model indices came after tmp_args_)
+      tmp_args_[i].sr_step = static_cast<std::uint64_t>(step_count_ + 1);
+      tmp_args_[i].sr_base = host_.args()[i].sr_base;
+    }
   }
   const std::vector<UpdateArgs>& step_args = use_tmp ? tmp_args_ : host_.args();
   // Two-phase programs: every group's phase-1 ops (a reduce op adds into its chunk's

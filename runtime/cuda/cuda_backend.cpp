@@ -345,6 +345,7 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
   hyper.scalars = group_scalars_.as<float>();
   hyper.num_groups = num_groups_;
   hyper.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
+  hyper.seed = options_.seed;
   const bool clip = options_.max_grad_norm.has_value();
   const bool reduce = request.scaled || clip || options_.track_grad_norm || request.device_scale != nullptr;
   cuda::CUdeviceptr tensors = tensors_.get(), chunks = chunks_.get(), blocks = blocks_.get();
@@ -532,6 +533,12 @@ void CudaBackend::set_shard(Shard* shard) {
   refusal.back() = 1.0;  // the refused flag (shard_kernel.cuh: send[stride - 1])
   shard_refusal_ = upload_table(refusal, stream_);
   cuda::check(api().cuMemsetD8Async(shard_refused_.get(), 0xff, sizeof(int), stream_), "cuMemsetD8Async");  // -1
+  if (options_.stochastic_rounding) {  // the rounding counts elements by their index in the whole model
+    for (std::size_t i = 0; i < host_tensors_.size(); ++i) host_tensors_[i].model_index = shard->model_index_of(i);
+    cuda::check(api().cuMemcpyHtoDAsync(tensors_.get(), host_tensors_.data(), host_tensors_.size() * sizeof(sf_tensor),
+                                        stream_),
+                "cuMemcpyHtoDAsync");
+  }
   cuda::check(api().cuStreamSynchronize(stream_), "cuStreamSynchronize");  // the host tables above may go
   sf_shard& a = shard_args_;
   a.send_at = shard_tables_[0].as<const long long>();

@@ -65,6 +65,7 @@ std::string wrapper(const std::string& name, const std::vector<Source>& sources,
       "// then skipped by their include guards, so the kernels and the test share sf_tensor & co.\n"
       "#include \"jit/step_scalars.h\"\n"
       "#include \"jit/step_stage.h\"\n"
+      "#include \"jit/stochastic_round.h\"\n"
       "extern \"C\" {\n#include \"jit/cuda/device_abi.h\"\n#include \"jit/cuda/shard_abi.h\"\n}\n"
       "#include \"tests/cuda_emulation/emulated_kernels.hpp\"\n";
   for (const Source& s : sources) {

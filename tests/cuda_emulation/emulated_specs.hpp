@@ -28,11 +28,19 @@ inline const std::vector<DtypeCombo> kMixedMasters = {
 inline const std::vector<DtypeCombo> kMixedNoMasters = {
     {DType::f32, DType::f32, false}, {DType::bf16, DType::bf16, false}, {DType::f16, DType::f16, false}};
 inline const std::vector<DtypeCombo> kBf16Masters = {{DType::bf16, DType::bf16, true}};
+// Stochastic rounding (OptimizerOptions::stochastic_rounding, no masters): f32 weights
+// stay exact, bf16 ones round stochastically.
+inline const std::vector<DtypeCombo> kMixedStochastic = {
+    {DType::f32, DType::f32, false}, {DType::bf16, DType::bf16, false, true}, {DType::bf16, DType::f32, false, true}};
+inline const std::vector<DtypeCombo> kBf16Stochastic = {{DType::bf16, DType::bf16, false, true}};
 inline const std::vector<DtypeCombo> kF16Masters = {{DType::f16, DType::f16, true}};
 
 // The sharded tests' model: f32 tensors and bf16 ones with masters, each rank's list
 // starting with an f32 one and holding a bf16 one (so every rank has this spec).
 inline const std::vector<DtypeCombo> kShardCombos = {{DType::f32, DType::f32, false}, {DType::bf16, DType::bf16, true}};
+// The same model with its bf16 weights rounded stochastically (no masters).
+inline const std::vector<DtypeCombo> kShardStochastic = {{DType::f32, DType::f32, false},
+                                                         {DType::bf16, DType::bf16, false, true}};
 
 struct EmulatedSpec {
   std::string name;  // a C identifier
@@ -82,6 +90,9 @@ inline std::vector<EmulatedSpec> emulated_specs() {
     out.push_back({std::string(stepfuse::jit::builtin_program(builtin).name), make_spec(builtin, kMixedMasters, false, true)});
   }
   out.push_back({"adam_no_masters", make_spec(kAdam, kMixedNoMasters, false, true)});
+  out.push_back({"adam_stochastic", make_spec(kAdam, kMixedStochastic, false, true)});
+  out.push_back({"adam_stochastic_unaligned", make_spec(kAdam, kMixedStochastic, false, false)});
+  out.push_back({"adam_flat_stochastic", make_spec(kAdam, kBf16Stochastic, true, true)});
   out.push_back({"adam_unaligned", make_spec(kAdam, kMixedMasters, false, false)});
   out.push_back({"adam_inf", make_spec(kAdam, kMixedMasters, false, true, CudaNorm::inf)});
   out.push_back({"adam_flat", make_spec(kAdam, kBf16Masters, true, true)});
@@ -110,6 +121,7 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   out.push_back({"adam_sharded", sharded(make_spec(kAdam, kShardCombos, false, true))});
   out.push_back({"adam_inf_sharded", sharded(make_spec(kAdam, kShardCombos, false, true, CudaNorm::inf))});
   out.push_back({"lamb_sharded", sharded(make_spec(kLamb, kShardCombos, false, true))});
+  out.push_back({"adam_sharded_stochastic", sharded(make_spec(kAdam, kShardStochastic, false, true))});
   return out;
 }
 

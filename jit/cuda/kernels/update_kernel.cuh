@@ -19,6 +19,8 @@ sf_update(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT block
                                                   stage.step - hyper.groups[g].step_base, stage.gscale)
                             : hyper.scalars[(long long)g * SF_MAX_SCALARS + threadIdx.x];
   __syncthreads();
+  /* The step this update applies: the reduce's finalize counted it already, a plain step counts it at the end. */
+  const unsigned long long sr_step = (unsigned long long)(plain ? stage.step : st->step);
 {DISPATCH}
   if (plain) {
     __syncthreads();

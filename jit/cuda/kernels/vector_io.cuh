@@ -26,4 +26,16 @@ SF_DEV SF_INLINE void sf_store4_bf16(void* p, long long i, const float* v) {
                                          (unsigned)sf_narrow_bf16(v[2]) | ((unsigned)sf_narrow_bf16(v[3]) << 16));
 }
 
+/* bf16 weights rounded stochastically (jit/stochastic_round.h): element i is model element `index`. */
+SF_DEV SF_INLINE void sf_store_bf16_sr(void* p, long long i, float v, unsigned long long index, unsigned long long seed,
+                                       unsigned long long step) {
+  ((sf_u16*)p)[i] = sf_bf16_round_stochastic(v, sf_sr_word(seed, step, index));
+}
+SF_DEV SF_INLINE void sf_store4_bf16_sr(void* p, long long i, const float* v, unsigned long long index,
+                                        unsigned long long seed, unsigned long long step) {
+  sf_u16 h[4];
+  for (int j = 0; j < 4; ++j) h[j] = sf_bf16_round_stochastic(v[j], sf_sr_word(seed, step, index + j));
+  *(uint2*)((sf_u16*)p + i) = make_uint2((unsigned)h[0] | ((unsigned)h[1] << 16), (unsigned)h[2] | ((unsigned)h[3] << 16));
+}
+
 #define SF_FULL_MASK 0xFFFFFFFFu
