@@ -29,6 +29,8 @@ struct PyOptions {
   std::optional<double> max_grad_norm;
   double norm_type = 2.0;
   bool master_weights = true;
+  bool stochastic_rounding = false;
+  std::uint64_t seed = 0;
   std::string fusion = "fused";
   int num_threads = 0;
   bool track_grad_norm = false;
@@ -38,12 +40,36 @@ struct PyOptions {
   std::optional<std::vector<stepfuse::TensorSlice>> slices;
 };
 
+// `seed`, an int in [0, 2**64) (anything with __index__): ValueError when negative,
+// OverflowError when too large, TypeError when not an integer.
+std::uint64_t to_seed(nb::handle seed) {
+  nb::object index = nb::steal(PyNumber_Index(seed.ptr()));
+  if (!index.is_valid()) {
+    PyErr_Clear();
+    throw nb::type_error(
+        ("seed must be an int in [0, 2**64), not " + std::string(nb::inst_name(seed).c_str())).c_str());
+  }
+  const std::string text = nb::repr(index).c_str();
+  if (PyObject_RichCompareBool(index.ptr(), nb::int_(0).ptr(), Py_LT) == 1)
+    throw nb::value_error(("seed = " + text + " is negative (must be an int in [0, 2**64))").c_str());
+  const unsigned long long v = PyLong_AsUnsignedLongLong(index.ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_OverflowError,
+                    ("seed = " + text + " does not fit in 64 bits (must be an int in [0, 2**64))").c_str());
+    throw nb::python_error();
+  }
+  return static_cast<std::uint64_t>(v);
+}
+
 OptimizerOptions to_options(const PyOptions& o) {
   OptimizerOptions opts;
   opts.cuda_stream = reinterpret_cast<void*>(o.cuda_stream);
   opts.max_grad_norm = o.max_grad_norm;
   opts.norm_type = o.norm_type;
   opts.master_weights = o.master_weights;
+  opts.stochastic_rounding = o.stochastic_rounding;
+  opts.seed = o.seed;
   if (o.fusion == "fused") opts.fusion = stepfuse::Fusion::fused;
   else if (o.fusion == "unfused") opts.fusion = stepfuse::Fusion::unfused;
   else if (o.fusion == "interpreted") opts.fusion = stepfuse::Fusion::interpreted;
@@ -187,6 +213,13 @@ const char* kOptionsDoc =
     "max_grad_norm: clip the unscaled gradients' global norm to this, inside the step (None: no clipping).\n"
     "norm_type: 2.0 or math.inf.\n"
     "master_weights: keep fp32 master copies of float16/bfloat16 weights.\n"
+    "stochastic_rounding: with master_weights=False, round each updated bfloat16 weight to bfloat16 "
+    "stochastically (unbiased: updates below half an ulp still move the weights on average) instead of to "
+    "nearest even. Needs at least one bfloat16 weight and no float16 weights (ValueError otherwise, and with "
+    "master_weights=True); float32 weights are unaffected. See docs/low-precision.md.\n"
+    "seed: the stochastic rounding's random stream, an int in [0, 2**64): the bits are Philox4x32-10 keyed by "
+    "seed, counted by the applied step and the element's index in the model, so a run is bitwise reproducible "
+    "(a checkpoint continues bitwise given the same seed).\n"
     "fusion: 'fused', 'unfused' (the eager baseline) or 'interpreted'.\n"
     "num_threads: CPU threads (0: STEPFUSE_NUM_THREADS, else the machine's cores).\n"
     "track_grad_norm: compute the gradient norm on plain steps too.\n"
@@ -213,8 +246,9 @@ void bind_optimizer(nb::module_& m) {
   static const std::string class_doc = std::string(
       "A fused optimizer over a fixed list of caller-owned tensors, updated in place.\n\n"
       "Optimizer(config, params, *, device=None, cuda_stream=0, max_grad_norm=None, norm_type=2.0,\n"
-      "          master_weights=True, fusion='fused', num_threads=0, track_grad_norm=False,\n"
-      "          cpu_backend=None, llvm_contract=False, communicator=None, slices=None)\n\n"
+      "          master_weights=True, stochastic_rounding=False, seed=0, fusion='fused', num_threads=0,\n"
+      "          track_grad_norm=False, cpu_backend=None, llvm_contract=False, communicator=None,\n"
+      "          slices=None)\n\n"
       "config: a config (SGD, Adam, AdamW, ...) or an UpdateProgram. params: (weight, grad) pairs of\n"
       "tensors (torch, NumPy, anything with __dlpack__): float32, float16 or bfloat16, contiguous, all on\n"
       "one device (the CPU or one CUDA GPU); a torch parameter with its .grad allocated may stand for its\n"
@@ -227,12 +261,14 @@ void bind_optimizer(nb::module_& m) {
       "__init__",
       [](PyOptimizer* self, nb::handle config, nb::handle params, std::optional<std::string> device,
          std::uintptr_t cuda_stream, std::optional<double> max_grad_norm, double norm_type, bool master_weights,
-         std::string fusion, int num_threads, bool track_grad_norm, std::optional<std::string> cpu_backend,
-         bool llvm_contract, std::shared_ptr<stepfuse::Communicator> communicator,
+         bool stochastic_rounding, nb::handle seed, std::string fusion, int num_threads, bool track_grad_norm,
+         std::optional<std::string> cpu_backend, bool llvm_contract,
+         std::shared_ptr<stepfuse::Communicator> communicator,
          std::optional<std::vector<stepfuse::TensorSlice>> slices) {
-        PyOptions po{device,         cuda_stream,       max_grad_norm, norm_type,
-                     master_weights, std::move(fusion), num_threads,   track_grad_norm,
-                     cpu_backend,    llvm_contract,     std::move(communicator), std::move(slices)};
+        PyOptions po{device,         cuda_stream,         max_grad_norm, norm_type,
+                     master_weights, stochastic_rounding, to_seed(seed), std::move(fusion),
+                     num_threads,    track_grad_norm,     cpu_backend,   llvm_contract,
+                     std::move(communicator), std::move(slices)};
         OptimizerOptions opts = to_options(po);
         Gather g;
         std::optional<stepfuse::OptimizerConfig> cfg = try_config(config);
@@ -250,27 +286,31 @@ void bind_optimizer(nb::module_& m) {
       },
       nb::arg("config"), nb::arg("params"), nb::kw_only(), nb::arg("device") = nb::none(),
       nb::arg("cuda_stream") = 0, nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0,
-      nb::arg("master_weights") = true, nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
+      nb::arg("master_weights") = true, nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0,
+      nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
       nb::arg("track_grad_norm") = false, nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
       nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(),
       nb::sig("def __init__(self, config: SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | "
               "Adadelta | Rprop | ASGD | LAMB | UpdateProgram, params: collections.abc.Iterable[tuple[object, "
               "object]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
-              "norm_type: float = 2.0, master_weights: bool = True, fusion: str = 'fused', num_threads: int = 0, "
-              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
+              "norm_type: float = 2.0, master_weights: bool = True, stochastic_rounding: bool = False, "
+              "seed: int = 0, fusion: str = 'fused', num_threads: int = 0, track_grad_norm: bool = False, "
+              "cpu_backend: str | None = None, llvm_contract: bool = False, "
               "communicator: Communicator | None = None, slices: collections.abc.Sequence[TensorSlice] | None = None) "
               "-> None"));
 
   cls.def_static(
       "from_groups",
       [](nb::handle groups, std::optional<std::string> device, std::uintptr_t cuda_stream,
-         std::optional<double> max_grad_norm, double norm_type, bool master_weights, std::string fusion,
-         int num_threads, bool track_grad_norm, std::optional<std::string> cpu_backend, bool llvm_contract,
+         std::optional<double> max_grad_norm, double norm_type, bool master_weights, bool stochastic_rounding,
+         nb::handle seed, std::string fusion, int num_threads, bool track_grad_norm,
+         std::optional<std::string> cpu_backend, bool llvm_contract,
          std::shared_ptr<stepfuse::Communicator> communicator,
          std::optional<std::vector<stepfuse::TensorSlice>> slices) {
-        PyOptions po{device,         cuda_stream,       max_grad_norm, norm_type,
-                     master_weights, std::move(fusion), num_threads,   track_grad_norm,
-                     cpu_backend,    llvm_contract,     std::move(communicator), std::move(slices)};
+        PyOptions po{device,         cuda_stream,         max_grad_norm, norm_type,
+                     master_weights, stochastic_rounding, to_seed(seed), std::move(fusion),
+                     num_threads,    track_grad_norm,     cpu_backend,   llvm_contract,
+                     std::move(communicator), std::move(slices)};
         OptimizerOptions opts = to_options(po);
         if (!nb::isinstance<nb::iterable>(groups))
           throw nb::type_error(("groups must be a list of (params, config) pairs, not " +
@@ -293,7 +333,8 @@ void bind_optimizer(nb::module_& m) {
       },
       nb::arg("groups"), nb::kw_only(), nb::arg("device") = nb::none(), nb::arg("cuda_stream") = 0,
       nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0, nb::arg("master_weights") = true,
-      nb::arg("fusion") = "fused", nb::arg("num_threads") = 0, nb::arg("track_grad_norm") = false,
+      nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0, nb::arg("fusion") = "fused",
+      nb::arg("num_threads") = 0, nb::arg("track_grad_norm") = false,
       nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
       nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(), nb::rv_policy::take_ownership,
       "Parameter groups, as torch.optim param groups: groups is a list of (params, config) pairs, every config "
@@ -302,8 +343,9 @@ void bind_optimizer(nb::module_& m) {
       nb::sig("def from_groups(groups: collections.abc.Iterable[tuple[collections.abc.Iterable[tuple[object, "
               "object]], SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | "
               "ASGD | LAMB]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
-              "norm_type: float = 2.0, master_weights: bool = True, fusion: str = 'fused', num_threads: int = 0, "
-              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
+              "norm_type: float = 2.0, master_weights: bool = True, stochastic_rounding: bool = False, "
+              "seed: int = 0, fusion: str = 'fused', num_threads: int = 0, track_grad_norm: bool = False, "
+              "cpu_backend: str | None = None, llvm_contract: bool = False, "
               "communicator: Communicator | None = None, slices: collections.abc.Sequence[TensorSlice] | None = None) "
               "-> Optimizer"));
 

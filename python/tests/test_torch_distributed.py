@@ -227,7 +227,7 @@ def test_torch_optimizer_with_a_stepfuse_communicator():
 # ---- two processes over gloo ---------------------------------------------------------------
 
 
-CASES = ["collectives", "steps", "scalers", "errors", "engine"]
+CASES = ["collectives", "steps", "scalers", "errors", "engine", "rounding"]
 
 
 def _launch(cases, timeout=300.0):
@@ -304,6 +304,14 @@ def test_engine_slices_and_scaled_steps(gloo_run):
     """stepfuse.Optimizer with a ProcessGroupCommunicator: a tensor split between the
     ranks (slices=) and loss-scaled steps skipped together."""
     _check_case(gloo_run, "engine")
+
+
+@needs_gloo
+def test_stochastic_rounding_sharded(gloo_run):
+    """stochastic_rounding=True, seed=...: each rank's shard bitwise the one-process step's
+    (the rounding counts elements in the whole model), also when one rank's shard holds
+    float32 params alone."""
+    _check_case(gloo_run, "rounding")
 
 
 # ---- the workers -------------------------------------------------------------------------
@@ -609,6 +617,31 @@ def _case_engine(rank, world):
         for i, (w, v) in enumerate(zip(ours_w, mine_of(full_w))):
             assert torch.equal(w, v), f"rank {rank} step {step}: weight {i} differs"
     assert opt.step_count == ref.step_count == 4
+
+
+
+def _case_rounding(rank, world):
+    from stepfuse.torch.distributed import ProcessGroupCommunicator
+    comm = ProcessGroupCommunicator()
+    kw = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, num_threads=1, master_weights=False,
+              stochastic_rounding=True, seed=2**40 + 7)
+    # Cut after K: each rank holds a bf16 tensor; after 5: rank 1 holds the last (f32) alone.
+    for cut in (K, len(SHAPES) - 1):
+        def mine(items):
+            return list(items[:cut] if rank == 0 else items[cut:])
+
+        full = _leaves(_model())
+        ours = _leaves(mine(_model()))
+        ref = sft.AdamW(full, **kw)
+        opt = sft.AdamW(ours, communicator=comm, **kw)
+        for step in range(4):
+            grads = _grads(step)
+            _set(full, grads)
+            _set(ours, mine(grads))
+            ref.step()
+            opt.step()
+            for i, (p, q) in enumerate(zip(ours, mine(full))):
+                assert torch.equal(p, q), f"rank {rank}, cut {cut}, step {step}: param {i} differs"
 
 
 if __name__ == "__main__":

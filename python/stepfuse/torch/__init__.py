@@ -15,8 +15,9 @@ Change one import line::
 Every optimizer is a ``torch.optim.Optimizer`` with torch's arguments, defaults,
 ``param_groups``, schedulers and ``state_dict`` format, plus ``max_grad_norm`` /
 ``norm_type`` (``clip_grad_norm_`` over all groups, fused into the step) and
-``master_weights`` (fp32 masters for float16/bfloat16 params). ``opt.last_grad_norm``
-is the total gradient norm of the last step.
+``master_weights`` (fp32 masters for float16/bfloat16 params), ``stochastic_rounding`` /
+``seed`` (bfloat16 params without masters rounded stochastically, reproducibly from the
+seed). ``opt.last_grad_norm`` is the total gradient norm of the last step.
 """
 
 from ._base import StepfuseOptimizer

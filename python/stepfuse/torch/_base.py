@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -53,6 +54,19 @@ def _as_float(value: Any) -> float:
 
 def _dummy_param() -> torch.Tensor:
     return torch.zeros(1, requires_grad=True)
+
+
+def _as_seed(seed: Any) -> int:
+    """The stochastic rounding's seed: an int in [0, 2**64), as stepfuse.Optimizer takes it."""
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"Invalid seed: {seed!r} (must be an int in [0, 2**64))") from None
+    if value < 0:
+        raise ValueError(f"Invalid seed: {value} is negative (must be an int in [0, 2**64))")
+    if value >= 1 << 64:
+        raise OverflowError(f"Invalid seed: {value} does not fit in 64 bits (must be an int in [0, 2**64))")
+    return value
 
 
 def _as_communicator(communicator: Any) -> Optional[Any]:
@@ -151,6 +165,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         norm_type: float = 2.0,
         master_weights: bool = True,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
         num_threads: Optional[int] = None,
         communicator: Any = None,
     ) -> None:
@@ -162,11 +178,20 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type} (stepfuse clips with the 2-norm or the inf-norm: use 2.0 or "
                              "float('inf'))")
+        seed = _as_seed(seed)
+        if stochastic_rounding and master_weights:
+            raise ValueError("stepfuse.torch: stochastic_rounding=True needs master_weights=False (with fp32 masters "
+                             "each weight is rounded to nearest from its master; stochastic rounding is the "
+                             "alternative to masters, for bfloat16 params)")
         if num_threads is not None and not (0 <= int(num_threads) <= 1024):
             raise ValueError(f"Invalid num_threads: {num_threads} (use None for torch.get_num_threads(), or 1 to 1024)")
         self.max_grad_norm = max_grad_norm
         self.norm_type = norm_type
         self.master_weights = bool(master_weights)
+        # bfloat16 params without masters: rounded stochastically (Philox keyed by seed,
+        # counted by the engine's applied step and the element's index in its params).
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.seed = seed
         self.num_threads = num_threads
         # A sharded step (stepfuse.torch.distributed): a stepfuse.Communicator, or a
         # torch.distributed ProcessGroup wrapped in a ProcessGroupCommunicator.
@@ -174,6 +199,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._device: Optional[torch.device] = None
         self._reset_engine()
         super().__init__(params, defaults)
+        # (Sharded, a rank's shard may hold float32 params alone: the model's bfloat16 ones
+        # are then on other ranks, and this rank's engines are planned without rounding.)
+        if (self.stochastic_rounding and self.communicator is None
+                and not any(p.dtype == torch.bfloat16 for g in self.param_groups for p in g["params"])):
+            raise ValueError("stepfuse.torch: stochastic_rounding=True but no param is bfloat16 (float32 params are "
+                             "stored exactly; there is nothing to round: leave stochastic_rounding off)")
         if self.communicator is not None and self._device is not None and self._device.type != "cpu":
             raise NotImplementedError(f"stepfuse.torch: a sharded step (communicator=) takes CPU params so far; these "
                                       f"params are on {self._device} (an nccl process group is not wrapped yet; from "
@@ -193,7 +224,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     # torch pickles (and deep-copies) an optimizer as defaults, state and param_groups:
     # keep the options too; the engine is re-planned from the state at the next step.
-    _OPTIONS = ("max_grad_norm", "norm_type", "master_weights", "num_threads", "_device")
+    _OPTIONS = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "num_threads",
+                "_device")
 
     def __getstate__(self) -> Dict[str, Any]:
         if getattr(self, "communicator", None) is not None:
@@ -210,7 +242,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
-        for k, default in zip(self._OPTIONS, (None, 2.0, True, None, None)):
+        for k, default in zip(self._OPTIONS, (None, 2.0, True, False, 0, None, None)):
             if not hasattr(self, k):
                 setattr(self, k, default)
         if not hasattr(self, "communicator"):
@@ -241,6 +273,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                                  "buffers; make it contiguous before creating the optimizer)")
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"stepfuse.torch: a param is on {p.device} (the CPU and CUDA devices are supported)")
+            if p.dtype == torch.float16 and getattr(self, "stochastic_rounding", False):
+                raise ValueError("stepfuse.torch: a param is float16 but stochastic_rounding=True (stochastic rounding "
+                                 "is for bfloat16 params: keep fp32 masters for float16 params, or store them as "
+                                 "bfloat16)")
             device = self._device or (self._first_device() if hasattr(self, "param_groups") else None)
             if device is not None and p.device != device:
                 raise ValueError(f"stepfuse.torch: a param is on {p.device} but the optimizer's other params are on "
@@ -509,8 +545,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         groups = [([(p.detach(), p.grad) for p in g.params], self._config(self.param_groups[g.torch_group]))
                   for g in cpp_groups]
         device = cpp_groups[0].params[0].device
+        # Stochastic rounding needs a bfloat16 param among the engine's: a step whose only
+        # gradients are float32 params' rounds nothing (float32 weights are stored exactly).
+        rounding = self.stochastic_rounding and any(p.dtype == torch.bfloat16 for g in cpp_groups for p in g.params)
         options: Dict[str, Any] = dict(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
-                                       master_weights=self.master_weights, communicator=self.communicator,
+                                       master_weights=self.master_weights, stochastic_rounding=rounding,
+                                       seed=self.seed, communicator=self.communicator,
                                        num_threads=self.num_threads if self.num_threads is not None
                                        else (torch.get_num_threads() if device.type == "cpu" else 0))
         if device.type == "cuda":
