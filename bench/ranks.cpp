@@ -189,6 +189,9 @@ RanksCase resolve_ranks_case(const Args& a) {
   if (a.backend != "cpu")
     throw UsageError("--ranks: the sharded step runs on the CPU so far (leave --backend " + a.backend + " out)");
   if (a.groups != "off") throw UsageError("--ranks: times one param group (leave --groups out)");
+  if (std::find(a.rounding.begin(), a.rounding.end(), "stochastic") != a.rounding.end())
+    throw UsageError("--rounding stochastic: --ranks does not time the sharded step with stochastic rounding yet "
+                     "(leave --rounding out, or leave --ranks out to time it on one process)");
   if (a.fusion_given) {
     if (a.fusion.size() != 1)
       throw UsageError("--ranks: times one --fusion mode (fused, unfused or interpreted), not a list");

@@ -13,12 +13,14 @@
 //      contents take one step each; every timed mode is compared against a reference
 //      (unfused, or fused when unfused is not timed): every weight, master and state
 //      value must agree within fp32 rounding, and the fused step on LLVM code must equal
-//      the one on Highway's bit for bit (exit code 2 otherwise) — nothing is timed
-//      before this;
+//      the one on Highway's bit for bit; a fused step that rounds the weights
+//      stochastically (--rounding stochastic) must be the one rounding to nearest except
+//      for which of the two bf16 values around each updated weight it stores, and bitwise
+//      the same on both CPU backends (exit code 2 otherwise) — nothing is timed before this;
 //   3. measure: warm-up, then timed iterations of [bandwidth probes, then each mode of
-//      --fusion in the order fused (once per --cpu-backend, with the fused update pass
-//      alone), unfused, interpreted], interleaved so that drift in the machine affects
-//      all of them alike.
+//      --fusion in the order fused (once per --cpu-backend and --rounding, with the fused
+//      update pass alone), unfused, interpreted], interleaved so that drift in the machine
+//      affects all of them alike.
 // --groups on builds every optimizer with two param groups (bench/param_groups.hpp);
 // --groups compare builds each timed mode twice, with one group and with two, verifies
 // both (phase 2 runs once for each) and times them back to back in phase 3, in
@@ -68,6 +70,7 @@ sf::OptimizerOptions Case::options_for(Variant v) const {
   sf::OptimizerOptions o = options;
   o.fusion = fusion_of(v);
   o.cpu_backend = cpu_backend_of(v);
+  if (rounding_of(v) == Rounding::stochastic) o.stochastic_rounding = true, o.seed = kStochasticSeed;
   return o;
 }
 
@@ -140,17 +143,31 @@ std::vector<sf::CpuBackend> selected_cpu_backends(const Args& a) {
   return backends;
 }
 
-// The variants to time, in kAllVariants order: the fused mode once per CPU backend.
+// The roundings --rounding names, each once, nearest first (the order of kAllVariants).
+std::vector<Rounding> selected_roundings(const std::vector<std::string>& names) {
+  for (const auto& n : names)
+    if (n != "nearest" && n != "stochastic")
+      throw UsageError("--rounding: unknown rounding '" + n + "' (expected nearest or stochastic, comma-separated)");
+  std::vector<Rounding> roundings;
+  for (Rounding r : {Rounding::nearest, Rounding::stochastic})
+    if (std::find(names.begin(), names.end(), rounding_name(r)) != names.end()) roundings.push_back(r);
+  if (roundings.empty()) throw UsageError("--rounding: name at least one of nearest, stochastic");
+  return roundings;
+}
+
+// The variants to time, in kAllVariants order: the fused mode once per CPU backend and
+// rounding.
 std::vector<Variant> selected_variants(const std::vector<sf::Fusion>& modes,
-                                       const std::vector<sf::CpuBackend>& backends) {
+                                       const std::vector<sf::CpuBackend>& backends,
+                                       const std::vector<Rounding>& roundings) {
   std::vector<Variant> variants;
-  for (sf::Fusion f : modes) {
-    if (f != sf::Fusion::fused) {
-      variants.push_back(f == sf::Fusion::unfused ? Variant::unfused : Variant::interpreted);
+  for (Variant v : kAllVariants) {
+    if (std::find(modes.begin(), modes.end(), fusion_of(v)) == modes.end()) continue;
+    if (is_fused(v) &&
+        (std::find(backends.begin(), backends.end(), cpu_backend_of(v)) == backends.end() ||
+         std::find(roundings.begin(), roundings.end(), rounding_of(v)) == roundings.end()))
       continue;
-    }
-    for (sf::CpuBackend b : backends)
-      variants.push_back(b == sf::CpuBackend::llvm ? Variant::fused_llvm : Variant::fused);
+    variants.push_back(v);
   }
   return variants;
 }
@@ -181,7 +198,8 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
   c.from_file = from_file;
   c.modes = selected_modes(a.fusion);
   c.cpu_backends = selected_cpu_backends(a);
-  c.variants = selected_variants(c.modes, c.cpu_backends);
+  c.roundings = selected_roundings(a.rounding);
+  c.variants = selected_variants(c.modes, c.cpu_backends, c.roundings);
   c.config = make_config(a.optimizer);
   c.weights = parse_dtype("--weights", a.weights);
   c.grads = parse_dtype("--grads", a.grads);
@@ -193,6 +211,19 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
                      "(leave --cpu-backend out)");
   if (a.cpu_backend_given && !c.timed_mode(sf::Fusion::fused))
     throw UsageError("--cpu-backend: chooses the code of the fused step, and --fusion times no fused step");
+  // Stochastic rounding: the library's conditions (bf16 weights, no masters) said as the flags
+  // that meet them, and what this tool times it on (the CPU; --ranks refuses it in ranks.cpp).
+  if (std::find(c.roundings.begin(), c.roundings.end(), Rounding::stochastic) != c.roundings.end()) {
+    if (a.backend == "cuda")
+      throw UsageError("--rounding stochastic: --backend cuda does not time it yet (stepfuse-bench's CUDA path "
+                       "times the step rounding to nearest); pass --backend cpu, or leave --rounding out");
+    if (c.weights != sf::DType::bf16 || !a.no_masters)
+      throw UsageError("--rounding stochastic: rounds bf16 weights kept without fp32 masters; pass --weights bf16 "
+                       "--masters off");
+    if (!c.timed_mode(sf::Fusion::fused))
+      throw UsageError("--rounding stochastic: rounds the fused step's weights, and --fusion times no fused step "
+                       "(add fused to --fusion)");
+  }
   c.groups = parse_groups(a.groups);
   if (c.groups != GroupsMode::off) {
     if (a.backend == "cuda")
@@ -222,7 +253,8 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
   opts.cpu_backend = sf::CpuBackend::highway;
   c.loss_scale = a.loss_scale;
   c.n = c.preset.total_numel();
-  c.first_fused = c.timed(Variant::fused) || !c.timed(Variant::fused_llvm) ? Variant::fused : Variant::fused_llvm;
+  const auto first = std::find_if(c.variants.begin(), c.variants.end(), is_fused);
+  c.first_fused = first != c.variants.end() ? *first : Variant::fused;
   return c;
 }
 
@@ -243,9 +275,9 @@ int run_cuda(const Args& a, const Case& c, std::chrono::steady_clock::time_point
 // Builds every variant's optimizer over 16 elements: what the library rejects (the
 // backend, a hyperparameter, the dtypes) it rejects for 16 elements as for the whole
 // model, so it fails now, before the model is allocated. The LLVM kernels depend on the
-// dtypes and the program, not on the sizes: the first LLVM optimizer compiles them (or
-// loads them from the kernel cache), the ones of model size find them linked. Returns
-// that first LLVM optimizer's construction time in ms (0 when fused-llvm is not timed).
+// dtypes, the rounding and the program, not on the sizes: each LLVM optimizer here compiles
+// them (or loads them from the kernel cache), the ones of model size find them linked.
+// Returns the first LLVM optimizer's construction time in ms (0 when no LLVM variant is timed).
 double probe_configuration(const Case& c, Progress& progress) {
   double llvm_first_ms = 0;
   // With --groups, a matrix and a 1-D tensor, so that the two groups are built too.
@@ -255,12 +287,17 @@ double probe_configuration(const Case& c, Progress& progress) {
                         c.weights, c.grads);
   tiny.fill_weights(1);
   tiny.fill_grads(c.loss_scale, 1);
-  for (Variant v : kAllVariants) {  // all on Highway (phase 2 may build any), LLVM's when timed
-    if (v == Variant::fused_llvm && !c.timed(v)) continue;
-    if (v == Variant::fused_llvm) progress.say("compiling (or loading) the LLVM kernels");
+  // Every variant phase 2 may build: those that round to nearest on Highway always, LLVM's
+  // and the stochastic ones when timed (and fused-sr when fused-llvm-sr is: its reference).
+  for (Variant v : kAllVariants) {
+    const bool llvm = cpu_backend_of(v) == sf::CpuBackend::llvm;
+    if ((llvm || rounding_of(v) == Rounding::stochastic) && !c.timed(v) &&
+        !(v == Variant::fused_sr && c.timed(Variant::fused_llvm_sr)))
+      continue;
+    if (llvm) progress.say(std::string("compiling (or loading) the LLVM kernels of ") + variant_name(v));
     const auto t0 = std::chrono::steady_clock::now();
     make_optimizer(c, groups, 1, tiny, c.options_for(v));
-    if (v == Variant::fused_llvm) llvm_first_ms = seconds_since(t0) * 1e3;
+    if (llvm && llvm_first_ms == 0) llvm_first_ms = seconds_since(t0) * 1e3;
     if (c.groups == GroupsMode::compare) make_optimizer(c, false, 0, tiny, c.options_for(v));
   }
   return llvm_first_ms;
@@ -323,9 +360,14 @@ FusedOnly fused_only_phase(const Args& a, const Case& c, Progress& progress) {
 // disagreement is a VerifyError. Against a reference within fp32 rounding: unfused when it
 // is timed, else fused. A mode that is the only one timed is still checked: fused (or
 // unfused) against the other, built for the check alone. The fused step on Highway's code
-// ("fused") takes part whenever a fused step is timed, as the reference or checked against
-// it; LLVM's ("fused-llvm") must equal it bit for bit, and so agrees with the reference
-// too. What was built for the check alone is freed before returning.
+// that rounds to nearest ("fused") takes part whenever a fused step is timed, as the
+// reference or checked against it; LLVM's ("fused-llvm") must equal it bit for bit, and so
+// agrees with the reference too. A step that rounds stochastically legitimately stores other
+// weights than the reference: fused-sr is checked against fused instead, as the same step
+// but for the weights' rounding (compare_rounding: everything else bitwise, every weight
+// finite and fused's or its bf16 neighbour), and fused-llvm-sr must equal fused-sr bit for
+// bit (built for that check alone when not timed). What was built for the check alone is
+// freed before returning.
 // `grouped`: the optimizers have two param groups. `share` (--groups compare's second pass,
 // with two groups): the first pass's runs, whose buffers a variant timed there reuses
 // (refilled; the first pass is verified already and only timed from here on).
@@ -337,18 +379,20 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
   Verification ver;
   Variant& ref = ver.ref;
   ref = c.timed(Variant::unfused) ? Variant::unfused : Variant::fused;
+  // Checked against ref: unfused and interpreted when timed, and fused when any fused
+  // variant is (the others are checked against fused, or fused-sr, below).
+  const bool any_fused = std::any_of(c.variants.begin(), c.variants.end(), is_fused);
+  const bool sr = c.timed(Variant::fused_sr) || c.timed(Variant::fused_llvm_sr);
   std::vector<Variant> checked;
-  for (Variant v : kAllVariants)
-    if (v != ref && v != Variant::fused_llvm &&
-        (c.timed(v) || (v == Variant::fused && c.timed(Variant::fused_llvm))))
-      checked.push_back(v);
-  if (checked.empty()) {  // only fused (on one or both backends), or only unfused, is timed
+  for (Variant v : {Variant::fused, Variant::unfused, Variant::interpreted})
+    if (v != ref && (v == Variant::fused ? any_fused : c.timed(v))) checked.push_back(v);
+  if (checked.empty()) {  // only fused variants, or only unfused, are timed
     ref = Variant::unfused;
     checked = {Variant::fused};
   }
   auto built = [&](Variant v) {
-    return v == ref || std::find(checked.begin(), checked.end(), v) != checked.end() ||
-           (v == Variant::fused_llvm && c.timed(v));
+    return v == ref || std::find(checked.begin(), checked.end(), v) != checked.end() || c.timed(v) ||
+           (v == Variant::fused_sr && sr);
   };
   for (Variant v : kAllVariants) {
     if (!built(v)) continue;
@@ -367,7 +411,7 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
     const auto t0 = std::chrono::steady_clock::now();
     r.opt.emplace(make_optimizer(c, grouped, c.split, *r.buf, c.options_for(v)));
     r.construct_ms = seconds_since(t0) * 1e3;
-    if ((v == Variant::fused_llvm) != (r.opt->backend() == "llvm"))  // the option must have taken effect
+    if ((cpu_backend_of(v) == sf::CpuBackend::llvm) != (r.opt->backend() == "llvm"))  // the option took effect
       throw std::runtime_error(std::string("the ") + variant_name(v) + " optimizer runs '" +
                                std::string(r.opt->backend()) + "' code");
     r.verify_result = r.opt->step_scaled(S);
@@ -382,15 +426,31 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
                    "values outside the tolerance; worst");
     ver.verified.push_back({v, std::move(vr)});
   }
-  if (c.timed(Variant::fused_llvm)) {
-    progress.say("verifying fused-llvm against fused (Highway), bit for bit" + label);
-    const ModeRun &rl = runs[idx(Variant::fused_llvm)], &rh = runs[idx(Variant::fused)];
+  // LLVM's fused step against Highway's (`highway`), bit for bit.
+  auto check_llvm = [&](Variant llvm, Variant highway, const std::string& step) {
+    progress.say(std::string("verifying ") + variant_name(llvm) + " against " + variant_name(highway) +
+                 " (Highway), bit for bit" + label);
+    const ModeRun &rl = runs[idx(llvm)], &rh = runs[idx(highway)];
     sb::VerifyReport vr = sb::compare_bitwise(*rl.opt, *rl.buf, rl.verify_result, *rh.opt, *rh.buf, rh.verify_result,
                                               S, threads, "llvm", "highway");
-    check_verified(vr, "the fused step" + label + " on LLVM code is not bitwise the one on Highway's:",
+    check_verified(vr, step + label + " on LLVM code is not bitwise the one on Highway's:",
                    "values differ in their bits; largest difference");
-    ver.llvm_check = std::move(vr);
+    return vr;
+  };
+  if (c.timed(Variant::fused_llvm)) ver.llvm_check = check_llvm(Variant::fused_llvm, Variant::fused, "the fused step");
+  if (sr) {
+    progress.say("verifying fused-sr against fused: the same step but for the rounding of the weights" + label);
+    const ModeRun &rs = runs[idx(Variant::fused_sr)], &rn = runs[idx(Variant::fused)];
+    sb::VerifyReport vr = sb::compare_rounding(*rs.opt, *rs.buf, rs.verify_result, *rn.opt, *rn.buf, rn.verify_result,
+                                               S, threads, "fused-sr", "fused");
+    check_verified(vr, "the fused step" + label + " rounding stochastically is not the one rounding to nearest but "
+                   "for the rounding:", "values differ; first");
+    ver.rounding_check = std::move(vr);
   }
+  if (c.timed(Variant::fused_llvm_sr))
+    ver.llvm_sr_check = check_llvm(Variant::fused_llvm_sr, Variant::fused_sr,
+                                   format("the fused step rounding stochastically (seed %llu)",
+                                          static_cast<unsigned long long>(kStochasticSeed)));
   // The verification step's norm and clip coefficient, for the report: the reference's, or
   // another mode's when the reference computed no norm (unfused without clipping).
   ver.ref_result = rr.verify_result;
@@ -434,12 +494,13 @@ Timing time_interleaved(const Args& a, const Case& c, const FusedOnly& fo, Runs&
   const int iterations = a.warmup + a.steps;
   // A first guess at one iteration's length, in fused steps (good to a factor of two; the
   // measured time replaces it after the first iteration): the probes move ~1.6x a step's
-  // bytes, the unfused step takes ~5x the fused one, the interpreted ~2x.
+  // bytes, each fused variant takes ~1x the fused step, the unfused ~5x, the interpreted ~2x.
   const double runs_per_variant = grouped ? 2.0 : 1.0;
+  const auto fused_variants = std::count_if(variants.begin(), variants.end(), is_fused);
   double iteration_s =
       fo.step_s * (2.0 + (update_only ? 1.0 : 0.0) +
-                   runs_per_variant * ((c.timed(Variant::fused) ? 1.0 : 0.0) + (c.timed(Variant::fused_llvm) ? 1.0 : 0.0) +
-                                       (c.timed(Variant::unfused) ? 5.0 : 0.0) + (c.timed(Variant::interpreted) ? 2.0 : 0.0)));
+                   runs_per_variant * (static_cast<double>(fused_variants) + (c.timed(Variant::unfused) ? 5.0 : 0.0) +
+                                       (c.timed(Variant::interpreted) ? 2.0 : 0.0)));
   const auto t_loop = std::chrono::steady_clock::now();
   for (int it = 0; it < iterations; ++it) {
     const bool timed_it = it >= a.warmup;
@@ -458,12 +519,12 @@ Timing time_interleaved(const Args& a, const Case& c, const FusedOnly& fo, Runs&
       const double s = probe.run(p);
       if (timed_it) timing.bandwidth_s[p].push_back(s);
     }
-    // The two fused backends trade places every other iteration, so that neither always
-    // runs right after the same thing (the probes leave the caches in a different state
-    // than a step does).
+    // The fused variants (the first ones, in kAllVariants order) run in reverse order every
+    // other iteration, so that none always runs right after the same thing (the probes
+    // leave the caches in a different state than a step does); a "-sr" variant and the
+    // same step rounding to nearest stay back to back.
     std::vector<Variant> order = variants;
-    if (it % 2 == 1 && c.timed(Variant::fused) && c.timed(Variant::fused_llvm))
-      std::swap(order[0], order[1]);  // fused, fused-llvm are the first two, in kAllVariants order
+    if (it % 2 == 1) std::reverse(order.begin(), order.begin() + fused_variants);
     for (Variant v : order) {
       for (int k = 0; k < (grouped ? 2 : 1); ++k) {
         const bool two = grouped && (k == 0) == (it % 2 == 1);  // --groups compare: one group first on even iterations
@@ -550,8 +611,10 @@ int main(int argc, char** argv) {
   sb::tool::Args a;
   CLI::App app{"stepfuse-bench: the fused optimizer step against the unfused baseline and the memory bandwidth "
                "measured in the same run.\nVerifies every timed mode against the unfused one (or the fused one) "
-               "within fp32 rounding, and the fused step on LLVM code against Highway's bit for bit, before timing; times interleaved steps; reports medians, spread, bytes moved, GB/s, % of bandwidth, "
-               "the speed ratios and peak RSS.",
+               "within fp32 rounding, the fused step on LLVM code against Highway's bit for bit, and a fused step "
+               "rounding bf16 weights stochastically against the one rounding to nearest, before timing; times "
+               "interleaved steps; reports medians, spread, bytes moved, GB/s, % of bandwidth, the speed ratios, "
+               "the cost of stochastic rounding and peak RSS.",
                "stepfuse-bench"};
   std::string presets = "\nPresets (--preset):\n";
   for (const auto& [name, desc] : sb::preset_catalog())
@@ -570,6 +633,16 @@ int main(int argc, char** argv) {
              "norms: weight_decay 0), the tensors in that order; one step has one global norm and clip over\n"
              "both. 'compare' times every mode with one group and with two, back to back in alternating\n"
              "order, and prints two groups / one group as the median of per-iteration time ratios.\n"
+             "\nStochastic rounding (--rounding nearest,stochastic --weights bf16 --masters off): the fused step\n"
+             "is timed once storing updated bf16 weights rounded to nearest even and once rounded\n"
+             "stochastically (OptimizerOptions::stochastic_rounding, Philox random bits, seed " +
+             std::to_string(sb::tool::kStochasticSeed) + ": rows fused-sr\n"
+             "and, on LLVM code, fused-llvm-sr), each back to back with the step rounding to nearest. Both move\n"
+             "the same bytes; 'stochastic / nearest' gives the ratio of their step times. Before timing, fused-sr\n"
+             "is checked against fused: the grad norm, clip coefficient and optimizer state bitwise equal, every\n"
+             "weight finite and either fused's or the bf16 value next to it (the count of those is reported);\n"
+             "and fused-llvm-sr against fused-sr, bit for bit. The other modes round to nearest. Not with\n"
+             "--backend cuda or --ranks (stepfuse-bench does not time it there yet).\n"
              "\nThe sharded step (--ranks N): stepfuse-bench starts itself under mpiexec -n N (or runs on\n"
              "every rank when started under mpiexec -n N). Each rank takes one of N contiguous, balanced parts\n"
              "of the tensor list, cut at 16,384-element chunk boundaries (--shard slices: a tensor may be\n"
@@ -577,12 +650,14 @@ int main(int argc, char** argv) {
              "(OptimizerOptions::communicator: MPI) against the local step over the same shard, a bare\n"
              "all_gather of the step's own size and a bare 128-byte all_reduce; it reports every rank's\n"
              "medians and the slowest rank's, the overhead, and the bytes the step's one collective sends.\n"
-             "Also used: --preset/--shapes, --optimizer, --weights, --grads, --no-masters, --clip, --norm-type,\n"
+             "Also used: --preset/--shapes, --optimizer, --weights, --grads, --masters, --clip, --norm-type,\n"
              "--loss-scale, --threads (0: the cores divided among the ranks of a node), --steps, --warmup,\n"
              "--fusion and --cpu-backend (one each), --json, --json-only. Needs a build with MPI.\n"
              "\nExit codes: 0 ok, 1 bad arguments (a bad shapes file, a configuration or backend the library "
              "rejects, --cpu-backend llvm without LLVM, --ranks in a build without MPI), 2 verification failed (a "
-             "mode disagrees with the reference, the LLVM fused step is not bitwise Highway's, or a step was skipped), 3 other errors.");
+             "mode disagrees with the reference, the LLVM fused step is not bitwise Highway's, the stochastically "
+             "rounded step is not the round-to-nearest one but for the rounding, or a step was skipped), 3 other "
+             "errors.");
   app.set_version_flag("--version", std::string(sf::version()));
   CLI::Option* preset_opt =
       app.add_option("--preset", a.preset, "tensor list: gpt2-124m, resnet50, llama7b-layer, many-small or flat:N")
@@ -615,11 +690,29 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "nadam", "radam", "adamax",
                              "adadelta", "rprop", "asgd", "lamb"}))
       ->capture_default_str();
-  app.add_option("--weights", a.weights, "weight dtype (f16/bf16 keep fp32 masters unless --no-masters)")
+  app.add_option("--weights", a.weights, "weight dtype (f16/bf16 keep fp32 masters unless --masters off)")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}))
       ->capture_default_str();
   app.add_option("--grads", a.grads, "gradient dtype")->check(CLI::IsMember({"f32", "f16", "bf16"}))->capture_default_str();
-  app.add_flag("--no-masters", a.no_masters, "no fp32 master copies for f16/bf16 weights");
+  std::string masters = "on";  // --masters, into a.no_masters after parsing
+  CLI::Option* masters_opt =
+      app.add_option("--masters", masters, "fp32 master copies of f16/bf16 weights: on or off (f32 weights have none)")
+          ->check(CLI::IsMember({"on", "off"}))
+          ->capture_default_str();
+  CLI::Option* no_masters_opt =
+      app.add_flag("--no-masters", a.no_masters, "the same as --masters off (older command lines; not with --masters)");
+  masters_opt->excludes(no_masters_opt);
+  app.add_option("--rounding", a.rounding,
+                 "how the fused step stores updated weights, each timed as its own fused row, comma-separated: "
+                 "nearest (to nearest even), stochastic (bf16 weights without masters rounded with Philox random "
+                 "bits, seed " +
+                     std::to_string(sb::tool::kStochasticSeed) +
+                     ": rows fused-sr, fused-llvm-sr; needs --weights bf16 --masters off; the other modes round to "
+                     "nearest)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"nearest", "stochastic"}))
+      ->type_name("LIST")
+      ->default_str("nearest");
   app.add_flag("!--no-breakdown", a.breakdown,
                "skip timing the fused update pass alone (saves a third optimizer's state)");
   app.add_option("--clip", a.clip, "max gradient norm for clipping, on the unscaled gradients (0 = off)")
@@ -659,6 +752,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     a.fusion_given = app.get_option("--fusion")->count() > 0;
     a.cpu_backend_given = app.get_option("--cpu-backend")->count() > 0;
+    if (masters_opt->count() > 0) a.no_masters = masters == "off";
     a.shard_given = app.get_option("--shard")->count() > 0;
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the error

@@ -31,7 +31,8 @@ struct Args {
   std::string optimizer = "adamw";
   std::string weights = "f32";
   std::string grads = "f32";
-  bool no_masters = false;
+  bool no_masters = false;  // --masters off, or its synonym --no-masters
+  std::vector<std::string> rounding = {"nearest"};  // --rounding: nearest, stochastic
   bool breakdown = true;
   double clip = 1.0;
   std::string norm_type = "2";
@@ -57,30 +58,50 @@ inline const char* mode_name(Fusion f) {
   return f == Fusion::fused ? "fused" : f == Fusion::unfused ? "unfused" : "interpreted";
 }
 
-// What is timed: a mode of --fusion and, for fused, the CPU code that runs it (--cpu-backend).
-// In the order they are verified, timed and reported; indexed by value. Every variant runs
-// its CPU backend explicitly, so that STEPFUSE_CPU_BACKEND changes nothing here.
-enum class Variant : std::uint8_t { fused, fused_llvm, unfused, interpreted };
-inline constexpr std::array<Variant, 4> kAllVariants = {Variant::fused, Variant::fused_llvm, Variant::unfused,
-                                                        Variant::interpreted};
+// What is timed: a mode of --fusion and, for fused, the CPU code that runs it (--cpu-backend)
+// and how it stores bf16 weights (--rounding; "-sr": rounded stochastically). In the order they
+// are verified, timed and reported; indexed by value. Each fused variant that rounds to nearest
+// is followed by the same step rounding stochastically, so that the two run back to back.
+// Every variant runs its CPU backend explicitly, so that STEPFUSE_CPU_BACKEND changes nothing.
+enum class Variant : std::uint8_t { fused, fused_sr, fused_llvm, fused_llvm_sr, unfused, interpreted };
+inline constexpr std::array<Variant, 6> kAllVariants = {Variant::fused,         Variant::fused_sr,
+                                                        Variant::fused_llvm,    Variant::fused_llvm_sr,
+                                                        Variant::unfused,       Variant::interpreted};
 constexpr std::size_t idx(Variant v) { return static_cast<std::size_t>(v); }
 // The name in the table, the progress line and messages.
 inline const char* variant_name(Variant v) {
   switch (v) {
     case Variant::fused: return "fused";
+    case Variant::fused_sr: return "fused-sr";
     case Variant::fused_llvm: return "fused-llvm";
+    case Variant::fused_llvm_sr: return "fused-llvm-sr";
     case Variant::unfused: return "unfused";
     case Variant::interpreted: return "interpreted";
   }
   return "?";
 }
-// The name in JSON keys ("fused_llvm", "fused_llvm_over_fused_speed").
-inline std::string variant_key(Variant v) { return v == Variant::fused_llvm ? "fused_llvm" : variant_name(v); }
+// The name in JSON keys ("fused_llvm", "fused_llvm_over_fused_speed", "fused_sr_over_fused_time").
+inline std::string variant_key(Variant v) {
+  std::string k = variant_name(v);
+  for (char& ch : k)
+    if (ch == '-') ch = '_';
+  return k;
+}
 inline Fusion fusion_of(Variant v) {
   return v == Variant::unfused ? Fusion::unfused : v == Variant::interpreted ? Fusion::interpreted : Fusion::fused;
 }
+inline bool is_fused(Variant v) { return fusion_of(v) == Fusion::fused; }
 inline CpuBackend cpu_backend_of(Variant v) {
-  return v == Variant::fused_llvm ? CpuBackend::llvm : CpuBackend::highway;
+  return v == Variant::fused_llvm || v == Variant::fused_llvm_sr ? CpuBackend::llvm : CpuBackend::highway;
+}
+// --rounding: how the step stores updated bf16 weights kept without fp32 masters. The fused
+// "-sr" variants round stochastically (OptimizerOptions::stochastic_rounding, seed
+// kStochasticSeed); every other variant rounds to nearest even.
+enum class Rounding : std::uint8_t { nearest, stochastic };
+inline constexpr std::uint64_t kStochasticSeed = 1;
+inline const char* rounding_name(Rounding r) { return r == Rounding::nearest ? "nearest" : "stochastic"; }
+inline Rounding rounding_of(Variant v) {
+  return v == Variant::fused_sr || v == Variant::fused_llvm_sr ? Rounding::stochastic : Rounding::nearest;
 }
 inline bool have_llvm() { return llvm_version()[0] != '\0'; }
 
@@ -102,13 +123,15 @@ struct Case {
   bool from_file = false;  // preset.name is then the shapes file's path
   std::vector<Fusion> modes;               // --fusion, in kAllModes order
   std::vector<CpuBackend> cpu_backends;    // --cpu-backend, highway first
+  std::vector<Rounding> roundings;         // --rounding, nearest first
   std::vector<Variant> variants;           // what is timed, in kAllVariants order
   OptimizerConfig config;
   DType weights = DType::f32, grads = DType::f32;
   OptimizerOptions options;                // shared by every variant; options_for() adds its own
   double loss_scale = 0;
   std::int64_t n = 0;                      // parameters
-  // The fused variant phase 1 steps and the update pass alone is timed with: the first timed.
+  // The fused variant phase 1 steps and the update pass alone is timed with: the first timed
+  // (fused when none is).
   Variant first_fused = Variant::fused;
   // --groups: with anything but off, preset.tensors is in group order (bench/param_groups.hpp):
   // the decay group is tensors [0, split) with `config`, the no-decay group the rest with
@@ -159,6 +182,10 @@ struct Verification {
   Variant ref = Variant::unfused;           // the reference the others are compared with
   std::vector<Verified> verified;           // each variant checked against ref, in kAllVariants order
   std::optional<VerifyReport> llvm_check;   // fused-llvm against fused, bit for bit
+  // When a "-sr" variant is timed: fused-sr against fused, the same step but for the rounding
+  // of the weights (compare_rounding), and fused-llvm-sr against fused-sr, bit for bit.
+  std::optional<VerifyReport> rounding_check;
+  std::optional<VerifyReport> llvm_sr_check;
   StepResult ref_result;                    // the verification step's norm and clip coefficient
 };
 

@@ -16,6 +16,11 @@
 #                   group and two: the group sizes, the -2g rows, the ratio lines, the JSON's figures), --groups
 #                   on, --print-shapes --groups read back, and the usage errors (no 1-D tensor / no matrix,
 #                   --backend cuda, a bad shape)
+#   rounding        --rounding nearest,stochastic --weights bf16 --masters off on a tiny list: exit 0, the check of
+#                   fused-sr against fused, the fused-sr row (and fused-llvm-sr with -DHAVE_LLVM=ON, checked
+#                   bitwise), the "stochastic / nearest" ratios, the JSON's figures; --no-masters as --masters off;
+#                   the usage errors (f32 weights, masters kept, --masters with --no-masters, no fused mode,
+#                   --backend cuda, --ranks)
 #   ranks           -DHAVE_MPI=ON (-DMPIEXEC=<mpiexec>): --ranks 2 (stepfuse-bench starts mpiexec itself) with
 #                   slices and with whole tensors: exit 0, the table, one all_gather per step of the bytes the
 #                   layout gives, the JSON's figures; --ranks 1 --json-only; under mpiexec -n 1 with --ranks 2,
@@ -273,6 +278,81 @@ elseif(CASE STREQUAL "groups")
   bench(--shapes "${DIR}/badshape.shapes" --print-shapes)
   expect_rc(1 "groups (bad shape)")
   expect_in("${err}" "line 1: '64xq' is not a shape for tensor 'w' (expected dims joined by 'x'" "groups (bad shape)")
+
+elseif(CASE STREQUAL "rounding")
+  file(REMOVE "${DIR}/rounding.json")
+  set(tiny --preset flat:100000 --steps 3 --warmup 1 --rss-steps 1 --optimizer adamw --weights bf16 --grads bf16)
+  bench(${tiny} --masters off --rounding nearest,stochastic --json "${DIR}/rounding.json")
+  expect_rc(0 "rounding")
+  expect_in("${out}" "one fused-sr step (stochastic rounding, seed 1) is the fused step but for the rounding: the grad "
+                     "norm, clip coefficient and state bitwise equal" "rounding stdout (verification)")
+  expect_in("${out}" "\n  fused-sr " "rounding stdout (table row)")
+  expect_in("${out}" "  stochastic / nearest rounding, step time (median of per-iteration ratios" "rounding ratios")
+  expect_in("${out}" "\n    fused-sr / fused " "rounding ratio line")
+  file(READ "${DIR}/rounding.json" j)
+  string(JSON masters GET "${j}" config master_weights)
+  string(JSON nroundings LENGTH "${j}" config rounding)
+  string(JSON seed GET "${j}" config stochastic_rounding_seed)
+  string(JSON sr_rounding GET "${j}" fused_sr rounding)
+  string(JSON rn_rounding GET "${j}" fused rounding)
+  string(JSON sr_bytes GET "${j}" fused_sr bytes_per_param)
+  string(JSON rn_bytes GET "${j}" fused bytes_per_param)
+  string(JSON samples LENGTH "${j}" fused_sr samples_ms)
+  string(JSON ratio GET "${j}" fused_sr_over_fused_time)
+  string(JSON per_it GET "${j}" per_iteration fused_sr_over_fused_time median)
+  string(JSON checked GET "${j}" verification stochastic_vs_nearest ok)
+  string(JSON apart GET "${j}" verification stochastic_vs_nearest weights_rounded_apart)
+  if(masters OR NOT nroundings EQUAL 2 OR NOT seed EQUAL 1 OR NOT sr_rounding STREQUAL "stochastic"
+     OR NOT rn_rounding STREQUAL "nearest" OR NOT sr_bytes EQUAL rn_bytes OR NOT samples EQUAL 3 OR NOT ratio GREATER 0
+     OR NOT per_it GREATER 0 OR NOT checked OR NOT apart GREATER 0)
+    message(FATAL_ERROR "rounding: the JSON is wrong: master_weights=${masters} roundings=${nroundings} seed=${seed} "
+                        "fused_sr rounding=${sr_rounding} fused rounding=${rn_rounding} bytes/param=${sr_bytes} vs "
+                        "${rn_bytes} fused_sr samples=${samples} ratio=${ratio} per-iteration=${per_it} "
+                        "checked=${checked} weights rounded apart=${apart}")
+  endif()
+  if(HAVE_LLVM)  # the default --cpu-backend: highway,llvm
+    expect_in("${out}" "one fused-llvm-sr and one fused-sr (Highway) step are bitwise equal" "rounding (llvm)")
+    expect_in("${out}" "\n  fused-llvm-sr " "rounding stdout (llvm table row)")
+    string(JSON bitwise GET "${j}" verification llvm_vs_highway_stochastic bitwise_equal)
+    string(JSON llvm_ratio GET "${j}" fused_llvm_sr_over_fused_llvm_time)
+    if(NOT bitwise OR NOT llvm_ratio GREATER 0)
+      message(FATAL_ERROR "rounding (llvm): the JSON is wrong: bitwise=${bitwise} ratio=${llvm_ratio}")
+    endif()
+  endif()
+  # --no-masters is --masters off; stochastic alone times the fused-sr row alone.
+  bench(--preset flat:100000 --steps 1 --warmup 0 --rss-steps 1 --weights bf16 --grads bf16 --no-masters
+        --rounding stochastic --fusion fused --cpu-backend highway --json-only)
+  expect_rc(0 "rounding (--no-masters)")
+  string(JSON masters GET "${out}" config master_weights)
+  string(JSON sr_samples LENGTH "${out}" fused_sr samples_ms)
+  string(JSON fused_type ERROR_VARIABLE no_fused TYPE "${out}" fused)
+  if(masters OR NOT sr_samples EQUAL 1 OR NOT no_fused)
+    message(FATAL_ERROR "rounding (--no-masters): the JSON is wrong: master_weights=${masters} fused_sr "
+                        "samples=${sr_samples} fused row: ${fused_type}")
+  endif()
+  # Usage errors.
+  foreach(args "--weights;f32;--masters;off" "--weights;bf16")
+    bench(--preset flat:1000 --rounding stochastic ${args})
+    expect_rc(1 "rounding (${args})")
+    expect_in("${err}" "--rounding stochastic: rounds bf16 weights kept without fp32 masters; pass --weights bf16 "
+                       "--masters off" "rounding (${args})")
+  endforeach()
+  bench(--preset flat:1000 --weights bf16 --masters off --no-masters)
+  expect_rc(1 "rounding (--masters with --no-masters)")
+  expect_in("${err}" "excludes" "rounding (--masters with --no-masters)")
+  set(sr --preset flat:100000 --weights bf16 --masters off --rounding stochastic)
+  bench(${sr} --fusion unfused)
+  expect_rc(1 "rounding (no fused mode)")
+  expect_in("${err}" "--rounding stochastic: rounds the fused step's weights, and --fusion times no fused step"
+            "rounding (no fused mode)")
+  bench(${sr} --backend cuda)
+  expect_rc(1 "rounding (--backend cuda)")
+  expect_in("${err}" "--rounding stochastic: --backend cuda does not time it" "rounding (--backend cuda)")
+  bench(${sr} --ranks 2)
+  expect_rc(1 "rounding (--ranks)")
+  if(NOT err MATCHES "--rounding stochastic: --ranks does not time the sharded step|built without MPI")
+    message(FATAL_ERROR "rounding (--ranks): not the expected message:\n${err}")
+  endif()
 
 elseif(CASE STREQUAL "ranks")
   bench(--preset flat:100000 --shard whole)

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -60,8 +61,28 @@ struct Ratio {
 std::string ratio_name(const RatioPair& p) { return std::string(variant_name(p.a)) + "/" + variant_name(p.b); }
 std::string ratio_key(const RatioPair& p) { return variant_key(p.a) + "_over_" + variant_key(p.b) + "_speed"; }
 
+// The cost of stochastic rounding: each "-sr" variant (b) against the same step rounding to
+// nearest (a), as a time ratio: median time of b / median time of a, the Ratio of the pair.
+constexpr RatioPair kRoundingPairs[] = {{Variant::fused, Variant::fused_sr},
+                                        {Variant::fused_llvm, Variant::fused_llvm_sr}};
+std::string rounding_ratio_name(const RatioPair& p) {
+  return std::string(variant_name(p.b)) + " / " + variant_name(p.a);
+}
+std::string rounding_ratio_key(const RatioPair& p) { return variant_key(p.b) + "_over_" + variant_key(p.a) + "_time"; }
+
+// The first timed LLVM variant, whose construction the report gives (none: nullopt).
+std::optional<Variant> first_llvm(const Case& c) {
+  for (Variant v : c.variants)
+    if (cpu_backend_of(v) == sf::CpuBackend::llvm) return v;
+  return std::nullopt;
+}
+// The same step on Highway's code.
+Variant highway_of(Variant v) {
+  return v == Variant::fused_llvm ? Variant::fused : v == Variant::fused_llvm_sr ? Variant::fused_sr : v;
+}
+
 std::string norm_name(const Args& a) { return a.norm_type == "inf" ? "inf" : "2"; }
-// Whether the optimizer keeps fp32 master weights (16-bit weights without --no-masters).
+// Whether the optimizer keeps fp32 master weights (16-bit weights without --masters off).
 bool has_masters(const Args& a, const Case& c) { return !a.no_masters && c.weights != sf::DType::f32; }
 
 // What the table and the JSON share, derived from the samples.
@@ -72,6 +93,7 @@ struct Figures {
   std::map<sb::Pattern, sb::Summary> bw_sum;
   double ref_gbs = 0;  // adam_like's median GB/s: the 100% of the table's last column
   std::vector<Ratio> ratios;  // the pairs of kRatioPairs both timed
+  std::vector<Ratio> rounding_ratios;  // the pairs of kRoundingPairs both timed
   std::array<sb::Summary, kAllVariants.size()> paired_frac;  // each variant's share of adam_like, per iteration
   sb::StepBytes plain_bytes;  // what the update pass alone must move
   sb::Summary uo;  // the update pass alone
@@ -93,6 +115,8 @@ Figures compute_figures(const Args& a, const Case& c, const FusedOnly& /*fo*/, R
   const std::vector<double>& update_s = timing.update_s;
   const bool update_only = timing.update_only;
   const Variant first_fused = c.first_fused;
+  // What every variant must move: a step rounding stochastically reads and writes what the one
+  // rounding to nearest does (both without masters), only its arithmetic differs.
   const sb::StepBytes bytes =
       sb::step_bytes(sf::UpdateProgram::from_config(c.config).program(), wt, gt, !a.no_masters,
                      /*reduce_pass=*/true);  // step_scaled always reduces; a two-phase program's two passes
@@ -109,14 +133,17 @@ Figures compute_figures(const Args& a, const Case& c, const FusedOnly& /*fo*/, R
     r.summary = sb::summarize(r.samples);
     r.gbs = step_bytes / r.summary.median * 1e-9;
   }
-  std::vector<Ratio> ratios;
-  for (const RatioPair& p : kRatioPairs) {
-    if (!timed(p.a) || !timed(p.b)) continue;
+  auto ratio = [&](const RatioPair& p) {
     const ModeRun &ra = runs[idx(p.a)], &rb = runs[idx(p.b)];
     std::vector<double> paired;
     for (std::size_t i = 0; i < ra.samples.size(); ++i) paired.push_back(rb.samples[i] / ra.samples[i]);
-    ratios.push_back({p, rb.summary.median / ra.summary.median, sb::summarize(paired)});
-  }
+    return Ratio{p, rb.summary.median / ra.summary.median, sb::summarize(paired)};
+  };
+  std::vector<Ratio> ratios, rounding_ratios;
+  for (const RatioPair& p : kRatioPairs)
+    if (timed(p.a) && timed(p.b)) ratios.push_back(ratio(p));
+  for (const RatioPair& p : kRoundingPairs)
+    if (timed(p.a) && timed(p.b)) rounding_ratios.push_back(ratio(p));
   // Each mode's share of the bandwidth from each iteration's own samples (probe and step
   // taken back to back), whose median is less sensitive to drift between iterations.
   std::array<sb::Summary, kAllVariants.size()> paired_frac;
@@ -136,8 +163,9 @@ Figures compute_figures(const Args& a, const Case& c, const FusedOnly& /*fo*/, R
   const double update_gbs = update_only ? plain_bytes.per_param() * static_cast<double>(n) / uo.median * 1e-9 : 0.0;
   const double reduce_s = update_only ? runs[idx(first_fused)].summary.median - uo.median : 0.0;
   const double reduce_gbs = update_only && reduce_s > 0 ? bytes.reduce * static_cast<double>(n) / reduce_s * 1e-9 : 0.0;
-  Figures f{bytes,       step_bytes, std::move(bw_gbs), std::move(bw_sum), ref_gbs,  std::move(ratios),
-            paired_frac, plain_bytes, uo,                update_gbs,        reduce_s, reduce_gbs};
+  Figures f{bytes,       step_bytes,  std::move(bw_gbs), std::move(bw_sum), ref_gbs,  std::move(ratios),
+            std::move(rounding_ratios),   paired_frac, plain_bytes,       uo,                update_gbs, reduce_s,
+            reduce_gbs};
   if (grouped) {
     for (Variant v : variants) {
       ModeRun &one = runs[idx(v)], &two = grouped->runs[idx(v)];
@@ -215,6 +243,20 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
       out += format("verified before timing%s: one fused-llvm and one fused (Highway) step are bitwise equal: %s "
                     "values, the grad norm and the clip coefficient\n",
                     label, with_commas(vs.llvm_check->values_checked).c_str());
+    if (vs.rounding_check) {
+      const sb::VerifyReport& vr = *vs.rounding_check;
+      out += format("verified before timing%s: one fused-sr step (stochastic rounding, seed %llu) is the fused step "
+                    "but for the rounding: the grad norm, clip coefficient and state bitwise equal, every weight "
+                    "finite and fused's or the bf16 value next to it (%s of %s values bitwise equal, %s weights "
+                    "(%.1f%% of them) rounded the other way)\n",
+                    label, static_cast<unsigned long long>(kStochasticSeed), with_commas(vr.identical).c_str(),
+                    with_commas(vr.values_checked).c_str(), with_commas(vr.rounded_apart).c_str(),
+                    100.0 * static_cast<double>(vr.rounded_apart) / static_cast<double>(std::max<std::int64_t>(n, 1)));
+    }
+    if (vs.llvm_sr_check)
+      out += format("verified before timing%s: one fused-llvm-sr and one fused-sr (Highway) step are bitwise equal: "
+                    "%s values, the grad norm and the clip coefficient\n",
+                    label, with_commas(vs.llvm_sr_check->values_checked).c_str());
     out += format("  (grad norm %.6g, clip coef %.6g)\n", vs.ref_result.grad_norm, vs.ref_result.clip_coef);
   };
   verified_lines(ver, grouped ? " (one group)" : "");
@@ -226,16 +268,28 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
     out += format("  %-10s %2d B/elem  %6.1f GB/s  (%.1f-%.1f)\n", std::string(sb::pattern_name(p)).c_str(),
                   sb::pattern_bytes_per_element(p), f.bw_gbs.at(p), b / f.bw_sum.at(p).max, b / f.bw_sum.at(p).min);
   }
+  // What the fused rows' names mean, and their order (time_interleaved reverses it on odd iterations).
+  std::string fused_legend;
+  const auto fused_rows = std::count_if(c.variants.begin(), c.variants.end(), is_fused);
+  if (first_llvm(c))
+    fused_legend += c.timed(Variant::fused) || c.timed(Variant::fused_sr)
+                        ? "; the -llvm rows run LLVM's code, the other fused rows Highway's"
+                        : "; the -llvm rows run LLVM's code";
+  if (c.timed(Variant::fused_sr) || c.timed(Variant::fused_llvm_sr))
+    fused_legend += format("; the -sr rows store the bf16 weights rounded stochastically (seed %llu), the others "
+                           "rounded to nearest (the same bytes)",
+                           static_cast<unsigned long long>(kStochasticSeed));
+  if (fused_rows > 1) fused_legend += "; the fused rows in reverse order on odd iterations";
   out += format("\n%d timed steps per mode after %d warm-up, interleaved (%s%s%s):\n", a.steps, a.warmup,
-                mode_list.c_str(),
-                c.timed(Variant::fused) && c.timed(Variant::fused_llvm)
-                    ? "; fused runs Highway's code, fused-llvm LLVM's, in alternating order"
-                    : c.timed(Variant::fused_llvm) ? "; fused-llvm runs LLVM's code" : "",
+                mode_list.c_str(), fused_legend.c_str(),
                 grouped ? "; -2g: the same mode with two param groups, right after the one-group step on even "
                           "iterations, right before it on odd ones"
                         : "");
-  // The mode column is 11 wide, wider for the "-2g" rows of --groups compare.
-  const int name_w = grouped ? 14 : 11;
+  // The mode column is 11 wide, wider for longer names ("fused-llvm-sr", and the "-2g" rows of
+  // --groups compare); variant_w is the widest variant name (at least 11), for the ratio lines.
+  int variant_w = 11;
+  for (Variant v : c.variants) variant_w = std::max(variant_w, static_cast<int>(std::string(variant_name(v)).size()));
+  const int name_w = grouped ? std::max(14, variant_w + 3) : variant_w;
   out += format("  %-*s %10s %9s %9s %9s %8s %12s\n", name_w, "mode", "median ms", "min", "max", "IQR", "GB/s",
                 "% adam_like");
   auto row = [&](const char* name, const sb::Summary& s, double gbs) {
@@ -275,20 +329,33 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
                     r.per_iteration.min, r.per_iteration.max);
     out += "\n";
   }
+  if (!f.rounding_ratios.empty()) {
+    // Per iteration: each iteration's two steps ran back to back, as with --groups compare.
+    out += "  stochastic / nearest rounding, step time (median of per-iteration ratios, min-max; ratio of median "
+           "times):\n";
+    int w = 0;
+    for (const Ratio& r : f.rounding_ratios) w = std::max(w, static_cast<int>(rounding_ratio_name(r.pair).size()));
+    for (const Ratio& r : f.rounding_ratios) {
+      const sb::Summary& pi = r.per_iteration;
+      out += format("    %-*s %.3fx (%.3f-%.3f; %.3fx)\n", w, rounding_ratio_name(r.pair).c_str(), pi.median, pi.min,
+                    pi.max, r.median_ratio);
+    }
+  }
   if (grouped) {
     // Per iteration: each iteration's one- and two-group steps ran back to back, so their
     // ratio is what a busy machine disturbs least.
     out += "  two groups / one group, step time (median of per-iteration ratios, min-max; ratio of median times):\n";
     for (Variant v : c.variants) {
       const sb::Summary& pi = f.groups_per_iteration[idx(v)];
-      out += format("    %-11s %.3fx (%.3f-%.3f; %.3fx)\n", variant_name(v), pi.median, pi.min, pi.max,
+      out += format("    %-*s %.3fx (%.3f-%.3f; %.3fx)\n", variant_w, variant_name(v), pi.median, pi.min, pi.max,
                     f.groups_median_ratio[idx(v)]);
     }
   }
-  if (c.timed(Variant::fused_llvm))  // at model size, most of the time is allocating and filling state and masters
+  // At model size, most of the construction time is allocating and filling state and masters.
+  if (const std::optional<Variant> l = first_llvm(c))
     out += format("  LLVM optimizer construction: %.1f ms for the first (16 elements: its kernels compiled now, or "
-                  "loaded from the kernel cache); at model size %.1f ms, Highway's %.1f ms\n",
-                  llvm_first_ms, runs[idx(Variant::fused_llvm)].construct_ms, runs[idx(Variant::fused)].construct_ms);
+                  "loaded from the kernel cache); at model size %.1f ms (%s), Highway's %.1f ms\n",
+                  llvm_first_ms, runs[idx(*l)].construct_ms, variant_name(*l), runs[idx(highway_of(*l))].construct_ms);
   out += format("\npeak RSS, fused-only phase (%d steps, before any other buffer of model size existed):\n",
                 a.rss_steps);
   out += format("  %.3f GiB peak vs %.3f GiB weights+grads+state%s = %.2f%% (%+.2f%% above it; process before "
@@ -321,6 +388,9 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
   for (sf::Fusion m : c.modes) fusion.push_back(mode_name(m));
   json cpu_backend_names = json::array();  // of the fused mode
   for (sf::CpuBackend b : c.cpu_backends) cpu_backend_names.push_back(std::string(sf::cpu_backend_name(b)));
+  json rounding_names = json::array();  // of the fused mode
+  for (Rounding r : c.roundings) rounding_names.push_back(rounding_name(r));
+  const bool stochastic = std::find(c.roundings.begin(), c.roundings.end(), Rounding::stochastic) != c.roundings.end();
   j["config"] = {{"preset", c.from_file ? json(nullptr) : json(c.preset.name)},
                  {"shapes_file", c.from_file ? json(a.shapes_path) : json(nullptr)},
                  {"tensors", c.preset.tensors.size()},
@@ -332,6 +402,8 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
                  {"weights", a.weights},
                  {"grads", a.grads},
                  {"master_weights", masters},
+                 {"rounding", rounding_names},
+                 {"stochastic_rounding_seed", stochastic ? json(kStochasticSeed) : json(nullptr)},
                  {"clip", a.clip},
                  {"norm_type", norm},
                  {"loss_scale", S},
@@ -366,16 +438,26 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
                 {"gbs", gbs},
                 {"fraction_of_adam_like", gbs / f.ref_gbs}};
   };
-  // One key per timed variant ("fused" (Highway's code), "fused_llvm", "unfused",
-  // "interpreted"), and one per pair of timed variants ("fused_over_unfused_speed" =
-  // median unfused time / median fused time, "fused_llvm_over_fused_speed", ...).
-  for (Variant v : c.variants)
-    j[variant_key(v)] = mode_json(runs[idx(v)].summary, runs[idx(v)].samples, runs[idx(v)].gbs);
+  // One key per timed variant ("fused" (Highway's code), "fused_sr", "fused_llvm",
+  // "fused_llvm_sr", "unfused", "interpreted"), with the bytes it moves per param and how it
+  // rounds the weights; one per pair of timed variants ("fused_over_unfused_speed" = median
+  // unfused time / median fused time, "fused_llvm_over_fused_speed", ...); and one per "-sr"
+  // variant timed beside the same step rounding to nearest ("fused_sr_over_fused_time" =
+  // median fused-sr time / median fused time).
+  auto variant_json = [&](Variant v, const ModeRun& r) {
+    json m = mode_json(r.summary, r.samples, r.gbs);
+    m["bytes_per_param"] = f.bytes.per_param();
+    m["rounding"] = rounding_name(rounding_of(v));
+    return m;
+  };
+  for (Variant v : c.variants) j[variant_key(v)] = variant_json(v, runs[idx(v)]);
   for (const Ratio& r : f.ratios) j[ratio_key(r.pair)] = r.median_ratio;
+  for (const Ratio& r : f.rounding_ratios) j[rounding_ratio_key(r.pair)] = r.median_ratio;
   if (timing.update_only) {
     j["fused_update_only"] = mode_json(f.uo, timing.update_s, f.update_gbs);
     j["fused_update_only"]["bytes_per_param"] = f.plain_bytes.per_param();
     j["fused_update_only"]["cpu_backend"] = std::string(sf::cpu_backend_name(cpu_backend_of(c.first_fused)));
+    j["fused_update_only"]["rounding"] = rounding_name(rounding_of(c.first_fused));
     j["fused_reduce_by_difference"] = {{"ms", f.reduce_s * 1e3},
                                        {"gbs", f.reduce_gbs},
                                        {"fraction_of_read", f.reduce_gbs / f.bw_gbs.at(sb::Pattern::read)}};
@@ -384,13 +466,14 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
   for (Variant v : c.variants)
     per_it[variant_key(v) + "_fraction_of_adam_like"] = summary_json(f.paired_frac[idx(v)], 1.0);
   for (const Ratio& r : f.ratios) per_it[ratio_key(r.pair)] = summary_json(r.per_iteration, 1.0);
+  for (const Ratio& r : f.rounding_ratios) per_it[rounding_ratio_key(r.pair)] = summary_json(r.per_iteration, 1.0);
   // --groups compare: "<variant>_two_groups" (the mode with two groups) and
   // "<variant>_two_groups_over_one_group_time" (median two-group time / median one-group
   // time; per_iteration: the same from each iteration's pair).
   if (grouped)
     for (Variant v : c.variants) {
       const ModeRun& r = grouped->runs[idx(v)];
-      j[variant_key(v) + "_two_groups"] = mode_json(r.summary, r.samples, r.gbs);
+      j[variant_key(v) + "_two_groups"] = variant_json(v, r);
       j[variant_key(v) + "_two_groups_over_one_group_time"] = f.groups_median_ratio[idx(v)];
       per_it[variant_key(v) + "_two_groups_over_one_group_time"] = summary_json(f.groups_per_iteration[idx(v)], 1.0);
     }
@@ -423,6 +506,20 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
                                             {"values_bitwise_equal", ver.llvm_check->identical},
                                             {"grad_norm", runs[idx(Variant::fused_llvm)].verify_result.grad_norm},
                                             {"clip_coef", runs[idx(Variant::fused_llvm)].verify_result.clip_coef}};
+  // fused_sr against fused: the same step but for the rounding of the weights (every value
+  // bitwise equal but the weights, each fused's or the bf16 value next to it).
+  if (ver.rounding_check)
+    j["verification"]["stochastic_vs_nearest"] = {{"ok", true},
+                                                  {"mode", "fused-sr"},
+                                                  {"reference", "fused"},
+                                                  {"seed", kStochasticSeed},
+                                                  {"values_checked", ver.rounding_check->values_checked},
+                                                  {"values_bitwise_equal", ver.rounding_check->identical},
+                                                  {"weights_rounded_apart", ver.rounding_check->rounded_apart}};
+  if (ver.llvm_sr_check)  // fused_llvm_sr against fused_sr, bit for bit
+    j["verification"]["llvm_vs_highway_stochastic"] = {{"bitwise_equal", true},
+                                                       {"values_checked", ver.llvm_sr_check->values_checked},
+                                                       {"values_bitwise_equal", ver.llvm_sr_check->identical}};
   if (grouped) {  // the two-group optimizers' own check, as "verification" is the one-group ones'
     const Verification& gv = grouped->ver;
     json gpairs = json::array();
@@ -439,14 +536,19 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
                                     {"clip_coef", gv.ref_result.clip_coef},
                                     {"reference", variant_name(gv.ref)},
                                     {"pairs", gpairs},
-                                    {"llvm_vs_highway_bitwise_equal", gv.llvm_check ? json(true) : json(nullptr)}};
+                                    {"llvm_vs_highway_bitwise_equal", gv.llvm_check ? json(true) : json(nullptr)},
+                                    {"stochastic_vs_nearest_weights_rounded_apart",
+                                     gv.rounding_check ? json(gv.rounding_check->rounded_apart) : json(nullptr)},
+                                    {"llvm_vs_highway_stochastic_bitwise_equal",
+                                     gv.llvm_sr_check ? json(true) : json(nullptr)}};
   }
-  if (c.timed(Variant::fused_llvm))
+  if (const std::optional<Variant> l = first_llvm(c))  // model_*: of the first LLVM variant and its Highway twin
     j["llvm"] = {{"version", sf::llvm_version()},
                  {"cpu", sf::llvm_cpu()},
                  {"first_construction_ms", llvm_first_ms},
-                 {"model_construction_ms", runs[idx(Variant::fused_llvm)].construct_ms},
-                 {"highway_model_construction_ms", runs[idx(Variant::fused)].construct_ms}};
+                 {"model_construction_variant", variant_key(*l)},
+                 {"model_construction_ms", runs[idx(*l)].construct_ms},
+                 {"highway_model_construction_ms", runs[idx(highway_of(*l))].construct_ms}};
   j["rss"] = {{"phase", "fused only, before any other buffer of model size"},
               {"peak_bytes", fo.rss_peak},
               {"peak_before_bytes", fo.peak_start},

@@ -38,7 +38,7 @@ double grad_rel_tol(DType g) {
 // Per-thread tally, merged at the end.
 struct Tally {
   std::string_view a_name, b_name;  // labels of a and b in `worst`
-  std::int64_t checked = 0, bad = 0, identical = 0;
+  std::int64_t checked = 0, bad = 0, identical = 0, apart = 0;
   double worst_ratio = 0;
   std::string worst;
 
@@ -71,6 +71,24 @@ struct Tally {
       worst_ratio = diff;
       describe(a, b, 0.0, buf, t, i, what, initial);
     }
+  }
+
+  // Two bf16 weights, bits a and b, each the fp32 result of the same update rounded down or
+  // up (stochastically and to nearest): a finite, and a equal to b or one bf16 step from it
+  // (counted in `apart`). The first weight that is neither is described in `worst`.
+  void check_rounded(std::uint16_t a, std::uint16_t b, const ModelBuffers& buf, std::size_t t, std::int64_t i,
+                     double initial) {
+    ++checked;
+    const bool finite = (a & 0x7F80u) != 0x7F80u;
+    const bool same_sign = ((a ^ b) & 0x8000u) == 0;
+    const int steps = std::abs(static_cast<int>(a & 0x7FFFu) - static_cast<int>(b & 0x7FFFu));
+    if (finite && same_sign && steps <= 1) {
+      identical += steps == 0;
+      apart += steps == 1;
+      return;
+    }
+    ++bad;
+    if (worst.empty()) describe(bf16_to_f32(a), bf16_to_f32(b), 0.0, buf, t, i, "weight", initial);
   }
 
   void describe(double a, double b, double tol, const ModelBuffers& buf, std::size_t t, std::int64_t i,
@@ -123,6 +141,7 @@ std::int64_t merge(const std::vector<Tally>& tallies, const std::vector<std::int
     rep.values_checked += tl.checked;
     rep.mismatches += tl.bad;
     rep.identical += tl.identical;
+    rep.rounded_apart += tl.apart;
     written += grads_written[k];
     if (tl.worst_ratio > rep.worst_ratio || (rep.worst.empty() && !tl.worst.empty())) {
       rep.worst_ratio = tl.worst_ratio;
@@ -157,6 +176,45 @@ void compare_elements(const ModelBuffers& ab, double loss_scale, int threads, st
   if (const std::int64_t written = merge(tallies, grads_written, rep); written > 0)
     rep.problems.push_back("the " + std::string(a_name) + " step wrote " + std::to_string(written) +
                            " gradient elements (it must not write gradients)");
+}
+
+// What compare_bitwise and compare_rounding check before any element: both steps applied,
+// found_inf, the grad norm, clip coefficient and per-tensor gradient norms as bits, the step
+// counts and state streams, and that both optimizers hold the benchmark's tensor list.
+// Adds a problem to `rep` for each that fails.
+void check_steps_bitwise(const Optimizer& a, const ModelBuffers& ab, const StepResult& ra, const Optimizer& b,
+                         const ModelBuffers& bb, const StepResult& rb, std::string_view a_name,
+                         std::string_view b_name, VerifyReport& rep) {
+  const std::string an(a_name), bn(b_name);
+  auto problem = [&](const std::string& s) { rep.problems.push_back(s); };
+  auto same_bits = [](double x, double y) {
+    return std::bit_cast<std::uint64_t>(x) == std::bit_cast<std::uint64_t>(y);
+  };
+  auto differ = [&](const char* what, double x, double y) {
+    char s[200];
+    std::snprintf(s, sizeof s, "%s differ: %s %.17g, %s %.17g", what, an.c_str(), x, bn.c_str(), y);
+    problem(s);
+  };
+  if (!ra.applied || !rb.applied)
+    problem("a step was skipped (" + an + " applied=" + (ra.applied ? "yes" : "no") + ", " + bn +
+            " applied=" + (rb.applied ? "yes" : "no") + ") on finite gradients");
+  if (ra.found_inf != rb.found_inf) problem("found_inf differs between " + an + " and " + bn);
+  if (!same_bits(ra.grad_norm, rb.grad_norm)) differ("gradient norms", ra.grad_norm, rb.grad_norm);
+  if (!same_bits(ra.clip_coef, rb.clip_coef)) differ("clip coefficients", ra.clip_coef, rb.clip_coef);
+  const std::vector<double>&tna = a.last_tensor_grad_norms(), &tnb = b.last_tensor_grad_norms();
+  if (tna.size() != tnb.size()) {
+    problem("the per-tensor gradient norms differ in count");
+  } else {
+    for (std::size_t t = 0; t < tna.size(); ++t)
+      if (!same_bits(tna[t], tnb[t])) {
+        differ(("per-tensor gradient norms of " + ab.name(t)).c_str(), tna[t], tnb[t]);
+        break;
+      }
+  }
+  if (a.step_count() != b.step_count()) problem("step counts differ");
+  if (a.state_names() != b.state_names()) problem("the optimizers have different state streams");
+  if (a.num_params() != ab.num_tensors() || b.num_params() != bb.num_tensors() || ab.num_tensors() != bb.num_tensors())
+    problem("the optimizers do not hold the benchmark's tensor list");
 }
 
 }  // namespace
@@ -227,42 +285,13 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
 VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const StepResult& ra, const Optimizer& b,
                              const ModelBuffers& bb, const StepResult& rb, double loss_scale, int threads,
                              std::string_view a_name, std::string_view b_name) {
-  const std::string an(a_name), bn(b_name);
   VerifyReport rep;
-  auto problem = [&](const std::string& s) { rep.problems.push_back(s); };
-  auto same_bits = [](double x, double y) {
-    return std::bit_cast<std::uint64_t>(x) == std::bit_cast<std::uint64_t>(y);
-  };
-  auto differ = [&](const char* what, double x, double y) {
-    char s[200];
-    std::snprintf(s, sizeof s, "%s differ: %s %.17g, %s %.17g", what, an.c_str(), x, bn.c_str(), y);
-    problem(s);
-  };
-  if (!ra.applied || !rb.applied)
-    problem("a step was skipped (" + an + " applied=" + (ra.applied ? "yes" : "no") + ", " + bn +
-            " applied=" + (rb.applied ? "yes" : "no") + ") on finite gradients");
-  if (ra.found_inf != rb.found_inf) problem("found_inf differs between " + an + " and " + bn);
-  if (!same_bits(ra.grad_norm, rb.grad_norm)) differ("gradient norms", ra.grad_norm, rb.grad_norm);
-  if (!same_bits(ra.clip_coef, rb.clip_coef)) differ("clip coefficients", ra.clip_coef, rb.clip_coef);
-  const std::vector<double>&tna = a.last_tensor_grad_norms(), &tnb = b.last_tensor_grad_norms();
-  if (tna.size() != tnb.size()) {
-    problem("the per-tensor gradient norms differ in count");
-  } else {
-    for (std::size_t t = 0; t < tna.size(); ++t)
-      if (!same_bits(tna[t], tnb[t])) {
-        differ(("per-tensor gradient norms of " + ab.name(t)).c_str(), tna[t], tnb[t]);
-        break;
-      }
-  }
-  if (a.step_count() != b.step_count()) problem("step counts differ");
-  const auto names = a.state_names();
-  if (names != b.state_names()) problem("the optimizers have different state streams");
-  if (a.num_params() != ab.num_tensors() || b.num_params() != bb.num_tensors() || ab.num_tensors() != bb.num_tensors())
-    problem("the optimizers do not hold the benchmark's tensor list");
+  check_steps_bitwise(a, ab, ra, b, bb, rb, a_name, b_name, rep);
   if (!rep.problems.empty()) return rep;
 
+  const auto names = a.state_names();
   Spans sp;
-  if (std::string p = gather_spans(a, b, ab, names, sp); !p.empty()) return problem(p), rep;
+  if (std::string p = gather_spans(a, b, ab, names, sp); !p.empty()) return rep.problems.push_back(p), rep;
   const DType wt = ab.weight_dtype();
   const auto check = [&](Tally& tl, std::size_t t, std::int64_t i, double p0) {
     tl.check_bits(load_as_f32(ab.weight(t).data, wt, i), load_as_f32(bb.weight(t).data, wt, i), ab, t, i, "weight", p0);
@@ -271,6 +300,29 @@ VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const S
   };
   compare_elements(ab, loss_scale, threads, a_name, b_name, rep, check);
   rep.worst_ratio = 0;  // the largest |difference| is in `worst`; there is no tolerance to be a fraction of
+  return rep;
+}
+
+VerifyReport compare_rounding(const Optimizer& sr, const ModelBuffers& sr_buf, const StepResult& rs,
+                              const Optimizer& rn, const ModelBuffers& rn_buf, const StepResult& rr,
+                              double loss_scale, int threads, std::string_view sr_name, std::string_view rn_name) {
+  VerifyReport rep;
+  check_steps_bitwise(sr, sr_buf, rs, rn, rn_buf, rr, sr_name, rn_name, rep);
+  if (sr_buf.weight_dtype() != DType::bf16 || rn_buf.weight_dtype() != DType::bf16)
+    rep.problems.push_back("the weights are not bf16 (stochastic rounding rounds bf16 weights)");
+  if (!rep.problems.empty()) return rep;
+
+  const auto names = sr.state_names();
+  Spans sp;
+  if (std::string p = gather_spans(sr, rn, sr_buf, names, sp); !p.empty()) return rep.problems.push_back(p), rep;
+  const auto check = [&](Tally& tl, std::size_t t, std::int64_t i, double p0) {
+    tl.check_rounded(static_cast<const std::uint16_t*>(sr_buf.weight(t).data)[i],
+                     static_cast<const std::uint16_t*>(rn_buf.weight(t).data)[i], sr_buf, t, i, p0);
+    for (std::size_t s = 0; s < names.size(); ++s)
+      tl.check_bits(sp.as[s][t][i], sp.bs[s][t][i], sr_buf, t, i, names[s], 0.0);
+  };
+  compare_elements(sr_buf, loss_scale, threads, sr_name, rn_name, rep, check);
+  rep.worst_ratio = 0;  // `worst` describes a value that differs; there is no tolerance to be a fraction of
   return rep;
 }
 

@@ -17,6 +17,7 @@ struct VerifyReport {
   std::int64_t values_checked = 0;    // weights, masters and state values compared
   std::int64_t identical = 0;         // values bitwise equal
   std::int64_t mismatches = 0;        // values outside the tolerance
+  std::int64_t rounded_apart = 0;     // compare_rounding: weights stored as the other bf16 neighbour
   double worst_ratio = 0;             // max |fused - unfused| / tolerance over all values
   std::string worst;                  // the value with worst_ratio, described
   std::vector<std::string> problems;  // step-level disagreements (skipped step, norm, grads written)
@@ -47,6 +48,19 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
 VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const StepResult& ra, const Optimizer& b,
                              const ModelBuffers& bb, const StepResult& rb, double loss_scale, int threads,
                              std::string_view a_name, std::string_view b_name);
+
+// Compares a step that rounds bf16 weights stochastically (`sr`) with the same step rounding
+// them to nearest even (`rn`), each after exactly one step_scaled(loss_scale) from identical
+// inputs (bf16 weights without masters). The two compute the same fp32 values and differ
+// only in which of the two bf16 values around each updated weight they store, so: the step
+// results, per-tensor gradient norms and every state value bitwise equal (as
+// compare_bitwise), and every weight of `sr` finite and either `rn`'s or the bf16 value
+// next to it (their bits, sign apart, differ by at most 1); rounded_apart counts the latter.
+// mismatches counts the weights and values that break this and worst describes one of them.
+// rel_tol and worst_ratio are 0. Reads with `threads` threads; allocates nothing large.
+VerifyReport compare_rounding(const Optimizer& sr, const ModelBuffers& sr_buf, const StepResult& rs,
+                              const Optimizer& rn, const ModelBuffers& rn_buf, const StepResult& rr,
+                              double loss_scale, int threads, std::string_view sr_name, std::string_view rn_name);
 
 // For benchmarks that time one mode: after one step from fill_weights() values, every weight
 // is finite and most moved. Returns "" when so, else what is wrong.
