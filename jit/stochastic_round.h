@@ -6,19 +6,22 @@
  *
  * The generator is Philox4x32-10 (Salmon et al., "Parallel random numbers: as
  * easy as 1, 2, 3", SC 2011; the generator of cuRAND, PyTorch and JAX), keyed
- * by the optimizer's seed. Element e of the model (its index in the
- * concatenation of every param in order; for a sharded optimizer, the whole
- * model's) at applied step t uses word (e & 3) of
- *     philox4x32_10(counter = {lo(e >> 2), hi(e >> 2), lo(t), hi(t)}, key = {lo(seed), hi(seed)}),
- * so one Philox call serves four consecutive elements. Rounding x (fp32) to
- * bf16 adds the word's upper 16 bits to x's bits and truncates: x rounds away
- * from zero with probability (the dropped fraction of an ulp), which makes the
- * rounding unbiased. NaN stays a quiet NaN and inf stays inf; a finite x whose
- * rounding carries past the largest bf16 becomes inf, as the next value up.
+ * by the optimizer's seed. One call gives 128 bits: 16 for each of 8 consecutive
+ * elements. Model element e (its index in the concatenation of every param in
+ * order; for a sharded optimizer, the whole model's) at step t of its param
+ * group (the t the scalar rules see, 1-based) takes the 16 bits
+ *     half (e & 1) of word ((e >> 1) & 3) of
+ *     philox4x32_10(counter = {lo(e >> 3), hi(e >> 3), lo(t), hi(t)}, key = {lo(seed), hi(seed)})
+ * (half 0 the low 16 bits), which on a little-endian machine is the words stored
+ * in order and read as 16-bit values. Rounding x (fp32) to bf16 adds those 16
+ * bits to x's bits and keeps the upper half: x rounds away from zero with
+ * probability (the dropped fraction of an ulp), which makes the rounding
+ * unbiased. NaN stays a quiet NaN and inf stays inf; a finite x whose rounding
+ * carries past the largest bf16 becomes inf, as the next value up.
  *
  * Embedded verbatim into the generated CUDA source. C and C++ and CUDA; no
- * includes. Changing anything here changes generated code: bump the CUDA and
- * LLVM emitters' versions. */
+ * includes. Changing anything here changes results: bump the CUDA and LLVM
+ * emitters' versions. */
 #ifndef STEPFUSE_JIT_STOCHASTIC_ROUND_H_
 #define STEPFUSE_JIT_STOCHASTIC_ROUND_H_
 
@@ -51,17 +54,37 @@ SF_HD static inline void sf_philox4x32_10(const unsigned c_in[4], const unsigned
   out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
 }
 
-/* The random word of model element `index` at applied step `step` (1-based) under `seed`. */
-SF_HD static inline unsigned sf_sr_word(unsigned long long seed, unsigned long long step, unsigned long long index) {
-  const unsigned long long block = index >> 2;
+/* The 16 random bits (0 .. 65535) of model element `index` at step `step` under `seed`. */
+SF_HD static inline unsigned sf_sr_bits(unsigned long long seed, unsigned long long step, unsigned long long index) {
+  const unsigned long long block = index >> 3;
   const unsigned c[4] = {(unsigned)block, (unsigned)(block >> 32), (unsigned)step, (unsigned)(step >> 32)};
   const unsigned k[2] = {(unsigned)seed, (unsigned)(seed >> 32)};
   unsigned out[4];
   sf_philox4x32_10(c, k, out);
-  return out[index & 3];
+  const unsigned word = out[(index >> 1) & 3];
+  return (index & 1) ? word >> 16 : word & 0xFFFFu;
 }
 
-/* The bf16 bits of fp32 x rounded stochastically with random word r. */
+/* The random bits of model elements index .. index + 3 into r: one Philox call, or
+ * two when they straddle two 8-element blocks (the GPU's 4-element stores). */
+SF_HD static inline void sf_sr_bits4(unsigned long long seed, unsigned long long step, unsigned long long index,
+                                     unsigned r[4]) {
+  const unsigned k[2] = {(unsigned)seed, (unsigned)(seed >> 32)};
+  unsigned out[4];
+  unsigned long long block = ~0ull;
+  for (int j = 0; j < 4; ++j) {
+    const unsigned long long e = index + (unsigned long long)j;
+    if ((e >> 3) != block) {
+      block = e >> 3;
+      const unsigned c[4] = {(unsigned)block, (unsigned)(block >> 32), (unsigned)step, (unsigned)(step >> 32)};
+      sf_philox4x32_10(c, k, out);
+    }
+    const unsigned word = out[(e >> 1) & 3];
+    r[j] = (e & 1) ? word >> 16 : word & 0xFFFFu;
+  }
+}
+
+/* The bf16 bits of fp32 x rounded stochastically with 16 random bits r. */
 SF_HD static inline unsigned short sf_bf16_round_stochastic(float x, unsigned r) {
   union {
     float f;
@@ -70,7 +93,7 @@ SF_HD static inline unsigned short sf_bf16_round_stochastic(float x, unsigned r)
   v.f = x;
   if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((v.u >> 16) | 0x40u); /* NaN: quiet */
   /* inf + r stays inf: the carry never leaves the dropped half */
-  return (unsigned short)((v.u + (r >> 16)) >> 16);
+  return (unsigned short)((v.u + r) >> 16);
 }
 
 #endif /* STEPFUSE_JIT_STOCHASTIC_ROUND_H_ */

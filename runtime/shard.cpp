@@ -38,8 +38,11 @@ struct Header {
   std::int32_t device = 0;
   double max_grad_norm = 0;  // 0: no clipping
   double norm_type = 0;
+  std::int32_t master_weights = 0;
+  std::int32_t stochastic_rounding = 0;
+  std::uint64_t seed = 0;
 };
-static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16, "no padding: every byte sent is set");
+static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16 + 16, "no padding: every byte sent is set");
 
 // Round 2: one param.
 struct Entry {
@@ -79,6 +82,13 @@ void check_same_options(const std::vector<Header>& all) {
       what = "track_grad_norm";
     else if (a.device != b.device)
       what = "device";
+    else if (a.master_weights != b.master_weights)
+      what = "master_weights";
+    else if (a.stochastic_rounding != b.stochastic_rounding)
+      what = "stochastic_rounding";
+    else if (a.seed != b.seed)
+      what = "seed (rank 0: " + std::to_string(a.seed) + ", rank " + std::to_string(r) + ": " + std::to_string(b.seed) +
+             "; stochastic rounding draws every rank's bits from one seed)";
     else if (a.slices != b.slices)
       what = "slices (given on rank " + std::to_string(a.slices ? 0 : r) + ", empty on rank " +
              std::to_string(a.slices ? r : 0) + ")";
@@ -97,6 +107,9 @@ Header local_header(const OptimizerOptions& o) {
   h.device = static_cast<std::int32_t>(o.device.kind);
   h.max_grad_norm = o.max_grad_norm.value_or(0.0);
   h.norm_type = o.norm_type;
+  h.master_weights = o.master_weights ? 1 : 0;
+  h.stochastic_rounding = o.stochastic_rounding ? 1 : 0;
+  h.seed = o.stochastic_rounding ? o.seed : 0;
   return h;
 }
 

@@ -136,7 +136,7 @@ void validate_rounding(const std::vector<Param>& params, const OptimizerOptions&
                    "or store them as bf16)");
     any_bf16 |= params[i].weight.dtype == DType::bf16;
   }
-  if (!any_bf16)
+  if (!any_bf16 && !o.communicator)  // (a sharded optimizer's rank may hold f32 params only)
     bad_argument(at + " is set but no param has bf16 weights (f32 weights are stored exactly; there is nothing to "
                       "round: leave stochastic_rounding off)");
 }

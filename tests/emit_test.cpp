@@ -329,7 +329,7 @@ TEST(EmitCpu, IrObjectAbiAndHeaderDescribeTheSameFunctions) {
                                                offsetof(cpu::UpdateArgs, master), offsetof(cpu::UpdateArgs, state),
                                                offsetof(cpu::UpdateArgs, scalars), offsetof(cpu::UpdateArgs, norms),
                                                offsetof(cpu::UpdateArgs, sr_seed), offsetof(cpu::UpdateArgs, sr_step),
-                                               offsetof(cpu::UpdateArgs, sr_base)}));
+                                               offsetof(cpu::UpdateArgs, sr_base), offsetof(cpu::UpdateArgs, sr_bits)}));
   EXPECT_THAT(abi["reduce"]["combine"].get<std::string>(), HasSubstr("chunk order"));
   EXPECT_THAT(abi["threading"].get<std::string>(), HasSubstr("Chunks are independent"));
   EXPECT_THAT(k.abi_header, HasSubstr("typedef struct sf_cpu_update_args {"));

@@ -247,6 +247,19 @@ TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
         Optimizer opt(optim::AdamW{}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
       },
       ErrorCode::invalid_argument, "OptimizerOptions::max_grad_norm (rank 0: 0.5, rank 1: none) differs between ranks");
+  // Stochastic rounding draws every rank's bits from one seed.
+  Model bf16(DType::bf16, DType::bf16);
+  expect_every_rank_throws(
+      2,
+      [&](int r, const std::shared_ptr<Communicator>& comm) {
+        OptimizerOptions o = base_options(kNorms[0]);
+        o.communicator = comm;
+        o.master_weights = false;
+        o.stochastic_rounding = true;
+        o.seed = r == 0 ? 1 : 2;
+        Optimizer opt(optim::AdamW{}, rank_params(bf16, parts[static_cast<std::size_t>(r)]), o);
+      },
+      ErrorCode::invalid_argument, "OptimizerOptions::seed (rank 0: 1, rank 1: 2; stochastic rounding");
 }
 
 // Builds Adam (or `config`) on each rank over `parts` with slices.

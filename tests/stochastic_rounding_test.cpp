@@ -53,25 +53,32 @@ TEST(Philox, MatchesThePublishedKnownAnswers) {
   }
 }
 
-TEST(Philox, ElementWordsFollowTheDocumentedCounter) {
-  const unsigned long long seed = 0x0123456789ABCDEFull, step = 0x100000002ull, index = 0x5'0000'0007ull;
-  const unsigned c[4] = {static_cast<unsigned>(index >> 2), static_cast<unsigned>(index >> 34), 2u, 1u};
+TEST(Philox, ElementBitsFollowTheDocumentedCounter) {
+  const unsigned long long seed = 0x0123456789ABCDEFull, step = 0x100000002ull, index = 0x5'0000'000Full;
+  const unsigned c[4] = {static_cast<unsigned>(index >> 3), static_cast<unsigned>(index >> 35), 2u, 1u};
   const unsigned k[2] = {0x89ABCDEFu, 0x01234567u};
   unsigned out[4];
   sf_philox4x32_10(c, k, out);
-  EXPECT_EQ(sf_sr_word(seed, step, index), out[3]);
-  EXPECT_EQ(sf_sr_word(seed, step, index - 3), out[0]);
-  EXPECT_NE(sf_sr_word(seed, step + 1, index), out[3]);
-  EXPECT_NE(sf_sr_word(seed + 1, step, index), out[3]);
+  // The block of 8 elements index - 7 .. index: word w holds elements 2w (low half) and 2w + 1 (high half).
+  for (unsigned j = 0; j < 8; ++j)
+    EXPECT_EQ(sf_sr_bits(seed, step, index - 7 + j), j & 1 ? out[j / 2] >> 16 : out[j / 2] & 0xFFFFu) << j;
+  EXPECT_NE(sf_sr_bits(seed, step + 1, index), out[3] >> 16);
+  EXPECT_NE(sf_sr_bits(seed + (1ull << 32), step, index), out[3] >> 16);
+  // Four at a time, within one block or straddling two.
+  for (unsigned long long first = index - 12; first <= index + 1; ++first) {
+    unsigned r[4];
+    sf_sr_bits4(seed, step, first, r);
+    for (unsigned j = 0; j < 4; ++j) EXPECT_EQ(r[j], sf_sr_bits(seed, step, first + j)) << first << " + " << j;
+  }
 }
 
 // The rounding against an oracle written differently: round down, then up with
-// probability (the dropped 16 bits) / 2^16 decided by the word's upper half.
+// probability (the dropped 16 bits) / 2^16, decided by the 16 random bits r.
 std::uint16_t oracle_round(float x, std::uint32_t r) {
   const std::uint32_t u = bits(x);
   if (std::isnan(x)) return static_cast<std::uint16_t>((u >> 16) | 0x40);
   const std::uint32_t down = u >> 16, frac = u & 0xFFFF;
-  return static_cast<std::uint16_t>(frac + (r >> 16) >= 0x10000 ? down + 1 : down);
+  return static_cast<std::uint16_t>(frac + r >= 0x10000 ? down + 1 : down);
 }
 
 TEST(StochasticRounding, ScalarRoundingMatchesTheOracle) {
@@ -80,15 +87,15 @@ TEST(StochasticRounding, ScalarRoundingMatchesTheOracle) {
                            1e-40f, -1e-45f, 1.17549435e-38f};
   for (int i = 0; i < 100000; ++i) xs.push_back(from_bits(static_cast<std::uint32_t>(rng())));
   for (float x : xs)
-    for (std::uint32_t r : {0u, 0xFFFFu, 0x10000u, 0x7FFF0000u, 0xFFFF0000u, 0xFFFFFFFFu, static_cast<std::uint32_t>(rng())})
+    for (std::uint32_t r : {0u, 1u, 0x8000u, 0xFFFEu, 0xFFFFu, static_cast<std::uint32_t>(rng() & 0xFFFF)})
       ASSERT_EQ(sf_bf16_round_stochastic(x, r), oracle_round(x, r)) << x << " r=" << r;
   // bf16 values are never moved; inf stays inf; NaN stays NaN.
   for (std::uint32_t h = 0; h < 0x10000; ++h) {
     const float x = widen_bf16(static_cast<std::uint16_t>(h));
     if (std::isnan(x)) continue;
-    ASSERT_EQ(sf_bf16_round_stochastic(x, 0xFFFFFFFFu), h);
+    ASSERT_EQ(sf_bf16_round_stochastic(x, 0xFFFFu), h);
   }
-  EXPECT_TRUE(std::isnan(widen_bf16(sf_bf16_round_stochastic(from_bits(0x7F800001u), 0xFFFFFFFFu))));
+  EXPECT_TRUE(std::isnan(widen_bf16(sf_bf16_round_stochastic(from_bits(0x7F800001u), 0xFFFFu))));
 }
 
 // Every Highway target compiled in and supported by this CPU.
@@ -103,20 +110,46 @@ class PerTarget {
   ~PerTarget() { hwy::SetSupportedTargetsForTest(0); }
 };
 
-TEST(StochasticRounding, VectorRoundingIsTheScalarReferenceOnEveryTarget) {
-  std::mt19937 rng(5);
-  std::vector<float> src(1000);
-  for (float& x : src) x = from_bits(static_cast<std::uint32_t>(rng()));
-  // Model indices near 0, crossing 2^32 within a vector, and near 2^63.
-  const std::uint64_t firsts[] = {0, 1, 3, 0xFFFFFFF0ull, 0xFFFFFFFFull, 0x1'FFFF'FFF9ull, 0x7FFF'FFFF'FFFF'FF00ull};
+// Model indices near 0, odd ones, blocks whose index crosses 2^32 within one
+// vector of Philox calls, and near 2^64.
+const std::uint64_t kFirsts[] = {0,
+                                 1,
+                                 7,
+                                 9,
+                                 0xFFFFFFF0ull,
+                                 (0xFFFFFFF0ull << 3) + 5,
+                                 0x7'FFFF'FFFFull,
+                                 0x1'FFFF'FFF9ull,
+                                 0xFFFF'FFFF'FFFF'F000ull};
+const std::size_t kLengths[] = {1, 7, 15, 16, 17, 127, 129, 1000, 2049};
+
+TEST(StochasticRounding, VectorBitsAreTheScalarReferenceOnEveryTarget) {
   for (std::int64_t target : targets()) {
     PerTarget scope(target);
-    for (std::uint64_t first : firsts)
-      for (std::size_t n : {std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{17}, std::size_t{1000}}) {
+    for (std::uint64_t first : kFirsts)
+      for (std::size_t n : kLengths) {
+        std::vector<std::uint16_t> got(n + 1, 0xABCD);
+        cpu::rounding_bits(42, 0x1'0000'0007ull, first, n, got.data());
+        for (std::size_t j = 0; j < n; ++j)
+          ASSERT_EQ(got[j], sf_sr_bits(42, 0x1'0000'0007ull, first + j))
+              << hwy::TargetName(target) << " first=" << first << " n=" << n << " element " << j;
+        EXPECT_EQ(got[n], 0xABCD) << "wrote past the end";
+      }
+  }
+}
+
+TEST(StochasticRounding, VectorRoundingIsTheScalarReferenceOnEveryTarget) {
+  std::mt19937 rng(5);
+  std::vector<float> src(2049);
+  for (float& x : src) x = from_bits(static_cast<std::uint32_t>(rng()));
+  for (std::int64_t target : targets()) {
+    PerTarget scope(target);
+    for (std::uint64_t first : kFirsts)
+      for (std::size_t n : kLengths) {
         std::vector<std::uint16_t> got(n);
         cpu::narrow_bf16_stochastic(src.data(), got.data(), n, 42, 7, first);
         for (std::size_t j = 0; j < n; ++j)
-          ASSERT_EQ(got[j], sf_bf16_round_stochastic(src[j], sf_sr_word(42, 7, first + j)))
+          ASSERT_EQ(got[j], sf_bf16_round_stochastic(src[j], sf_sr_bits(42, 7, first + j)))
               << hwy::TargetName(target) << " first=" << first << " n=" << n << " element " << j;
       }
   }

@@ -19,15 +19,15 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 9;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 10;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
                                     //    one element function per spec; 5: two-phase programs (sf_phase1,
                                     //    sf_phase_combine, sf_update's norms); 6: param groups (sf_tensor.group,
                                     //    the group rules and scalars in device memory, read at every launch);
                                     // 7: program variants per param group (sf_body_v<n>, shared state buffers);
                                     // 8: sf_finish shared by sf_finalize and the sharded step's kernels;
-                                    // 9: stochastic rounding of bf16 weights (jit/stochastic_round.h,
-                                    //    sf_tensor.model_index, sf_hyper.seed)
+                                    // 9, 10: stochastic rounding of bf16 weights (jit/stochastic_round.h,
+                                    //    sf_tensor.model_index, sf_hyper.seed, the group's step)
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 

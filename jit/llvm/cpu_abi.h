@@ -27,8 +27,11 @@ typedef struct sf_cpu_update_args {
                                        (SF_CPU_MAX_NORM_SLOTS floats); else unused */
   /* Combos with stochastic rounding (bf16 weights without masters; jit/stochastic_round.h): */
   uint64_t sr_seed;                 /* the optimizer's seed (Philox key) */
-  uint64_t sr_step;                 /* the step being applied (1-based), set before each update pass */
+  uint64_t sr_step;                 /* the step of the tensor's group being applied (1-based), set before each
+                                       update pass */
   uint64_t sr_base;                 /* the model index of the tensor's element 0 */
+  const uint16_t* sr_bits;          /* per call over elements [begin, begin + n): element i's random bits are
+                                       sr_bits[i - begin] (sf_sr_bits of model element sr_base + i) */
 } sf_cpu_update_args;
 
 #endif /* STEPFUSE_JIT_LLVM_CPU_ABI_H_ */

@@ -31,32 +31,28 @@
 #include <cstddef>
 #include <memory>
 #include <mutex>
-#include <numeric>
 #include <sstream>
 #include <stdexcept>
 
 #include "jit/llvm/cpu_abi.h"
 #include "jit/program_analysis.hpp"
-#include "jit/stochastic_round.h"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes for the same spec (the cache key has it).
-constexpr int kEmitterVersion = 5;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
+constexpr int kEmitterVersion = 6;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
                                     // 4: the inf-norm reduce ignores NaNs (as the CUDA kernels);
-                                    // 5: stochastic rounding of bf16 weights (jit/stochastic_round.h),
-                                    //    sf_cpu_update_args::sr_*
+                                    // 5, 6: stochastic rounding of bf16 weights with the random bits the
+                                    //    caller drew (jit/stochastic_round.h, sf_cpu_update_args::sr_*)
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
 // Byte offsets of the update functions' argument struct (jit/llvm/cpu_abi.h).
 constexpr unsigned kArgsGrad = offsetof(sf_cpu_update_args, grad), kArgsWeight = offsetof(sf_cpu_update_args, weight),
                    kArgsMaster = offsetof(sf_cpu_update_args, master), kArgsState = offsetof(sf_cpu_update_args, state),
                    kArgsScalars = offsetof(sf_cpu_update_args, scalars), kArgsNorms = offsetof(sf_cpu_update_args, norms),
-                   kArgsSrSeed = offsetof(sf_cpu_update_args, sr_seed),
-                   kArgsSrStep = offsetof(sf_cpu_update_args, sr_step),
-                   kArgsSrBase = offsetof(sf_cpu_update_args, sr_base);
+                   kArgsSrBits = offsetof(sf_cpu_update_args, sr_bits);
 static_assert(SF_CPU_MAX_STREAMS == kMaxStreams, "state[] holds every program stream");
 static_assert(SF_CPU_MAX_NORM_SLOTS == kMaxNormSlots, "norms[] holds every reduction slot");
 
@@ -191,12 +187,12 @@ class Emitter {
     llvm::Value* magnitude = select(is_nan, uconst(0x7E00u, w), b_.CreateAdd(exp_bits, mantissa_bits));
     return b_.CreateOr(magnitude, b_.CreateLShr(b_.CreateAnd(u, uconst(0x80000000u, w)), 16));
   }
-  // The bf16 bits of `v` rounded stochastically with the random words `r` (i32 lanes):
+  // The bf16 bits of `v` rounded stochastically with the random 16-bit values `r` (i32 lanes):
   // sf_bf16_round_stochastic (jit/stochastic_round.h), 16-bit patterns in i32 lanes.
   llvm::Value* narrow_stochastic(llvm::Value* v, llvm::Value* r) {
     const unsigned w = width(v);
     llvm::Value* u = as_int(v);
-    llvm::Value* rounded = b_.CreateLShr(b_.CreateAdd(u, b_.CreateLShr(r, 16)), 16);  // inf stays inf
+    llvm::Value* rounded = b_.CreateLShr(b_.CreateAdd(u, r), 16);  // inf stays inf
     llvm::Value* quiet_nan = b_.CreateOr(b_.CreateLShr(u, 16), uconst(0x40u, w));
     return select(b_.CreateFCmpUNO(v, v), quiet_nan, rounded);
   }
@@ -239,58 +235,17 @@ class Emitter {
     llvm::Value* state[kMaxStreams];
     llvm::Value* scalars[kMaxScalars];
     llvm::Value* norms[kMaxNormSlots];  // phase 2 of a two-phase program: the tensor's norms
-    llvm::Value *sr_seed, *sr_step, *sr_base;  // stochastic combos: the Philox key, counter and model index (i64)
+    llvm::Value* sr_bits;  // stochastic combos: UpdateArgs::sr_bits less `begin` elements (element i's bits at i)
   };
-  Streams args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args);
+  Streams args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args, llvm::Value* begin);
 
-  // The 64-bit products m * x of u32 lanes as their high and low halves (vpmuludq on x86).
-  void mul_hi_lo(std::uint32_t m, llvm::Value* x, llvm::Value** hi, llvm::Value** lo) {
-    const unsigned w = width(x);
-    llvm::Value* p = b_.CreateMul(b_.CreateZExt(x, vec(i64(), w)), llvm::ConstantInt::get(vec(i64(), w), m));
-    *hi = b_.CreateTrunc(b_.CreateLShr(p, 32), vec(i32(), w));
-    *lo = b_.CreateTrunc(p, vec(i32(), w));
-  }
-  // The random word of each model element of `index` (i64 lanes) at the step of `s`:
-  // sf_sr_word (jit/stochastic_round.h), the ten Philox4x32-10 rounds in i32 lanes.
-  llvm::Value* rounding_words(const Streams& s, llvm::Value* index) {
-    const unsigned w = width(index);
-    llvm::Value* block = b_.CreateLShr(index, 2);
-    llvm::Value* c0 = b_.CreateTrunc(block, vec(i32(), w));
-    llvm::Value* c1 = b_.CreateTrunc(b_.CreateLShr(block, 32), vec(i32(), w));
-    llvm::Value* c2 = splat(b_.CreateTrunc(s.sr_step, i32()), w);
-    llvm::Value* c3 = splat(b_.CreateTrunc(b_.CreateLShr(s.sr_step, 32), i32()), w);
-    llvm::Value* k0 = b_.CreateTrunc(s.sr_seed, i32());
-    llvm::Value* k1 = b_.CreateTrunc(b_.CreateLShr(s.sr_seed, 32), i32());
-    for (int r = 0; r < 10; ++r) {
-      llvm::Value *hi0, *lo0, *hi1, *lo1;
-      mul_hi_lo(SF_PHILOX_M0, c0, &hi0, &lo0);
-      mul_hi_lo(SF_PHILOX_M1, c2, &hi1, &lo1);
-      c0 = b_.CreateXor(b_.CreateXor(hi1, c1), splat(k0, w));
-      c1 = lo1;
-      c2 = b_.CreateXor(b_.CreateXor(hi0, c3), splat(k1, w));
-      c3 = lo0;
-      k0 = b_.CreateAdd(k0, b_.getInt32(SF_PHILOX_W0));
-      k1 = b_.CreateAdd(k1, b_.getInt32(SF_PHILOX_W1));
-    }
-    llvm::Value* word = b_.CreateTrunc(b_.CreateAnd(index, 3), vec(i32(), w));  // index & 3 picks the word
-    llvm::Value* w01 = select(b_.CreateICmpEQ(word, uconst(0, w)), c0, c1);
-    llvm::Value* w23 = select(b_.CreateICmpEQ(word, uconst(2, w)), c2, c3);
-    return select(b_.CreateICmpULT(word, uconst(2, w)), w01, w23);
-  }
-  // Stores `v` as bf16 at element i of the weights, rounded stochastically: lane j is
-  // element i + j, model element sr_base + i + j (64-bit, so any base is exact). The
-  // vector loop and the scalar tail alike, so every element rounds as the reference.
+  // Stores `v` as bf16 at element i of the weights, rounded stochastically with the
+  // random bits the caller drew for the elements (UpdateArgs::sr_bits): the vector
+  // loop and the scalar tail alike, so every element rounds as the reference.
   void store_bf16_stochastic(llvm::Value* v, const Streams& s, llvm::Value* i) {
     const unsigned w = width(v);
-    llvm::Value* index = b_.CreateAdd(splat(b_.CreateAdd(s.sr_base, i), w), lane_indices(w));
-    llvm::Value* bits = narrow_stochastic(v, rounding_words(s, index));
-    store(b_.CreateTrunc(bits, vec(b_.getInt16Ty(), w)), s.weight, DType::bf16, i);
-  }
-  llvm::Constant* lane_indices(unsigned w) {  // 0, 1, ..., w - 1 in i64 lanes
-    if (w == 1) return b_.getInt64(0);
-    llvm::SmallVector<std::uint64_t, 32> lanes(w);
-    std::iota(lanes.begin(), lanes.end(), std::uint64_t{0});
-    return llvm::ConstantDataVector::get(ctx_, lanes);
+    llvm::Value* r = b_.CreateZExt(load(s.sr_bits, DType::bf16, i, w), vec(i32(), w));
+    store(b_.CreateTrunc(narrow_stochastic(v, r), vec(b_.getInt16Ty(), w)), s.weight, DType::bf16, i);
   }
 
   // The program over `w` elements starting at element i. Phase 1 of a two-phase
@@ -353,7 +308,7 @@ class Emitter {
 
 // The streams and scalars of `args` (a const sf_cpu_update_args*), loaded in the
 // current block: what `p` uses of them for combination c.
-Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args) {
+Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args, llvm::Value* begin) {
   const auto load_at = [&](llvm::Type* t, unsigned offset, const char* name) {  // an 8-byte field
     llvm::Value* p8 = b_.CreateConstInBoundsGEP1_64(b_.getInt8Ty(), args, offset);
     return b_.CreateAlignedLoad(t, b_.CreatePointerCast(p8, t->getPointerTo()), llvm::Align(8), name);
@@ -363,11 +318,8 @@ Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, ll
   s.grad = field(kArgsGrad, "grad");
   s.weight = field(kArgsWeight, "weight");
   s.master = c.master ? field(kArgsMaster, "master") : nullptr;
-  if (c.stochastic) {
-    s.sr_seed = load_at(i64(), kArgsSrSeed, "sr_seed");
-    s.sr_step = load_at(i64(), kArgsSrStep, "sr_step");
-    s.sr_base = load_at(i64(), kArgsSrBase, "sr_base");
-  }
+  if (c.stochastic)  // element i's bits at sr_bits + 2 * (i - begin) bytes
+    s.sr_bits = b_.CreateGEP(b_.getInt8Ty(), field(kArgsSrBits, "sr_bits"), b_.CreateMul(begin, b_.getInt64(-2)));
   for (int k = 0; k < p.num_streams; ++k)
     if (p.streams[k].role == StreamRole::state) s.state[k] = field(kArgsState + 8 * k, "state");
   if (p.num_scalars > 0) {
@@ -406,7 +358,7 @@ void Emitter::update_function(const Program& p, const DtypeCombo& c) {
   auto* done = llvm::BasicBlock::Create(ctx_, "done", f);
 
   b_.SetInsertPoint(entry);
-  const Streams s = args_streams(p, c, args);
+  const Streams s = args_streams(p, c, args, begin);
   llvm::Value* end = b_.CreateAdd(begin, n, "end");
   llvm::Value* vend = b_.CreateAdd(begin, b_.CreateAnd(n, ~std::uint64_t{W - 1}), "vend");
   b_.CreateBr(vhead);
@@ -458,7 +410,7 @@ void Emitter::phase1_function(const Program& p, const DtypeCombo& c) {
   llvm::Constant* zero = fconst(0.0f, kLanes);
 
   b_.SetInsertPoint(entry);
-  const Streams s = args_streams(p, c, args);
+  const Streams s = args_streams(p, c, args, begin);
   llvm::Value* end = b_.CreateAdd(begin, n, "end");
   llvm::Value* gend = b_.CreateAdd(begin, b_.CreateAnd(n, ~std::uint64_t{kLanes - 1}), "gend");
   b_.CreateBr(vhead);

@@ -120,13 +120,17 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
         "a two-phase program's update (phase 2): the tensor's norm of each reduction slot (SF_CPU_MAX_NORM_SLOTS "
         "floats, see step); read. Unused by a one-phase program"},
        {"sr_seed", "uint64_t", offsetof(sf_cpu_update_args, sr_seed),
-        "stochastic combos: the optimizer's seed, the Philox key of the rounding; else unused"},
+        "stochastic combos: the optimizer's seed, the Philox key of the rounding (for the caller drawing sr_bits); "
+        "else unused"},
        {"sr_step", "uint64_t", offsetof(sf_cpu_update_args, sr_step),
-        "stochastic combos: the step being applied (stage.step, 1-based), the high half of the Philox counter; else "
-        "unused"},
+        "stochastic combos: the step of the tensor's group being applied (1-based), the high half of the Philox "
+        "counter (for the caller drawing sr_bits); else unused"},
        {"sr_base", "uint64_t", offsetof(sf_cpu_update_args, sr_base),
         "stochastic combos: the model index of the tensor's element 0 (element e of the concatenation of every "
-        "tensor in order); else unused"}});
+        "tensor in order; for the caller drawing sr_bits); else unused"},
+       {"sr_bits", "const uint16_t*", offsetof(sf_cpu_update_args, sr_bits),
+        "stochastic combos, per call over [begin, begin + n): element i's 16 random bits at sr_bits[i - begin] "
+        "(sf_sr_bits(sr_seed, sr_step, sr_base + i), jit/stochastic_round.h); read. Else unused"}});
   write_type(j, "sf_scalar_rule", sizeof(sf_scalar_rule), alignof(sf_scalar_rule),
                   "how one per-step scalar is computed: sf_eval_rule(rule, step, gscale), rounded to fp32 (the "
                   "caller's scalar stage)",
@@ -231,8 +235,9 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
                            "tensor, args as below with norms = its SF_CPU_MAX_NORM_SLOTS norms, its update function "
                            "over [0, numel) in any split"
                          : "update: for every tensor, args = {grad, weight, master, state bases, scalars, and for "
-                           "stochastic combos sr_seed, sr_step = stage.step, sr_base}; call its update function over "
-                           "[0, numel) in any split (the reduce's chunks are a natural one)")
+                           "stochastic combos sr_seed, sr_step = the group's step, sr_base, and per call sr_bits, the "
+                           "call's elements' random bits}; call its update function over [0, numel) in any split (the "
+                           "reduce's chunks are a natural one)")
       .str({}, "steps applied so far = stage.step; new hyperparameters are new rules at the next scalar stage (never "
                "recompile)")
       .end_array();

@@ -3,8 +3,9 @@ stochastic_rounding=True, seed=...), through the binding (stepfuse.Optimizer) an
 stepfuse.torch optimizers, on the CPU.
 
 The rounding (docs/low-precision.md, jit/stochastic_round.h): element e of the model at
-applied step t (1-based) takes word e & 3 of Philox4x32-10(counter = {lo(e >> 2), hi(e >> 2),
-lo(t), hi(t)}, key = {lo(seed), hi(seed)}), and the bf16 result is (bits(x) + (word >> 16)) >> 16.
+step t of its group (1-based) takes the 16 bits r of half e & 1 (the low half for even e) of
+word (e >> 1) & 3 of Philox4x32-10(counter = {lo(e >> 3), hi(e >> 3), lo(t), hi(t)},
+key = {lo(seed), hi(seed)}), and the bf16 result is (bits(x) + r) >> 16.
 """
 
 import copy
@@ -39,19 +40,20 @@ def philox4x32_10(c, key):
     return c0, c1, c2, c3
 
 
-def rounding_words(seed, step, n):
-    """The random word of model elements 0..n-1 at applied step `step` under `seed`."""
+def rounding_bits(seed, step, n):
+    """The 16 random bits of model elements 0..n-1 at step `step` under `seed`."""
     e = np.arange(n, dtype=np.uint64)
-    block = e >> np.uint64(2)
+    block = e >> np.uint64(3)
     words = philox4x32_10((block & _MASK, block >> np.uint64(32), np.full(n, step & 0xFFFFFFFF, np.uint64),
                            np.full(n, step >> 32, np.uint64)), (seed & 0xFFFFFFFF, seed >> 32))
-    return np.choose((e & np.uint64(3)).astype(np.int64), words)
+    word = np.choose(((e >> np.uint64(1)) & np.uint64(3)).astype(np.int64), words)
+    return np.where(e & np.uint64(1), word >> np.uint64(16), word & np.uint64(0xFFFF))
 
 
-def round_stochastic(x, words):
-    """fp32 x (finite) to bf16 bits, stochastically with `words`."""
+def round_stochastic(x, bits16):
+    """fp32 x (finite) to bf16 bits, stochastically with the 16-bit values `bits16`."""
     bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + (words >> np.uint64(16))) >> np.uint64(16)).astype(np.uint16)
+    return ((bits + bits16) >> np.uint64(16)).astype(np.uint16)
 
 
 def bf16_bits(t):
@@ -109,12 +111,12 @@ def test_binding_tiny_updates_move_the_mean_only_when_rounding_stochastically():
 def test_binding_rounds_as_the_definition():
     """Bitwise the reference above (Philox keyed by a seed above 2**32, element index, step),
     for five steps that add exactly 2**-12 (1/32 of an ulp) to weights in [1, 2)."""
-    n, steps, lr = 4099, 5, 2.0**-12  # not a multiple of 4: the last Philox block is partial
+    n, steps, lr = 4099, 5, 2.0**-12  # not a multiple of 8: the last Philox block is partial
     w, _ = sgd_tiny_updates(n, steps, lr=lr, stochastic_rounding=True)
     expected = np.ones(n, dtype=np.float32)
     for t in range(1, steps + 1):
         x = expected + np.float32(lr)  # exact in fp32
-        bits = round_stochastic(x, rounding_words(SEED, t, n))
+        bits = round_stochastic(x, rounding_bits(SEED, t, n))
         expected = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
     assert np.array_equal(bf16_bits(w), (expected.view(np.uint32) >> np.uint32(16)).astype(np.uint16))
     assert float(w.float().mean()) > 1.0  # some rounded up (expected: 5/32 of an ulp on average)
@@ -319,24 +321,22 @@ def test_torch_under_a_grad_scaler_a_skipped_step_draws_no_bits(util, scaler_kin
     assert not all(torch.equal(a, b) for a, b in zip(clean, params))
 
 
-def test_torch_state_dict_restores_a_reproducible_run(util):
-    """A run restored from a state_dict (same seed) is reproducible: two restores from one
-    state dict continue bitwise alike, and the step counts carry over."""
+def test_torch_state_dict_restores_the_run_bitwise(util):
+    """A run restored from a state_dict (same seed) continues bitwise as the uninterrupted run:
+    the bits are counted by each group's step, which the state dict carries."""
     params = bf16_params(util)
     opt = sft.AdamW(params, lr=1e-3, master_weights=False, stochastic_rounding=True, seed=3)
     train(util, opt, params, 3)
     saved = util.save_load(opt.state_dict())
     weights = util.snapshot(params)
+    train(util, opt, params, 3, start=3)  # the uninterrupted run
 
-    def resume():
-        ps = util.clone_params(weights)
-        o = sft.AdamW(ps, lr=1e-3, master_weights=False, stochastic_rounding=True, seed=3)
-        o.load_state_dict(saved)
-        train(util, o, ps, 3, start=3)
-        assert float(o.state_dict()["state"][0]["step"]) == 6
-        return ps
-
-    util.assert_params_equal(resume(), resume())
+    resumed = util.clone_params(weights)
+    o = sft.AdamW(resumed, lr=1e-3, master_weights=False, stochastic_rounding=True, seed=3)
+    o.load_state_dict(saved)
+    train(util, o, resumed, 3, start=3)
+    assert float(o.state_dict()["state"][0]["step"]) == 6
+    util.assert_params_equal(resumed, params)
 
 
 def test_torch_mixed_model_and_steps_with_only_float32_grads(util):

@@ -97,15 +97,25 @@ void NarrowBf16StochasticArray(const float* src, std::uint16_t* dst, std::size_t
                                std::uint64_t step, std::uint64_t first) {
   const hn::ScalableTag<float> d;
   const std::size_t N = hn::Lanes(d);
-  const RoundingKey key{seed, step, first};
-  std::size_t i = 0;
-  for (; i + N <= n; i += N) StoreBf16Stochastic(d, hn::LoadU(d, src + i), dst, i, key);
-  if (i == n) return;
-  alignas(64) float in[hn::MaxLanes(d)] = {};
-  alignas(64) std::uint16_t out[hn::MaxLanes(d)];
-  std::memcpy(in, src + i, (n - i) * sizeof(float));
-  StoreBf16Stochastic(d, hn::Load(d, in), out, 0, RoundingKey{seed, step, first + i});
-  std::memcpy(dst + i, out, (n - i) * sizeof(std::uint16_t));
+  constexpr std::size_t kRun = 1024;  // elements whose bits are drawn at once (kept in L1)
+  alignas(64) std::uint16_t bits[kRun];
+  for (std::size_t at = 0; at < n; at += kRun) {
+    const std::size_t len = n - at < kRun ? n - at : kRun;
+    FillRoundingBits(seed, step, first + at, len, bits);
+    std::size_t i = 0;
+    for (; i + N <= len; i += N) StoreBf16Stochastic(d, hn::LoadU(d, src + at + i), dst + at, i, bits + i);
+    if (i == len) continue;
+    alignas(64) float in[hn::MaxLanes(d)] = {};
+    alignas(64) std::uint16_t out[hn::MaxLanes(d)], tail_bits[hn::MaxLanes(d)] = {};
+    std::memcpy(in, src + at + i, (len - i) * sizeof(float));
+    std::memcpy(tail_bits, bits + i, (len - i) * sizeof(std::uint16_t));
+    StoreBf16Stochastic(d, hn::Load(d, in), out, 0, tail_bits);
+    std::memcpy(dst + at + i, out, (len - i) * sizeof(std::uint16_t));
+  }
+}
+
+void RoundingBits(std::uint64_t seed, std::uint64_t step, std::uint64_t first, std::size_t n, std::uint16_t* bits) {
+  FillRoundingBits(seed, step, first, n, bits);
 }
 
 }  // namespace stepfuse::cpu::HWY_NAMESPACE
@@ -118,6 +128,10 @@ HWY_EXPORT(Narrow);
 HWY_EXPORT(Scale);
 HWY_EXPORT(WidenScaled);
 HWY_EXPORT(NarrowBf16StochasticArray);
+HWY_EXPORT(RoundingBits);
+void rounding_bits(std::uint64_t seed, std::uint64_t step, std::uint64_t first, std::size_t n, std::uint16_t* bits) {
+  HWY_DYNAMIC_DISPATCH(RoundingBits)(seed, step, first, n, bits);
+}
 void narrow_bf16_stochastic(const float* src, std::uint16_t* dst, std::size_t n, std::uint64_t seed,
                             std::uint64_t step, std::uint64_t first) {
   HWY_DYNAMIC_DISPATCH(NarrowBf16StochasticArray)(src, dst, n, seed, step, first);

@@ -46,6 +46,9 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
                                      static_cast<std::size_t>(threads()));
   }
   two_phase_ = TwoPhase(tensor_programs, l);
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    stochastic_.push_back(l.combos[static_cast<std::size_t>(l.tensor_combo[i])].stochastic);
+  if (options_.stochastic_rounding) rounding_bits_.resize(kRoundingRun * static_cast<std::size_t>(threads()));
   if (options_.fusion == Fusion::fused) setup_llvm(std::move(program_owner));
 }
 
@@ -162,7 +165,6 @@ StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<do
   r.clip_coef = stage.clip_coef;
   if (!stage.applied) return r;
   eval_scalars(request, stage.step, stage.gscale);
-  if (options_.stochastic_rounding) host_.set_rounding_step(stage.step);
   // Two-phase programs: phase 1 over their chunks, then each tensor's norms, which
   // phase 2 (the update below) reads through `args` (runtime/cpu/two_phase.hpp).
   const std::vector<UpdateArgs>& args = two_phase_.any() ? two_phase_.args(host_.args()) : host_.args();
@@ -189,9 +191,20 @@ StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<do
           scratch_.data() + per_thread * static_cast<std::size_t>(t));
     });
   } else {
-    host_.for_chunks([&](std::size_t c, int) {
+    host_.for_chunks([&](std::size_t c, int t) {
       const jit::Chunk& ch = l.chunks[c];
-      kernels_[ch.tensor].update(args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len));
+      const auto begin = static_cast<std::size_t>(ch.begin), len = static_cast<std::size_t>(ch.len);
+      if (!stochastic_[ch.tensor]) return kernels_[ch.tensor].update(args[ch.tensor], begin, len);
+      // Runs of the chunk: each run's random bits (one Philox call per 8 elements, kept in
+      // L1), then the update of the run reading them.
+      UpdateArgs a = args[ch.tensor];
+      std::uint16_t* bits = rounding_bits_.data() + kRoundingRun * static_cast<std::size_t>(t);
+      a.sr_bits = bits;
+      for (std::size_t at = begin; at < begin + len; at += kRoundingRun) {
+        const std::size_t n = std::min(kRoundingRun, begin + len - at);
+        rounding_bits(a.sr_seed, a.sr_step, a.sr_base + at, n, bits);
+        kernels_[ch.tensor].update(a, at, n);
+      }
     });
   }
   step_count_ = stage.step;

@@ -58,6 +58,11 @@ class FusedBackend final : public HostBackend {
   std::vector<std::size_t> tensor_jit_;  // per tensor: its program's index in jits_
   std::unique_ptr<InterpreterSet> interpreters_;  // the interpreter's (then kernels_[t].update is null)
   detail::AlignedBuffer scratch_;                 // the interpreter's per-thread blocks
+  // Stochastic rounding: which tensors round stochastically, and per thread the random
+  // bits of the chunk its compiled kernel is updating (UpdateArgs::sr_bits).
+  static constexpr std::size_t kRoundingRun = 2048;  // elements whose bits are drawn at once
+  std::vector<bool> stochastic_;
+  std::vector<std::uint16_t> rounding_bits_;
   TwoPhase two_phase_;                            // two-phase programs' chunk sums and norms
 };
 

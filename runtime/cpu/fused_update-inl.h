@@ -31,7 +31,9 @@ struct Streams {
   float* master;
   float* state[kMaxStreams];
   const float* norms;  // phase 2 of a two-phase program: the tensor's norms
-  RoundingKey rounding;  // M == kStochasticWeights: the bf16 weights' random bits
+  // M == kStochasticWeights: the random bits of element i are sr_bits[i - sr_begin]
+  const std::uint16_t* sr_bits;
+  std::size_t sr_begin;
 };
 
 // The weight modes (template parameter M): how the param stream is kept.
@@ -39,11 +41,11 @@ inline constexpr int kPlainWeights = 0;       // the weights themselves, rounded
 inline constexpr int kMasterWeights = 1;      // fp32 masters; the weights are their copies, rounded to nearest
 inline constexpr int kStochasticWeights = 2;  // bf16 weights, rounded stochastically (jit/stochastic_round.h)
 
-// Streams of a whole tensor's args.
-HWY_INLINE Streams StreamsOf(const UpdateArgs& a) {
+// Streams of a tensor's args, for a call over elements begin, begin + 1, ...
+HWY_INLINE Streams StreamsOf(const UpdateArgs& a, std::size_t begin) {
   return {a.grad, a.weight, a.master,
           {a.state[0], a.state[1], a.state[2], a.state[3], a.state[4], a.state[5], a.state[6], a.state[7]},
-          a.norms, {a.sr_seed, a.sr_step, a.sr_base}};
+          a.norms, a.sr_bits, begin};
 }
 
 // Executes instruction I of program P on lanes [i, i + Lanes(d)). Phase 1 of a
@@ -63,7 +65,7 @@ HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i, V*
     constexpr StreamRole role = P.streams[in.attr].role;
     if constexpr (role == StreamRole::param) {
       if constexpr (M == kMasterWeights) hn::StoreU(v[in.a], d, st.master + i);
-      if constexpr (M == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.rounding);
+      if constexpr (M == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.sr_bits + (i - st.sr_begin));
       else StoreAs<W>(d, v[in.a], st.weight, i);
     } else {
       hn::StoreU(v[in.a], d, st.state[in.attr] + i);
@@ -119,7 +121,7 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   const std::size_t N = hn::Lanes(d);
   V s[P.num_scalars > 0 ? P.num_scalars : 1];
   for (int k = 0; k < P.num_scalars; ++k) s[k] = hn::Set(d, a.scalars[k]);
-  const Streams st = StreamsOf(a);
+  const Streams st = StreamsOf(a, begin);
   const std::size_t end = begin + n;
   std::size_t i = begin;
   for (; i + N <= end; i += N) Body<P, W, G, M>(d, s, st, i, kSeq);
@@ -137,8 +139,9 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   std::memcpy(grad_buf, static_cast<const char*>(a.grad) + i * gsize, rem * gsize);
   std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
   if constexpr (M == kMasterWeights) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
-  // The buffers' element 0 is the tensor's element i.
-  Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, {a.sr_seed, a.sr_step, a.sr_base + i}};
+  alignas(64) std::uint16_t bits_buf[kMax] = {};  // the buffers' element 0 is the tensor's element i
+  if constexpr (M == kStochasticWeights) std::memcpy(bits_buf, a.sr_bits + (i - begin), rem * sizeof(std::uint16_t));
+  Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, bits_buf, 0};
   for (int k = 0; k < P.num_streams; ++k) {
     if (P.streams[k].role != StreamRole::state) continue;
     std::memcpy(state_buf[k], a.state[k] + i, rem * sizeof(float));
@@ -176,7 +179,7 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
   V acc[kVecs][kMaxNormSlots];
   for (auto& row : acc)
     for (V& x : row) x = hn::Zero(d);
-  const Streams st = StreamsOf(a);
+  const Streams st = StreamsOf(a, begin);
   const std::size_t end = begin + n;
   std::size_t i = begin;
   for (; i + kLanes <= end; i += kLanes)
@@ -193,7 +196,7 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
     std::memcpy(grad_buf, static_cast<const char*>(a.grad) + i * gsize, rem * gsize);
     std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
     if constexpr (M == kMasterWeights) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
-    Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, {a.sr_seed, a.sr_step, a.sr_base + i}};
+    Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, nullptr, 0};  // (no param store in phase 1)
     for (int k = 0; k < P.num_streams; ++k) {
       if (P.streams[k].role != StreamRole::state) continue;
       std::memcpy(state_buf[k], a.state[k] + i, rem * sizeof(float));

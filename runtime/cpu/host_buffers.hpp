@@ -71,10 +71,8 @@ class HostBuffers {
   // Sharded: the combine is every rank's, and stochastic rounding counts elements
   // by their index in the whole model.
   void set_shard(detail::Shard* shard);
-  // Stochastic rounding: the step the update pass applies (the Philox counter's high half).
-  void set_rounding_step(std::int64_t step) {
-    for (UpdateArgs& a : args_) a.sr_step = static_cast<std::uint64_t>(step);
-  }
+  // Stochastic rounding: tensor t's step (its group's, the Philox counter's high half).
+  void set_rounding_step(std::size_t t, std::int64_t step) { args_[t].sr_step = static_cast<std::uint64_t>(step); }
   // The first stored gradient of a chunk.
   const void* grad_at(const jit::Chunk& ch, const std::vector<Param>& params) const {
     const TensorView& g = params[ch.tensor].grad;
@@ -117,11 +115,16 @@ class HostBackend : public detail::Backend {
 
  protected:
   // The scalar stage's last part: every group's scalars for applying global step
-  // `step` with the gradient multiplier gscale (jit/step_scalars.h).
+  // `step` with the gradient multiplier gscale (jit/step_scalars.h), and with
+  // stochastic rounding, every tensor's step for its random bits (its group's step,
+  // the t its scalars see).
   void eval_scalars(const detail::StepRequest& request, std::int64_t step, double gscale) {
     for (std::size_t g = 0; g < programs_.groups.size(); ++g)
       sf_eval_scalars(request.groups[g].rules, programs_.groups[g].program->num_scalars,
                       step - request.groups[g].step_base, gscale, scalars_[g]);
+    if (options_.stochastic_rounding)
+      for (std::size_t t = 0; t < params_.size(); ++t)
+        host_.set_rounding_step(t, step - request.groups[programs_.tensor_group[t]].step_base);
   }
 
   const std::vector<Param>& params_;  // the engine's, which outlives the backend

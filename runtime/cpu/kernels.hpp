@@ -22,8 +22,10 @@ static_assert(kChunkElems % 32 == 0, "the reduce's 32 interleaved lanes");
 // ---- conversions (whole arrays; any length) ----
 void widen(DType type, const void* src, float* dst, std::size_t n);    // exact
 void narrow(const float* src, DType type, void* dst, std::size_t n);   // round to nearest even
-// f32 -> bf16 rounded stochastically (jit/stochastic_round.h): src[i] with the
-// random word of model element first + i at applied step `step` under `seed`.
+// Stochastic rounding (jit/stochastic_round.h): the random bits of model elements
+// first .. first + n - 1 at step `step` under `seed` (sf_sr_bits of each), and
+// f32 -> bf16 rounded stochastically, src[i] with the bits of model element first + i.
+void rounding_bits(std::uint64_t seed, std::uint64_t step, std::uint64_t first, std::size_t n, std::uint16_t* bits);
 void narrow_bf16_stochastic(const float* src, std::uint16_t* dst, std::size_t n, std::uint64_t seed,
                             std::uint64_t step, std::uint64_t first);
 

@@ -1,8 +1,8 @@
-// Stochastic rounding of bf16 weights as Highway vectors: the random words of
-// jit/stochastic_round.h (Philox4x32-10, one call per four consecutive model
-// elements) computed lane by lane, and the rounding that adds their upper 16
-// bits. Bitwise the scalar reference's on every target. Re-included once per
-// target; no include guard on purpose.
+// Stochastic rounding of bf16 weights as Highway vectors: the random bits of
+// jit/stochastic_round.h (Philox4x32-10, one call per 8 consecutive model
+// elements) for a run of elements, Lanes() Philox calls at a time, and the
+// rounding that adds them. Bitwise the scalar reference's on every target.
+// Re-included once per target; no include guard on purpose.
 
 #if defined(STEPFUSE_CPU_STOCHASTIC_ROUND_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef STEPFUSE_CPU_STOCHASTIC_ROUND_INL_H_
@@ -11,8 +11,10 @@
 #define STEPFUSE_CPU_STOCHASTIC_ROUND_INL_H_
 #endif
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "hwy/highway.h"
 #include "jit/stochastic_round.h"
@@ -20,12 +22,6 @@
 HWY_BEFORE_NAMESPACE();
 namespace stepfuse::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-// Where a tensor's elements are in the model, and the step's Philox key and counter.
-struct RoundingKey {
-  std::uint64_t seed = 0, step = 0;
-  std::uint64_t base = 0;  // the model index of element 0 of the pointers in use
-};
 
 #if HWY_TARGET != HWY_SCALAR
 // The 64-bit products m * b of every u32 lane, as their high and low halves.
@@ -40,19 +36,20 @@ HWY_INLINE void MulHiLo(DU du, std::uint32_t m, hn::Vec<DU> b, hn::Vec<DU>& hi, 
 }
 #endif
 
-// The random words of model elements first, first + 1, ... (one per lane).
+// The 128 random bits of Lanes(du) consecutive 8-element blocks, `first` and on,
+// stored to out (4 words a block, the blocks in order: as 16-bit values, the bits
+// of their elements in order).
 template <class DU>
-HWY_INLINE hn::Vec<DU> RoundingWords(DU du, const RoundingKey& key, std::uint64_t first) {
+HWY_INLINE void RoundingBlocks(DU du, std::uint64_t seed, std::uint64_t step, std::uint64_t first, std::uint32_t* out) {
   const std::size_t n = hn::Lanes(du);
+  const std::uint32_t k[2] = {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
 #if HWY_TARGET != HWY_SCALAR
-  if (const auto lo32 = static_cast<std::uint32_t>(first); lo32 <= 0xFFFFFFFFu - n) {  // no lane's index carries into the high word
-    const auto hi32 = static_cast<std::uint32_t>(first >> 32);
-    const auto index = hn::Add(hn::Set(du, lo32), hn::Iota(du, 0));
-    auto c0 = hn::Or(hn::ShiftRight<2>(index), hn::Set(du, hi32 << 30));  // lo(index >> 2)
-    auto c1 = hn::Set(du, hi32 >> 2);                                    // hi(index >> 2)
-    auto c2 = hn::Set(du, static_cast<std::uint32_t>(key.step));
-    auto c3 = hn::Set(du, static_cast<std::uint32_t>(key.step >> 32));
-    auto k0 = static_cast<std::uint32_t>(key.seed), k1 = static_cast<std::uint32_t>(key.seed >> 32);
+  if (const auto lo32 = static_cast<std::uint32_t>(first); lo32 <= 0xFFFFFFFFu - n) {  // no carry into the high word
+    auto c0 = hn::Add(hn::Set(du, lo32), hn::Iota(du, 0));
+    auto c1 = hn::Set(du, static_cast<std::uint32_t>(first >> 32));
+    auto c2 = hn::Set(du, static_cast<std::uint32_t>(step));
+    auto c3 = hn::Set(du, static_cast<std::uint32_t>(step >> 32));
+    std::uint32_t k0 = k[0], k1 = k[1];
     for (int r = 0; r < 10; ++r) {
       hn::Vec<DU> hi0, lo0, hi1, lo1;
       MulHiLo(du, SF_PHILOX_M0, c0, hi0, lo0);
@@ -64,37 +61,58 @@ HWY_INLINE hn::Vec<DU> RoundingWords(DU du, const RoundingKey& key, std::uint64_
       k0 += SF_PHILOX_W0;
       k1 += SF_PHILOX_W1;
     }
-    const auto word = hn::And(index, hn::Set(du, 3u));
-    const auto w01 = hn::IfThenElse(hn::Eq(word, hn::Zero(du)), c0, c1);
-    const auto w23 = hn::IfThenElse(hn::Eq(word, hn::Set(du, 2u)), c2, c3);
-    return hn::IfThenElse(hn::Eq(hn::ShiftRight<1>(word), hn::Zero(du)), w01, w23);
+    hn::StoreInterleaved4(c0, c1, c2, c3, du, out);
+    return;
   }
 #endif
-  // The rare vector whose indices cross a multiple of 2^32 (and the scalar target): lane by lane.
-  alignas(64) std::uint32_t words[hn::MaxLanes(du)];
-  for (std::size_t j = 0; j < n; ++j) words[j] = sf_sr_word(key.seed, key.step, first + j);
-  return hn::Load(du, words);
+  // The rare group of blocks that crosses a multiple of 2^32 (and the scalar target): one by one.
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::uint64_t b = first + j;
+    const std::uint32_t c[4] = {static_cast<std::uint32_t>(b), static_cast<std::uint32_t>(b >> 32),
+                                static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(step >> 32)};
+    sf_philox4x32_10(c, k, out + 4 * j);
+  }
 }
 
-// The bf16 bits of v rounded stochastically, lane j with the word of model element first + j.
+// The random bits of model elements first .. first + n - 1 into bits[0, n): what
+// sf_sr_bits gives each, one Philox call per 8 elements, Lanes() calls at a time.
+inline void FillRoundingBits(std::uint64_t seed, std::uint64_t step, std::uint64_t first, std::size_t n,
+                             std::uint16_t* bits) {
+  static_assert(std::endian::native == std::endian::little, "a block's words read as 16-bit values in element order");
+  const hn::ScalableTag<std::uint32_t> du;
+  const std::size_t blocks_per_call = hn::Lanes(du), elems_per_call = 8 * blocks_per_call;
+  alignas(64) std::uint32_t words[4 * hn::MaxLanes(du)];
+  const std::uint64_t block0 = first >> 3;
+  const std::size_t skip = static_cast<std::size_t>(first & 7), end = skip + n;  // elements from block0's first
+  for (std::size_t at = 0; at < end; at += elems_per_call) {
+    RoundingBlocks(du, seed, step, block0 + at / 8, words);
+    const std::size_t from = at < skip ? skip : at, to = at + elems_per_call < end ? at + elems_per_call : end;
+    std::memcpy(bits + (from - skip), reinterpret_cast<const std::uint16_t*>(words) + (from - at),
+                (to - from) * sizeof(std::uint16_t));
+  }
+}
+
+// The bf16 bits of v rounded stochastically with the 16-bit values r (in u32 lanes).
 template <class D>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> NarrowBf16Stochastic(D /*d*/, hn::Vec<D> v, const RoundingKey& key,
-                                                                 std::uint64_t first) {
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> NarrowBf16Stochastic(D /*d*/, hn::Vec<D> v,
+                                                                 hn::Vec<hn::RebindToUnsigned<D>> r) {
   const hn::RebindToUnsigned<D> du;
   const auto u = hn::BitCast(du, v);
-  const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::ShiftRight<16>(RoundingWords(du, key, first))));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(u, r));
   const auto quiet_nan = hn::Or(hn::ShiftRight<16>(u), hn::Set(du, 0x40u));
   return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), quiet_nan, rounded);
 }
 
 // Stores Lanes(d) fp32 values as bf16 at element i of base, rounded stochastically
-// (element i is model element key.base + i).
+// with the random bits bits[0, Lanes(d)).
 template <class D>
-HWY_INLINE void StoreBf16Stochastic(D d, hn::Vec<D> v, void* base, std::size_t i, const RoundingKey& key) {
+HWY_INLINE void StoreBf16Stochastic(D d, hn::Vec<D> v, void* base, std::size_t i, const std::uint16_t* bits) {
   const hn::Rebind<std::uint16_t, D> d16;
+  const hn::RebindToUnsigned<D> du;
   const hn::RebindToSigned<D> di;
-  const auto bits = NarrowBf16Stochastic(d, v, key, key.base + i);
-  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, bits)), d16, static_cast<std::uint16_t*>(base) + i);
+  const auto r = hn::PromoteTo(du, hn::LoadU(d16, bits));
+  const auto out = NarrowBf16Stochastic(d, v, r);
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, out)), d16, static_cast<std::uint16_t*>(base) + i);
 }
 
 }  // namespace stepfuse::cpu::HWY_NAMESPACE

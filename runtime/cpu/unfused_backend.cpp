@@ -76,9 +76,8 @@ StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
   eval_scalars(request, step_count_ + 1, 1.0);
   if (options_.stochastic_rounding) {
-    host_.set_rounding_step(step_count_ + 1);
     for (std::size_t i = 0; i < tmp_args_.size(); ++i) {  // (a sharded optimizer's model indices came after tmp_args_)
-      tmp_args_[i].sr_step = static_cast<std::uint64_t>(step_count_ + 1);
+      tmp_args_[i].sr_step = host_.args()[i].sr_step;
       tmp_args_[i].sr_base = host_.args()[i].sr_base;
     }
   }

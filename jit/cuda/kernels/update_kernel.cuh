@@ -19,8 +19,9 @@ sf_update(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT block
                                                   stage.step - hyper.groups[g].step_base, stage.gscale)
                             : hyper.scalars[(long long)g * SF_MAX_SCALARS + threadIdx.x];
   __syncthreads();
-  /* The step this update applies: the reduce's finalize counted it already, a plain step counts it at the end. */
-  const unsigned long long sr_step = (unsigned long long)(plain ? stage.step : st->step);
+  /* Stochastic rounding's step: the group's step this update applies (the reduce's finalize counted the
+     optimizer's already, a plain step counts it at the end), the t its scalars see. */
+  const unsigned long long sr_step = (unsigned long long)((plain ? stage.step : st->step) - hyper.groups[g].step_base);
 {DISPATCH}
   if (plain) {
     __syncthreads();

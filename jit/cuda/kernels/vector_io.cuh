@@ -29,12 +29,14 @@ SF_DEV SF_INLINE void sf_store4_bf16(void* p, long long i, const float* v) {
 /* bf16 weights rounded stochastically (jit/stochastic_round.h): element i is model element `index`. */
 SF_DEV SF_INLINE void sf_store_bf16_sr(void* p, long long i, float v, unsigned long long index, unsigned long long seed,
                                        unsigned long long step) {
-  ((sf_u16*)p)[i] = sf_bf16_round_stochastic(v, sf_sr_word(seed, step, index));
+  ((sf_u16*)p)[i] = sf_bf16_round_stochastic(v, sf_sr_bits(seed, step, index));
 }
 SF_DEV SF_INLINE void sf_store4_bf16_sr(void* p, long long i, const float* v, unsigned long long index,
                                         unsigned long long seed, unsigned long long step) {
+  unsigned r[4];
+  sf_sr_bits4(seed, step, index, r);  /* one Philox call, two when the 4 straddle 8-element blocks */
   sf_u16 h[4];
-  for (int j = 0; j < 4; ++j) h[j] = sf_bf16_round_stochastic(v[j], sf_sr_word(seed, step, index + j));
+  for (int j = 0; j < 4; ++j) h[j] = sf_bf16_round_stochastic(v[j], r[j]);
   *(uint2*)((sf_u16*)p + i) = make_uint2((unsigned)h[0] | ((unsigned)h[1] << 16), (unsigned)h[2] | ((unsigned)h[3] << 16));
 }
 

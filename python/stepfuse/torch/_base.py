@@ -547,7 +547,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         device = cpp_groups[0].params[0].device
         # Stochastic rounding needs a bfloat16 param among the engine's: a step whose only
         # gradients are float32 params' rounds nothing (float32 weights are stored exactly).
-        rounding = self.stochastic_rounding and any(p.dtype == torch.bfloat16 for g in cpp_groups for p in g.params)
+        # Sharded, every rank passes the same options (a rank may hold float32 params only).
+        rounding = self.stochastic_rounding and (
+            self.communicator is not None or any(p.dtype == torch.bfloat16 for g in cpp_groups for p in g.params))
         options: Dict[str, Any] = dict(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
                                        master_weights=self.master_weights, stochastic_rounding=rounding,
                                        seed=self.seed, communicator=self.communicator,
