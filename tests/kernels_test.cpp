@@ -12,6 +12,7 @@
 
 #include "f16_oracle.hpp"
 #include "hwy/targets.h"
+#include "hwy_targets.hpp"
 #include "jit/builtins.hpp"
 #include "runtime/cpu/kernels.hpp"
 #include "stepfuse/stepfuse.hpp"
@@ -19,16 +20,10 @@
 namespace stepfuse {
 namespace {
 
-std::uint32_t bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float from_bits(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using test::bits;
+using test::from_bits;
+using test::PerTarget;
+using test::targets;
 
 // Oracles independent of the library: the compiler's _Float16 or F16C (correctly
 // rounded conversions, tests/f16_oracle.hpp) and bf16 rounding in integer arithmetic.
@@ -45,18 +40,6 @@ std::uint16_t oracle_bf16(float f) {
   return static_cast<std::uint16_t>(rounded >> 16);
 }
 
-// Every Highway target compiled in and supported by this CPU.
-std::vector<std::int64_t> targets() {
-  std::vector<std::int64_t> out;
-  for (std::int64_t t : hwy::SupportedAndGeneratedTargets()) out.push_back(t);
-  return out;
-}
-
-class PerTarget {
- public:
-  explicit PerTarget(std::int64_t target) { hwy::SetSupportedTargetsForTest(target); }
-  ~PerTarget() { hwy::SetSupportedTargetsForTest(0); }
-};
 
 std::vector<float> interesting_floats() {
   std::vector<float> v = {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.996f, 65520.0f, -65520.0f, 1e-8f, 6.0e-8f,

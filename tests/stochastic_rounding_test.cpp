@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "hwy/targets.h"
+#include "hwy_targets.hpp"
 #include "jit/llvm/emit_llvm.hpp"
 #include "jit/stochastic_round.h"
 #include "runtime/cpu/kernels.hpp"
@@ -22,16 +23,10 @@
 namespace stepfuse {
 namespace {
 
-std::uint32_t bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float from_bits(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using test::bits;
+using test::from_bits;
+using test::PerTarget;
+using test::targets;
 float widen_bf16(std::uint16_t h) { return from_bits(static_cast<std::uint32_t>(h) << 16); }
 
 // Random123's known-answer vectors for philox4x32-10 (counter, key -> output).
@@ -98,17 +93,6 @@ TEST(StochasticRounding, ScalarRoundingMatchesTheOracle) {
   EXPECT_TRUE(std::isnan(widen_bf16(sf_bf16_round_stochastic(from_bits(0x7F800001u), 0xFFFFu))));
 }
 
-// Every Highway target compiled in and supported by this CPU.
-std::vector<std::int64_t> targets() {
-  std::vector<std::int64_t> out;
-  for (std::int64_t t : hwy::SupportedAndGeneratedTargets()) out.push_back(t);
-  return out;
-}
-class PerTarget {
- public:
-  explicit PerTarget(std::int64_t target) { hwy::SetSupportedTargetsForTest(target); }
-  ~PerTarget() { hwy::SetSupportedTargetsForTest(0); }
-};
 
 // Model indices near 0, odd ones, blocks whose index crosses 2^32 within one
 // vector of Philox calls, and near 2^64.
