@@ -104,12 +104,13 @@ sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options
   constexpr const char* fn = "sf_optimizer_get_options";
   return guard(fn, [&] {
     need_all(fn, opt, "opt", out, "out");
-    if (out->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1) {  // an older header's struct: its fields only
+    const std::uint32_t size = out->struct_size;
+    if (size == SF_OPTIMIZER_OPTIONS_SIZE_V1 || size == SF_OPTIMIZER_OPTIONS_SIZE_V2) {  // an older header's struct
       sf_optimizer_options full;
       full.struct_size = sizeof full;
       options_to_c(opt->opt.options(), &full);
-      std::memcpy(static_cast<void*>(out), &full, SF_OPTIMIZER_OPTIONS_SIZE_V1);
-      out->struct_size = SF_OPTIMIZER_OPTIONS_SIZE_V1;
+      std::memcpy(static_cast<void*>(out), &full, size);  // its fields only
+      out->struct_size = size;
       return;
     }
     check_size(fn, out, "out", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");

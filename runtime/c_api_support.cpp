@@ -265,8 +265,8 @@ sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* o)
   need(fn, o, "options");
   sf_optimizer_options full;
   sf_optimizer_options_init(&full);
-  if (o->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1) {
-    std::memcpy(static_cast<void*>(&full), o, SF_OPTIMIZER_OPTIONS_SIZE_V1);
+  if (o->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1 || o->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V2) {
+    std::memcpy(static_cast<void*>(&full), o, o->struct_size);  // an older header's struct: the rest defaults
     full.struct_size = sizeof full;
     return full;
   }
@@ -295,6 +295,8 @@ OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& o) {
                     "an sf_cpu_backend (SF_CPU_BACKEND_DEFAULT, _AUTO, _HIGHWAY, _LLVM)");
   if (backend != SF_CPU_BACKEND_DEFAULT) out.cpu_backend = static_cast<CpuBackend>(backend - 1);
   out.llvm_contract = bool_value(fn, o.llvm_contract, "options->llvm_contract");
+  out.stochastic_rounding = bool_value(fn, o.stochastic_rounding, "options->stochastic_rounding");
+  out.seed = o.seed;
   return out;
 }
 
@@ -319,6 +321,8 @@ void options_to_c(const OptimizerOptions& o, sf_optimizer_options* out) {
   out->fusion = static_cast<sf_fusion>(o.fusion);
   out->num_threads = o.num_threads;
   out->track_grad_norm = o.track_grad_norm;
+  out->stochastic_rounding = o.stochastic_rounding;
+  out->seed = o.seed;
 }
 
 void write_result(const char* fn, const StepResult& r, sf_step_result* out, const char* name) {

@@ -220,7 +220,8 @@ TEST(CApiBools, OptionsBoolsAreReadAsBytesAndChecked) {
   const Field fields[] = {{"has_max_grad_norm", &sf_optimizer_options::has_max_grad_norm},
                           {"master_weights", &sf_optimizer_options::master_weights},
                           {"track_grad_norm", &sf_optimizer_options::track_grad_norm},
-                          {"llvm_contract", &sf_optimizer_options::llvm_contract}};
+                          {"llvm_contract", &sf_optimizer_options::llvm_contract},
+                          {"stochastic_rounding", &sf_optimizer_options::stochastic_rounding}};
   CModel m;
   sf_optimizer_config cfg;
   sf_optimizer_config_init(&cfg, SF_ADAMW);

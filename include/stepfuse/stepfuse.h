@@ -254,8 +254,16 @@ typedef struct sf_optimizer_options {
   /* LLVM: fuse the update's multiply-add pairs into FMAs (results then equal Highway's
    * within fp32 rounding, not bit for bit). Default false. */
   bool llvm_contract;
+  /* ---- Since 0.1 with stochastic rounding (a struct_size of SF_OPTIMIZER_OPTIONS_SIZE_V2,
+   * from an older stepfuse.h, is read without these: they keep their defaults). */
+  /* bf16 weights without masters (master_weights = false): round each updated weight to
+   * bf16 stochastically (Philox4x32-10 keyed by seed; bitwise the same on every backend and
+   * thread count; docs/low-precision.md). Default false. */
+  bool stochastic_rounding;
+  uint64_t seed; /* the random stream of stochastic_rounding; default 0 */
 } sf_optimizer_options;
 #define SF_OPTIMIZER_OPTIONS_SIZE_V1 offsetof(sf_optimizer_options, cpu_backend)
+#define SF_OPTIMIZER_OPTIONS_SIZE_V2 offsetof(sf_optimizer_options, stochastic_rounding)
 
 /* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
 STEPFUSE_API void sf_optimizer_options_init(sf_optimizer_options* options);

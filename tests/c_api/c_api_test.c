@@ -1539,6 +1539,11 @@ static void test_cpu_backends(void) {
   CHECK_OK(sf_optimizer_get_options(opt[2], &old));
   CHECK(old.struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1 && old.has_max_grad_norm && old.max_grad_norm == 1.0);
   CHECK(*(const unsigned char*)&old.llvm_contract == 0xAB); /* beyond V1's size: untouched */
+  memset(&old, 0xAB, sizeof old);
+  old.struct_size = (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V2;
+  CHECK_OK(sf_optimizer_get_options(opt[2], &old));
+  CHECK(old.struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V2 && !old.llvm_contract);
+  CHECK(*(const unsigned char*)&old.stochastic_rounding == 0xAB); /* beyond V2's size: untouched */
   o.struct_size = sizeof o;
   o.cpu_backend = (sf_cpu_backend)9;
   sf_optimizer* none = NULL;
@@ -1703,6 +1708,50 @@ static void test_two_phase_program(void) {
   sf_optimizer_destroy(opt);
 }
 
+/* Stochastic rounding from C: the options, reproducible from the seed, refused with masters. */
+static void test_stochastic_rounding(void) {
+  enum { kN = 1003 };
+  static uint16_t w[3][kN], g[kN];
+  for (int i = 0; i < kN; ++i) {
+    w[0][i] = w[1][i] = w[2][i] = sf_float_to_bf16(1.0f);
+    g[i] = sf_float_to_bf16(-1.0f);
+  }
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_SGD);
+  cfg.lr = 1.0 / 4096; /* 1/32 of a bf16 ulp at 1.0: round-to-nearest never moves the weights */
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  CHECK(!o.stochastic_rounding && o.seed == 0);
+  sf_optimizer* opt[3] = {NULL, NULL, NULL};
+  for (int k = 0; k < 3; ++k) {
+    const sf_param p = {{w[k], kN, SF_BF16}, {g, kN, SF_BF16}};
+    o.master_weights = false;
+    o.stochastic_rounding = k < 2;
+    o.seed = 0x100000001ull;
+    CHECK_OK(sf_optimizer_create(&cfg, &p, 1, &o, &opt[k]));
+    for (int s = 0; s < 8; ++s) CHECK_OK(sf_optimizer_step(opt[k]));
+  }
+  sf_optimizer_options got;
+  sf_optimizer_options_init(&got);
+  CHECK_OK(sf_optimizer_get_options(opt[0], &got));
+  CHECK(got.stochastic_rounding && got.seed == 0x100000001ull);
+  CHECK(memcmp(w[0], w[1], sizeof w[0]) == 0); /* the same seed: the same bits */
+  int moved = 0;
+  for (int i = 0; i < kN; ++i) {
+    CHECK(w[2][i] == sf_float_to_bf16(1.0f));
+    moved += w[0][i] != sf_float_to_bf16(1.0f);
+  }
+  CHECK(moved > kN / 8 && moved < kN / 2); /* 8 steps of 1/32 ulp: 1 - (31/32)^8 = 22% on average */
+  for (int k = 0; k < 3; ++k) sf_optimizer_destroy(opt[k]);
+  /* With masters: refused, naming the option. */
+  const sf_param p = {{w[0], kN, SF_BF16}, {g, kN, SF_BF16}};
+  o.master_weights = true;
+  o.stochastic_rounding = true;
+  sf_optimizer* none = NULL;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &none), SF_INVALID_ARGUMENT, "stochastic_rounding");
+  CHECK(none == NULL);
+}
+
 int main(void) {
   g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
   printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
@@ -1724,6 +1773,7 @@ int main(void) {
   test_cpu_backends();
   test_param_groups();
   test_two_phase_program();
+  test_stochastic_rounding();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
