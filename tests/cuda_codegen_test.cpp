@@ -318,6 +318,18 @@ TEST(CudaCodegenCompile, EveryBuiltinInEveryLayoutForCubinAndPtx) {
   const int adam = static_cast<int>(jit::builtin_named("adam"));
   updates.push_back(make_job("adam unaligned step kernels (emit_cuda) sm_90", jit::emit_cuda(make_spec(adam, Layout::unaligned)),
                              "adam_step.cu", {90, CudaOutput::cubin}, {"sf_reduce", "sf_update"}, false));
+  // Stochastic rounding of bf16 weights (jit/stochastic_round.h in the device code): the
+  // unaligned table (one-element stores) as CUBIN, the aligned flat range (4-element
+  // stores) as PTX.
+  {
+    CudaSpec table = make_spec(adam, Layout::unaligned), flat = make_spec(adam, Layout::flat);
+    table.combos[1] = {DType::bf16, DType::bf16, false, true};
+    flat.combos[0] = {DType::bf16, DType::bf16, false, true};
+    updates.push_back(make_job("adam unaligned stochastic update sm_90", jit::emit_cuda_update(table),
+                               "adam_stochastic_update.cu", {90, CudaOutput::cubin}, {"sf_update"}, false));
+    updates.push_back(make_job("adam flat stochastic update compute_90", jit::emit_cuda_update(flat),
+                               "adam_flat_stochastic_update.cu", {90, CudaOutput::ptx}, {"sf_update"}, false));
+  }
   // The sharded step's reduce module (sf_reduce_shard, sf_shard_finalize beside sf_reduce),
   // L2 as CUBIN and the inf-norm as PTX.
   for (const Layout l : {Layout::unaligned, Layout::inf_norm}) {
@@ -450,6 +462,7 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
   variant("combo weight", [](CudaSpec& s) { s.combos[1].weight = DType::f16; });
   variant("combo grad", [](CudaSpec& s) { s.combos[1].grad = DType::f32; });
   variant("combo master", [](CudaSpec& s) { s.combos[1].master = false; });
+  variant("combo stochastic", [](CudaSpec& s) { s.combos[1].master = false, s.combos[1].stochastic = true; });
   variant("combo order", [](CudaSpec& s) { std::swap(s.combos[0], s.combos[1]); });
   variant("one combo more", [](CudaSpec& s) { s.combos.push_back({DType::f16, DType::f16, true}); });
   variant("one combo less", [](CudaSpec& s) { s.combos.pop_back(); });
