@@ -336,6 +336,7 @@ struct DtypeSet {
   const char* name;
   std::vector<TensorType> cycle;
   bool masters;
+  bool stochastic = false;  // bf16 weights without masters, rounded stochastically
 };
 const std::vector<DtypeSet>& dtype_sets() {
   static const std::vector<DtypeSet> all = {
@@ -345,6 +346,7 @@ const std::vector<DtypeSet>& dtype_sets() {
       {"f16_no_masters", {{DType::f16, DType::f16}}, false},
       {"f32w_bf16g", {{DType::f32, DType::bf16}}, true},
       {"mixed", {{DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::f32, DType::bf16}}, true},
+      {"bf16_stochastic", {{DType::bf16, DType::bf16}, {DType::f32, DType::f32}, {DType::bf16, DType::f32}}, false, true},
   };
   return all;
 }
@@ -367,10 +369,12 @@ constexpr double kMaxNormInf = 0.02;   // below their largest |g| (about 0.05)
 // chunk, tiny ones and an empty one.
 const std::vector<std::int64_t> kSizes = {32771, 4097, 0, 3, 16384, 12289, 1};
 
-OptimizerOptions options_for(StepKind k, bool masters, Device d) {
+OptimizerOptions options_for(StepKind k, bool masters, Device d, bool stochastic = false) {
   OptimizerOptions o;
   o.device = d;
   o.master_weights = masters;
+  o.stochastic_rounding = stochastic;
+  o.seed = stochastic ? 0x5EED0000000Full : 0;
   if (k == StepKind::clipped) o.max_grad_norm = kMaxNorm;
   if (k == StepKind::scaled_clipped_inf) o.max_grad_norm = kMaxNormInf, o.norm_type = INFINITY;
   return o;
@@ -547,9 +551,9 @@ struct SideBySide {
     host.set_weights(w0);
     dev.set_weights(w0);
     const OptimizerConfig& config = config_named(c.config);
-    const bool masters = dtype_set(c.dtypes).masters;
-    ho.emplace(config, host.params, options_for(kind, masters, Device::cpu()));
-    go.emplace(config, dev.params, options_for(kind, masters, test_device()));
+    const DtypeSet& set = dtype_set(c.dtypes);
+    ho.emplace(config, host.params, options_for(kind, set.masters, Device::cpu(), set.stochastic));
+    go.emplace(config, dev.params, options_for(kind, set.masters, test_device(), set.stochastic));
   }
   // The same gradients on both sides, then a step of each.
   void step(const std::vector<std::byte>& g) {
@@ -587,6 +591,10 @@ std::vector<Case> layout_cases() {
     for (const char* d : {"f32", "bf16_masters", "f16_no_masters"})
       cases.push_back({c, d, Layout::separate, StepKind::scaled_clipped_inf});
   cases.push_back({"AdamW", "bf16_masters", Layout::flat, StepKind::scaled_clipped_inf});
+  // Stochastic rounding (jit/stochastic_round.h): every element's bits as the CPU's.
+  for (const char* c : {"AdamW", "SGD_momentum", "Lion"})
+    for (Layout l : {Layout::separate, Layout::misaligned})
+      for (StepKind k : {StepKind::plain, StepKind::scaled, StepKind::clipped}) cases.push_back({c, "bf16_stochastic", l, k});
   return cases;
 }
 std::vector<Case> non_finite_cases() {
@@ -614,7 +622,8 @@ void prewarm_kernel_cache(int sm) {
   for (const Case& c : cases) {
     const OptimizerConfig& config = config_named(c.config);
     const ListLayout L = case_layout(c);
-    const OptimizerOptions o = options_for(c.kind, dtype_set(c.dtypes).masters, Device::cuda(0));
+    const DtypeSet& set = dtype_set(c.dtypes);
+    const OptimizerOptions o = options_for(c.kind, set.masters, Device::cuda(0), set.stochastic);
     const jit::CudaLayout layout =
         jit::plan_cuda_layout(jit::builtin_program(jit::select_builtin(config)), L.params(w, g), o);
     specs.emplace(jit::canonical_text(layout.spec), layout.spec);
