@@ -2,7 +2,12 @@
 // (stepfuse::GradScaler) and a fused AdamW step with gradient clipping — the training
 // loop of torch.amp, on the CPU, in one file.
 //
-//   stepfuse-train-mlp [--steps N] [--threads N] [--help]
+//   stepfuse-train-mlp [--steps N] [--threads N] [--lr X] [--weights f16|bf16]
+//                      [--masters on|off] [--rounding nearest|stochastic] [--help]
+//
+// The weight options compare ways of keeping low-precision weights: with fp32 masters
+// (the default), without them (each update rounded to the weights' format), and bf16
+// without masters rounded stochastically (OptimizerOptions::stochastic_rounding).
 //
 // The task: classify 64-dimensional Gaussian inputs into the 10 classes that a fixed,
 // random "teacher" network assigns them. Every number comes from a fixed seed, so two
@@ -66,29 +71,28 @@ constexpr double kRequiredLossRatio = 0.75;
 using stepfuse::float_to_f16;
 
 // ---------------------------------------------------------------------------------------
-// The model's parameters, as the optimizer sees them: f16 weights and f16 gradients in
-// caller-owned buffers. stepfuse keeps views of them, and with f16 weights it also keeps
-// fp32 master copies (OptimizerOptions::master_weights, on by default): it updates the
-// masters and writes the rounded result back into these f16 buffers.
+// The model's parameters, as the optimizer sees them: f16 (or bf16) weights and f16
+// gradients in caller-owned buffers. stepfuse keeps views of them, and by default it also
+// keeps fp32 master copies (OptimizerOptions::master_weights): it updates the masters and
+// writes the rounded result back into these 16-bit buffers.
 
 struct Tensor {
-  std::vector<std::uint16_t> value;  // f16 bits
+  stepfuse::DType type;              // of the weights: f16 or bf16
+  std::vector<std::uint16_t> value;  // the weights' bits
   std::vector<std::uint16_t> grad;   // f16 bits, written by forward_backward()
 
-  explicit Tensor(std::size_t n) : value(n), grad(n) {}
+  Tensor(std::size_t n, stepfuse::DType weights) : type(weights), value(n), grad(n) {}
   stepfuse::Param param() {
     const auto n = static_cast<std::int64_t>(value.size());
-    return {stepfuse::TensorView{value.data(), n, stepfuse::DType::f16},
-            stepfuse::TensorView{grad.data(), n, stepfuse::DType::f16}};
+    return {stepfuse::TensorView{value.data(), n, type}, stepfuse::TensorView{grad.data(), n, stepfuse::DType::f16}};
   }
 };
 
 struct Mlp {
-  Tensor w1{kHidden * kInputs};  // [kHidden][kInputs], as torch.nn.Linear stores it
-  Tensor b1{kHidden};
-  Tensor w2{kClasses * kHidden};  // [kClasses][kHidden]
-  Tensor b2{kClasses};
+  Tensor w1, b1, w2, b2;  // w1 [kHidden][kInputs] and w2 [kClasses][kHidden], as torch.nn.Linear stores them
 
+  explicit Mlp(stepfuse::DType weights)
+      : w1(kHidden * kInputs, weights), b1(kHidden, weights), w2(kClasses * kHidden, weights), b2(kClasses, weights) {}
   std::vector<stepfuse::Param> params() { return {w1.param(), b1.param(), w2.param(), b2.param()}; }
 };
 
@@ -96,8 +100,11 @@ struct Mlp {
 void init_layer(Tensor& weight, Tensor& bias, int fan_in, std::mt19937& rng) {
   const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
   std::uniform_real_distribution<float> uniform(-bound, bound);
-  for (auto& w : weight.value) w = float_to_f16(uniform(rng));
-  for (auto& b : bias.value) b = float_to_f16(uniform(rng));
+  const auto store = [&](float x) {
+    return weight.type == stepfuse::DType::bf16 ? stepfuse::float_to_bf16(x) : float_to_f16(x);
+  };
+  for (auto& w : weight.value) w = store(uniform(rng));
+  for (auto& b : bias.value) b = store(uniform(rng));
 }
 
 // The fp32 copy of the f16 weights that the forward and backward passes compute with
@@ -106,17 +113,14 @@ struct Weights {
   std::vector<float> w1, b1, w2, b2;
 };
 
-std::vector<float> widen(const std::vector<std::uint16_t>& halves) {
-  std::vector<float> out(halves.size());
-  stepfuse::to_float({const_cast<std::uint16_t*>(halves.data()), static_cast<std::int64_t>(halves.size()),
-                      stepfuse::DType::f16},
+std::vector<float> widen(const Tensor& t) {
+  std::vector<float> out(t.value.size());
+  stepfuse::to_float({const_cast<std::uint16_t*>(t.value.data()), static_cast<std::int64_t>(t.value.size()), t.type},
                      out);
   return out;
 }
 
-Weights to_f32(const Mlp& net) {
-  return {widen(net.w1.value), widen(net.b1.value), widen(net.w2.value), widen(net.b2.value)};
-}
+Weights to_f32(const Mlp& net) { return {widen(net.w1), widen(net.b1), widen(net.w2), widen(net.b2)}; }
 
 // ---------------------------------------------------------------------------------------
 // Synthetic data: x ~ N(0, 1), labelled by a fixed random teacher 64 -> 32 (tanh) -> 10.
@@ -261,6 +265,10 @@ Evaluation evaluate(const Mlp& net, const Batch& data) {
 struct Args {
   int steps = kDefaultSteps;
   int threads = 0;  // 0: stepfuse's default (STEPFUSE_NUM_THREADS, else every core)
+  double lr = kLearningRate;
+  std::string weights = "f16";      // f16 or bf16
+  std::string masters = "on";       // fp32 masters: on or off
+  std::string rounding = "nearest";  // nearest or stochastic (bf16 weights without masters)
 };
 
 // A whole decimal number >= min_value, handed on to CLI11 in plain digits (CLI11 alone
@@ -280,7 +288,7 @@ CLI::Validator whole_number(int min_value) {
 
 // Fills `args`; returns -1 to go on, else the exit status (0 after --help, 2 on an error).
 int parse_args(int argc, char** argv, Args& args) {
-  CLI::App app{"Trains a 64-256-10 MLP (f16 weights and gradients) with GradScaler and a fused, clipped AdamW step "
+  CLI::App app{"Trains a 64-256-10 MLP (f16 or bf16 weights, f16 gradients) with GradScaler and a fused, clipped AdamW step "
                "on synthetic data.",
                "stepfuse-train-mlp"};
   app.add_option("--steps", args.steps, "training steps (at least 1)")->transform(whole_number(1))->capture_default_str();
@@ -288,11 +296,28 @@ int parse_args(int argc, char** argv, Args& args) {
                  "threads for the optimizer step (0: STEPFUSE_NUM_THREADS, else every core)")
       ->transform(whole_number(0))
       ->capture_default_str();
+  app.add_option("--lr", args.lr, "AdamW's learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--weights", args.weights, "the weights' storage: f16 or bf16 (the gradients stay f16)")
+      ->check(CLI::IsMember({"f16", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--masters", args.masters, "fp32 master weights in the optimizer: on or off")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  app.add_option("--rounding", args.rounding,
+                 "how updated weights are stored without masters: nearest (even) or stochastic (bf16 weights, "
+                 "--masters off; OptimizerOptions::stochastic_rounding, seed 1)")
+      ->check(CLI::IsMember({"nearest", "stochastic"}))
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help: the help on stdout, 0; else the error and a pointer to --help on stderr.
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (args.rounding == "stochastic" && (args.weights != "bf16" || args.masters != "off")) {
+    std::fprintf(stderr, "stepfuse-train-mlp: --rounding stochastic rounds bf16 weights kept without masters: "
+                         "pass --weights bf16 --masters off\n");
+    return 2;
   }
   return -1;
 }
@@ -303,18 +328,22 @@ int train(const Args& args) {
   std::mt19937 rng(20240601);
   const Teacher teacher(rng);
   const Batch eval_set = make_batch(kEvalSamples, teacher, rng);
-  Mlp net;
+  const stepfuse::DType weights = args.weights == "bf16" ? stepfuse::DType::bf16 : stepfuse::DType::f16;
+  Mlp net(weights);
   init_layer(net.w1, net.b1, kInputs, rng);
   init_layer(net.w2, net.b2, kHidden, rng);
 
-  // The optimizer: AdamW over the four f16 tensors, with fp32 masters (the default) and
+  // The optimizer: AdamW over the four 16-bit tensors, with fp32 masters (the default) and
   // clip_grad_norm_(params, 1.0) folded into the step. Construction validates the
   // tensors, allocates the optimizer state and the masters, and plans the work; a step
   // allocates nothing.
   stepfuse::OptimizerOptions options;
   options.max_grad_norm = kMaxGradNorm;
   options.num_threads = args.threads;
-  const stepfuse::optim::AdamW adamw{.lr = kLearningRate};  // PyTorch's defaults otherwise
+  options.master_weights = args.masters == "on";
+  options.stochastic_rounding = args.rounding == "stochastic";
+  options.seed = 1;
+  const stepfuse::optim::AdamW adamw{.lr = args.lr};  // PyTorch's defaults otherwise
   stepfuse::Optimizer opt(adamw, net.params(), options);
 
   // Dynamic loss scaling with PyTorch's GradScaler rules. "cpu": the scale lives on the CPU.
@@ -322,7 +351,10 @@ int train(const Args& args) {
 
   std::printf("stepfuse %s (%s): train a %d-%d-%d MLP (tanh, softmax cross-entropy), batch %d\n", stepfuse::version(),
               stepfuse::cpu_target(), kInputs, kHidden, kClasses, kBatch);
-  std::printf("  weights f16 (fp32 masters in the optimizer), gradients f16, compute fp32\n");
+  std::printf("  weights %s (%s), gradients f16, compute fp32\n", args.weights.c_str(),
+              options.master_weights ? "fp32 masters in the optimizer"
+              : options.stochastic_rounding ? "no masters: updates rounded stochastically"
+                                            : "no masters: updates rounded to nearest");
   std::printf("  AdamW lr %g, weight decay %g, clip grad norm %g; GradScaler init scale %.0f, growth interval %lld\n",
               adamw.lr, adamw.weight_decay, kMaxGradNorm, kInitScale, static_cast<long long>(kGrowthInterval));
   std::printf("  %d steps; optimizer step on %d threads, forward/backward on 1\n\n", args.steps, opt.num_threads());
