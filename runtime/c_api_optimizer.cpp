@@ -105,11 +105,11 @@ sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options
   return guard(fn, [&] {
     need_all(fn, opt, "opt", out, "out");
     const std::uint32_t size = out->struct_size;
-    if (size == SF_OPTIMIZER_OPTIONS_SIZE_V1 || size == SF_OPTIMIZER_OPTIONS_SIZE_V2) {  // an older header's struct
+    if (const std::size_t fields = older_options_fields(size)) {  // an older header's struct: its fields only
       sf_optimizer_options full;
       full.struct_size = sizeof full;
       options_to_c(opt->opt.options(), &full);
-      std::memcpy(static_cast<void*>(out), &full, size);  // its fields only
+      std::memcpy(static_cast<void*>(out), &full, fields);
       out->struct_size = size;
       return;
     }

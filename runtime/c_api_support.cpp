@@ -261,12 +261,19 @@ void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out) {
       config);
 }
 
+std::size_t older_options_fields(std::uint32_t struct_size) {
+  constexpr std::size_t kAlign = alignof(sf_optimizer_options);
+  for (const std::size_t end : {std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V1}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V2}})
+    if (struct_size == end || struct_size == (end + kAlign - 1) / kAlign * kAlign) return end;
+  return 0;
+}
+
 sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* o) {
   need(fn, o, "options");
   sf_optimizer_options full;
   sf_optimizer_options_init(&full);
-  if (o->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1 || o->struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V2) {
-    std::memcpy(static_cast<void*>(&full), o, o->struct_size);  // an older header's struct: the rest defaults
+  if (const std::size_t fields = older_options_fields(o->struct_size)) {
+    std::memcpy(static_cast<void*>(&full), o, fields);  // an older header's struct: the rest defaults
     full.struct_size = sizeof full;
     return full;
   }

@@ -165,6 +165,9 @@ void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out);
 // The options as this library's struct: one from an older header (SF_OPTIMIZER_OPTIONS_SIZE_V1)
 // gets the defaults for the fields it lacks.
 sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* options);
+// An older stepfuse.h's options struct: the bytes of its fields when struct_size is the end of
+// its fields (SF_OPTIMIZER_OPTIONS_SIZE_V1, _V2) or that struct's sizeof; else 0.
+std::size_t older_options_fields(std::uint32_t struct_size);
 OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& options);  // a full_options() struct
 OptimizerOptions to_options(const char* fn, const sf_optimizer_options* options);  // NULL: the defaults
 // Fills every field of `out` (except struct_size) from C++ options.

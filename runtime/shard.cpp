@@ -39,7 +39,7 @@ struct Header {
   double max_grad_norm = 0;  // 0: no clipping
   double norm_type = 0;
   std::int32_t master_weights = 0;
-  std::int32_t stochastic_rounding = 0;
+  std::int32_t stochastic_rounding = 0;  // 0: off; 1: on; 2: on, and this rank has a bf16 weight
   std::uint64_t seed = 0;
 };
 static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16 + 16, "no padding: every byte sent is set");
@@ -84,7 +84,7 @@ void check_same_options(const std::vector<Header>& all) {
       what = "device";
     else if (a.master_weights != b.master_weights)
       what = "master_weights";
-    else if (a.stochastic_rounding != b.stochastic_rounding)
+    else if ((a.stochastic_rounding != 0) != (b.stochastic_rounding != 0))
       what = "stochastic_rounding";
     else if (a.seed != b.seed)
       what = "seed (rank 0: " + std::to_string(a.seed) + ", rank " + std::to_string(r) + ": " + std::to_string(b.seed) +
@@ -97,6 +97,12 @@ void check_same_options(const std::vector<Header>& all) {
                                                    " differs between ranks (every rank's step must be the same; pass "
                                                    "the same options on every rank)");
   }
+  // Stochastic rounding needs a bf16 weight on some rank (a rank may hold f32 weights only).
+  if (a.stochastic_rounding != 0 &&
+      std::none_of(all.begin(), all.end(), [](const Header& h) { return h.stochastic_rounding == 2; }))
+    throw Error(ErrorCode::invalid_argument,
+                "sharded Optimizer: OptimizerOptions::stochastic_rounding is set but no rank has a bf16 weight (f32 "
+                "weights are stored exactly; there is nothing to round: leave stochastic_rounding off)");
 }
 
 Header local_header(const OptimizerOptions& o) {
@@ -171,6 +177,9 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
   Header mine = local_header(options);
   mine.status = RankStatus::of(nullptr);
   mine.params = static_cast<std::int64_t>(params.size());
+  if (options.stochastic_rounding &&
+      std::any_of(params.begin(), params.end(), [](const Param& p) { return p.weight.dtype == DType::bf16; }))
+    mine.stochastic_rounding = 2;
   const std::vector<Header> all = exchange_headers(comm, mine);
   throw_if_any_failed(all, nullptr, "sharded Optimizer", "could not build its shard, so no rank builds one");
   check_same_options(all);

@@ -260,6 +260,17 @@ TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
         Optimizer opt(optim::AdamW{}, rank_params(bf16, parts[static_cast<std::size_t>(r)]), o);
       },
       ErrorCode::invalid_argument, "OptimizerOptions::seed (rank 0: 1, rank 1: 2; stochastic rounding");
+  // ... and a bf16 weight on some rank (here none has one).
+  expect_every_rank_throws(
+      2,
+      [&](int r, const std::shared_ptr<Communicator>& comm) {
+        OptimizerOptions o = base_options(kNorms[0]);
+        o.communicator = comm;
+        o.master_weights = false;
+        o.stochastic_rounding = true;
+        Optimizer opt(optim::AdamW{}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
+      },
+      ErrorCode::invalid_argument, "stochastic_rounding is set but no rank has a bf16 weight");
 }
 
 // Builds Adam (or `config`) on each rank over `parts` with slices.

@@ -262,6 +262,9 @@ typedef struct sf_optimizer_options {
   bool stochastic_rounding;
   uint64_t seed; /* the random stream of stochastic_rounding; default 0 */
 } sf_optimizer_options;
+/* The fields of the struct of an older stepfuse.h end here; a struct_size of these, or of
+ * the older struct's sizeof (these rounded up to the struct's alignment), is read and
+ * written as that struct: its fields only. */
 #define SF_OPTIMIZER_OPTIONS_SIZE_V1 offsetof(sf_optimizer_options, cpu_backend)
 #define SF_OPTIMIZER_OPTIONS_SIZE_V2 offsetof(sf_optimizer_options, stochastic_rounding)
 

@@ -42,9 +42,9 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes for the same spec (the cache key has it).
-constexpr int kEmitterVersion = 6;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
+constexpr int kEmitterVersion = 7;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
                                     // 4: the inf-norm reduce ignores NaNs (as the CUDA kernels);
-                                    // 5, 6: stochastic rounding of bf16 weights with the random bits the
+                                    // 5-7: stochastic rounding of bf16 weights with the random bits the
                                     //    caller drew (jit/stochastic_round.h, sf_cpu_update_args::sr_*)
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
@@ -235,7 +235,7 @@ class Emitter {
     llvm::Value* state[kMaxStreams];
     llvm::Value* scalars[kMaxScalars];
     llvm::Value* norms[kMaxNormSlots];  // phase 2 of a two-phase program: the tensor's norms
-    llvm::Value* sr_bits;  // stochastic combos: UpdateArgs::sr_bits less `begin` elements (element i's bits at i)
+    llvm::Value *sr_bits, *sr_begin;  // stochastic combos: element i's bits are sr_bits[i - sr_begin]
   };
   Streams args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args, llvm::Value* begin);
 
@@ -244,7 +244,7 @@ class Emitter {
   // loop and the scalar tail alike, so every element rounds as the reference.
   void store_bf16_stochastic(llvm::Value* v, const Streams& s, llvm::Value* i) {
     const unsigned w = width(v);
-    llvm::Value* r = b_.CreateZExt(load(s.sr_bits, DType::bf16, i, w), vec(i32(), w));
+    llvm::Value* r = b_.CreateZExt(load(s.sr_bits, DType::bf16, b_.CreateSub(i, s.sr_begin), w), vec(i32(), w));
     store(b_.CreateTrunc(narrow_stochastic(v, r), vec(b_.getInt16Ty(), w)), s.weight, DType::bf16, i);
   }
 
@@ -318,8 +318,7 @@ Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, ll
   s.grad = field(kArgsGrad, "grad");
   s.weight = field(kArgsWeight, "weight");
   s.master = c.master ? field(kArgsMaster, "master") : nullptr;
-  if (c.stochastic)  // element i's bits at sr_bits + 2 * (i - begin) bytes
-    s.sr_bits = b_.CreateGEP(b_.getInt8Ty(), field(kArgsSrBits, "sr_bits"), b_.CreateMul(begin, b_.getInt64(-2)));
+  if (c.stochastic) s.sr_bits = field(kArgsSrBits, "sr_bits"), s.sr_begin = begin;
   for (int k = 0; k < p.num_streams; ++k)
     if (p.streams[k].role == StreamRole::state) s.state[k] = field(kArgsState + 8 * k, "state");
   if (p.num_scalars > 0) {

@@ -1539,11 +1539,30 @@ static void test_cpu_backends(void) {
   CHECK_OK(sf_optimizer_get_options(opt[2], &old));
   CHECK(old.struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V1 && old.has_max_grad_norm && old.max_grad_norm == 1.0);
   CHECK(*(const unsigned char*)&old.llvm_contract == 0xAB); /* beyond V1's size: untouched */
-  memset(&old, 0xAB, sizeof old);
-  old.struct_size = (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V2;
-  CHECK_OK(sf_optimizer_get_options(opt[2], &old));
-  CHECK(old.struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V2 && !old.llvm_contract);
-  CHECK(*(const unsigned char*)&old.stochastic_rounding == 0xAB); /* beyond V2's size: untouched */
+  /* The struct of the header before stochastic rounding, as its sizeof (padding included)
+   * gives it: its fields are written, nothing after them. */
+  const uint32_t v2_sizeof =
+      (uint32_t)((SF_OPTIMIZER_OPTIONS_SIZE_V2 + _Alignof(sf_optimizer_options) - 1) / _Alignof(sf_optimizer_options) *
+                 _Alignof(sf_optimizer_options));
+  for (int k = 0; k < 2; ++k) {
+    memset(&old, 0xAB, sizeof old);
+    old.struct_size = k == 0 ? (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V2 : v2_sizeof;
+    CHECK_OK(sf_optimizer_get_options(opt[2], &old));
+    CHECK(old.struct_size == (k == 0 ? (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V2 : v2_sizeof) && !old.llvm_contract);
+    CHECK(*(const unsigned char*)&old.stochastic_rounding == 0xAB); /* beyond V2's fields: untouched */
+  }
+  /* ... and read: bytes past its fields (padding in the older struct) are not the new fields. */
+  o.struct_size = v2_sizeof;
+  o.cpu_backend = SF_CPU_BACKEND_DEFAULT;
+  o.stochastic_rounding = (bool)1; /* in the older struct's padding: never read */
+  sf_optimizer* padded = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, &p2, 1, &o, &padded));
+  sf_optimizer_options back;
+  sf_optimizer_options_init(&back);
+  CHECK_OK(sf_optimizer_get_options(padded, &back));
+  CHECK(!back.stochastic_rounding);
+  sf_optimizer_destroy(padded);
+  o.stochastic_rounding = false;
   o.struct_size = sizeof o;
   o.cpu_backend = (sf_cpu_backend)9;
   sf_optimizer* none = NULL;
