@@ -6,6 +6,7 @@
 // every rank throw, never wait. tests/mpi/ runs the same step across processes.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -247,30 +248,23 @@ TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
         Optimizer opt(optim::AdamW{}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
       },
       ErrorCode::invalid_argument, "OptimizerOptions::max_grad_norm (rank 0: 0.5, rank 1: none) differs between ranks");
-  // Stochastic rounding draws every rank's bits from one seed.
-  Model bf16(DType::bf16, DType::bf16);
-  expect_every_rank_throws(
-      2,
-      [&](int r, const std::shared_ptr<Communicator>& comm) {
-        OptimizerOptions o = base_options(kNorms[0]);
-        o.communicator = comm;
-        o.master_weights = false;
-        o.stochastic_rounding = true;
-        o.seed = r == 0 ? 1 : 2;
-        Optimizer opt(optim::AdamW{}, rank_params(bf16, parts[static_cast<std::size_t>(r)]), o);
-      },
-      ErrorCode::invalid_argument, "OptimizerOptions::seed (rank 0: 1, rank 1: 2; stochastic rounding");
-  // ... and a bf16 weight on some rank (here none has one).
-  expect_every_rank_throws(
-      2,
-      [&](int r, const std::shared_ptr<Communicator>& comm) {
-        OptimizerOptions o = base_options(kNorms[0]);
-        o.communicator = comm;
-        o.master_weights = false;
-        o.stochastic_rounding = true;
-        Optimizer opt(optim::AdamW{}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
-      },
-      ErrorCode::invalid_argument, "stochastic_rounding is set but no rank has a bf16 weight");
+  // Stochastic rounding: every rank draws its bits from one seed, and some rank must
+  // have a bf16 weight. `seeds[r]`: rank r's seed.
+  const auto rounding_on = [&](const Model& model, std::array<std::uint64_t, 2> seeds, const char* message) {
+    expect_every_rank_throws(
+        2,
+        [&](int r, const std::shared_ptr<Communicator>& comm) {
+          OptimizerOptions o = base_options(kNorms[0]);
+          o.communicator = comm;
+          o.master_weights = false;
+          o.stochastic_rounding = true;
+          o.seed = seeds[static_cast<std::size_t>(r)];
+          Optimizer opt(optim::AdamW{}, rank_params(model, parts[static_cast<std::size_t>(r)]), o);
+        },
+        ErrorCode::invalid_argument, message);
+  };
+  rounding_on(Model(DType::bf16, DType::bf16), {1, 2}, "OptimizerOptions::seed (rank 0: 1, rank 1: 2; stochastic rounding");
+  rounding_on(m, {0, 0}, "stochastic_rounding is set but no rank has a bf16 weight");  // (m: f32 weights)
 }
 
 // Builds Adam (or `config`) on each rank over `parts` with slices.

@@ -75,12 +75,8 @@ StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<
   }
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
   eval_scalars(request, step_count_ + 1, 1.0);
-  if (options_.stochastic_rounding) {
-    for (std::size_t i = 0; i < tmp_args_.size(); ++i) {  // (a sharded optimizer's model indices came after tmp_args_)
-      tmp_args_[i].sr_step = host_.args()[i].sr_step;
-      tmp_args_[i].sr_base = host_.args()[i].sr_base;
-    }
-  }
+  if (options_.stochastic_rounding)
+    for (std::size_t i = 0; i < tmp_args_.size(); ++i) tmp_args_[i].sr_step = host_.args()[i].sr_step;
   const std::vector<UpdateArgs>& step_args = use_tmp ? tmp_args_ : host_.args();
   // Two-phase programs: every group's phase-1 ops (a reduce op adds into its chunk's
   // lanes), then each tensor's norms, which the update ops below (phase 2) read.

@@ -18,6 +18,11 @@ class UnfusedBackend final : public HostBackend {
 
   StepResult step(const detail::StepRequest& request, std::vector<double>& tensor_norms) override;
   std::string_view name() const override { return "unfused"; }
+  // Sharded: the model indices of stochastic rounding, in the temporaries' args too.
+  void set_shard(detail::Shard* shard) override {
+    HostBackend::set_shard(shard);
+    for (std::size_t i = 0; i < tmp_args_.size(); ++i) tmp_args_[i].sr_base = host_.args()[i].sr_base;
+  }
 
  private:
   float* tmp_at(const jit::Chunk& ch) const {
