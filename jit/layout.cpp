@@ -2,6 +2,7 @@
 #include "jit/layout.hpp"
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "jit/step_scalars.h"
 #include "jit/cuda/device_abi.h"  // after jit/step_scalars.h, which it needs
@@ -29,6 +30,7 @@ int index_of(std::vector<T>& list, const T& x) {
 
 Layout plan_layout(const std::vector<TensorShape>& tensors, bool flat) {
   Layout l;
+  bool masters = false;
   l.tensor_chunks.reserve(tensors.size() + 1);
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     const TensorShape& s = tensors[t];
@@ -37,13 +39,17 @@ Layout plan_layout(const std::vector<TensorShape>& tensors, bool flat) {
     const std::int64_t padded = flat ? s.numel : (s.numel + 15) / 16 * 16;
     l.offsets.push_back(l.state_elems);
     l.state_elems += padded;
-    l.master_offsets.push_back(s.combo.master ? l.master_elems : -1);
-    if (s.combo.master) l.master_elems += padded;
+    l.master_offsets.push_back(s.combo.has_master_slot() ? l.master_elems : -1);
+    if (s.combo.has_master_slot()) l.master_elems += padded;
+    if (s.combo.compensated) l.master_elem_bytes = 2;
+    if (s.combo.master) masters = true;
     l.tensor_chunks.push_back(l.chunks.size());
     for (std::int64_t b = 0; b < s.numel; b += kChunkElems)
       l.chunks.push_back({static_cast<std::uint32_t>(t), b, std::min(kChunkElems, s.numel - b)});
   }
   l.tensor_chunks.push_back(l.chunks.size());
+  if (masters && l.master_elem_bytes != 4)
+    throw std::logic_error("plan_layout: fp32 masters and bf16 compensations in one tensor list");
   return l;
 }
 

@@ -24,23 +24,32 @@ struct DtypeCombo {
   bool master = false;  // fp32 master weights (weight is f16/bf16)
   // bf16 weights without masters, stored with stochastic rounding (jit/stochastic_round.h)
   bool stochastic = false;
+  // bf16 weights without masters, each with a bf16 compensation in the master
+  // buffer: the parameter is weight + compensation (docs/low-precision.md)
+  bool compensated = false;
   bool operator==(const DtypeCombo&) const = default;
   // A dense index for kernel tables, below kNumComboIndices (some are unused:
   // f32 weights have no masters): weight-major, then grad, then masters; the
-  // stochastic combos (bf16 weights, no masters) last, by grad.
+  // stochastic combos (bf16 weights, no masters) by grad, then the compensated
+  // ones by grad.
   constexpr int index() const {
     if (stochastic) return 18 + static_cast<int>(grad);
+    if (compensated) return 21 + static_cast<int>(grad);
     return static_cast<int>(weight) * 6 + static_cast<int>(grad) * 2 + (master ? 1 : 0);
   }
+  // Whether the tensor has a slot in the master buffer (its masters or its compensations).
+  constexpr bool has_master_slot() const { return master || compensated; }
 };
-inline constexpr int kNumComboIndices = 21;
+inline constexpr int kNumComboIndices = 24;
 
-// The combo of a tensor with these dtypes under OptimizerOptions::master_weights
-// and ::stochastic_rounding: masters for f16/bf16 weights when kept; stochastic
-// rounding for bf16 weights without them.
-constexpr DtypeCombo param_combo(DType weight, DType grad, bool master_weights, bool stochastic_rounding) {
+// The combo of a tensor with these dtypes under OptimizerOptions::master_weights,
+// ::stochastic_rounding and ::compensated_weights: masters for f16/bf16 weights
+// when kept; stochastic rounding or a compensation for bf16 weights without them.
+constexpr DtypeCombo param_combo(DType weight, DType grad, bool master_weights, bool stochastic_rounding,
+                                 bool compensated_weights = false) {
   const bool master = master_weights && weight != DType::f32;
-  return {weight, grad, master, stochastic_rounding && !master && weight == DType::bf16};
+  const bool bf16_alone = !master && weight == DType::bf16;
+  return {weight, grad, master, stochastic_rounding && bf16_alone, compensated_weights && bf16_alone};
 }
 
 // One tensor of a list, without its pointers.
@@ -65,6 +74,10 @@ struct Layout {
   std::vector<std::int64_t> master_offsets;  // per tensor: element offset in the master buffer, or -1
   std::int64_t state_elems = 0;   // elements of each state buffer
   std::int64_t master_elems = 0;  // elements of the master buffer
+  // Bytes per element of the master buffer: 4 for fp32 masters, 2 for bf16
+  // compensations (one list never has both: they are options of one optimizer).
+  std::int64_t master_elem_bytes = 4;
+  std::int64_t master_bytes() const { return master_elems * master_elem_bytes; }
   std::vector<Chunk> chunks;                // kChunkElems per chunk (the last of a tensor shorter), tensor order
   std::vector<std::size_t> tensor_chunks;  // tensor t owns chunks [tensor_chunks[t], tensor_chunks[t + 1])
 };

@@ -282,6 +282,16 @@ sf_status sf_optimizer_master(const sf_optimizer* opt, size_t param, const float
   });
 }
 
+sf_status sf_optimizer_compensation(const sf_optimizer* opt, size_t param, const uint16_t** data, int64_t* numel) {
+  constexpr const char* fn = "sf_optimizer_compensation";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", data, "data", numel, "numel");
+    const std::span<const std::uint16_t> c = opt->opt.compensation(param);
+    *data = c.empty() ? nullptr : c.data();
+    *numel = static_cast<int64_t>(c.size());
+  });
+}
+
 sf_status sf_optimizer_program_text(const sf_optimizer* opt, char* buf, size_t cap, size_t* needed) {
   constexpr const char* fn = "sf_optimizer_program_text";
   return guard(fn, [&] {

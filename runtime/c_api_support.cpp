@@ -263,7 +263,8 @@ void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out) {
 
 std::size_t older_options_fields(std::uint32_t struct_size) {
   constexpr std::size_t kAlign = alignof(sf_optimizer_options);
-  for (const std::size_t end : {std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V1}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V2}})
+  for (const std::size_t end : {std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V1}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V2},
+                                std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V3}})
     if (struct_size == end || struct_size == (end + kAlign - 1) / kAlign * kAlign) return end;
   return 0;
 }
@@ -304,6 +305,7 @@ OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& o) {
   out.llvm_contract = bool_value(fn, o.llvm_contract, "options->llvm_contract");
   out.stochastic_rounding = bool_value(fn, o.stochastic_rounding, "options->stochastic_rounding");
   out.seed = o.seed;
+  out.compensated_weights = bool_value(fn, o.compensated_weights, "options->compensated_weights");
   return out;
 }
 
@@ -330,6 +332,7 @@ void options_to_c(const OptimizerOptions& o, sf_optimizer_options* out) {
   out->track_grad_norm = o.track_grad_norm;
   out->stochastic_rounding = o.stochastic_rounding;
   out->seed = o.seed;
+  out->compensated_weights = o.compensated_weights;
 }
 
 void write_result(const char* fn, const StepResult& r, sf_step_result* out, const char* name) {

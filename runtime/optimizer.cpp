@@ -112,6 +112,7 @@ void Optimizer::add_param_group(ParamGroup group) {
       std::copy(src, src + n, next->state_data(i, next->state_stream(from.state_names[static_cast<std::size_t>(b)])));
     }
     if (const float* m = old.master_data(i)) std::copy(m, m + n, next->master_data(i));
+    if (const std::uint16_t* c = old.compensation_data(i)) std::copy(c, c + n, next->compensation_data(i));
   }
   std::vector<std::int64_t> bases;
   for (std::size_t g = 0; g < old.num_groups(); ++g) bases.push_back(old.step_base(g));
@@ -264,6 +265,15 @@ std::span<float> Optimizer::mutable_master(std::size_t param) {
 }
 std::span<const float> Optimizer::master(std::size_t param) const {
   return const_cast<Optimizer*>(this)->mutable_master(param);
+}
+std::span<std::uint16_t> Optimizer::mutable_compensation(std::size_t param) {
+  check_param_index(param, num_params());
+  std::uint16_t* c = engine_->compensation_data(param);
+  if (c == nullptr) return {};
+  return {c, static_cast<std::size_t>(engine_->params()[param].weight.numel)};
+}
+std::span<const std::uint16_t> Optimizer::compensation(std::size_t param) const {
+  return const_cast<Optimizer*>(this)->mutable_compensation(param);
 }
 std::string Optimizer::program_text() const { return to_string(engine_->program()); }
 const std::vector<double>& Optimizer::last_tensor_grad_norms() const { return engine_->tensor_norms(); }

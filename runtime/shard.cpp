@@ -41,8 +41,10 @@ struct Header {
   std::int32_t master_weights = 0;
   std::int32_t stochastic_rounding = 0;  // 0: off; 1: on; 2: on, and this rank has a bf16 weight
   std::uint64_t seed = 0;
+  std::int32_t compensated_weights = 0;  // 0: off; 1: on; 2: on, and this rank has a bf16 weight
+  std::int32_t reserved = 0;
 };
-static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16 + 16, "no padding: every byte sent is set");
+static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16 + 16 + 8, "no padding: every byte sent is set");
 
 // Round 2: one param.
 struct Entry {
@@ -86,6 +88,8 @@ void check_same_options(const std::vector<Header>& all) {
       what = "master_weights";
     else if ((a.stochastic_rounding != 0) != (b.stochastic_rounding != 0))
       what = "stochastic_rounding";
+    else if ((a.compensated_weights != 0) != (b.compensated_weights != 0))
+      what = "compensated_weights";
     else if (a.seed != b.seed)
       what = "seed (rank 0: " + std::to_string(a.seed) + ", rank " + std::to_string(r) + ": " + std::to_string(b.seed) +
              "; stochastic rounding draws every rank's bits from one seed)";
@@ -103,6 +107,11 @@ void check_same_options(const std::vector<Header>& all) {
     throw Error(ErrorCode::invalid_argument,
                 "sharded Optimizer: OptimizerOptions::stochastic_rounding is set but no rank has a bf16 weight (f32 "
                 "weights are stored exactly; there is nothing to round: leave stochastic_rounding off)");
+  if (a.compensated_weights != 0 &&
+      std::none_of(all.begin(), all.end(), [](const Header& h) { return h.compensated_weights == 2; }))
+    throw Error(ErrorCode::invalid_argument,
+                "sharded Optimizer: OptimizerOptions::compensated_weights is set but no rank has a bf16 weight (f32 "
+                "weights are stored exactly; there is nothing to compensate: leave compensated_weights off)");
 }
 
 Header local_header(const OptimizerOptions& o) {
@@ -116,6 +125,7 @@ Header local_header(const OptimizerOptions& o) {
   h.master_weights = o.master_weights ? 1 : 0;
   h.stochastic_rounding = o.stochastic_rounding ? 1 : 0;
   h.seed = o.stochastic_rounding ? o.seed : 0;
+  h.compensated_weights = o.compensated_weights ? 1 : 0;
   return h;
 }
 
@@ -180,6 +190,9 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
   if (options.stochastic_rounding &&
       std::any_of(params.begin(), params.end(), [](const Param& p) { return p.weight.dtype == DType::bf16; }))
     mine.stochastic_rounding = 2;
+  if (options.compensated_weights &&
+      std::any_of(params.begin(), params.end(), [](const Param& p) { return p.weight.dtype == DType::bf16; }))
+    mine.compensated_weights = 2;
   const std::vector<Header> all = exchange_headers(comm, mine);
   throw_if_any_failed(all, nullptr, "sharded Optimizer", "could not build its shard, so no rank builds one");
   check_same_options(all);

@@ -141,6 +141,29 @@ void validate_rounding(const std::vector<Param>& params, const OptimizerOptions&
                       "round: leave stochastic_rounding off)");
 }
 
+// Compensated weights: bf16 weights without masters or stochastic rounding, and at least one of them.
+void validate_compensation(const std::vector<Param>& params, const OptimizerOptions& o, std::string_view optimizer) {
+  if (!o.compensated_weights) return;
+  const std::string at = std::string(optimizer) + ": OptimizerOptions::compensated_weights";
+  if (o.master_weights)
+    bad_argument(at + " is set with master_weights = true (a bf16 compensation replaces the fp32 master: "
+                      "set master_weights = false, or leave compensated_weights off to keep masters)");
+  if (o.stochastic_rounding)
+    bad_argument(at + " is set with stochastic_rounding = true (the compensation keeps what rounding to nearest "
+                      "loses; choose one of the two)");
+  bool any_bf16 = false;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].weight.dtype == DType::f16)
+      bad_argument(at + ": params[" + std::to_string(i) +
+                   "] has f16 weights; compensated weights are for bf16 weights (keep fp32 masters for f16 "
+                   "weights, or store them as bf16)");
+    any_bf16 |= params[i].weight.dtype == DType::bf16;
+  }
+  if (!any_bf16 && !o.communicator)  // (a sharded optimizer's rank may hold f32 params only)
+    bad_argument(at + " is set but no param has bf16 weights (f32 weights are stored exactly; there is nothing to "
+                      "compensate: leave compensated_weights off)");
+}
+
 std::string stream_name(const void* stream) {
   return stream == nullptr ? "null (the legacy default stream)" : format_pointer(stream);
 }
@@ -285,6 +308,7 @@ void StepEngine::set_custom_rules(const UpdateProgram& program) {
 
 void StepEngine::setup() {
   validate_rounding(params_, options_, custom_ ? custom_->name() : optimizer_name(groups_[0].config));
+  validate_compensation(params_, options_, custom_ ? custom_->name() : optimizer_name(groups_[0].config));
   programs_.index_states();
   if (options_.device.kind == Device::Kind::cuda) {
     auto cuda = std::make_unique<CudaBackend>(programs_, params_, options_);

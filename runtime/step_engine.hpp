@@ -102,10 +102,17 @@ class StepEngine {
   float* state_data(std::size_t param, int buffer) const {
     return backend_->state_data(buffer) + backend_->layout().offsets[param];
   }
-  // fp32 master copy of a parameter, or null (f32 weights, or masters off).
+  // fp32 master copy of a parameter, or null (f32 weights, masters off, or compensations instead).
   float* master_data(std::size_t param) const {
-    const std::int64_t at = backend_->layout().master_offsets[param];
-    return at < 0 ? nullptr : backend_->masters_data() + at;
+    const jit::Layout& l = backend_->layout();
+    if (l.master_offsets[param] < 0 || l.master_elem_bytes != sizeof(float)) return nullptr;
+    return backend_->masters_data() + l.master_offsets[param];
+  }
+  // bf16 compensation of a parameter (bit patterns), or null (not a compensated bf16 weight).
+  std::uint16_t* compensation_data(std::size_t param) const {
+    const jit::Layout& l = backend_->layout();
+    if (l.master_offsets[param] < 0 || l.master_elem_bytes != sizeof(std::uint16_t)) return nullptr;
+    return reinterpret_cast<std::uint16_t*>(backend_->masters_data()) + l.master_offsets[param];
   }
 
  private:

@@ -275,11 +275,18 @@ class EmulatedOptimizer {
                   init(s, group_of[i]));
       }
     }
-    masters_.assign(static_cast<std::size_t>(layout_.layout.master_elems) + kSlack, kPoison);
+    // (compensated weights: the master buffer holds bf16 compensations, zeros to start)
+    const bool comps = layout_.layout.master_elem_bytes == 2;
+    masters_.assign(static_cast<std::size_t>((layout_.layout.master_bytes() + 3) / 4) + kSlack, kPoison);
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (layout_.layout.master_offsets[i] < 0) continue;
-      layout_.tensors[i].master = masters_.data() + layout_.layout.master_offsets[i];
+      layout_.tensors[i].master = reinterpret_cast<float*>(reinterpret_cast<char*>(masters_.data()) +
+                                                           layout_.layout.master_offsets[i] * layout_.layout.master_elem_bytes);
       const long long n = params_[i].weight.numel;
+      if (comps) {
+        std::fill_n(reinterpret_cast<std::uint16_t*>(layout_.tensors[i].master), n, std::uint16_t{0});
+        continue;
+      }
       run(util.widen[static_cast<int>(params_[i].weight.dtype)], launch(grid_for(n, 256), 256, true),
               static_cast<const void*>(params_[i].weight.data), layout_.tensors[i].master, n);
     }
@@ -370,7 +377,12 @@ class EmulatedOptimizer {
            layout_.layout.offsets[t];
   }
   const float* master(std::size_t t) const {
-    return layout_.layout.master_offsets[t] < 0 ? nullptr : masters_.data() + layout_.layout.master_offsets[t];
+    if (layout_.layout.master_offsets[t] < 0 || layout_.layout.master_elem_bytes != 4) return nullptr;
+    return masters_.data() + layout_.layout.master_offsets[t];
+  }
+  const std::uint16_t* compensation(std::size_t t) const {
+    if (layout_.layout.master_offsets[t] < 0 || layout_.layout.master_elem_bytes != 2) return nullptr;
+    return reinterpret_cast<const std::uint16_t*>(masters_.data()) + layout_.layout.master_offsets[t];
   }
   // Adds a failure if a kernel wrote past the end of the state or master buffer.
   void expect_slack_untouched() const {
@@ -565,6 +577,13 @@ struct Pair {
       if (!cm.empty() && dm != nullptr)
         expect_same_values(s.numel, [&](std::int64_t i) { return std::pair{cm[static_cast<std::size_t>(i)], dm[i]}; },
                            name + " master");
+      const std::span<const std::uint16_t> cc = cpu.compensation(t);
+      const std::uint16_t* dc = dev.compensation(t);
+      EXPECT_EQ(cc.empty(), dc == nullptr || s.numel == 0) << name << " compensation";
+      if (!cc.empty() && dc != nullptr)
+        expect_same_values(s.numel, [&](std::int64_t i) {
+          return std::pair{load(DType::bf16, cc.data(), i), load(DType::bf16, dc, i)};
+        }, name + " compensation");
     }
   }
 
@@ -1070,6 +1089,36 @@ TEST_F(EmulatedStep, StochasticRounding) {
   }
 }
 
+// Compensated bf16 weights (the master buffer holds bf16 compensations): the table
+// layout aligned and not (the 4-element loads and stores and the scalar ones), after a
+// reduce and on plain steps, the flat layout, and LAMB's two phases (which read the
+// parameter in phase 1).
+TEST_F(EmulatedStep, CompensatedWeights) {
+  OptimizerOptions options;
+  options.master_weights = false;
+  options.compensated_weights = true;
+  Model table(shapes_for(kSizes, sf_emu::kMixedCompensated), false, 0, rng);
+  Model unaligned(shapes_for(kSizes, sf_emu::kMixedCompensated), false, 1, rng);
+  Model flat(shapes_for({4096, 16388, 0, 40000, 4, 12}, sf_emu::kBf16Compensated), true, 0, rng);
+  Model lamb(shapes_for(kSizes, sf_emu::kMixedCompensated), false, 1, rng);
+  Pair pt(table, kAdamW, options), pf(flat, kAdamW, options), pl(lamb, OptimizerConfig{optim::LAMB{.lr = 1e-3, .weight_decay = 0.1}}, options);
+  OptimizerOptions clipped = options;
+  clipped.max_grad_norm = 5.0;
+  Pair pu(unaligned, kAdamW, clipped);
+  EXPECT_EQ(pt.dev.spec_name(), "adam_compensated");
+  EXPECT_EQ(pu.dev.spec_name(), "adam_compensated_unaligned");
+  EXPECT_EQ(pf.dev.spec_name(), "adam_flat_compensated");
+  EXPECT_EQ(pl.dev.spec_name(), "lamb_compensated_unaligned");
+  const double scales[] = {256.0, 1.0, 8.0, 1.0};
+  for (int k = 0; k < 4; ++k) {
+    for (Model* m : {&table, &unaligned, &flat, &lamb}) m->draw_grads(rng, static_cast<float>(0.5 * scales[k]));
+    for (Pair* p : {&pt, &pu, &pf, &pl}) {
+      p->step_at(scales[k]);
+      p->expect_same("step " + std::to_string(k + 1));
+    }
+  }
+}
+
 // ---- the sharded step (OptimizerOptions::communicator, jit/cuda/kernels/shard_kernel.cuh) ----
 
 // Rank r's params: pieces of the model's tensors (whole, or a slice on a chunk boundary).
@@ -1192,6 +1241,12 @@ class ShardedRun {
         if (!cm.empty() && dm != nullptr)
           expect_same_values(p.numel, [&](std::int64_t k) { return std::pair{cm[static_cast<std::size_t>(p.offset + k)], dm[k]}; },
                              name + " master");
+        const std::span<const std::uint16_t> cc = cpu_.compensation(p.tensor);
+        const std::uint16_t* dc = d.compensation(i);
+        if (!cc.empty() && dc != nullptr)
+          expect_same_values(p.numel, [&](std::int64_t k) {
+            return std::pair{load(DType::bf16, cc.data(), p.offset + k), load(DType::bf16, dc, k)};
+          }, name + " compensation");
       }
       d.expect_slack_untouched();
     }

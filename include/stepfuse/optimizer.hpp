@@ -59,6 +59,14 @@ struct OptimizerOptions {
   // no f16 weights; f32 weights in the list are unaffected.
   bool stochastic_rounding = false;
   std::uint64_t seed = 0;
+  // bf16 weights without masters (master_weights = false): keep beside each bf16
+  // weight a bf16 compensation, the part of the parameter that rounding the
+  // weight to bf16 lost (Kahan-compensated summation). The update reads the
+  // parameter as weight + compensation and writes back the nearest bf16 weight
+  // and the rest: 2 bytes per parameter instead of fp32 masters' 4, with accuracy
+  // close to masters (docs/low-precision.md). Needs at least one bf16 weight and
+  // no f16 weights; excludes stochastic_rounding; f32 weights are unaffected.
+  bool compensated_weights = false;
   Fusion fusion = Fusion::fused;
   // Threads for the CPU backend; 0 = STEPFUSE_NUM_THREADS, else the machine's cores,
   // but no more than one per 256 K elements (small lists run faster on fewer).
@@ -267,6 +275,11 @@ class Optimizer {
   // Writable, as mutable_state(): restoring masters saved by a framework's own
   // checkpoint format. CUDA: a host copy, copied back before the next step.
   std::span<float> mutable_master(std::size_t param);
+  // bf16 compensation of a parameter (OptimizerOptions::compensated_weights), as
+  // bf16 bit patterns: the parameter is weight + compensation. Empty for f32
+  // weights or without compensated weights. Writable as mutable_master().
+  std::span<const std::uint16_t> compensation(std::size_t param) const;
+  std::span<std::uint16_t> mutable_compensation(std::size_t param);
   // The update program this optimizer runs, as text.
   std::string program_text() const;
   // Per-tensor gradient norms (unscaled) from the last reduce pass.

@@ -261,12 +261,19 @@ typedef struct sf_optimizer_options {
    * thread count; docs/low-precision.md). Default false. */
   bool stochastic_rounding;
   uint64_t seed; /* the random stream of stochastic_rounding; default 0 */
+  /* ---- Since 0.1 with compensated weights (a struct_size of SF_OPTIMIZER_OPTIONS_SIZE_V3,
+   * from an older stepfuse.h, is read without these: they keep their defaults). */
+  /* bf16 weights without masters (master_weights = false): keep a bf16 compensation beside
+   * each bf16 weight, the part of the parameter that rounding it to bf16 lost (2 bytes per
+   * parameter instead of an fp32 master's 4; docs/low-precision.md). Default false. */
+  bool compensated_weights;
 } sf_optimizer_options;
 /* The fields of the struct of an older stepfuse.h end here; a struct_size of these, or of
  * the older struct's sizeof (these rounded up to the struct's alignment), is read and
  * written as that struct: its fields only. */
 #define SF_OPTIMIZER_OPTIONS_SIZE_V1 offsetof(sf_optimizer_options, cpu_backend)
 #define SF_OPTIMIZER_OPTIONS_SIZE_V2 offsetof(sf_optimizer_options, stochastic_rounding)
+#define SF_OPTIMIZER_OPTIONS_SIZE_V3 offsetof(sf_optimizer_options, compensated_weights)
 
 /* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
 STEPFUSE_API void sf_optimizer_options_init(sf_optimizer_options* options);
@@ -393,6 +400,11 @@ STEPFUSE_API sf_status sf_optimizer_mutable_state(sf_optimizer* opt, size_t para
  * *numel = 0 when the weights are f32 or masters are off. */
 STEPFUSE_API sf_status sf_optimizer_master(const sf_optimizer* opt, size_t param, const float** data,
                                            int64_t* numel);
+/* The bf16 compensation of a bf16 param (compensated_weights), as bf16 bit patterns in
+ * host memory, as state: the parameter is weight + compensation. *data = NULL and
+ * *numel = 0 for f32 weights or without compensated weights. */
+STEPFUSE_API sf_status sf_optimizer_compensation(const sf_optimizer* opt, size_t param, const uint16_t** data,
+                                                 int64_t* numel);
 /* The update program as text, into a caller buffer. *needed (may be NULL) gets the
  * size including the terminating NUL. buf = NULL with cap = 0 only asks the size
  * (SF_OK). A buffer smaller than needed gets as much as fits, NUL-terminated, and the

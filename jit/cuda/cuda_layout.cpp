@@ -42,7 +42,8 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& pa
   std::vector<TensorShape> shapes;
   shapes.reserve(params.size());
   for (const Param& p : params)
-    shapes.push_back({p.weight.numel, param_combo(p.weight.dtype, p.grad.dtype, options.master_weights, options.stochastic_rounding)});
+    shapes.push_back({p.weight.numel, param_combo(p.weight.dtype, p.grad.dtype, options.master_weights, options.stochastic_rounding,
+                                                           options.compensated_weights)});
   // A two-phase program's phase 2 reads each tensor's norms by its index in the block
   // table: never the flat layout (jit/cuda/emit_cuda.hpp). Nor does a sharded step that
   // rounds stochastically: its params' model indices need not be contiguous.

@@ -37,7 +37,7 @@
 typedef struct sf_tensor {
   const void* grad;
   void* weight;
-  float* master;       /* fp32 master copy, or null */
+  float* master;       /* fp32 master copy, or null; compensated combos: the bf16 compensations */
   long long state_offset; /* element offset of this tensor in every state buffer */
   long long numel;
   long long first_chunk;  /* index of its first reduce chunk; chunks are per tensor, in order */

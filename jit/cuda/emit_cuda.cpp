@@ -19,7 +19,7 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 10;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 11;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
                                     //    one element function per spec; 5: two-phase programs (sf_phase1,
                                     //    sf_phase_combine, sf_update's norms); 6: param groups (sf_tensor.group,
@@ -27,7 +27,8 @@ constexpr int kEmitterVersion = 10;  // 2: sf_reduce takes the loss scale as a d
                                     // 7: program variants per param group (sf_body_v<n>, shared state buffers);
                                     // 8: sf_finish shared by sf_finalize and the sharded step's kernels;
                                     // 9, 10: stochastic rounding of bf16 weights (jit/stochastic_round.h,
-                                    //    sf_tensor.model_index, sf_hyper.seed, the group's step)
+                                    //    sf_tensor.model_index, sf_hyper.seed, the group's step);
+                                    // 11: compensated bf16 weights (sf_tensor.master holds the compensations)
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -158,15 +159,23 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
     load1 += "g[j] = sf_load_" + G + "(t->grad, begin + i + j);\n";
   }
   if (use.loads[ps]) {
-    load4 += c.master ? "sf_load4_f32(t->master, begin + i, p);\n" : "sf_load4_" + W + "(t->weight, begin + i, p);\n";
-    load1 += c.master ? "p[j] = sf_load_f32(t->master, begin + i + j);\n"
-                      : "p[j] = sf_load_" + W + "(t->weight, begin + i + j);\n";
+    if (c.compensated) {  // the master slot holds the bf16 compensations
+      load4 += "sf_load4_bf16_comp(t->weight, t->master, begin + i, p);\n";
+      load1 += "p[j] = sf_load_bf16_comp(t->weight, t->master, begin + i + j);\n";
+    } else {
+      load4 += c.master ? "sf_load4_f32(t->master, begin + i, p);\n" : "sf_load4_" + W + "(t->weight, begin + i, p);\n";
+      load1 += c.master ? "p[j] = sf_load_f32(t->master, begin + i + j);\n"
+                        : "p[j] = sf_load_" + W + "(t->weight, begin + i + j);\n";
+    }
   }
   if (c.master) {
     store4 += "sf_store4_f32(t->master, begin + i, p);\n";
     store1 += "sf_store_f32(t->master, begin + i + j, p[j]);\n";
   }
-  if (c.stochastic) {  // the model index of element begin + i is t->model_index + begin + i
+  if (c.compensated) {
+    store4 += "sf_store4_bf16_comp(t->weight, t->master, begin + i, p);\n";
+    store1 += "sf_store_bf16_comp(t->weight, t->master, begin + i + j, p[j]);\n";
+  } else if (c.stochastic) {  // the model index of element begin + i is t->model_index + begin + i
     store4 += "sf_store4_bf16_sr(t->weight, begin + i, p, t->model_index + begin + i, sr_seed, sr_step);\n";
     store1 += "sf_store_bf16_sr(t->weight, begin + i + j, p[j], t->model_index + begin + i + j, sr_seed, sr_step);\n";
   } else {
@@ -209,7 +218,9 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
   std::string load, store, accumulate;
   if (use.loads[gs]) load += "g = sf_load_" + G + "(t->grad, begin + i);\n";
   if (use.loads[ps])
-    load += c.master ? "p = sf_load_f32(t->master, begin + i);\n" : "p = sf_load_" + W + "(t->weight, begin + i);\n";
+    load += c.compensated ? "p = sf_load_bf16_comp(t->weight, t->master, begin + i);\n"
+            : c.master    ? "p = sf_load_f32(t->master, begin + i);\n"
+                          : "p = sf_load_" + W + "(t->weight, begin + i);\n";
   for (int s = 0; s < prog.num_streams; ++s) {
     if (prog.streams[s].role != StreamRole::state) continue;
     const std::string S = std::to_string(s);
@@ -237,6 +248,12 @@ void check_spec(const CudaSpec& spec) {
       throw Error(ErrorCode::invalid_argument, "CUDA emitter: a combination with stochastic rounding has " +
                                                    std::string(dtype_name(c.weight)) + (c.master ? " weights and masters" : " weights") +
                                                    " (stochastic rounding is for bf16 weights without fp32 masters)");
+  for (const DtypeCombo& c : spec.combos)
+    if (c.compensated && (c.weight != DType::bf16 || c.master || c.stochastic))
+      throw Error(ErrorCode::invalid_argument, "CUDA emitter: a compensated combination has " +
+                                                   std::string(dtype_name(c.weight)) + " weights" +
+                                                   (c.master ? " and masters" : "") + (c.stochastic ? " and stochastic rounding" : "") +
+                                                   " (compensations are for bf16 weights without masters or stochastic rounding)");
   if (is_two_phase(spec.program) && spec.flat)
     throw Error(ErrorCode::invalid_argument,
                 "CUDA emitter: program '" + std::string(spec.program.name) +
@@ -273,7 +290,8 @@ std::string canonical_text(const CudaSpec& spec) {
     << (spec.sharded ? "sharded\n" : "")
     << "combos";
   for (const DtypeCombo& c : spec.combos)
-    o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "") << (c.stochastic ? "/stochastic" : "");
+    o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "") << (c.stochastic ? "/stochastic" : "")
+      << (c.compensated ? "/compensated" : "");
   o << "\nscalars " << static_cast<int>(spec.program.num_scalars) << "\nstreams";
   for (int s = 0; s < spec.program.num_streams; ++s)
     o << " " << spec.program.streams[s].name << ":" << static_cast<int>(spec.program.streams[s].role);

@@ -20,7 +20,8 @@
 typedef struct sf_cpu_update_args {
   const void* grad;                 /* grad dtype */
   void* weight;                     /* weight dtype: read unless master is set, written */
-  float* master;                    /* fp32 master copy, or NULL when the combo has none */
+  float* master;                    /* fp32 master copy, or NULL when the combo has none; compensated
+                                       combos: the bf16 compensations (uint16_t bit patterns) */
   float* state[SF_CPU_MAX_STREAMS]; /* by program stream index: state streams' buffers, else NULL */
   const float* scalars;             /* the program's per-step scalars */
   const float* norms;               /* two-phase programs, phase 2: this tensor's norm of each reduction slot

@@ -28,6 +28,7 @@
 #include <llvm/Target/TargetOptions.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -42,10 +43,11 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes for the same spec (the cache key has it).
-constexpr int kEmitterVersion = 7;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
+constexpr int kEmitterVersion = 8;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
                                     // 4: the inf-norm reduce ignores NaNs (as the CUDA kernels);
                                     // 5-7: stochastic rounding of bf16 weights with the random bits the
-                                    //    caller drew (jit/stochastic_round.h, sf_cpu_update_args::sr_*)
+                                    //    caller drew (jit/stochastic_round.h, sf_cpu_update_args::sr_*);
+                                    // 8: compensated bf16 weights (the master slot holds the compensations)
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
 // Byte offsets of the update functions' argument struct (jit/llvm/cpu_abi.h).
@@ -248,6 +250,23 @@ class Emitter {
     store(b_.CreateTrunc(narrow_stochastic(v, r), vec(b_.getInt16Ty(), w)), s.weight, DType::bf16, i);
   }
 
+  // Compensated bf16 weights (runtime/cpu/convert-inl.h LoadCompensated and
+  // StoreCompensated, step for step): the parameter is weight + compensation; it is
+  // stored as the nearest bf16 weight and the nearest bf16 to the rest (0 where
+  // the rest is not finite). Plain fadd/fsub: never contracted with the program's ops.
+  llvm::Value* load_compensated(const Streams& s, llvm::Value* i, unsigned w) {
+    return b_.CreateFAdd(load_as_f32(s.weight, DType::bf16, i, w), load_as_f32(s.master, DType::bf16, i, w));
+  }
+  void store_compensated(llvm::Value* v, const Streams& s, llvm::Value* i) {
+    const unsigned w = width(v);
+    llvm::Value* hi = narrow(DType::bf16, v);
+    llvm::Value* rest = b_.CreateFSub(v, widen(DType::bf16, hi));
+    llvm::Value* finite = b_.CreateFCmpONE(abs(rest), fconst(INFINITY, w));
+    llvm::Value* lo = narrow(DType::bf16, select(finite, rest, fconst(0.0f, w)));
+    store(b_.CreateTrunc(hi, vec(b_.getInt16Ty(), w)), s.weight, DType::bf16, i);
+    store(b_.CreateTrunc(lo, vec(b_.getInt16Ty(), w)), s.master, DType::bf16, i);
+  }
+
   // The program over `w` elements starting at element i. Phase 1 of a two-phase
   // program: reduced[slot] receives the values its reduce_sumsq ops reduce.
   void body(const Program& p, const DtypeCombo& c, const Streams& s, llvm::Value* i, unsigned w,
@@ -260,11 +279,13 @@ class Emitter {
         if (in.op == Op::load) {
           if (role == StreamRole::grad) v[k] = load_as_f32(s.grad, c.grad, i, w);
           else if (role == StreamRole::param && c.master) v[k] = load(s.master, DType::f32, i, w);
+          else if (role == StreamRole::param && c.compensated) v[k] = load_compensated(s, i, w);
           else if (role == StreamRole::param) v[k] = load_as_f32(s.weight, c.weight, i, w);
           else v[k] = load(s.state[in.attr], DType::f32, i, w);
         } else if (role == StreamRole::param) {
           if (c.master) store(v[in.a], s.master, DType::f32, i);
-          if (c.stochastic) store_bf16_stochastic(v[in.a], s, i);
+          if (c.compensated) store_compensated(v[in.a], s, i);
+          else if (c.stochastic) store_bf16_stochastic(v[in.a], s, i);
           else store_from_f32(v[in.a], s.weight, c.weight, i);
         } else {
           store(v[in.a], s.state[in.attr], DType::f32, i);
@@ -317,7 +338,7 @@ Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, ll
   Streams s{};
   s.grad = field(kArgsGrad, "grad");
   s.weight = field(kArgsWeight, "weight");
-  s.master = c.master ? field(kArgsMaster, "master") : nullptr;
+  s.master = c.master || c.compensated ? field(kArgsMaster, "master") : nullptr;
   if (c.stochastic) s.sr_bits = field(kArgsSrBits, "sr_bits"), s.sr_begin = begin;
   for (int k = 0; k < p.num_streams; ++k)
     if (p.streams[k].role == StreamRole::state) s.state[k] = field(kArgsState + 8 * k, "state");
@@ -582,6 +603,9 @@ void check_spec(const CpuSpec& spec) {
     if (c.stochastic && (c.weight != DType::bf16 || c.master))
       throw Error(ErrorCode::invalid_argument,
                   "LLVM emitter: stochastic rounding is for bf16 weights without masters");
+    if (c.compensated && (c.weight != DType::bf16 || c.master || c.stochastic))
+      throw Error(ErrorCode::invalid_argument,
+                  "LLVM emitter: compensated weights are bf16 weights without masters or stochastic rounding");
   }
 }
 
@@ -690,7 +714,7 @@ std::string cpu_canonical_text(const CpuSpec& spec) {
     << spec.contract << "\ncombos";
   for (const DtypeCombo& c : spec.combos)
     o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "")
-      << (c.stochastic ? "/stochastic" : "");
+      << (c.stochastic ? "/stochastic" : "") << (c.compensated ? "/compensated" : "");
   o << "\nreduce";
   for (DType g : spec.reduce_grads) o << " " << dtype_name(g);
   o << "\nstreams";
@@ -713,12 +737,12 @@ std::string cpu_cache_key(const CpuSpec& spec, const CpuTarget& target) {
 
 std::string cpu_update_symbol(const DtypeCombo& c) {
   return "sf_cpu_update_" + std::string(dtype_name(c.weight)) + "_" + std::string(dtype_name(c.grad)) +
-         (c.master ? "_m" : "") + (c.stochastic ? "_sr" : "");
+         (c.master ? "_m" : "") + (c.stochastic ? "_sr" : "") + (c.compensated ? "_kc" : "");
 }
 
 std::string cpu_phase1_symbol(const DtypeCombo& c) {
   return "sf_cpu_phase1_" + std::string(dtype_name(c.weight)) + "_" + std::string(dtype_name(c.grad)) +
-         (c.master ? "_m" : "") + (c.stochastic ? "_sr" : "");
+         (c.master ? "_m" : "") + (c.stochastic ? "_sr" : "") + (c.compensated ? "_kc" : "");
 }
 
 std::string cpu_reduce_symbol(DType grad, bool inf_norm) {

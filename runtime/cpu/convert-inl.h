@@ -112,6 +112,27 @@ HWY_INLINE hn::Vec<D> RoundTo(D d, hn::Vec<D> v) {
   else return WidenF16(d, NarrowF16(d, v));
 }
 
+// Compensated bf16 weights (docs/low-precision.md): the parameter is the bf16
+// weight plus its bf16 compensation, one fp32 addition.
+template <class D>
+HWY_INLINE hn::Vec<D> LoadCompensated(D d, const void* weight, const void* comp, std::size_t i) {
+  return hn::Add(LoadAs<DType::bf16>(d, weight, i), LoadAs<DType::bf16>(d, comp, i));
+}
+
+// Stores the parameter v as the bf16 weight nearest it and, as the compensation,
+// the rest (v - weight, exact in fp32) rounded to the nearest bf16; where the
+// weight is not finite (v is inf or NaN, or overflows bf16) the compensation is 0.
+template <class D>
+HWY_INLINE void StoreCompensated(D d, hn::Vec<D> v, void* weight, void* comp, std::size_t i) {
+  const hn::Rebind<std::uint16_t, D> d16;
+  const hn::RebindToSigned<D> di;
+  const auto hi = NarrowBf16(d, v);
+  const auto rest = hn::Sub(v, WidenBf16(d, hi));
+  const auto lo = NarrowBf16(d, hn::IfThenElseZero(hn::IsFinite(rest), rest));
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, hi)), d16, static_cast<std::uint16_t*>(weight) + i);
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, lo)), d16, static_cast<std::uint16_t*>(comp) + i);
+}
+
 }  // namespace stepfuse::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 

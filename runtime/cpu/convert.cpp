@@ -114,6 +114,34 @@ void NarrowBf16StochasticArray(const float* src, std::uint16_t* dst, std::size_t
   }
 }
 
+void WidenCompensatedArray(const std::uint16_t* weight, const std::uint16_t* comp, float* dst, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(LoadCompensated(d, weight, comp, i), d, dst + i);
+  if (i == n) return;
+  alignas(64) std::uint16_t w[hn::MaxLanes(d)] = {}, c[hn::MaxLanes(d)] = {};
+  alignas(64) float out[hn::MaxLanes(d)];
+  std::memcpy(w, weight + i, (n - i) * sizeof(std::uint16_t));
+  std::memcpy(c, comp + i, (n - i) * sizeof(std::uint16_t));
+  hn::Store(LoadCompensated(d, w, c, 0), d, out);
+  std::memcpy(dst + i, out, (n - i) * sizeof(float));
+}
+
+void NarrowCompensatedArray(const float* src, std::uint16_t* weight, std::uint16_t* comp, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const std::size_t N = hn::Lanes(d);
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) StoreCompensated(d, hn::LoadU(d, src + i), weight, comp, i);
+  if (i == n) return;
+  alignas(64) float in[hn::MaxLanes(d)] = {};
+  alignas(64) std::uint16_t w[hn::MaxLanes(d)], c[hn::MaxLanes(d)];
+  std::memcpy(in, src + i, (n - i) * sizeof(float));
+  StoreCompensated(d, hn::Load(d, in), w, c, 0);
+  std::memcpy(weight + i, w, (n - i) * sizeof(std::uint16_t));
+  std::memcpy(comp + i, c, (n - i) * sizeof(std::uint16_t));
+}
+
 void RoundingBits(std::uint64_t seed, std::uint64_t step, std::uint64_t first, std::size_t n, std::uint16_t* bits) {
   FillRoundingBits(seed, step, first, n, bits);
 }
@@ -129,6 +157,14 @@ HWY_EXPORT(Scale);
 HWY_EXPORT(WidenScaled);
 HWY_EXPORT(NarrowBf16StochasticArray);
 HWY_EXPORT(RoundingBits);
+HWY_EXPORT(WidenCompensatedArray);
+HWY_EXPORT(NarrowCompensatedArray);
+void widen_compensated(const std::uint16_t* weight, const std::uint16_t* comp, float* dst, std::size_t n) {
+  HWY_DYNAMIC_DISPATCH(WidenCompensatedArray)(weight, comp, dst, n);
+}
+void narrow_compensated(const float* src, std::uint16_t* weight, std::uint16_t* comp, std::size_t n) {
+  HWY_DYNAMIC_DISPATCH(NarrowCompensatedArray)(src, weight, comp, n);
+}
 void rounding_bits(std::uint64_t seed, std::uint64_t step, std::uint64_t first, std::size_t n, std::uint16_t* bits) {
   HWY_DYNAMIC_DISPATCH(RoundingBits)(seed, step, first, n, bits);
 }

@@ -40,6 +40,10 @@ struct Streams {
 inline constexpr int kPlainWeights = 0;       // the weights themselves, rounded to nearest when narrower
 inline constexpr int kMasterWeights = 1;      // fp32 masters; the weights are their copies, rounded to nearest
 inline constexpr int kStochasticWeights = 2;  // bf16 weights, rounded stochastically (jit/stochastic_round.h)
+inline constexpr int kCompensatedWeights = 3; // bf16 weights + bf16 compensations in the master slot
+// Bytes per element of the master slot in mode M (none: 0).
+template <int M>
+inline constexpr std::size_t kMasterBytes = M == kMasterWeights ? 4 : M == kCompensatedWeights ? 2 : 0;
 
 // Streams of a tensor's args, for a call over elements begin, begin + 1, ...
 HWY_INLINE Streams StreamsOf(const UpdateArgs& a, std::size_t begin) {
@@ -59,13 +63,15 @@ HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i, V*
     constexpr StreamRole role = P.streams[in.attr].role;
     if constexpr (role == StreamRole::grad) v[I] = LoadAs<G>(d, st.grad, i);
     else if constexpr (role == StreamRole::param && M == kMasterWeights) v[I] = hn::LoadU(d, st.master + i);
+    else if constexpr (role == StreamRole::param && M == kCompensatedWeights) v[I] = LoadCompensated(d, st.weight, st.master, i);
     else if constexpr (role == StreamRole::param) v[I] = LoadAs<W>(d, st.weight, i);
     else v[I] = hn::LoadU(d, st.state[in.attr] + i);
   } else if constexpr (in.op == Op::store) {
     constexpr StreamRole role = P.streams[in.attr].role;
     if constexpr (role == StreamRole::param) {
       if constexpr (M == kMasterWeights) hn::StoreU(v[in.a], d, st.master + i);
-      if constexpr (M == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.sr_bits + (i - st.sr_begin));
+      if constexpr (M == kCompensatedWeights) StoreCompensated(d, v[in.a], st.weight, st.master, i);
+      else if constexpr (M == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.sr_bits + (i - st.sr_begin));
       else StoreAs<W>(d, v[in.a], st.weight, i);
     } else {
       hn::StoreU(v[in.a], d, st.state[in.attr] + i);
@@ -138,7 +144,8 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   const std::size_t wsize = dtype_size(W), gsize = dtype_size(G);
   std::memcpy(grad_buf, static_cast<const char*>(a.grad) + i * gsize, rem * gsize);
   std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
-  if constexpr (M == kMasterWeights) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
+  constexpr std::size_t kMB = kMasterBytes<M>;
+  if constexpr (kMB > 0) std::memcpy(master_buf, reinterpret_cast<const char*>(a.master) + i * kMB, rem * kMB);
   alignas(64) std::uint16_t bits_buf[kMax] = {};  // the buffers' element 0 is the tensor's element i
   if constexpr (M == kStochasticWeights) std::memcpy(bits_buf, a.sr_bits + (i - begin), rem * sizeof(std::uint16_t));
   Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, bits_buf, 0};
@@ -153,7 +160,7 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
     if (!(kStored & (1u << k))) continue;
     if (P.streams[k].role == StreamRole::param) {
       std::memcpy(static_cast<char*>(a.weight) + i * wsize, weight_buf, rem * wsize);
-      if constexpr (M == kMasterWeights) std::memcpy(a.master + i, master_buf, rem * sizeof(float));
+      if constexpr (kMB > 0) std::memcpy(reinterpret_cast<char*>(a.master) + i * kMB, master_buf, rem * kMB);
     } else {
       std::memcpy(a.state[k] + i, state_buf[k], rem * sizeof(float));
     }
@@ -195,7 +202,8 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
     const std::size_t wsize = dtype_size(W), gsize = dtype_size(G);
     std::memcpy(grad_buf, static_cast<const char*>(a.grad) + i * gsize, rem * gsize);
     std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
-    if constexpr (M == kMasterWeights) std::memcpy(master_buf, a.master + i, rem * sizeof(float));
+    constexpr std::size_t kMB = kMasterBytes<M>;
+    if constexpr (kMB > 0) std::memcpy(master_buf, reinterpret_cast<const char*>(a.master) + i * kMB, rem * kMB);
     Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, nullptr, 0};  // (no param store in phase 1)
     for (int k = 0; k < P.num_streams; ++k) {
       if (P.streams[k].role != StreamRole::state) continue;
@@ -211,7 +219,7 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
       if (!(kStored & (1u << k))) continue;
       if (P.streams[k].role == StreamRole::param) {  // (validation keeps the param out of phase 1)
         std::memcpy(static_cast<char*>(a.weight) + i * wsize, weight_buf, rem * wsize);
-        if constexpr (M == kMasterWeights) std::memcpy(a.master + i, master_buf, rem * sizeof(float));
+        if constexpr (kMB > 0) std::memcpy(reinterpret_cast<char*>(a.master) + i * kMB, master_buf, rem * kMB);
       } else {
         std::memcpy(a.state[k] + i, state_buf[k], rem * sizeof(float));
       }
@@ -246,18 +254,19 @@ constexpr Phase1Fn Phase1Entry() {
 
 // Table of kernels for the programs Ps..., indexed [program][jit::DtypeCombo::index()]:
 // weight-major, then grad, then masters (f32 weights have none); then the
-// stochastically rounded bf16 weights, by grad.
+// stochastically rounded bf16 weights, by grad; then the compensated ones, by grad.
 static_assert(jit::DtypeCombo{DType::f16, DType::bf16, true}.index() == 11 &&
                   jit::DtypeCombo{DType::bf16, DType::f32, false}.index() == 12 &&
                   jit::DtypeCombo{DType::bf16, DType::f32, false, true}.index() == 18 &&
-                  jit::kNumComboIndices == 21,
+                  jit::DtypeCombo{DType::bf16, DType::f32, false, false, true}.index() == 21 &&
+                  jit::kNumComboIndices == 24,
               "the rows below are in jit::DtypeCombo::index() order");
 template <const Program&... Ps>
 struct FusedTable {
   // Entry<P, W, G, M>() for every jit::DtypeCombo::index(), null where there is none.
   template <class Fn, template <const Program&, DType, DType, int> class Entry, const Program& P>
   static constexpr Fn Row(int combo) {
-    constexpr int kP = kPlainWeights, kM = kMasterWeights, kS = kStochasticWeights;
+    constexpr int kP = kPlainWeights, kM = kMasterWeights, kS = kStochasticWeights, kC = kCompensatedWeights;
     constexpr Fn fns[jit::kNumComboIndices] = {
         Entry<P, DType::f32, DType::f32, kP>::get(),   nullptr,
         Entry<P, DType::f32, DType::f16, kP>::get(),   nullptr,
@@ -270,6 +279,8 @@ struct FusedTable {
         Entry<P, DType::bf16, DType::bf16, kP>::get(), Entry<P, DType::bf16, DType::bf16, kM>::get(),
         Entry<P, DType::bf16, DType::f32, kS>::get(),  Entry<P, DType::bf16, DType::f16, kS>::get(),
         Entry<P, DType::bf16, DType::bf16, kS>::get(),
+        Entry<P, DType::bf16, DType::f32, kC>::get(),  Entry<P, DType::bf16, DType::f16, kC>::get(),
+        Entry<P, DType::bf16, DType::bf16, kC>::get(),
     };
     return fns[combo];
   }

@@ -13,7 +13,8 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
   std::vector<jit::TensorShape> shapes;
   std::int64_t elements = 0;
   for (const Param& p : params) {
-    shapes.push_back({p.weight.numel, jit::param_combo(p.weight.dtype, p.grad.dtype, options.master_weights, options.stochastic_rounding)});
+    shapes.push_back({p.weight.numel, jit::param_combo(p.weight.dtype, p.grad.dtype, options.master_weights, options.stochastic_rounding,
+                                                               options.compensated_weights)});
     elements += p.weight.numel;
   }
   layout_ = jit::plan_layout(shapes);
@@ -34,7 +35,7 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
   const std::size_t nb = programs.state_names.size();
   state_.resize(nb);
   for (detail::AlignedBuffer& b : state_) b = detail::AlignedBuffer(static_cast<std::size_t>(layout_.state_elems));
-  if (layout_.master_elems > 0) masters_ = detail::AlignedBuffer(static_cast<std::size_t>(layout_.master_elems));
+  if (layout_.master_elems > 0) masters_ = detail::AlignedBuffer(static_cast<std::size_t>((layout_.master_bytes() + 3) / 4));
   std::vector<float> init(programs.groups.size() * nb, 0.0f);  // per group, per buffer
   for (std::size_t g = 0; g < programs.groups.size(); ++g)
     for (int s = 0; s < programs.groups[g].program->num_streams; ++s)
@@ -45,7 +46,11 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
     const std::int64_t at = layout_.offsets[ch.tensor] + ch.begin;
     const std::size_t g = programs.tensor_group[ch.tensor];
     for (std::size_t b = 0; b < nb; ++b) std::fill_n(state_[b].data() + at, ch.len, init[g * nb + b]);
-    if (layout_.master_offsets[ch.tensor] >= 0) {
+    if (layout_.master_offsets[ch.tensor] < 0) {
+    } else if (layout_.master_elem_bytes == 2) {  // compensations start at 0: the weights are the parameters
+      std::fill_n(reinterpret_cast<std::uint16_t*>(masters_.data()) + layout_.master_offsets[ch.tensor] + ch.begin,
+                  ch.len, std::uint16_t{0});
+    } else {
       const TensorView& w = params[ch.tensor].weight;
       widen(w.dtype, static_cast<const char*>(w.data) + ch.begin * static_cast<std::int64_t>(dtype_size(w.dtype)),
             masters_.data() + layout_.master_offsets[ch.tensor] + ch.begin, static_cast<std::size_t>(ch.len));
@@ -61,7 +66,10 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
     model_index += static_cast<std::uint64_t>(params[i].weight.numel);
     a.grad = params[i].grad.data;
     a.weight = params[i].weight.data;
-    a.master = layout_.master_offsets[i] >= 0 ? masters_.data() + layout_.master_offsets[i] : nullptr;
+    // (a compensated tensor's bf16 compensations, as UpdateArgs::master says)
+    if (layout_.master_offsets[i] >= 0)
+      a.master = reinterpret_cast<float*>(reinterpret_cast<char*>(masters_.data()) +
+                                          layout_.master_offsets[i] * layout_.master_elem_bytes);
     const std::uint32_t g = programs.tensor_group[i];
     for (int s = 0; s < programs.groups[g].program->num_streams; ++s) {
       const int b = programs.state_slot[g][static_cast<std::size_t>(s)];

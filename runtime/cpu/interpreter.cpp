@@ -179,8 +179,11 @@ void Exec(const ExecCall& c, std::size_t n) {
     case LKind::msub: return RunFused<LKind::msub>(c, n);
     case LKind::axpby: return RunFused<LKind::axpby>(c, n);
     // The storage conversions of runtime/cpu/convert.cpp (f32 included).
-    case LKind::widen: return widen(c.lp_type, c.lp_src, c.dst, n);
+    case LKind::widen:
+      if (c.comp != nullptr) return widen_compensated(static_cast<const std::uint16_t*>(c.lp_src), c.comp, c.dst, n);
+      return widen(c.lp_type, c.lp_src, c.dst, n);
     case LKind::narrow:
+      if (c.comp != nullptr) return narrow_compensated(c.src[0].p, static_cast<std::uint16_t*>(c.lp_dst), c.comp, n);
       if (c.stochastic)
         return narrow_bf16_stochastic(c.src[0].p, static_cast<std::uint16_t*>(c.lp_dst), n, c.sr_seed, c.sr_step, c.sr_first);
       return narrow(c.src[0].p, c.lp_type, c.lp_dst, n);
@@ -198,11 +201,13 @@ HWY_AFTER_NAMESPACE();
 namespace stepfuse::cpu {
 HWY_EXPORT(GetExec);
 
-Interpreter::Interpreter(const Program& program, DType weight, DType grad, bool masters, bool stochastic)
+Interpreter::Interpreter(const Program& program, DType weight, DType grad, bool masters, bool stochastic,
+                         bool compensated)
     : lowered_(jit::lower(program, weight, grad, masters)),
       weight_(weight),
       grad_(grad),
       stochastic_(stochastic),
+      compensated_(compensated),
       exec_(HWY_DYNAMIC_DISPATCH(GetExec)()) {}
 
 ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::size_t begin, float* const* slots,
@@ -212,7 +217,7 @@ ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::s
     switch (o.kind) {
       case K::slot: return slots[o.index];
       case K::grad: return const_cast<float*>(static_cast<const float*>(a.grad)) + begin;
-      case K::param: return (a.master != nullptr ? a.master : static_cast<float*>(a.weight)) + begin;
+      case K::param: return (a.master != nullptr ? a.master : static_cast<float*>(a.weight)) + begin;  // (f32 only)
       case K::state: return a.state[o.index] + begin;
       default: return nullptr;
     }
@@ -233,10 +238,12 @@ ExecCall Interpreter::resolve(const jit::LInstr& li, const UpdateArgs& a, std::s
     const bool is_grad = li.src[0].kind == K::grad;
     c.lp_type = is_grad ? grad_ : weight_;
     c.lp_src = static_cast<const char*>(is_grad ? a.grad : a.weight) + begin * dtype_size(c.lp_type);
+    if (!is_grad && compensated_) c.comp = reinterpret_cast<std::uint16_t*>(a.master) + begin;
   } else if (li.kind == jit::LKind::narrow) {
     c.lp_type = weight_;
     c.lp_dst = static_cast<char*>(a.weight) + begin * dtype_size(weight_);
     if (stochastic_) c.stochastic = true, c.sr_seed = a.sr_seed, c.sr_step = a.sr_step, c.sr_first = a.sr_base + begin;
+    if (compensated_) c.comp = reinterpret_cast<std::uint16_t*>(a.master) + begin;
   } else if (li.kind == jit::LKind::reduce) {
     c.lanes = lanes + static_cast<std::size_t>(li.attr) * 32;
   }
@@ -288,7 +295,8 @@ InterpreterSet::InterpreterSet(const std::vector<const Program*>& tensor_program
     auto it = std::find(keys.begin(), keys.end(), key);
     if (it == keys.end()) {
       keys.push_back(key);
-      interpreters_.push_back(std::make_unique<Interpreter>(*key.first, c.weight, c.grad, c.master, c.stochastic));
+      interpreters_.push_back(std::make_unique<Interpreter>(*key.first, c.weight, c.grad, c.master, c.stochastic,
+                                                                    c.compensated));
       max_slots_ = std::max(max_slots_, interpreters_.back()->num_slots());
       it = keys.end() - 1;
     }

@@ -32,6 +32,8 @@ struct ExecCall {
   // narrow with stochastic rounding: the key, and the model index of lp_dst's element 0
   bool stochastic = false;
   std::uint64_t sr_seed = 0, sr_step = 0, sr_first = 0;
+  // widen/narrow of compensated bf16 weights: the compensations of lp_src's / lp_dst's element 0
+  std::uint16_t* comp = nullptr;
   float* lanes = nullptr;        // reduce: the slot's 32 canonical accumulator lanes, in/out
   ExecSrc src[4];
 };
@@ -43,8 +45,10 @@ class Interpreter {
   // (measured best on the machines this was tuned on).
   static constexpr std::size_t kBlock = 1024;
 
-  // stochastic: bf16 weights without masters, rounded stochastically when stored.
-  Interpreter(const Program& program, DType weight, DType grad, bool masters, bool stochastic = false);
+  // stochastic: bf16 weights without masters, rounded stochastically when stored;
+  // compensated: bf16 weights without masters, with compensations in args.master.
+  Interpreter(const Program& program, DType weight, DType grad, bool masters, bool stochastic = false,
+              bool compensated = false);
 
   int num_slots() const { return lowered_.num_slots; }
   int num_ops() const { return static_cast<int>(lowered_.code.size()); }
@@ -76,6 +80,7 @@ class Interpreter {
   jit::LoweredProgram lowered_;
   DType weight_, grad_;
   bool stochastic_ = false;
+  bool compensated_ = false;
   ExecFn exec_;
 };
 

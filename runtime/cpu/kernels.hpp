@@ -28,6 +28,12 @@ void narrow(const float* src, DType type, void* dst, std::size_t n);   // round 
 void rounding_bits(std::uint64_t seed, std::uint64_t step, std::uint64_t first, std::size_t n, std::uint16_t* bits);
 void narrow_bf16_stochastic(const float* src, std::uint16_t* dst, std::size_t n, std::uint64_t seed,
                             std::uint64_t step, std::uint64_t first);
+// Compensated bf16 weights (docs/low-precision.md): dst[i] = weight[i] + comp[i]
+// (bf16 bit patterns, one fp32 addition), and its inverse: weight[i] = the bf16
+// nearest src[i], comp[i] = the bf16 nearest src[i] - weight[i] (0 where the weight
+// is not finite).
+void widen_compensated(const std::uint16_t* weight, const std::uint16_t* comp, float* dst, std::size_t n);
+void narrow_compensated(const float* src, std::uint16_t* weight, std::uint16_t* comp, std::size_t n);
 
 // ---- reduce pass ----
 // Partial results of one chunk of gradients (as stored, still loss-scaled).

@@ -254,10 +254,15 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
       launch(util.fill, "sf_fill", grid_for(n, 256), 256, stream_, args);
     }
   }
-  if (layout_.master_elems > 0) masters_ = DeviceBuffer(static_cast<std::size_t>(layout_.master_elems) * sizeof(float));
+  if (layout_.master_elems > 0) masters_ = DeviceBuffer(static_cast<std::size_t>(layout_.master_bytes()));
+  if (layout_.master_elem_bytes == 2 && layout_.master_elems > 0)  // compensations start at 0
+    cuda::check(api().cuMemsetD8Async(masters_.get(), 0, static_cast<std::size_t>(layout_.master_bytes()), stream_),
+                "cuMemsetD8Async");
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (layout_.master_offsets[i] < 0) continue;
-    tensors[i].master = masters_.as<float>() + layout_.master_offsets[i];
+    tensors[i].master = reinterpret_cast<float*>(masters_.get() + static_cast<std::size_t>(layout_.master_offsets[i] *
+                                                                                        layout_.master_elem_bytes));
+    if (layout_.master_elem_bytes == 2) continue;
     const void* src = params_[i].weight.data;
     float* dst = tensors[i].master;
     long long n = params_[i].weight.numel;
@@ -334,7 +339,7 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
                     "cuMemcpyHtoDAsync");
     if (layout_.master_elems > 0)
       cuda::check(api().cuMemcpyHtoDAsync(masters_.get(), host_masters_.data(),
-                                          static_cast<std::size_t>(layout_.master_elems) * sizeof(float), stream_),
+                                          static_cast<std::size_t>(layout_.master_bytes()), stream_),
                   "cuMemcpyHtoDAsync");
     synchronize();  // done before the host copy can change again
     host_touched_ = false;
@@ -494,9 +499,9 @@ void CudaBackend::host_view() const {
                     "cuMemcpyDtoH");
     }
     if (layout_.master_elems > 0) {
-      if (host_masters_.size() == 0) host_masters_ = AlignedBuffer(static_cast<std::size_t>(layout_.master_elems));
+      if (host_masters_.size() == 0) host_masters_ = AlignedBuffer(static_cast<std::size_t>((layout_.master_bytes() + 3) / 4));
       cuda::check(api().cuMemcpyDtoH(host_masters_.data(), masters_.get(),
-                                     static_cast<std::size_t>(layout_.master_elems) * sizeof(float)),
+                                     static_cast<std::size_t>(layout_.master_bytes())),
                   "cuMemcpyDtoH");
     }
     host_current_ = true;

@@ -34,6 +34,12 @@ inline const std::vector<DtypeCombo> kMixedStochastic = {
     {DType::f32, DType::f32, false}, {DType::bf16, DType::bf16, false, true}, {DType::bf16, DType::f32, false, true}};
 inline const std::vector<DtypeCombo> kBf16Stochastic = {{DType::bf16, DType::bf16, false, true}};
 inline const std::vector<DtypeCombo> kF16Masters = {{DType::f16, DType::f16, true}};
+// Compensated weights (OptimizerOptions::compensated_weights, no masters): f32 weights
+// stay as they are, bf16 ones carry a bf16 compensation in the master buffer.
+inline const std::vector<DtypeCombo> kMixedCompensated = {{DType::f32, DType::f32, false},
+                                                          {DType::bf16, DType::bf16, false, false, true},
+                                                          {DType::bf16, DType::f16, false, false, true}};
+inline const std::vector<DtypeCombo> kBf16Compensated = {{DType::bf16, DType::bf16, false, false, true}};
 
 // The sharded tests' model: f32 tensors and bf16 ones with masters, each rank's list
 // starting with an f32 one and holding a bf16 one (so every rank has this spec).
@@ -93,6 +99,9 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   out.push_back({"adam_stochastic", make_spec(kAdam, kMixedStochastic, false, true)});
   out.push_back({"adam_stochastic_unaligned", make_spec(kAdam, kMixedStochastic, false, false)});
   out.push_back({"adam_flat_stochastic", make_spec(kAdam, kBf16Stochastic, true, true)});
+  out.push_back({"adam_compensated", make_spec(kAdam, kMixedCompensated, false, true)});
+  out.push_back({"adam_compensated_unaligned", make_spec(kAdam, kMixedCompensated, false, false)});
+  out.push_back({"adam_flat_compensated", make_spec(kAdam, kBf16Compensated, true, true)});
   out.push_back({"adam_unaligned", make_spec(kAdam, kMixedMasters, false, false)});
   out.push_back({"adam_inf", make_spec(kAdam, kMixedMasters, false, true, CudaNorm::inf)});
   out.push_back({"adam_flat", make_spec(kAdam, kBf16Masters, true, true)});
@@ -101,6 +110,7 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   // Two-phase programs: LAMB unaligned with the inf-norm, and a user's LARS (custom).
   constexpr Builtin kLamb = stepfuse::jit::builtin_named("lamb");
   out.push_back({"lamb_unaligned_inf", make_spec(kLamb, kMixedMasters, false, false, CudaNorm::inf)});
+  out.push_back({"lamb_compensated_unaligned", make_spec(kLamb, kMixedCompensated, false, false)});
   stepfuse::jit::CudaSpec lars = make_spec(kLamb, kMixedMasters, false, true);
   lars.program = stepfuse::ref::kLars;
   out.push_back({"lars", lars});
