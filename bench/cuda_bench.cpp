@@ -233,6 +233,7 @@ int run_cuda_bench(const CudaBenchArgs& a) {
   const std::int64_t n = a.preset.total_numel();
   const int host_threads = a.threads > 0 ? a.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const bool masters = a.options.master_weights && a.weights != DType::f32;
+  const bool compensations = a.options.compensated_weights && a.weights == DType::bf16;  // --masters compensated
   OptimizerOptions cpu_options = a.options;
   cpu_options.device = Device::cpu();
   cpu_options.cuda_stream = nullptr;
@@ -373,8 +374,10 @@ int run_cuda_bench(const CudaBenchArgs& a) {
 
   // ---- Report --------------------------------------------------------------------------------
   const UpdateProgram update_program = UpdateProgram::from_config(a.config);  // a two-phase program: two passes
-  const StepBytes bytes = step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, true);
-  const StepBytes plain_bytes = step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, false);
+  const StepBytes bytes =
+      step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, true, compensations);
+  const StepBytes plain_bytes =
+      step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, false, compensations);
   const double step_bytes_total = bytes.per_param() * static_cast<double>(n);
   const double copy_moved = 2.0 * static_cast<double>(kCopyBytes);  // read + write, STREAM's convention
   const Summary cs = summarize(copy_s), ss = summarize(step_s), us = summarize(update_s);
@@ -400,7 +403,11 @@ int run_cuda_bench(const CudaBenchArgs& a) {
   out += format("%s %s: %zu tensor%s, %s parameters\n", a.from_file ? "shapes file" : "preset", a.preset.name.c_str(),
                 a.preset.tensors.size(), a.preset.tensors.size() == 1 ? "" : "s", with_commas(n).c_str());
   out += format("%s · weights %s%s · grads %s · clip %s · loss scale %g\n", std::string(optimizer_name(a.config)).c_str(),
-                a.weights_name.c_str(), masters ? " + fp32 masters" : "", a.grads_name.c_str(), clip.c_str(), S);
+                a.weights_name.c_str(),
+                masters         ? " + fp32 masters"
+                : compensations ? " + bf16 compensations (--masters compensated)"
+                                : "",
+                a.grads_name.c_str(), clip.c_str(), S);
   out += format("bytes the step must move: %s (%d state stream%s) = %.3f GB per step\n", bytes.breakdown().c_str(),
                 state_streams, state_streams == 1 ? "" : "s", step_bytes_total * 1e-9);
   out += format("verified before timing: one cuda and one cpu step agree on %s values (%.1f%% bitwise, worst %.2f "
@@ -459,6 +466,7 @@ int run_cuda_bench(const CudaBenchArgs& a) {
                    {"weights", a.weights_name},
                    {"grads", a.grads_name},
                    {"master_weights", masters},
+                   {"compensated_weights", compensations},
                    {"clip", a.clip},
                    {"norm_type", a.norm_name},
                    {"loss_scale", S},

@@ -5,23 +5,28 @@
 
 namespace stepfuse::bench {
 
-StepBytes step_bytes(DType weights, DType grads, bool masters, int state_streams, bool reduce_pass) {
+StepBytes step_bytes(DType weights, DType grads, bool masters, int state_streams, bool reduce_pass,
+                     bool compensated) {
   const double g = static_cast<double>(dtype_size(grads));
   const double w = static_cast<double>(dtype_size(weights));
   const bool keep_masters = masters && weights != DType::f32;
+  // The parameter as stored: the weight, and its bf16 compensation when compensated.
+  const double p = w + (compensated && !keep_masters && weights == DType::bf16 ? 2.0 : 0.0);
   StepBytes b;
   b.reduce = reduce_pass ? g : 0.0;
   b.update = g                                    // read the gradient
              + (keep_masters ? 4.0 + 4.0 + w      // read + write the fp32 master, write the weight
-                             : w + w)             // read + write the weight
+                             : p + p)             // read + write the weight (and its compensation)
              + 8.0 * state_streams;               // read + write each fp32 state stream
   return b;
 }
 
-StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass) {
+StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass,
+                     bool compensated) {
   const double g = static_cast<double>(dtype_size(grads));
   const double w = static_cast<double>(dtype_size(weights));
   const bool keep_masters = masters && weights != DType::f32;
+  const double p = w + (compensated && !keep_masters && weights == DType::bf16 ? 2.0 : 0.0);  // weight (+ compensation)
   // The instructions of each pass: [0, marker) and (marker, end), or all of them in one.
   int marker = -1;
   for (int i = 0; i < program.num_instrs; ++i)
@@ -37,8 +42,8 @@ StepBytes step_bytes(const Program& program, DType weights, DType grads, bool ma
       switch (program.streams[s].role) {
         case StreamRole::grad: bytes += loads[s] ? g : 0.0; break;
         case StreamRole::param:
-          bytes += loads[s] ? (keep_masters ? 4.0 : w) : 0.0;
-          bytes += stores[s] ? (keep_masters ? 4.0 + w : w) : 0.0;
+          bytes += loads[s] ? (keep_masters ? 4.0 : p) : 0.0;
+          bytes += stores[s] ? (keep_masters ? 4.0 + w : p) : 0.0;
           break;
         case StreamRole::state: bytes += (loads[s] ? 4.0 : 0.0) + (stores[s] ? 4.0 : 0.0); break;
       }

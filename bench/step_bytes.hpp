@@ -11,7 +11,9 @@ namespace stepfuse::bench {
 // Bytes per parameter that any implementation of the step has to read and write at least
 // once: the reduce pass reads the gradient; the update pass reads the gradient, the fp32
 // parameter (the master when masters are kept), every state stream, and writes the
-// parameter, every state stream and, with masters, the low-precision weight. Temporaries,
+// parameter, every state stream and, with masters, the low-precision weight. A compensated
+// bf16 parameter (OptimizerOptions::compensated_weights) is its weight and its bf16
+// compensation: both are read and written, 2 + 2 bytes each way. Temporaries,
 // write-allocate traffic and gradient write-backs (unscale_) are not counted: this is the
 // minimum, so achieved GB/s = these bytes / step time, for fused and unfused alike.
 struct StepBytes {
@@ -26,14 +28,19 @@ struct StepBytes {
 
 // `masters` is ignored for f32 weights. `reduce_pass`: true for a step with a loss scale
 // or clipping (step_scaled, or step() with max_grad_norm), false for a plain step().
-StepBytes step_bytes(DType weights, DType grads, bool masters, int state_streams, bool reduce_pass);
+// `compensated`: compensated bf16 weights (OptimizerOptions::compensated_weights, which
+// keeps no masters); ignored for other weights and with masters.
+StepBytes step_bytes(DType weights, DType grads, bool masters, int state_streams, bool reduce_pass,
+                     bool compensated = false);
 
 // The same from what `program` reads and writes, pass by pass: each update pass reads
 // the gradient if it loads it, the parameter (master) if it loads it, each state stream
-// it loads, and writes what it stores (the parameter: master and weight, or the weight).
+// it loads, and writes what it stores (the parameter: master and weight, weight and
+// compensation, or the weight).
 // For a program that loads and stores every stream this is the formula above; a
 // two-phase program (docs/update-programs.md: LAMB's trust ratio) has two update passes,
 // each counted by what its phase loads and stores (phase 2 reads again what it needs).
-StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass);
+StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass,
+                     bool compensated = false);
 
 }  // namespace stepfuse::bench

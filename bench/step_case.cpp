@@ -72,9 +72,14 @@ std::string check_update_effect(const Optimizer& opt, const ModelBuffers& b, con
     b.for_each_piece(lo, hi, [&](std::size_t t, std::int64_t s, std::int64_t e) {
       const TensorView w = b.weight(t);
       const std::span<const float> master = opt.master(t);
+      const std::span<const std::uint16_t> compensation = opt.compensation(t);
       for (std::int64_t i = s; i < e; ++i) {
         const float x = load_as_f32(w.data, w.dtype, i);
-        const float carried = master.empty() ? x : master[static_cast<std::size_t>(i)];
+        // The parameter: the master, or weight + compensation (an fp32 add, as the step reads
+        // it; the compensations start at 0, so it moved when the weight or its compensation did).
+        const float carried = !master.empty()         ? master[static_cast<std::size_t>(i)]
+                              : !compensation.empty() ? x + bf16_to_f32(compensation[static_cast<std::size_t>(i)])
+                                                      : x;
         nonfinite[th] += !std::isfinite(x) || !std::isfinite(carried);
         unchanged[th] += carried == before.at(b.offset(t) + i);
       }
@@ -82,10 +87,13 @@ std::string check_update_effect(const Optimizer& opt, const ModelBuffers& b, con
   });
   std::int64_t bad = 0, same = 0;
   for (std::size_t k = 0; k < slots; ++k) bad += nonfinite[k], same += unchanged[k];
-  if (bad > 0) return std::to_string(bad) + " weights or masters are not finite after one step";
+  if (bad > 0) return std::to_string(bad) + " weights, masters or compensated weights are not finite after one step";
   if (2 * same > b.total_numel())
     return std::to_string(same) + " of " + std::to_string(b.total_numel()) +
-           (opt.master(0).empty() ? " weights" : " fp32 masters") + " did not change in one step";
+           (!opt.master(0).empty()         ? " fp32 masters"
+            : !opt.compensation(0).empty() ? " weights + compensations"
+                                           : " weights") +
+           " did not change in one step";
   return "";
 }
 

@@ -82,7 +82,9 @@ class StoredCopy {
 // After one step from the weights in `before`: every weight and fp32 master is finite, and
 // most of the values that carry the update moved: the fp32 masters where there are any
 // (they start as the widened weights; a bf16 weight need not move under an SGD update of
-// 1e-6, its master must), else the weights. Returns "" when so, else what is wrong.
+// 1e-6, its master must), weight + compensation for compensated bf16 weights (the
+// compensations start at 0: the weight or its compensation must move), else the weights.
+// Returns "" when so, else what is wrong.
 // Reads with `threads` threads.
 std::string check_update_effect(const Optimizer& opt, const ModelBuffers& b, const StoredCopy& before, int threads);
 

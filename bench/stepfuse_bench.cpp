@@ -11,9 +11,10 @@
 //      anything else of model size exists, so the figure is the fused step's own);
 //   2. verify: fresh optimizers, one per mode, over separate buffers with identical
 //      contents take one step each; every timed mode is compared against a reference
-//      (unfused, or fused when unfused is not timed): every weight, master and state
-//      value must agree within fp32 rounding, and the fused step on LLVM code must equal
-//      the one on Highway's bit for bit; a fused step that rounds the weights
+//      (unfused, or fused when unfused is not timed): every weight, master (with
+//      --masters compensated: weight + compensation) and state value must agree within
+//      fp32 rounding, and the fused step on LLVM code must equal the one on Highway's bit
+//      for bit (compensations too); a fused step that rounds the weights
 //      stochastically (--rounding stochastic) must be the one rounding to nearest except
 //      for which of the two bf16 values around each updated weight it stores, and bitwise
 //      the same on both CPU backends (exit code 2 otherwise) — nothing is timed before this;
@@ -211,9 +212,21 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
                      "(leave --cpu-backend out)");
   if (a.cpu_backend_given && !c.timed_mode(sf::Fusion::fused))
     throw UsageError("--cpu-backend: chooses the code of the fused step, and --fusion times no fused step");
+  const bool stochastic = std::find(c.roundings.begin(), c.roundings.end(), Rounding::stochastic) != c.roundings.end();
+  // Compensated weights: the library's conditions (bf16 weights, no stochastic rounding) said
+  // as the flags that meet them (--ranks refuses it in main; the CUDA path sets it as well).
+  if (a.compensated) {
+    if (c.weights != sf::DType::bf16)
+      throw UsageError("--masters compensated: keeps a bf16 compensation beside each bf16 weight in place of its fp32 "
+                       "master, and the weights are " + a.weights + "; pass --weights bf16");
+    if (stochastic)
+      throw UsageError("--masters compensated and --rounding stochastic exclude each other (the compensation keeps "
+                       "what rounding the weights to nearest loses; stochastic rounding keeps it on average): leave "
+                       "--rounding out, or pass --masters off to time stochastic rounding");
+  }
   // Stochastic rounding: the library's conditions (bf16 weights, no masters) said as the flags
   // that meet them, and what this tool times it on (the CPU; --ranks refuses it in ranks.cpp).
-  if (std::find(c.roundings.begin(), c.roundings.end(), Rounding::stochastic) != c.roundings.end()) {
+  if (stochastic) {
     if (a.backend == "cuda")
       throw UsageError("--rounding stochastic: --backend cuda does not time it yet (stepfuse-bench's CUDA path "
                        "times the step rounding to nearest); pass --backend cpu, or leave --rounding out");
@@ -247,6 +260,7 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
   if (a.clip > 0) opts.max_grad_norm = a.clip;
   opts.norm_type = a.norm_type == "inf" ? INFINITY : 2.0;
   opts.master_weights = !a.no_masters;
+  opts.compensated_weights = a.compensated;
   opts.num_threads = a.threads;
   // Explicit, so that STEPFUSE_CPU_BACKEND changes nothing (and CpuBackend::automatic
   // never swaps code under a timed loop); options_for() sets each variant's own.
@@ -339,6 +353,7 @@ FusedOnly fused_only_phase(const Args& a, const Case& c, Progress& progress) {
     for (std::size_t t = 0; t < opt0->num_params(); ++t) {
       for (const auto& name : state_names) fo.state_bytes += 4.0 * static_cast<double>(opt0->state(t, name).size());
       fo.master_bytes += 4.0 * static_cast<double>(opt0->master(t).size());
+      fo.compensation_bytes += 2.0 * static_cast<double>(opt0->compensation(t).size());
     }
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < a.rss_steps; ++i) {
@@ -349,7 +364,8 @@ FusedOnly fused_only_phase(const Args& a, const Case& c, Progress& progress) {
     fo.rss_peak = sb::peak_rss_bytes();
     fo.rss_after = sb::current_rss_bytes();
   }
-  fo.model_bytes = static_cast<double>(fb.weight_bytes() + fb.grad_bytes()) + fo.state_bytes + fo.master_bytes;
+  fo.model_bytes = static_cast<double>(fb.weight_bytes() + fb.grad_bytes()) + fo.state_bytes + fo.master_bytes +
+                   fo.compensation_bytes;
   return fo;
 }
 
@@ -643,6 +659,12 @@ int main(int argc, char** argv) {
              "weight finite and either fused's or the bf16 value next to it (the count of those is reported);\n"
              "and fused-llvm-sr against fused-sr, bit for bit. The other modes round to nearest. Not with\n"
              "--backend cuda or --ranks (stepfuse-bench does not time it there yet).\n"
+             "\nCompensated bf16 weights (--masters compensated --weights bf16): no fp32 masters; beside each\n"
+             "bf16 weight, a bf16 compensation (OptimizerOptions::compensated_weights): the parameter is\n"
+             "weight + compensation, and each step stores the nearest bf16 weight and the nearest bf16 to\n"
+             "the rest. 2 bytes per parameter instead of the masters' 4; the step reads and writes both\n"
+             "(counted in its bytes), and every mode is verified on weight + compensation as on masters\n"
+             "(fused-llvm bitwise, compensations too). Not with --rounding stochastic or --ranks.\n"
              "\nThe sharded step (--ranks N): stepfuse-bench starts itself under mpiexec -n N (or runs on\n"
              "every rank when started under mpiexec -n N). Each rank takes one of N contiguous, balanced parts\n"
              "of the tensor list, cut at 16,384-element chunk boundaries (--shard slices: a tensor may be\n"
@@ -650,9 +672,9 @@ int main(int argc, char** argv) {
              "(OptimizerOptions::communicator: MPI) against the local step over the same shard, a bare\n"
              "all_gather of the step's own size and a bare 128-byte all_reduce; it reports every rank's\n"
              "medians and the slowest rank's, the overhead, and the bytes the step's one collective sends.\n"
-             "Also used: --preset/--shapes, --optimizer, --weights, --grads, --masters, --clip, --norm-type,\n"
-             "--loss-scale, --threads (0: the cores divided among the ranks of a node), --steps, --warmup,\n"
-             "--fusion and --cpu-backend (one each), --json, --json-only. Needs a build with MPI.\n"
+             "Also used: --preset/--shapes, --optimizer, --weights, --grads, --masters (on or off), --clip,\n"
+             "--norm-type, --loss-scale, --threads (0: the cores divided among the ranks of a node), --steps,\n"
+             "--warmup, --fusion and --cpu-backend (one each), --json, --json-only. Needs a build with MPI.\n"
              "\nExit codes: 0 ok, 1 bad arguments (a bad shapes file, a configuration or backend the library "
              "rejects, --cpu-backend llvm without LLVM, --ranks in a build without MPI), 2 verification failed (a "
              "mode disagrees with the reference, the LLVM fused step is not bitwise Highway's, the stochastically "
@@ -690,14 +712,18 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "nadam", "radam", "adamax",
                              "adadelta", "rprop", "asgd", "lamb"}))
       ->capture_default_str();
-  app.add_option("--weights", a.weights, "weight dtype (f16/bf16 keep fp32 masters unless --masters off)")
+  app.add_option("--weights", a.weights,
+                 "weight dtype (f16/bf16 keep fp32 masters unless --masters off; bf16 also --masters compensated)")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}))
       ->capture_default_str();
   app.add_option("--grads", a.grads, "gradient dtype")->check(CLI::IsMember({"f32", "f16", "bf16"}))->capture_default_str();
-  std::string masters = "on";  // --masters, into a.no_masters after parsing
+  std::string masters = "on";  // --masters, into a.no_masters and a.compensated after parsing
   CLI::Option* masters_opt =
-      app.add_option("--masters", masters, "fp32 master copies of f16/bf16 weights: on or off (f32 weights have none)")
-          ->check(CLI::IsMember({"on", "off"}))
+      app.add_option("--masters", masters,
+                     "fp32 master copies of f16/bf16 weights (f32 weights have none): on, off, or compensated "
+                     "(bf16 weights: a bf16 compensation beside each weight instead, 2 bytes per parameter rather "
+                     "than 4; see below)")
+          ->check(CLI::IsMember({"on", "off", "compensated"}))
           ->capture_default_str();
   CLI::Option* no_masters_opt =
       app.add_flag("--no-masters", a.no_masters, "the same as --masters off (older command lines; not with --masters)");
@@ -752,13 +778,16 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     a.fusion_given = app.get_option("--fusion")->count() > 0;
     a.cpu_backend_given = app.get_option("--cpu-backend")->count() > 0;
-    if (masters_opt->count() > 0) a.no_masters = masters == "off";
+    if (masters_opt->count() > 0) a.no_masters = masters != "on", a.compensated = masters == "compensated";
     a.shard_given = app.get_option("--shard")->count() > 0;
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);  // prints help/version (rc 0) or the error
     return rc == 0 ? sb::kExitOk : sb::kExitUsage;
   }
   try {
+    if (a.ranks > 0 && a.compensated)
+      throw sb::UsageError("--masters compensated: --ranks does not time the sharded step with compensated weights "
+                           "yet (pass --masters on or off, or leave --ranks out to time it on one process)");
     if (a.ranks > 0) return sb::tool::run_ranks(a, argc, argv);
     if (a.shard_given) throw sb::UsageError("--shard: says how --ranks cuts the model; pass --ranks N");
     return sb::tool::run(a);

@@ -31,7 +31,8 @@ struct Args {
   std::string optimizer = "adamw";
   std::string weights = "f32";
   std::string grads = "f32";
-  bool no_masters = false;  // --masters off, or its synonym --no-masters
+  bool no_masters = false;  // --masters off or compensated, or --no-masters (a synonym of --masters off)
+  bool compensated = false;  // --masters compensated: bf16 compensations instead of fp32 masters
   std::vector<std::string> rounding = {"nearest"};  // --rounding: nearest, stochastic
   bool breakdown = true;
   double clip = 1.0;
@@ -154,10 +155,11 @@ struct FusedOnly {
   int threads = 0;  // the fused optimizer's num_threads(): every later phase uses as many
   int state_streams = 0;
   double state_bytes = 0, master_bytes = 0;
+  double compensation_bytes = 0;  // --masters compensated: the bf16 compensations
   std::int64_t rss_start = 0, peak_start = 0;  // before the buffers were allocated
   std::int64_t rss_peak = 0, rss_after = 0;    // after the steps
   double step_s = 0;  // mean fused step time: the first guess at the timed phase's length
-  double model_bytes = 0;  // weights + grads + state + masters
+  double model_bytes = 0;  // weights + grads + state + masters (or compensations)
 };
 
 // One variant's optimizer, over its own buffers (fused: the phase-1 buffers), and its samples.

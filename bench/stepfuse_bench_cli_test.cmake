@@ -21,6 +21,11 @@
 #                   bitwise), the "stochastic / nearest" ratios, the JSON's figures; --no-masters as --masters off;
 #                   the usage errors (f32 weights, masters kept, --masters with --no-masters, no fused mode,
 #                   --backend cuda, --ranks)
+#   compensated     --masters compensated --weights bf16 on a tiny list, every fusion mode: exit 0, the weights
+#                   line naming the compensations, their bytes in the step's (AdamW bf16: 28 B/param) and in the
+#                   model's, the JSON's figures (and the bitwise LLVM check with -DHAVE_LLVM=ON); --help names it;
+#                   --backend cuda as the cuda_backend case (no GPU: exit 1 saying why; else a run); the usage
+#                   errors (f32 and f16 weights, --rounding stochastic, --ranks, with --no-masters)
 #   ranks           -DHAVE_MPI=ON (-DMPIEXEC=<mpiexec>): --ranks 2 (stepfuse-bench starts mpiexec itself) with
 #                   slices and with whole tensors: exit 0, the table, one all_gather per step of the bytes the
 #                   layout gives, the JSON's figures; --ranks 1 --json-only; under mpiexec -n 1 with --ranks 2,
@@ -353,6 +358,71 @@ elseif(CASE STREQUAL "rounding")
   if(NOT err MATCHES "--rounding stochastic: --ranks does not time the sharded step|built without MPI")
     message(FATAL_ERROR "rounding (--ranks): not the expected message:\n${err}")
   endif()
+
+elseif(CASE STREQUAL "compensated")
+  file(REMOVE "${DIR}/compensated.json")
+  set(tiny --preset flat:100000 --steps 3 --warmup 1 --rss-steps 1 --optimizer adamw --weights bf16 --grads bf16)
+  bench(${tiny} --masters compensated --fusion fused,unfused,interpreted --json "${DIR}/compensated.json")
+  expect_rc(0 "compensated")
+  expect_in("${out}" "AdamW · weights bf16 + bf16 compensations (--masters compensated) · grads bf16"
+            "compensated stdout (weights)")
+  # AdamW, bf16 weights and grads: reduce 2; update: read g 2 + w 2 + c 2 + m 4 + v 4, write w 2 + c 2 + m 4 + v 4.
+  expect_in("${out}" "bytes the step must move: reduce 2 + update 26 = 28 B/param" "compensated stdout (bytes)")
+  expect_in("${out}" "one interpreted and one unfused step agree" "compensated stdout (verification)")
+  expect_in("${out}" "GiB weights+grads+state+compensations = " "compensated stdout (peak RSS)")
+  file(READ "${DIR}/compensated.json" j)
+  string(JSON masters GET "${j}" config master_weights)
+  string(JSON compensated GET "${j}" config compensated_weights)
+  string(JSON per_param GET "${j}" step_bytes per_param)
+  string(JSON fused_bytes GET "${j}" fused bytes_per_param)
+  string(JSON update_only_bytes GET "${j}" fused_update_only bytes_per_param)
+  string(JSON comp_bytes GET "${j}" rss compensation_bytes)
+  string(JSON master_bytes GET "${j}" rss master_bytes)
+  string(JSON npairs LENGTH "${j}" verification pairs)
+  if(masters OR NOT compensated OR NOT per_param EQUAL 28 OR NOT fused_bytes EQUAL 28 OR NOT update_only_bytes EQUAL 26
+     OR NOT comp_bytes EQUAL 200000 OR NOT master_bytes EQUAL 0 OR NOT npairs EQUAL 2)
+    message(FATAL_ERROR "compensated: the JSON is wrong: master_weights=${masters} compensated_weights=${compensated} "
+                        "bytes/param=${per_param} (fused ${fused_bytes}, update alone ${update_only_bytes}) "
+                        "compensation bytes=${comp_bytes} master bytes=${master_bytes} verified pairs=${npairs}")
+  endif()
+  if(HAVE_LLVM)  # the default --cpu-backend: highway,llvm; compensations compared bit for bit too
+    expect_in("${out}" "one fused-llvm and one fused (Highway) step are bitwise equal" "compensated (llvm)")
+    string(JSON bitwise GET "${j}" verification llvm_vs_highway bitwise_equal)
+    if(NOT bitwise)
+      message(FATAL_ERROR "compensated (llvm): the JSON is wrong: bitwise=${bitwise}")
+    endif()
+  endif()
+  bench(--help)
+  expect_rc(0 "compensated (--help)")
+  expect_in("${out}" "Compensated bf16 weights (--masters compensated --weights bf16)" "compensated (--help)")
+  # --backend cuda sets it as the CPU path does.
+  bench(--preset flat:100000 --steps 2 --warmup 1 --weights bf16 --grads bf16 --masters compensated --backend cuda)
+  if(rc STREQUAL "1")  # no GPU here: the reason, not the compensations
+    expect_in("${err}" "stepfuse-bench: --backend cuda: the CUDA backend cannot run here: " "compensated (cuda)")
+  else()
+    expect_rc(0 "compensated (--backend cuda)")
+    expect_in("${out}" "weights bf16 + bf16 compensations (--masters compensated)" "compensated (cuda) stdout")
+    expect_in("${out}" "reduce 2 + update 26 = 28 B/param" "compensated (cuda) stdout (bytes)")
+  endif()
+  # Usage errors.
+  foreach(weights f32 f16)
+    bench(--preset flat:1000 --weights ${weights} --masters compensated)
+    expect_rc(1 "compensated (--weights ${weights})")
+    expect_in("${err}" "stepfuse-bench: --masters compensated: keeps a bf16 compensation beside each bf16 weight in "
+                       "place of its fp32 master, and the weights are ${weights}; pass --weights bf16"
+              "compensated (--weights ${weights})")
+  endforeach()
+  bench(--preset flat:1000 --weights bf16 --masters compensated --rounding nearest,stochastic)
+  expect_rc(1 "compensated (--rounding stochastic)")
+  expect_in("${err}" "stepfuse-bench: --masters compensated and --rounding stochastic exclude each other"
+            "compensated (--rounding stochastic)")
+  bench(--preset flat:100000 --weights bf16 --masters compensated --ranks 2)
+  expect_rc(1 "compensated (--ranks)")
+  expect_in("${err}" "--masters compensated: --ranks does not time the sharded step with compensated weights yet"
+            "compensated (--ranks)")
+  bench(--preset flat:1000 --weights bf16 --masters compensated --no-masters)
+  expect_rc(1 "compensated (with --no-masters)")
+  expect_in("${err}" "excludes" "compensated (with --no-masters)")
 
 elseif(CASE STREQUAL "ranks")
   bench(--preset flat:100000 --shard whole)

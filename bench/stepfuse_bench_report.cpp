@@ -84,6 +84,8 @@ Variant highway_of(Variant v) {
 std::string norm_name(const Args& a) { return a.norm_type == "inf" ? "inf" : "2"; }
 // Whether the optimizer keeps fp32 master weights (16-bit weights without --masters off).
 bool has_masters(const Args& a, const Case& c) { return !a.no_masters && c.weights != sf::DType::f32; }
+// Whether it keeps a bf16 compensation beside each bf16 weight instead (--masters compensated).
+bool has_compensations(const Args& a, const Case& c) { return a.compensated && c.weights == sf::DType::bf16; }
 
 // What the table and the JSON share, derived from the samples.
 struct Figures {
@@ -116,10 +118,12 @@ Figures compute_figures(const Args& a, const Case& c, const FusedOnly& /*fo*/, R
   const bool update_only = timing.update_only;
   const Variant first_fused = c.first_fused;
   // What every variant must move: a step rounding stochastically reads and writes what the one
-  // rounding to nearest does (both without masters), only its arithmetic differs.
+  // rounding to nearest does (both without masters), only its arithmetic differs; compensated
+  // weights add their compensations' 2 bytes each way.
   const sb::StepBytes bytes =
       sb::step_bytes(sf::UpdateProgram::from_config(c.config).program(), wt, gt, !a.no_masters,
-                     /*reduce_pass=*/true);  // step_scaled always reduces; a two-phase program's two passes
+                     /*reduce_pass=*/true,  // step_scaled always reduces; a two-phase program's two passes
+                     a.compensated);
   const double step_bytes = bytes.per_param() * static_cast<double>(n);
   std::map<sb::Pattern, double> bw_gbs;  // median GB/s per pattern
   std::map<sb::Pattern, sb::Summary> bw_sum;
@@ -158,7 +162,8 @@ Figures compute_figures(const Args& a, const Case& c, const FusedOnly& /*fo*/, R
   }
   // Update pass alone (plain step: no reduce pass), and the reduce pass by difference.
   const sb::StepBytes plain_bytes =
-      sb::step_bytes(sf::UpdateProgram::from_config(c.config).program(), wt, gt, !a.no_masters, /*reduce_pass=*/false);
+      sb::step_bytes(sf::UpdateProgram::from_config(c.config).program(), wt, gt, !a.no_masters, /*reduce_pass=*/false,
+                     a.compensated);
   const sb::Summary uo = sb::summarize(update_s);
   const double update_gbs = update_only ? plain_bytes.per_param() * static_cast<double>(n) / uo.median * 1e-9 : 0.0;
   const double reduce_s = update_only ? runs[idx(first_fused)].summary.median - uo.median : 0.0;
@@ -214,7 +219,10 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
                 c.preset.tensors.size(), c.preset.tensors.size() == 1 ? "" : "s", with_commas(n).c_str());
   const std::string clip = a.clip > 0 ? format("%g (L%s norm)", a.clip, norm.c_str()) : "off";
   out += format("%s · weights %s%s · grads %s · clip %s · loss scale %g\n",
-                std::string(sf::optimizer_name(c.config)).c_str(), a.weights.c_str(), masters ? " + fp32 masters" : "",
+                std::string(sf::optimizer_name(c.config)).c_str(), a.weights.c_str(),
+                masters                   ? " + fp32 masters"
+                : has_compensations(a, c) ? " + bf16 compensations (--masters compensated)"
+                                          : "",
                 a.grads.c_str(), clip.c_str(), S);
   if (c.groups != GroupsMode::off) {
     const auto g = group_lines(c);
@@ -360,7 +368,8 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
                 a.rss_steps);
   out += format("  %.3f GiB peak vs %.3f GiB weights+grads+state%s = %.2f%% (%+.2f%% above it; process before "
                 "allocating: %.1f MiB)\n",
-                gib(static_cast<double>(fo.rss_peak)), gib(fo.model_bytes), fo.master_bytes > 0 ? "+masters" : "",
+                gib(static_cast<double>(fo.rss_peak)), gib(fo.model_bytes),
+                fo.master_bytes > 0 ? "+masters" : fo.compensation_bytes > 0 ? "+compensations" : "",
                 100.0 * static_cast<double>(fo.rss_peak) / fo.model_bytes,
                 100.0 * (static_cast<double>(fo.rss_peak) / fo.model_bytes - 1.0),
                 static_cast<double>(fo.rss_start) / (1024.0 * 1024.0));
@@ -402,6 +411,7 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
                  {"weights", a.weights},
                  {"grads", a.grads},
                  {"master_weights", masters},
+                 {"compensated_weights", has_compensations(a, c)},
                  {"rounding", rounding_names},
                  {"stochastic_rounding_seed", stochastic ? json(kStochasticSeed) : json(nullptr)},
                  {"clip", a.clip},
@@ -558,6 +568,7 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
               {"grads_bytes", fo.buffers->grad_bytes()},
               {"state_bytes", fo.state_bytes},
               {"master_bytes", fo.master_bytes},
+              {"compensation_bytes", fo.compensation_bytes},
               {"model_bytes", fo.model_bytes},
               {"peak_over_model", static_cast<double>(fo.rss_peak) / fo.model_bytes}};
   return j;

@@ -102,10 +102,11 @@ struct Tally {
   }
 };
 
-// The masters and state streams of two optimizers over the same tensor list, gathered up
-// front so that the parallel loops only read plain memory.
+// The masters, compensations and state streams of two optimizers over the same tensor
+// list, gathered up front so that the parallel loops only read plain memory.
 struct Spans {
   std::vector<std::span<const float>> am, bm;               // masters, per tensor
+  std::vector<std::span<const std::uint16_t>> ac, bc;       // bf16 compensations (bits), per tensor
   std::vector<std::vector<std::span<const float>>> as, bs;  // state, per stream, per tensor
 };
 
@@ -115,12 +116,17 @@ std::string gather_spans(const Optimizer& a, const Optimizer& b, const ModelBuff
   const std::size_t nt = buf.num_tensors();
   sp.am.resize(nt);
   sp.bm.resize(nt);
+  sp.ac.resize(nt);
+  sp.bc.resize(nt);
   sp.as.assign(names.size(), {});
   sp.bs.assign(names.size(), {});
   for (std::size_t t = 0; t < nt; ++t) {
     sp.am[t] = a.master(t);
     sp.bm[t] = b.master(t);
     if (sp.am[t].size() != sp.bm[t].size()) return "master copies differ in size";
+    sp.ac[t] = a.compensation(t);
+    sp.bc[t] = b.compensation(t);
+    if (sp.ac[t].size() != sp.bc[t].size()) return "compensations differ in size";
     for (std::size_t s = 0; s < names.size(); ++s) {
       sp.as[s].push_back(a.state(t, names[s]));
       sp.bs[s].push_back(b.state(t, names[s]));
@@ -259,6 +265,7 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
   Spans sp;
   if (std::string p = gather_spans(fused, unfused, fb, names, sp); !p.empty()) return problem(p), rep;
   const auto &fm = sp.am, &um = sp.bm;
+  const auto &fc = sp.ac, &uc = sp.bc;
   const auto &fs = sp.as, &us = sp.bs;
 
   const DType wt = fb.weight_dtype();
@@ -271,6 +278,19 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
       const double ma = fm[t][i], mu = um[t][i];
       tl.check(ma, mu, rel * std::fabs(mu - p0) + 4.0 * storage_ulp(DType::f32, std::max(std::fabs(ma), std::fabs(mu))),
                fb, t, i, "master", p0);
+    }
+    // A compensated bf16 weight: the parameter is weight + compensation (an fp32 add, as the
+    // step reads it), compared as a master is. Each side is its fp32 parameter split into two
+    // bf16 values, within half a unit of its compensation's last place: one unit more of slack.
+    // (Compensations alone are not compared: a weight rounded the other way moves its
+    // compensation by a weight's unit, and weight + compensation stays put.)
+    if (!fc[t].empty()) {
+      const float ca = bf16_to_f32(fc[t][i]), cu = bf16_to_f32(uc[t][i]);
+      const double pa = static_cast<float>(a) + ca, pu = static_cast<float>(u) + cu;
+      tl.check(pa, pu,
+               rel * std::fabs(pu - p0) + storage_ulp(DType::bf16, std::max(std::fabs(ca), std::fabs(cu))) +
+                   4.0 * storage_ulp(DType::f32, std::max(std::fabs(pa), std::fabs(pu))),
+               fb, t, i, "weight + compensation", p0);
     }
     for (std::size_t s = 0; s < names.size(); ++s) {
       const double sa = fs[s][t][i], su = us[s][t][i];
@@ -296,6 +316,8 @@ VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const S
   const auto check = [&](Tally& tl, std::size_t t, std::int64_t i, double p0) {
     tl.check_bits(load_as_f32(ab.weight(t).data, wt, i), load_as_f32(bb.weight(t).data, wt, i), ab, t, i, "weight", p0);
     if (!sp.am[t].empty()) tl.check_bits(sp.am[t][i], sp.bm[t][i], ab, t, i, "master", p0);
+    if (!sp.ac[t].empty())
+      tl.check_bits(bf16_to_f32(sp.ac[t][i]), bf16_to_f32(sp.bc[t][i]), ab, t, i, "compensation", p0);
     for (std::size_t s = 0; s < names.size(); ++s) tl.check_bits(sp.as[s][t][i], sp.bs[s][t][i], ab, t, i, names[s], 0.0);
   };
   compare_elements(ab, loss_scale, threads, a_name, b_name, rep, check);

@@ -14,7 +14,7 @@ namespace stepfuse::bench {
 struct VerifyReport {
   bool ok() const { return problems.empty() && mismatches == 0; }
   double rel_tol = 0;                 // relative tolerance on the update (see compare_one_step)
-  std::int64_t values_checked = 0;    // weights, masters and state values compared
+  std::int64_t values_checked = 0;    // weights, masters, compensations, state values compared
   std::int64_t identical = 0;         // values bitwise equal
   std::int64_t mismatches = 0;        // values outside the tolerance
   std::int64_t rounded_apart = 0;     // compare_rounding: weights stored as the other bf16 neighbour
@@ -25,9 +25,11 @@ struct VerifyReport {
 
 // Compares two optimizers that each took exactly one step_scaled(loss_scale) from
 // identical inputs (`fb`/`ub` filled the same way, fresh optimizers): the step results, the
-// gradient norms, every weight, master and state value, and that the checked step (`fused`)
-// left its gradients untouched. `fused` may be any mode checked against the reference
-// `unfused` (interpreted against unfused, say); the names only label the messages. Values agree when
+// gradient norms, every weight, master and state value (for compensated bf16 weights,
+// weight + compensation as a master, with one more unit of the compensation's last place),
+// and that the checked step (`fused`) left its gradients untouched. `fused` may be any
+// mode checked against the reference `unfused` (interpreted against unfused, say); the
+// names only label the messages. Values agree when
 //   |fused - unfused| <= rel * |unfused - initial| + k ulp(max(|fused|, |unfused|))
 // (k = 4 in fp32, 1 in a 16-bit weight format; states use 2 * rel * |value|), where rel is
 // 1e-5 for fp32 gradients (docs/architecture.md §8) and the gradient format's rounding for 16-bit ones:
@@ -41,10 +43,10 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
 // Compares two optimizers that must compute the same step bit for bit (one fused step on
 // two CPU backends), each after exactly one step_scaled(loss_scale) from identical inputs:
 // the step results (grad norm and clip coefficient as bits), the per-tensor gradient norms,
-// every weight (as stored), master and state value, and that `a` left its gradients
-// untouched. rel_tol and worst_ratio are 0; mismatches counts values whose bits differ and
-// worst describes the one that differs most. Reads with `threads` threads; allocates
-// nothing large.
+// every weight (as stored), master, compensation and state value, and that `a` left its
+// gradients untouched. rel_tol and worst_ratio are 0; mismatches counts values whose bits
+// differ and worst describes the one that differs most. Reads with `threads` threads;
+// allocates nothing large.
 VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const StepResult& ra, const Optimizer& b,
                              const ModelBuffers& bb, const StepResult& rb, double loss_scale, int threads,
                              std::string_view a_name, std::string_view b_name);

@@ -3,11 +3,13 @@
 // loop of torch.amp, on the CPU, in one file.
 //
 //   stepfuse-train-mlp [--steps N] [--threads N] [--lr X] [--weights f16|bf16]
-//                      [--masters on|off] [--rounding nearest|stochastic] [--help]
+//                      [--masters on|off|compensated] [--rounding nearest|stochastic] [--help]
 //
 // The weight options compare ways of keeping low-precision weights: with fp32 masters
-// (the default), without them (each update rounded to the weights' format), and bf16
-// without masters rounded stochastically (OptimizerOptions::stochastic_rounding).
+// (the default), without them (each update rounded to the weights' format), bf16
+// without masters rounded stochastically (OptimizerOptions::stochastic_rounding), and
+// bf16 with a bf16 compensation beside each weight instead of a master
+// (OptimizerOptions::compensated_weights: 2 bytes per parameter instead of 4).
 //
 // The task: classify 64-dimensional Gaussian inputs into the 10 classes that a fixed,
 // random "teacher" network assigns them. Every number comes from a fixed seed, so two
@@ -74,7 +76,8 @@ using stepfuse::float_to_f16;
 // The model's parameters, as the optimizer sees them: f16 (or bf16) weights and f16
 // gradients in caller-owned buffers. stepfuse keeps views of them, and by default it also
 // keeps fp32 master copies (OptimizerOptions::master_weights): it updates the masters and
-// writes the rounded result back into these 16-bit buffers.
+// writes the rounded result back into these 16-bit buffers. (With --masters compensated it
+// keeps a bf16 compensation per weight instead: the rest that rounding the weight lost.)
 
 struct Tensor {
   stepfuse::DType type;              // of the weights: f16 or bf16
@@ -267,7 +270,7 @@ struct Args {
   int threads = 0;  // 0: stepfuse's default (STEPFUSE_NUM_THREADS, else every core)
   double lr = kLearningRate;
   std::string weights = "f16";      // f16 or bf16
-  std::string masters = "on";       // fp32 masters: on or off
+  std::string masters = "on";       // fp32 masters: on, off, or compensated (bf16 compensations instead)
   std::string rounding = "nearest";  // nearest or stochastic (bf16 weights without masters)
 };
 
@@ -300,8 +303,11 @@ int parse_args(int argc, char** argv, Args& args) {
   app.add_option("--weights", args.weights, "the weights' storage: f16 or bf16 (the gradients stay f16)")
       ->check(CLI::IsMember({"f16", "bf16"}))
       ->capture_default_str();
-  app.add_option("--masters", args.masters, "fp32 master weights in the optimizer: on or off")
-      ->check(CLI::IsMember({"on", "off"}))
+  app.add_option("--masters", args.masters,
+                 "fp32 master weights in the optimizer: on, off, or compensated (bf16 weights: a bf16 compensation "
+                 "beside each weight instead, 2 bytes per parameter rather than 4; "
+                 "OptimizerOptions::compensated_weights)")
+      ->check(CLI::IsMember({"on", "off", "compensated"}))
       ->capture_default_str();
   app.add_option("--rounding", args.rounding,
                  "how updated weights are stored without masters: nearest (even) or stochastic (bf16 weights, "
@@ -313,6 +319,16 @@ int parse_args(int argc, char** argv, Args& args) {
   } catch (const CLI::ParseError& e) {
     // --help: the help on stdout, 0; else the error and a pointer to --help on stderr.
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (args.masters == "compensated" && args.weights != "bf16") {
+    std::fprintf(stderr, "stepfuse-train-mlp: --masters compensated keeps a bf16 compensation beside bf16 weights: "
+                         "pass --weights bf16 (f16 weights keep fp32 masters: --masters on)\n");
+    return 2;
+  }
+  if (args.masters == "compensated" && args.rounding == "stochastic") {
+    std::fprintf(stderr, "stepfuse-train-mlp: --masters compensated and --rounding stochastic exclude each other "
+                         "(the compensation keeps what rounding to nearest loses): pass one of them\n");
+    return 2;
   }
   if (args.rounding == "stochastic" && (args.weights != "bf16" || args.masters != "off")) {
     std::fprintf(stderr, "stepfuse-train-mlp: --rounding stochastic rounds bf16 weights kept without masters: "
@@ -341,6 +357,7 @@ int train(const Args& args) {
   options.max_grad_norm = kMaxGradNorm;
   options.num_threads = args.threads;
   options.master_weights = args.masters == "on";
+  options.compensated_weights = args.masters == "compensated";
   options.stochastic_rounding = args.rounding == "stochastic";
   options.seed = 1;
   const stepfuse::optim::AdamW adamw{.lr = args.lr};  // PyTorch's defaults otherwise
@@ -352,7 +369,8 @@ int train(const Args& args) {
   std::printf("stepfuse %s (%s): train a %d-%d-%d MLP (tanh, softmax cross-entropy), batch %d\n", stepfuse::version(),
               stepfuse::cpu_target(), kInputs, kHidden, kClasses, kBatch);
   std::printf("  weights %s (%s), gradients f16, compute fp32\n", args.weights.c_str(),
-              options.master_weights ? "fp32 masters in the optimizer"
+              options.master_weights        ? "fp32 masters in the optimizer"
+              : options.compensated_weights ? "no masters: a bf16 compensation per weight in the optimizer"
               : options.stochastic_rounding ? "no masters: updates rounded stochastically"
                                             : "no masters: updates rounded to nearest");
   std::printf("  AdamW lr %g, weight decay %g, clip grad norm %g; GradScaler init scale %.0f, growth interval %lld\n",

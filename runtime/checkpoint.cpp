@@ -4,14 +4,18 @@
 //
 // Version 3 (docs/architecture.md §9): tensors "group.<g>.param.<i>.<state>"
 // for each state stream of group g's program (i counts within the group) and
-// "group.<g>.param.<i>.master" for fp32 masters, all F32 of shape [numel]; the
+// "group.<g>.param.<i>.master" for fp32 masters, all F32 of shape [numel], in that
+// order; after all of them (so that every F32 tensor stays 4-byte aligned)
+// "group.<g>.param.<i>.compensation" for bf16 compensations
+// (OptimizerOptions::compensated_weights), BF16 bit patterns of shape [numel]; the
 // "__metadata__" entries, every value a string (JSON where structured):
 //   format "stepfuse-optimizer", format_version "3", optimizer (the kind's name, or
 //   "custom"), step_count, num_groups; per group g: group.<g>.program (the program
 //   variant's name), group.<g>.hyperparameters (built-ins: a JSON object of every field
 //   by PyTorch name, numbers in their shortest exact form, flags as JSON booleans),
 //   group.<g>.step_count (the steps the group has applied), group.<g>.num_params,
-//   group.<g>.params (a JSON array of {"numel", "weight_dtype", "grad_dtype", "master"});
+//   group.<g>.params (a JSON array of {"numel", "weight_dtype", "grad_dtype", "master",
+//   "compensation"}; a file without "compensation", written before it, has none);
 //   custom programs: update_program (the program's text) and scalar_rules (a JSON array
 //   of {"name", "rule", "a", "b", "c"} in the program's scalar order); grad_scaler (a
 //   JSON object: GradScaler::state_dict()) or loss_scale_optimizer (a JSON object:
@@ -27,6 +31,7 @@
 //   i64 step count, i64 #params, per param (i64 numel, u8 weight dtype,
 //   u8 grad dtype, u8 has master), u32 #state tensors, str name*, then per param:
 //   each state tensor's numel floats, then the master's numel floats if it has one.
+//   They hold no compensations: an optimizer that keeps them cannot load these files.
 // Custom update programs wrote "custom" as the optimizer name and no fields, and
 // section "UPRG": str program text (to_string(Program)), u32 #scalars, per scalar
 // (str name, u8 rule kind, f64 a, f64 b), in the program's scalar order.
@@ -151,7 +156,7 @@ struct ParsedOptimizer {
   std::optional<UpdateProgram> program;  // custom programs: the saved scalar rules
   std::int64_t step_count = 0;
   std::vector<std::int64_t> step_bases;  // per group
-  std::vector<std::pair<float*, std::span<const unsigned char>>> copies;  // destination, source bytes
+  std::vector<std::pair<void*, std::span<const unsigned char>>> copies;  // destination, source bytes
 };
 
 void commit_optimizer(detail::StepEngine& e, const ParsedOptimizer& p) {
@@ -163,6 +168,30 @@ void commit_optimizer(detail::StepEngine& e, const ParsedOptimizer& p) {
   for (const auto& [dst, src] : p.copies)
     if (!src.empty()) std::memcpy(dst, src.data(), src.size());
   e.set_steps(p.step_count, p.step_bases);
+}
+
+// What a param keeps beside its weight: an fp32 master, a bf16 compensation, or neither
+// (never both: they are options of one optimizer).
+struct Kept {
+  bool master = false, compensation = false;
+};
+Kept kept_here(const detail::StepEngine& e, std::size_t p) {
+  return {e.master_data(p) != nullptr, e.compensation_data(p) != nullptr};
+}
+
+// "" when a saved param kept what this optimizer's param keeps; else what differs, and
+// the option that makes it differ.
+std::string kept_difference(Kept saved, Kept here) {
+  const auto what = [](Kept k) { return k.master ? "an fp32 master" : "a bf16 compensation"; };
+  const bool saved_any = saved.master || saved.compensation, here_any = here.master || here.compensation;
+  if (saved.master == here.master && saved.compensation == here.compensation) return "";
+  if (saved_any && here_any)
+    return std::string("saved with ") + what(saved) + ", this optimizer keeps " + what(here) +
+           " instead (OptimizerOptions::master_weights and compensated_weights differ)";
+  const Kept k = saved_any ? saved : here;
+  return std::string(saved_any ? "saved with " : "saved without ") + what(k) + ", this optimizer keeps " +
+         (saved_any ? "none" : "one") + " (OptimizerOptions::" + (k.master ? "master_weights" : "compensated_weights") +
+         " differs)";
 }
 
 // The first line where two texts differ, for a mismatch message.
@@ -255,6 +284,7 @@ Described describe(const detail::StepEngine& e) {
   const std::vector<Param>& params = e.params();
   const detail::Shard* shard = e.shard();
   const ModelView model = shard ? model_view(e) : ModelView{};
+  std::vector<detail::SafetensorsSource> compensations;  // BF16
   if (shard != nullptr)
     m["shard"] = "{\"rank\":" + std::to_string(shard->communicator().rank()) + ",\"ranks\":" +
                  std::to_string(shard->communicator().size()) + ",\"tensors\":" + std::to_string(model.tensors.size()) + "}";
@@ -289,7 +319,8 @@ Described describe(const detail::StepEngine& e) {
       list += "{\"numel\":" + std::to_string(numel) + ",\"weight_dtype\":\"" +
               std::string(dtype_name(params[p].weight.dtype)) + "\",\"grad_dtype\":\"" +
               std::string(dtype_name(params[p].grad.dtype)) + "\",\"master\":" +
-              (e.master_data(p) != nullptr ? "true" : "false");
+              (e.master_data(p) != nullptr ? "true" : "false") + ",\"compensation\":" +
+              (e.compensation_data(p) != nullptr ? "true" : "false");
       if (shard != nullptr) {
         const Placement& at = model.params[p];
         list += ",\"tensor\":" + std::to_string(at.tensor) + ",\"offset\":" + std::to_string(at.offset) +
@@ -298,9 +329,13 @@ Described describe(const detail::StepEngine& e) {
       list += '}';
       for (std::string_view s : streams) d.tensors.push_back({tensor_name(g, i, s), e.state_data(p, e.state_stream(s)), numel});
       if (const float* master = e.master_data(p)) d.tensors.push_back({tensor_name(g, i, "master"), master, numel});
+      if (const std::uint16_t* c = e.compensation_data(p))
+        compensations.push_back({tensor_name(g, i, "compensation"), c, numel, "BF16"});
     }
     m[group_key(g, "params")] = list + "]";
   }
+  // Last: 2 bytes an element, they would leave the F32 tensors after them unaligned.
+  d.tensors.insert(d.tensors.end(), compensations.begin(), compensations.end());
   return d;
 }
 
@@ -357,6 +392,10 @@ class MetadataReader {
     const detail::JsonValue* m = v.find(member);
     if (m == nullptr || m->kind != detail::JsonValue::Kind::boolean) bad_member(key, member, "true or false");
     return m->boolean;
+  }
+  // A member added to the format later: false where absent (a file written before it).
+  bool boolean_or_false(const detail::JsonValue& v, std::string_view key, std::string_view member) const {
+    return v.find(member) != nullptr && boolean(v, key, member);
   }
   std::uint64_t uint(const detail::JsonValue& v, std::string_view key, std::string_view member) const {
     const detail::JsonValue* m = v.find(member);
@@ -517,7 +556,8 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
       const std::uint64_t numel = meta.uint(entry, params_key, "numel");
       const std::string& w = meta.string(entry, params_key, "weight_dtype");
       const std::string& gr = meta.string(entry, params_key, "grad_dtype");
-      const bool master = meta.boolean(entry, params_key, "master");
+      const Kept kept{meta.boolean(entry, params_key, "master"), meta.boolean_or_false(entry, params_key, "compensation")};
+      if (kept.master && kept.compensation) corrupt(path, at + "listed with both an fp32 master and a bf16 compensation");
       const auto numel_here = static_cast<std::uint64_t>(params[p].weight.numel);
       if (numel != numel_here)
         mismatch(path, at + std::to_string(numel) + " elements saved, " + std::to_string(numel_here) + " here");
@@ -525,10 +565,7 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
       if (w != w_here || gr != g_here)
         mismatch(path, at + "saved with weight/grad dtypes " + w + "/" + gr + ", here " + std::string(w_here) + "/" +
                            std::string(g_here));
-      if (master != (e.master_data(p) != nullptr))
-        mismatch(path, at + (master ? "saved with an fp32 master, this optimizer keeps none"
-                                    : "saved without an fp32 master, this optimizer keeps one") +
-                           " (OptimizerOptions::master_weights differs)");
+      if (const std::string d = kept_difference(kept, kept_here(e, p)); !d.empty()) mismatch(path, at + d);
       if (placed) {
         const Placement& here_at = model.params[p];
         const std::int64_t tensor = meta.int64(entry, params_key, "tensor"), offset = meta.int64(entry, params_key, "offset");
@@ -539,17 +576,19 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
                              std::to_string(here_at.tensor) +
                              " (the ranks cut the model differently: load the whole set of shard files with load_shards)");
       }
-      const auto take = [&](std::string_view what, float* dst) {
+      // dtype: F32, or BF16 for a compensation (bit patterns, copied as they are).
+      const auto take = [&](std::string_view what, void* dst, std::string_view dtype) {
         const std::string name = tensor_name(g, i, what);
         const detail::SafetensorsTensor* t = f.find(name);
         if (t == nullptr) corrupt(path, "tensor '" + name + "' is missing");
-        if (t->dtype != "F32" || t->shape.size() != 1 || t->shape[0] != numel)
-          corrupt(path, "tensor '" + name + "' is not F32 of shape [" + std::to_string(numel) + "]");
+        if (t->dtype != dtype || t->shape.size() != 1 || t->shape[0] != numel)
+          corrupt(path, "tensor '" + name + "' is not " + std::string(dtype) + " of shape [" + std::to_string(numel) + "]");
         out.copies.emplace_back(dst, f.data(*t));
         ++tensors;
       };
-      for (std::string_view s : streams) take(s, e.state_data(p, e.state_stream(s)));
-      if (float* m = e.master_data(p)) take("master", m);
+      for (std::string_view s : streams) take(s, e.state_data(p, e.state_stream(s)), "F32");
+      if (float* m = e.master_data(p)) take("master", m, "F32");
+      if (std::uint16_t* c = e.compensation_data(p)) take("compensation", c, "BF16");
     }
   }
   if (tensors != f.tensors().size()) {
@@ -558,6 +597,7 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
       for (std::size_t i = 0; i < e.group_end(g) - e.group_begin(g); ++i) {
         for (std::string_view s : state_streams(e.program(g))) known.insert(tensor_name(g, i, s));
         known.insert(tensor_name(g, i, "master"));
+        known.insert(tensor_name(g, i, "compensation"));
       }
     for (const detail::SafetensorsTensor& t : f.tensors())
       if (known.count(t.name) == 0) corrupt(path, "it holds tensor '" + t.name + "', which is none of this optimizer's");
@@ -647,10 +687,11 @@ ParsedOptimizer parse_container(const detail::CheckpointFile& file, const detail
     if (w != params[i].weight.dtype || g != params[i].grad.dtype)
       mismatch(path, at + "saved with different weight/grad dtypes than " + std::string(dtype_name(params[i].weight.dtype)) +
                          "/" + std::string(dtype_name(params[i].grad.dtype)));
-    if (has_master[i] != (e.master_data(i) != nullptr))
-      mismatch(path, at + (has_master[i] ? "saved with an fp32 master, this optimizer keeps none"
-                                         : "saved without an fp32 master, this optimizer keeps one") +
-                         " (OptimizerOptions::master_weights differs)");
+    if (e.compensation_data(i) != nullptr)
+      mismatch(path, at + "this optimizer keeps a bf16 compensation (OptimizerOptions::compensated_weights), which a format-" +
+                         std::to_string(file.version()) + " checkpoint does not hold (only format " +
+                         std::to_string(detail::kCheckpointFormat) + " does)");
+    if (const std::string d = kept_difference({has_master[i], false}, kept_here(e, i)); !d.empty()) mismatch(path, at + d);
   }
   const std::vector<std::string_view> streams = state_streams(e.program());
   if (r.u32() != streams.size()) mismatch(path, "it holds a different number of state tensors");
@@ -746,7 +787,7 @@ struct SavedParam {
   Placement at;
   std::int64_t numel = 0;
   std::string weight_dtype, grad_dtype;
-  bool master = false;
+  Kept kept;
   std::int64_t end() const { return at.offset + numel; }
 };
 
@@ -828,7 +869,10 @@ SetFile read_set_file(const std::string& path, std::size_t index, const detail::
       p.numel = static_cast<std::int64_t>(numel);
       p.weight_dtype = meta.string(entry, key, "weight_dtype");
       p.grad_dtype = meta.string(entry, key, "grad_dtype");
-      p.master = meta.boolean(entry, key, "master");
+      p.kept = {meta.boolean(entry, key, "master"), meta.boolean_or_false(entry, key, "compensation")};
+      if (p.kept.master && p.kept.compensation)
+        corrupt(path, "group " + std::to_string(g) + " param " + std::to_string(i) +
+                          " has both an fp32 master and a bf16 compensation");
       if (sharded) {
         p.at = {meta.int64(entry, key, "tensor"), meta.int64(entry, key, "offset"), meta.int64(entry, key, "tensor_numel")};
         if (p.at.offset < 0 || p.at.tensor_numel > kMaxElements || p.end() > p.at.tensor_numel)
@@ -955,9 +999,10 @@ std::string config_difference(const OptimizerConfig& a, const OptimizerConfig& b
   return fa.size() == fb.size() ? std::string() : std::string("their fields");
 }
 
-// What this rank takes from the set: for each of its params, the state and master of
-// the elements it covers, from the pieces that hold them; each group's hyperparameters
-// and step count from the saved groups its elements come from (which must agree).
+// What this rank takes from the set: for each of its params, the state and master (or
+// compensation) of the elements it covers, from the pieces that hold them; each group's
+// hyperparameters and step count from the saved groups its elements come from (which
+// must agree).
 ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedParam>& pieces, const ModelView& model,
                            const detail::StepEngine& e) {
   ParsedOptimizer out;
@@ -995,10 +1040,7 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
       if (q.weight_dtype != w || q.grad_dtype != gr)
         mismatch(path, saved + "saved with weight/grad dtypes " + q.weight_dtype + "/" + q.grad_dtype + ", here " +
                            std::string(w) + "/" + std::string(gr));
-      if (q.master != (e.master_data(p) != nullptr))
-        mismatch(path, saved + (q.master ? "saved with an fp32 master, this optimizer keeps none"
-                                         : "saved without an fp32 master, this optimizer keeps one") +
-                           " (OptimizerOptions::master_weights differs)");
+      if (const std::string d = kept_difference(q.kept, kept_here(e, p)); !d.empty()) mismatch(path, saved + d);
       if (checked.emplace(q.file, q.group, g).second) {
         const std::string group_here = one_group ? "this optimizer" : "this optimizer's group " + std::to_string(g);
         if (custom == nullptr) {
@@ -1031,19 +1073,22 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
       }
       // Elements [first, last) of the model tensor: this param's and the saved one's.
       const std::int64_t first = std::max(at.offset, q.at.offset), last = std::min(end, q.end());
-      const auto take = [&](std::string_view what, float* dst) {
+      // `size` bytes an element: F32, or BF16 for a compensation (bit patterns, copied as
+      // they are: 2 bytes an element, so its slices are not a master's).
+      const auto take = [&](std::string_view what, void* dst, std::string_view dtype, std::size_t size) {
         const std::string name = tensor_name(q.group, q.index, what);
         const detail::SafetensorsTensor* t = f.c.file->find(name);
         if (t == nullptr) corrupt(path, "tensor '" + name + "' is missing");
-        if (t->dtype != "F32" || t->shape.size() != 1 || t->shape[0] != static_cast<std::uint64_t>(q.numel))
-          corrupt(path, "tensor '" + name + "' is not F32 of shape [" + std::to_string(q.numel) + "]");
+        if (t->dtype != dtype || t->shape.size() != 1 || t->shape[0] != static_cast<std::uint64_t>(q.numel))
+          corrupt(path, "tensor '" + name + "' is not " + std::string(dtype) + " of shape [" + std::to_string(q.numel) + "]");
         if (last > first)
-          out.copies.emplace_back(dst + (first - at.offset),
-                                  f.c.file->data(*t).subspan(static_cast<std::size_t>(first - q.at.offset) * sizeof(float),
-                                                             static_cast<std::size_t>(last - first) * sizeof(float)));
+          out.copies.emplace_back(static_cast<unsigned char*>(dst) + static_cast<std::size_t>(first - at.offset) * size,
+                                  f.c.file->data(*t).subspan(static_cast<std::size_t>(first - q.at.offset) * size,
+                                                             static_cast<std::size_t>(last - first) * size));
       };
-      for (std::string_view s : state_streams(e.program(g))) take(s, e.state_data(p, e.state_stream(s)));
-      if (float* m = e.master_data(p)) take("master", m);
+      for (std::string_view s : state_streams(e.program(g))) take(s, e.state_data(p, e.state_stream(s)), "F32", sizeof(float));
+      if (float* m = e.master_data(p)) take("master", m, "F32", sizeof(float));
+      if (std::uint16_t* c = e.compensation_data(p)) take("compensation", c, "BF16", sizeof(std::uint16_t));
       f.used = true;
     }
   }

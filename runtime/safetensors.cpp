@@ -536,8 +536,12 @@ void write_safetensors(const std::string& path, const std::map<std::string, std:
     if (!is_valid_utf8(s.name)) bad("a checkpoint tensor name is not valid UTF-8, which a safetensors header must be");
     if (s.name == "__metadata__" || !names.emplace(s.name, true).second)
       bad("checkpoint tensor name " + json_quoted(s.name) + " is used twice (or is \"__metadata__\")");
-    if (s.numel > (~std::uint64_t{0} - offset) / sizeof(float)) bad("checkpoint tensors exceed 2^64 bytes");
-    table.push_back({s.name, "F32", {s.numel}, offset, offset + s.numel * sizeof(float)});
+    if (s.dtype != "F32" && s.dtype != "BF16")
+      bad("checkpoint tensor " + json_quoted(s.name) + " has dtype " + json_quoted(s.dtype) +
+          " (the writer writes F32 and BF16)");
+    const std::uint64_t size = s.dtype == "F32" ? 4 : 2;
+    if (s.numel > (~std::uint64_t{0} - offset) / size) bad("checkpoint tensors exceed 2^64 bytes");
+    table.push_back({s.name, std::string(s.dtype), {s.numel}, offset, offset + s.numel * size});
     offset = table.back().end;
   }
   Checksum sum;
@@ -561,7 +565,7 @@ void write_safetensors(const std::string& path, const std::map<std::string, std:
   for (const SafetensorsTensor& t : table) {
     header += ',';
     append_json_string(header, t.name);
-    header += ":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(t.shape[0]) + "],\"data_offsets\":[" +
+    header += ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[" + std::to_string(t.shape[0]) + "],\"data_offsets\":[" +
               std::to_string(t.begin) + "," + std::to_string(t.end) + "]}";
   }
   header += '}';
@@ -577,7 +581,7 @@ void write_safetensors(const std::string& path, const std::map<std::string, std:
     // In pieces that stay in cache between the checksum's read and the write's.
     constexpr std::size_t kPiece = std::size_t{1} << 20;
     for (std::size_t i = 0; i < sources.size(); ++i) {
-      const auto* p = reinterpret_cast<const unsigned char*>(sources[i].data);
+      const auto* p = static_cast<const unsigned char*>(sources[i].data);
       for (std::uint64_t left = table[i].end - table[i].begin; left > 0 && out.error() == 0;) {
         const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(left, kPiece));
         sum.bytes(p, k);

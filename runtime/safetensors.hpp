@@ -131,11 +131,13 @@ class SafetensorsFile {
 
 // ---- writing ----
 
-// One F32 tensor of shape [numel], read from `data` at write time (not copied).
+// One tensor of shape [numel], read from `data` at write time (not copied): dtype "F32"
+// (floats) or "BF16" (bf16 bit patterns, 2 bytes an element), the two a checkpoint holds.
 struct SafetensorsSource {
   std::string name;
-  const float* data = nullptr;
+  const void* data = nullptr;
   std::uint64_t numel = 0;
+  std::string_view dtype = "F32";
 };
 
 // Writes a safetensors file to `path` atomically (jit/base/atomic_file.hpp; mode 0600
@@ -143,10 +145,11 @@ struct SafetensorsSource {
 // (`metadata` plus the "checksum" entry) first, then the tensors in the order given,
 // laid out in that order. The header is built and checked before anything is written:
 // Error(invalid_argument) for a name or value that is not valid UTF-8, a duplicate
-// tensor name, or a header over the format's 100,000,000 bytes. Error(io_error) naming
-// the path, the step and the system's reason when the write fails; `path` is then as it
-// was. A directory that cannot be synced after the rename is a warning (the warning
-// handler), not an error: the new file is complete.
+// tensor name, a dtype other than F32 and BF16, or a header over the format's
+// 100,000,000 bytes. Error(io_error) naming the path, the step and the system's reason
+// when the write fails; `path` is then as it was. A directory that cannot be synced
+// after the rename is a warning (the warning handler), not an error: the new file is
+// complete.
 void write_safetensors(const std::string& path, const std::map<std::string, std::string>& metadata,
                        const std::vector<SafetensorsSource>& tensors);
 

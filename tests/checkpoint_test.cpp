@@ -11,6 +11,7 @@
 #include <csignal>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -216,21 +217,26 @@ void patch_header(const std::string& path, const std::string& from, const std::s
   write_bytes(path, bytes);
 }
 
-// Rewrites a version-3 checkpoint with `edit` applied to its metadata, through the
+// Rewrites a version-3 checkpoint with `edit` applied to its metadata (and `retype`, when
+// given, to each tensor's dtype: the same bytes under another dtype), through the
 // library's writer, so that the checksum is that of the new content.
-void rewrite_metadata(const std::string& path, const std::function<void(std::map<std::string, std::string>&)>& edit) {
+void rewrite_metadata(const std::string& path, const std::function<void(std::map<std::string, std::string>&)>& edit,
+                      const std::function<std::string_view(const detail::SafetensorsTensor&)>& retype = {}) {
   std::map<std::string, std::string> meta;
-  std::vector<std::vector<float>> data;
+  std::vector<std::vector<unsigned char>> data;
+  std::vector<std::string> dtypes;
   std::vector<detail::SafetensorsSource> sources;
   {
     const detail::SafetensorsFile f{detail::MappedFile(path)};
     meta = f.metadata();
     data.reserve(f.tensors().size());
+    dtypes.reserve(f.tensors().size());
     for (const detail::SafetensorsTensor& t : f.tensors()) {
       const auto bytes = f.data(t);
-      data.emplace_back(bytes.size() / sizeof(float));
-      if (!bytes.empty()) std::memcpy(data.back().data(), bytes.data(), bytes.size());
-      sources.push_back({t.name, data.back().data(), data.back().size()});
+      data.emplace_back(bytes.begin(), bytes.end());
+      dtypes.emplace_back(retype ? retype(t) : std::string_view(t.dtype));
+      const std::uint64_t size = dtypes.back() == "BF16" ? 2 : 4;
+      sources.push_back({t.name, data.back().data(), data.back().size() / size, dtypes.back()});
     }
   }
   meta.erase("checksum");
@@ -771,6 +777,158 @@ TEST(Checkpoint, AnotherGroupStructureIsRefusedNamingTheDifference) {
   std::string message;
   EXPECT_EQ(code_of([&] { grouped.load(v2); }, &message), ErrorCode::invalid_argument);
   EXPECT_NE(message.find("one param group; this optimizer has 2"), std::string::npos) << message;
+}
+
+// ---- compensated bf16 weights ----
+
+// bf16 weights, one f32 among them (which keeps no compensation).
+const std::vector<std::tuple<std::int64_t, DType, DType>> kCompensatedSpec = {
+    {33, DType::bf16, DType::bf16}, {7, DType::f32, DType::f32}, {1000, DType::bf16, DType::f32},
+    {40000, DType::bf16, DType::bf16}};
+
+OptimizerOptions compensated() {
+  OptimizerOptions o;
+  o.master_weights = false;
+  o.compensated_weights = true;
+  return o;
+}
+
+// Every param's compensation (bit patterns; empty for those without one).
+std::vector<std::vector<std::uint16_t>> compensations(const Optimizer& opt) {
+  std::vector<std::vector<std::uint16_t>> out;
+  for (std::size_t p = 0; p < opt.num_params(); ++p) {
+    const std::span<const std::uint16_t> c = opt.compensation(p);
+    out.emplace_back(c.begin(), c.end());
+  }
+  return out;
+}
+
+// Steps 0..2, save, steps 3..5 -> A; a fresh compensated optimizer on the weights as
+// saved, load, steps 3..5 -> B: weights, state and compensations bitwise equal.
+TEST(Checkpoint, CompensatedWeightsResumeBitForBit) {
+  TempDir dir;
+  const std::string path = dir.file("compensated.ckpt");
+  const optim::AdamW config{.lr = 1e-3, .weight_decay = 0.01};
+  Model model = Model::make(kCompensatedSpec, 31);
+  Optimizer opt(config, model.params(), compensated());
+  GradScaler scaler("cpu", 1024.0, 2.0, 0.5, 2);
+  for (int k = 0; k < 3; ++k) iterate(model, opt, scaler, k);
+  const auto saved_compensations = compensations(opt);
+  ASSERT_TRUE(saved_compensations[1].empty()) << "f32 weights keep no compensation";
+  bool nonzero = false;
+  for (std::size_t p : {0u, 2u, 3u}) {
+    ASSERT_EQ(saved_compensations[p].size(), static_cast<std::size_t>(model.tensors[p].numel));
+    for (std::uint16_t c : saved_compensations[p]) nonzero |= c != 0;
+  }
+  ASSERT_TRUE(nonzero) << "every compensation is still 0: the test could not tell them from a fresh optimizer's";
+  opt.save(path, scaler);
+  Model saved = model;
+  for (int k = 3; k < 6; ++k) iterate(model, opt, scaler, k);
+
+  Model resumed_model = saved;
+  Optimizer resumed(config, resumed_model.params(), compensated());
+  GradScaler resumed_scaler("cpu");
+  resumed.load(path, resumed_scaler);
+  EXPECT_EQ(compensations(resumed), saved_compensations);
+  for (int k = 3; k < 6; ++k) iterate(resumed_model, resumed, resumed_scaler, k);
+  EXPECT_TRUE(Snapshot(opt, model) == Snapshot(resumed, resumed_model));
+  EXPECT_EQ(compensations(resumed), compensations(opt));
+
+  // The file: BF16 [numel] tensors of the bit patterns, after every F32 tensor (which
+  // so stay 4-byte aligned); "compensation" in every params entry.
+  const detail::SafetensorsFile file{detail::MappedFile(path)};
+  const detail::SafetensorsTensor* c0 = file.find("group.0.param.0.compensation");
+  ASSERT_NE(c0, nullptr);
+  EXPECT_EQ(c0->dtype, "BF16");
+  EXPECT_EQ(c0->shape, std::vector<std::uint64_t>{33});
+  const auto bytes = file.data(*c0);
+  ASSERT_EQ(bytes.size(), 66u);
+  EXPECT_EQ(std::memcmp(bytes.data(), saved_compensations[0].data(), bytes.size()), 0);
+  EXPECT_EQ(file.find("group.0.param.1.compensation"), nullptr);
+  EXPECT_EQ(file.find("group.0.param.0.master"), nullptr);
+  bool in_bf16 = false;
+  for (const detail::SafetensorsTensor& t : file.tensors()) {
+    in_bf16 |= t.dtype == "BF16";
+    EXPECT_EQ(t.dtype, in_bf16 ? "BF16" : "F32") << t.name;
+    if (t.dtype == "F32") {
+      EXPECT_EQ(t.begin % 4, 0u) << t.name;
+    }
+  }
+  const std::string params = *file.meta("group.0.params");
+  EXPECT_NE(params.find(R"("grad_dtype":"bf16","master":false,"compensation":true)"), std::string::npos) << params;
+  EXPECT_NE(params.find(R"("grad_dtype":"f32","master":false,"compensation":false)"), std::string::npos) << params;
+}
+
+// A file whose params keep something else than this optimizer's (a compensation, an
+// fp32 master, neither) is refused naming the option, and nothing changes.
+TEST(Checkpoint, CompensationsMustMatchTheOptimizers) {
+  TempDir dir;
+  Model m = Model::make(kCompensatedSpec, 33);
+  OptimizerOptions plain_options;
+  plain_options.master_weights = false;
+  const auto trained = [&](Model& model, const OptimizerOptions& o) {
+    auto opt = std::make_unique<Optimizer>(optim::AdamW{.lr = 1e-3}, model.params(), o);
+    GradScaler scaler("cpu", 1024.0, 2.0, 0.5, 2);
+    for (int k = 0; k < 2; ++k) iterate(model, *opt, scaler, k);
+    return opt;
+  };
+  Model cm = m, mm = m, pm = m;
+  const auto comp = trained(cm, compensated()), masters = trained(mm, OptimizerOptions{}), plain = trained(pm, plain_options);
+  const std::string comp_file = dir.file("compensated.ckpt"), masters_file = dir.file("masters.ckpt"),
+                    plain_file = dir.file("plain.ckpt");
+  comp->save(comp_file);
+  masters->save(masters_file);
+  plain->save(plain_file);
+  const auto expect_refused = [&](Optimizer& o, const Model& model, const std::string& path, const std::string& words) {
+    SCOPED_TRACE(path);
+    const Snapshot before(o, model);
+    const auto comps = compensations(o);
+    std::string message;
+    EXPECT_EQ(code_of([&] { o.load(path); }, &message), ErrorCode::invalid_argument);
+    EXPECT_NE(message.find(words), std::string::npos) << message;
+    EXPECT_TRUE(Snapshot(o, model) == before);
+    EXPECT_EQ(compensations(o), comps);
+  };
+  expect_refused(*masters, mm, comp_file,
+                 "params[0]: saved with a bf16 compensation, this optimizer keeps an fp32 master instead "
+                 "(OptimizerOptions::master_weights and compensated_weights differ)");
+  expect_refused(*comp, cm, masters_file,
+                 "params[0]: saved with an fp32 master, this optimizer keeps a bf16 compensation instead "
+                 "(OptimizerOptions::master_weights and compensated_weights differ)");
+  expect_refused(*plain, pm, comp_file,
+                 "params[0]: saved with a bf16 compensation, this optimizer keeps none "
+                 "(OptimizerOptions::compensated_weights differs)");
+  expect_refused(*comp, cm, plain_file,
+                 "params[0]: saved without a bf16 compensation, this optimizer keeps one "
+                 "(OptimizerOptions::compensated_weights differs)");
+  // Format 2 holds no compensations.
+  const std::string v2 = dir.file("v2.ckpt");
+  write_bytes(v2, format2_file(*plain));
+  expect_refused(*comp, cm, v2,
+                 "params[0]: this optimizer keeps a bf16 compensation (OptimizerOptions::compensated_weights), which "
+                 "a format-2 checkpoint does not hold");
+  plain->load(v2);
+
+  // A version-3 file written before "compensation" existed: none, as before.
+  rewrite_metadata(plain_file, [](auto& meta) {
+    std::string& params = meta["group.0.params"];
+    for (std::size_t at; (at = params.find(",\"compensation\":false")) != std::string::npos;)
+      params.erase(at, std::string_view(",\"compensation\":false").size());
+  });
+  ASSERT_EQ(detail::SafetensorsFile(detail::MappedFile(plain_file)).meta("group.0.params")->find("compensation"),
+            std::string::npos);
+  plain->load(plain_file);
+  expect_refused(*comp, cm, plain_file, "params[0]: saved without a bf16 compensation, this optimizer keeps one");
+
+  // A compensation of another dtype is corrupt.
+  rewrite_metadata(comp_file, [](auto&) {}, [](const detail::SafetensorsTensor& t) {
+    return t.name == "group.0.param.2.compensation" ? "F32" : std::string_view(t.dtype);
+  });
+  const Snapshot before(*comp, cm);
+  std::string message;
+  EXPECT_EQ(code_of([&] { comp->load(comp_file); }, &message), ErrorCode::io_error);
+  EXPECT_NE(message.find("tensor 'group.0.param.2.compensation' is not BF16 of shape [1000]"), std::string::npos) << message;
+  EXPECT_TRUE(Snapshot(*comp, cm) == before);
 }
 
 // ---- the atomic writer ----

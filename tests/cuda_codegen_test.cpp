@@ -330,6 +330,24 @@ TEST(CudaCodegenCompile, EveryBuiltinInEveryLayoutForCubinAndPtx) {
     updates.push_back(make_job("adam flat stochastic update compute_90", jit::emit_cuda_update(flat),
                                "adam_flat_stochastic_update.cu", {90, CudaOutput::ptx}, {"sf_update"}, false));
   }
+  // Compensated bf16 weights (the bf16 compensation in the master slot): the unaligned
+  // table as CUBIN, the aligned flat range (4-element loads and stores) as PTX, and
+  // LAMB's phase 1, which reads the parameter.
+  {
+    const DtypeCombo comp{DType::bf16, DType::bf16, false, false, true};
+    CudaSpec table = make_spec(adam, Layout::unaligned), flat = make_spec(adam, Layout::flat);
+    table.combos[1] = comp;
+    flat.combos[0] = comp;
+    updates.push_back(make_job("adam unaligned compensated update sm_90", jit::emit_cuda_update(table),
+                               "adam_compensated_update.cu", {90, CudaOutput::cubin}, {"sf_update"}, false));
+    updates.push_back(make_job("adam flat compensated update compute_90", jit::emit_cuda_update(flat),
+                               "adam_flat_compensated_update.cu", {90, CudaOutput::ptx}, {"sf_update"}, false));
+    const int lamb = static_cast<int>(jit::builtin_named("lamb"));
+    CudaSpec two_phase = make_spec(lamb, Layout::unaligned);
+    two_phase.combos[1] = comp;
+    updates.push_back(make_job("lamb unaligned compensated update sm_90", jit::emit_cuda_update(two_phase),
+                               "lamb_compensated_update.cu", {90, CudaOutput::cubin}, {"sf_update"}, false));
+  }
   // The sharded step's reduce module (sf_reduce_shard, sf_shard_finalize beside sf_reduce),
   // L2 as CUBIN and the inf-norm as PTX.
   for (const Layout l : {Layout::unaligned, Layout::inf_norm}) {
@@ -463,6 +481,7 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
   variant("combo grad", [](CudaSpec& s) { s.combos[1].grad = DType::f32; });
   variant("combo master", [](CudaSpec& s) { s.combos[1].master = false; });
   variant("combo stochastic", [](CudaSpec& s) { s.combos[1].master = false, s.combos[1].stochastic = true; });
+  variant("combo compensated", [](CudaSpec& s) { s.combos[1].master = false, s.combos[1].compensated = true; });
   variant("combo order", [](CudaSpec& s) { std::swap(s.combos[0], s.combos[1]); });
   variant("one combo more", [](CudaSpec& s) { s.combos.push_back({DType::f16, DType::f16, true}); });
   variant("one combo less", [](CudaSpec& s) { s.combos.pop_back(); });

@@ -404,7 +404,7 @@ TEST(PythonSafetensors, OpensACheckpointWithItsTensorsAndMetadata) {
       params += std::string(i ? "," : "") + "{\"numel\":" + std::to_string(param.weight.numel) + ",\"weight_dtype\":\"" +
                 std::string(dtype_name(param.weight.dtype)) + "\",\"grad_dtype\":\"" +
                 std::string(dtype_name(param.grad.dtype)) + "\",\"master\":" +
-                (param.weight.dtype != DType::f32 ? "true" : "false") + "}";
+                (param.weight.dtype != DType::f32 ? "true" : "false") + ",\"compensation\":false}";
       const std::string tensor = prefix + "param." + std::to_string(i) + ".";
       for (std::string_view s : opt.state_names()) {
         try {

@@ -72,6 +72,7 @@ struct RunSetup {
   bool masters;
   bool grouped = false;
   bool custom = false;  // the config's program as a custom update program
+  bool compensated = false;  // OptimizerOptions::compensated_weights (bf16 weights, no masters)
 };
 void PrintTo(const RunSetup& s, std::ostream* os) { *os << s.name; }
 
@@ -90,6 +91,7 @@ OptimizerOptions base_options(const RunSetup& s) {
   o.cpu_backend = CpuBackend::highway;
   o.num_threads = 1;
   o.master_weights = s.masters;
+  o.compensated_weights = s.compensated;
   return o;
 }
 
@@ -126,6 +128,11 @@ std::vector<float> master_of(const Optimizer& o, std::size_t param, std::int64_t
   const std::span<const float> m = o.master(param);
   if (m.empty()) return {};
   return {m.begin() + offset, m.begin() + offset + numel};
+}
+std::vector<std::uint16_t> compensation_of(const Optimizer& o, std::size_t param, std::int64_t offset, std::int64_t numel) {
+  const std::span<const std::uint16_t> c = o.compensation(param);
+  if (c.empty()) return {};
+  return {c.begin() + offset, c.begin() + offset + numel};
 }
 
 void rethrow_failures(const std::vector<std::exception_ptr>& errors, const std::string& what) {
@@ -201,7 +208,7 @@ void expect_same_result(const StepResult& a, const StepResult& b, const std::str
 
 // Loads `paths` into optimizers cut as `parts` (an empty Partition: one unsharded
 // optimizer), over a model holding `weights`, trains kAfter steps, and expects the
-// one-process run's results, weights, state and masters bitwise.
+// one-process run's results, weights, state and masters (or compensations) bitwise.
 void expect_resumes_bitwise(const RunSetup& s, const Reference& ref, const std::vector<std::string>& paths,
                             const std::vector<std::vector<unsigned char>>& weights, const Partition& parts,
                             const std::string& what) {
@@ -214,6 +221,7 @@ void expect_resumes_bitwise(const RunSetup& s, const Reference& ref, const std::
   std::vector<std::vector<StepResult>> results(static_cast<std::size_t>(ranks));
   std::vector<std::vector<Piece>> orders(static_cast<std::size_t>(ranks));
   std::vector<std::vector<std::vector<float>>> states(static_cast<std::size_t>(ranks)), masters(static_cast<std::size_t>(ranks));
+  std::vector<std::vector<std::vector<std::uint16_t>>> compensations(static_cast<std::size_t>(ranks));
   std::vector<std::int64_t> steps(static_cast<std::size_t>(ranks));
   const auto run = [&](int r, const std::shared_ptr<Communicator>& comm) {
     const auto rr = static_cast<std::size_t>(r);
@@ -228,6 +236,7 @@ void expect_resumes_bitwise(const RunSetup& s, const Reference& ref, const std::
     for (std::size_t i = 0; i < order.size(); ++i) {
       states[rr].push_back(state_of(opt, i, 0, order[i].numel));
       masters[rr].push_back(master_of(opt, i, 0, order[i].numel));
+      compensations[rr].push_back(compensation_of(opt, i, 0, order[i].numel));
     }
   };
   if (unsharded) {
@@ -251,6 +260,8 @@ void expect_resumes_bitwise(const RunSetup& s, const Reference& ref, const std::
       const Piece& p = orders[rr][i];
       EXPECT_EQ(states[rr][i], state_of(*ref.opt, p.tensor, p.offset, p.numel)) << "rank " << r << " param " << i << " state";
       EXPECT_EQ(masters[rr][i], master_of(*ref.opt, p.tensor, p.offset, p.numel)) << "rank " << r << " param " << i << " master";
+      EXPECT_EQ(compensations[rr][i], compensation_of(*ref.opt, p.tensor, p.offset, p.numel))
+          << "rank " << r << " param " << i << " compensation";
     }
   }
 }
@@ -261,6 +272,8 @@ const RunSetup kSetups[] = {
      false},
     {"AdamW_groups", optim::AdamW{.lr = 1e-2}, DType::bf16, DType::bf16, true, /*grouped=*/true},
     {"custom_Adam", optim::Adam{.lr = 1e-2, .amsgrad = true}, DType::f16, DType::f32, true, false, /*custom=*/true},
+    {"AdamW_bf16_compensated", optim::AdamW{.lr = 1e-3, .weight_decay = 1e-2}, DType::bf16, DType::bf16, false, false, false,
+     /*compensated=*/true},
 };
 
 class ShardedCheckpoint : public ::testing::TestWithParam<RunSetup> {};
@@ -268,6 +281,12 @@ class ShardedCheckpoint : public ::testing::TestWithParam<RunSetup> {};
 TEST_P(ShardedCheckpoint, ResumesBitwiseOnAnyCut) {
   const RunSetup& s = GetParam();
   const Reference ref(s);
+  if (s.compensated) {  // else compensations that never left 0 would compare equal however they were loaded
+    bool nonzero = false;
+    for (std::size_t t = 0; t < kSizes.size(); ++t)
+      for (std::uint16_t c : ref.opt->compensation(t)) nonzero |= c != 0;
+    ASSERT_TRUE(nonzero) << "every compensation of the reference run is 0";
+  }
   ckpt_test::TempDir dir;
   for (const auto& [name, saved_cut] : {std::pair{"whole3", kWhole3}, std::pair{"sliced3", kSliced3}}) {
     std::vector<std::vector<unsigned char>> weights;
@@ -312,7 +331,8 @@ TEST(ShardedCheckpoint, ShardFilesSayWhereEachParamLies) {
   EXPECT_EQ(*f.meta("shard"), R"({"rank":1,"ranks":3,"tensors":6})");
   EXPECT_EQ(*f.meta("format_version"), "3");
   const auto entry = [](std::int64_t numel, int tensor, std::int64_t offset, std::int64_t tensor_numel) {
-    return R"({"numel":)" + std::to_string(numel) + R"(,"weight_dtype":"bf16","grad_dtype":"bf16","master":true,"tensor":)" +
+    return R"({"numel":)" + std::to_string(numel) +
+           R"(,"weight_dtype":"bf16","grad_dtype":"bf16","master":true,"compensation":false,"tensor":)" +
            std::to_string(tensor) + R"(,"offset":)" + std::to_string(offset) + R"(,"tensor_numel":)" +
            std::to_string(tensor_numel) + "}";
   };
@@ -331,6 +351,7 @@ TEST(ShardedCheckpoint, ShardFilesSayWhereEachParamLies) {
 // What a rank's optimizer holds, for "nothing changed".
 struct Held {
   std::vector<std::vector<float>> state, master;
+  std::vector<std::vector<std::uint16_t>> compensation;
   std::int64_t steps = 0;
   double lr = 0;
   bool operator==(const Held&) const = default;
@@ -340,6 +361,7 @@ Held held(const Optimizer& o) {
   for (std::size_t i = 0; i < o.num_params(); ++i) {
     h.state.push_back(state_of(o, i, 0, o.params()[i].weight.numel));
     h.master.push_back(master_of(o, i, 0, o.params()[i].weight.numel));
+    h.compensation.push_back(compensation_of(o, i, 0, o.params()[i].weight.numel));
   }
   h.steps = o.step_count();
   h.lr = o.lr();
@@ -428,6 +450,27 @@ TEST(ShardedCheckpoint, ASetThatDoesNotFitMakesEveryRankThrowAndNothingChanges) 
   expect_refused_everywhere(
       s, kSliced3b, [&](int r) { return r == 2 ? std::vector<std::string>{x[1], x[0], x[2]} : x; }, ErrorCode::invalid_argument,
       "rank 2 was given another list of files than rank 0");
+}
+
+// Compensations where the files have fp32 masters, and the reverse: every rank throws
+// naming the option, and nothing changes.
+TEST(ShardedCheckpoint, CompensationsMustMatchTheFiles) {
+  const RunSetup compensated = kSetups[4], masters = kSetups[0];
+  ASSERT_TRUE(compensated.compensated);
+  ckpt_test::TempDir dir;
+  const std::vector<std::string> c = train_and_save(compensated, kSliced3, dir, "c", nullptr);
+  const std::vector<std::string> m = train_and_save(masters, kSliced3, dir, "m", nullptr);
+  const auto all = [](std::vector<std::string> list) { return [list](int) { return list; }; };
+  expect_refused_everywhere(masters, kSliced2, all(c), ErrorCode::invalid_argument,
+                            "saved with a bf16 compensation, this optimizer keeps an fp32 master instead "
+                            "(OptimizerOptions::master_weights and compensated_weights differ)");
+  expect_refused_everywhere(compensated, kSliced2, all(m), ErrorCode::invalid_argument,
+                            "saved with an fp32 master, this optimizer keeps a bf16 compensation instead "
+                            "(OptimizerOptions::master_weights and compensated_weights differ)");
+  RunSetup plain = masters;
+  plain.masters = false;
+  expect_refused_everywhere(plain, kSliced2, all(c), ErrorCode::invalid_argument,
+                            "saved with a bf16 compensation, this optimizer keeps none (OptimizerOptions::compensated_weights differs)");
 }
 
 TEST(ShardedCheckpoint, TheFilesMustBeThisModels) {

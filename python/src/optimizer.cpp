@@ -31,6 +31,7 @@ struct PyOptions {
   bool master_weights = true;
   bool stochastic_rounding = false;
   std::uint64_t seed = 0;
+  bool compensated_weights = false;
   std::string fusion = "fused";
   int num_threads = 0;
   bool track_grad_norm = false;
@@ -70,6 +71,7 @@ OptimizerOptions to_options(const PyOptions& o) {
   opts.master_weights = o.master_weights;
   opts.stochastic_rounding = o.stochastic_rounding;
   opts.seed = o.seed;
+  opts.compensated_weights = o.compensated_weights;
   if (o.fusion == "fused") opts.fusion = stepfuse::Fusion::fused;
   else if (o.fusion == "unfused") opts.fusion = stepfuse::Fusion::unfused;
   else if (o.fusion == "interpreted") opts.fusion = stepfuse::Fusion::interpreted;
@@ -220,6 +222,12 @@ const char* kOptionsDoc =
     "seed: the stochastic rounding's random stream, an int in [0, 2**64): the bits are Philox4x32-10 keyed by "
     "seed, counted by the applied step and the element's index in the model, so a run is bitwise reproducible "
     "(a checkpoint continues bitwise given the same seed).\n"
+    "compensated_weights: with master_weights=False, keep beside each bfloat16 weight a bfloat16 compensation, "
+    "what rounding the weight to bfloat16 lost (Kahan-compensated summation): the parameter is weight + "
+    "compensation, and each step writes back the nearest bfloat16 weight and the nearest bfloat16 to the rest. "
+    "2 bytes per parameter instead of fp32 masters' 4, with accuracy close to masters (compensation(param) "
+    "gives it). Needs at least one bfloat16 weight and no float16 weights (ValueError otherwise, and with "
+    "master_weights=True or stochastic_rounding=True); float32 weights are unaffected.\n"
     "fusion: 'fused', 'unfused' (the eager baseline) or 'interpreted'.\n"
     "num_threads: CPU threads (0: STEPFUSE_NUM_THREADS, else the machine's cores).\n"
     "track_grad_norm: compute the gradient norm on plain steps too.\n"
@@ -246,9 +254,9 @@ void bind_optimizer(nb::module_& m) {
   static const std::string class_doc = std::string(
       "A fused optimizer over a fixed list of caller-owned tensors, updated in place.\n\n"
       "Optimizer(config, params, *, device=None, cuda_stream=0, max_grad_norm=None, norm_type=2.0,\n"
-      "          master_weights=True, stochastic_rounding=False, seed=0, fusion='fused', num_threads=0,\n"
-      "          track_grad_norm=False, cpu_backend=None, llvm_contract=False, communicator=None,\n"
-      "          slices=None)\n\n"
+      "          master_weights=True, stochastic_rounding=False, seed=0, compensated_weights=False,\n"
+      "          fusion='fused', num_threads=0, track_grad_norm=False, cpu_backend=None, llvm_contract=False,\n"
+      "          communicator=None, slices=None)\n\n"
       "config: a config (SGD, Adam, AdamW, ...) or an UpdateProgram. params: (weight, grad) pairs of\n"
       "tensors (torch, NumPy, anything with __dlpack__): float32, float16 or bfloat16, contiguous, all on\n"
       "one device (the CPU or one CUDA GPU); a torch parameter with its .grad allocated may stand for its\n"
@@ -261,14 +269,14 @@ void bind_optimizer(nb::module_& m) {
       "__init__",
       [](PyOptimizer* self, nb::handle config, nb::handle params, std::optional<std::string> device,
          std::uintptr_t cuda_stream, std::optional<double> max_grad_norm, double norm_type, bool master_weights,
-         bool stochastic_rounding, nb::handle seed, std::string fusion, int num_threads, bool track_grad_norm,
-         std::optional<std::string> cpu_backend, bool llvm_contract,
+         bool stochastic_rounding, nb::handle seed, bool compensated_weights, std::string fusion, int num_threads,
+         bool track_grad_norm, std::optional<std::string> cpu_backend, bool llvm_contract,
          std::shared_ptr<stepfuse::Communicator> communicator,
          std::optional<std::vector<stepfuse::TensorSlice>> slices) {
-        PyOptions po{device,         cuda_stream,         max_grad_norm, norm_type,
-                     master_weights, stochastic_rounding, to_seed(seed), std::move(fusion),
-                     num_threads,    track_grad_norm,     cpu_backend,   llvm_contract,
-                     std::move(communicator), std::move(slices)};
+        PyOptions po{device,         cuda_stream,         max_grad_norm,       norm_type,
+                     master_weights, stochastic_rounding, to_seed(seed),       compensated_weights,
+                     std::move(fusion), num_threads,      track_grad_norm,     cpu_backend,
+                     llvm_contract,  std::move(communicator), std::move(slices)};
         OptimizerOptions opts = to_options(po);
         Gather g;
         std::optional<stepfuse::OptimizerConfig> cfg = try_config(config);
@@ -287,15 +295,15 @@ void bind_optimizer(nb::module_& m) {
       nb::arg("config"), nb::arg("params"), nb::kw_only(), nb::arg("device") = nb::none(),
       nb::arg("cuda_stream") = 0, nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0,
       nb::arg("master_weights") = true, nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0,
-      nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
+      nb::arg("compensated_weights") = false, nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
       nb::arg("track_grad_norm") = false, nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
       nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(),
       nb::sig("def __init__(self, config: SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | "
               "Adadelta | Rprop | ASGD | LAMB | UpdateProgram, params: collections.abc.Iterable[tuple[object, "
               "object]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
               "norm_type: float = 2.0, master_weights: bool = True, stochastic_rounding: bool = False, "
-              "seed: int = 0, fusion: str = 'fused', num_threads: int = 0, track_grad_norm: bool = False, "
-              "cpu_backend: str | None = None, llvm_contract: bool = False, "
+              "seed: int = 0, compensated_weights: bool = False, fusion: str = 'fused', num_threads: int = 0, "
+              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
               "communicator: Communicator | None = None, slices: collections.abc.Sequence[TensorSlice] | None = None) "
               "-> None"));
 
@@ -303,14 +311,14 @@ void bind_optimizer(nb::module_& m) {
       "from_groups",
       [](nb::handle groups, std::optional<std::string> device, std::uintptr_t cuda_stream,
          std::optional<double> max_grad_norm, double norm_type, bool master_weights, bool stochastic_rounding,
-         nb::handle seed, std::string fusion, int num_threads, bool track_grad_norm,
+         nb::handle seed, bool compensated_weights, std::string fusion, int num_threads, bool track_grad_norm,
          std::optional<std::string> cpu_backend, bool llvm_contract,
          std::shared_ptr<stepfuse::Communicator> communicator,
          std::optional<std::vector<stepfuse::TensorSlice>> slices) {
-        PyOptions po{device,         cuda_stream,         max_grad_norm, norm_type,
-                     master_weights, stochastic_rounding, to_seed(seed), std::move(fusion),
-                     num_threads,    track_grad_norm,     cpu_backend,   llvm_contract,
-                     std::move(communicator), std::move(slices)};
+        PyOptions po{device,         cuda_stream,         max_grad_norm,       norm_type,
+                     master_weights, stochastic_rounding, to_seed(seed),       compensated_weights,
+                     std::move(fusion), num_threads,      track_grad_norm,     cpu_backend,
+                     llvm_contract,  std::move(communicator), std::move(slices)};
         OptimizerOptions opts = to_options(po);
         if (!nb::isinstance<nb::iterable>(groups))
           throw nb::type_error(("groups must be a list of (params, config) pairs, not " +
@@ -333,7 +341,8 @@ void bind_optimizer(nb::module_& m) {
       },
       nb::arg("groups"), nb::kw_only(), nb::arg("device") = nb::none(), nb::arg("cuda_stream") = 0,
       nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0, nb::arg("master_weights") = true,
-      nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0, nb::arg("fusion") = "fused",
+      nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0, nb::arg("compensated_weights") = false,
+      nb::arg("fusion") = "fused",
       nb::arg("num_threads") = 0, nb::arg("track_grad_norm") = false,
       nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
       nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(), nb::rv_policy::take_ownership,
@@ -344,8 +353,8 @@ void bind_optimizer(nb::module_& m) {
               "object]], SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | "
               "ASGD | LAMB]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
               "norm_type: float = 2.0, master_weights: bool = True, stochastic_rounding: bool = False, "
-              "seed: int = 0, fusion: str = 'fused', num_threads: int = 0, track_grad_norm: bool = False, "
-              "cpu_backend: str | None = None, llvm_contract: bool = False, "
+              "seed: int = 0, compensated_weights: bool = False, fusion: str = 'fused', num_threads: int = 0, "
+              "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
               "communicator: Communicator | None = None, slices: collections.abc.Sequence[TensorSlice] | None = None) "
               "-> Optimizer"));
 
@@ -475,7 +484,8 @@ void bind_optimizer(nb::module_& m) {
       },
       nb::arg("params"), nb::arg("config"),
       "Appends a parameter group (its params follow the existing ones), with fresh state and its own step "
-      "count. Call it between steps. Views from state() and master() taken before it are invalid after it.",
+      "count. Call it between steps. Views from state(), master() and compensation() taken before it are invalid "
+      "after it.",
       nb::sig("def add_param_group(self, params: collections.abc.Iterable[tuple[object, object]], config: SGD | Adam | "
               "AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | ASGD | LAMB) -> None"));
   cls.def(
@@ -566,6 +576,25 @@ void bind_optimizer(nb::module_& m) {
       "add_param_group().",
       nb::sig("def master(self, param: int) -> numpy.typing.NDArray[numpy.float32] | None"));
   cls.def(
+      "compensation",
+      [](PyOptimizer& self, std::size_t i) -> nb::object {
+        // NumPy has no bfloat16: the compensation's bits as uint16 (as the collectives'
+        // bf16 buffers), which torch.from_numpy(c).view(torch.bfloat16) reads as bfloat16.
+        // Writable, as master(): for restoring compensations from a framework's checkpoint.
+        std::span<std::uint16_t> s = self.opt->mutable_compensation(i);
+        if (s.empty()) return nb::none();
+        std::vector<std::size_t> shape = shape_of(self, i, s.size());
+        return nb::cast(
+            nb::ndarray<nb::numpy, std::uint16_t>(s.data(), shape.size(), shape.data(), self_handle(self)));
+      },
+      nb::arg("param"),
+      "A writable, zero-copy NumPy view of a param's bfloat16 compensation (compensated_weights=True; the "
+      "weight's shape), as uint16 bit patterns, since NumPy has no bfloat16 (torch.from_numpy(c).view("
+      "torch.bfloat16) reads it as bfloat16), or None (float32 weights, or compensated_weights=False). The "
+      "parameter is weight + compensation. Edits take effect at the next step. Like master(), it keeps the "
+      "optimizer alive and is invalid after add_param_group().",
+      nb::sig("def compensation(self, param: int) -> numpy.typing.NDArray[numpy.uint16] | None"));
+  cls.def(
       "last_tensor_grad_norms", [](const PyOptimizer& self) { return self.opt->last_tensor_grad_norms(); },
       "Per-tensor norms of the unscaled gradients from the last reduce pass.");
 
@@ -579,7 +608,7 @@ void bind_optimizer(nb::module_& m) {
         else self.opt->save(p);
       },
       nb::arg("path"), nb::arg("scaler") = nb::none(),
-      "Writes hyperparameters, step counts, state and masters (and a GradScaler's state) to a safetensors file, "
+      "Writes hyperparameters, step counts, state, masters and compensations (and a GradScaler's state) to a safetensors file, "
       "atomically. The weights are the caller's to save.");
   cls.def(
       "load",

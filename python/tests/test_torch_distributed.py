@@ -227,7 +227,7 @@ def test_torch_optimizer_with_a_stepfuse_communicator():
 # ---- two processes over gloo ---------------------------------------------------------------
 
 
-CASES = ["collectives", "steps", "scalers", "errors", "engine", "rounding"]
+CASES = ["collectives", "steps", "scalers", "errors", "engine", "rounding", "compensation"]
 
 
 def _launch(cases, timeout=300.0):
@@ -312,6 +312,13 @@ def test_stochastic_rounding_sharded(gloo_run):
     (the rounding counts elements in the whole model), also when one rank's shard holds
     float32 params alone."""
     _check_case(gloo_run, "rounding")
+
+
+@needs_gloo
+def test_compensated_weights_sharded(gloo_run):
+    """compensated_weights=True: each rank's shard, weights and compensations, bitwise the
+    one-process step's, also when one rank's shard holds float32 params alone."""
+    _check_case(gloo_run, "compensation")
 
 
 # ---- the workers -------------------------------------------------------------------------
@@ -642,6 +649,36 @@ def _case_rounding(rank, world):
             opt.step()
             for i, (p, q) in enumerate(zip(ours, mine(full))):
                 assert torch.equal(p, q), f"rank {rank}, cut {cut}, step {step}: param {i} differs"
+
+
+def _case_compensation(rank, world):
+    from stepfuse.torch.distributed import ProcessGroupCommunicator
+    comm = ProcessGroupCommunicator()
+    kw = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, num_threads=1, master_weights=False,
+              compensated_weights=True)
+    # Cut after K: each rank holds a bf16 tensor; after 5: rank 1 holds the last (f32) alone.
+    for cut in (K, len(SHAPES) - 1):
+        def mine(items):
+            return list(items[:cut] if rank == 0 else items[cut:])
+
+        full = _leaves(_model())
+        ours = _leaves(mine(_model()))
+        ref = sft.AdamW(full, **kw)
+        opt = sft.AdamW(ours, communicator=comm, **kw)
+        for step in range(4):
+            grads = _grads(step)
+            _set(full, grads)
+            _set(ours, mine(grads))
+            ref.step()
+            opt.step()
+            for i, (p, q) in enumerate(zip(ours, mine(full))):
+                assert torch.equal(p, q), f"rank {rank}, cut {cut}, step {step}: param {i} differs"
+                if q.dtype == torch.bfloat16:
+                    c, d = opt.state[p]["compensation"], ref.state[q]["compensation"]
+                    assert torch.equal(c.view(torch.int16), d.view(torch.int16)), \
+                        f"rank {rank}, cut {cut}, step {step}: param {i}'s compensation differs"
+                else:
+                    assert "compensation" not in opt.state[p]
 
 
 if __name__ == "__main__":

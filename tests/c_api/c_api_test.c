@@ -1771,6 +1771,54 @@ static void test_stochastic_rounding(void) {
   CHECK(none == NULL);
 }
 
+/* Compensated bf16 weights: updates below half an ulp stay in the compensation. */
+static void test_compensated_weights(void) {
+  enum { kN = 1003 };
+  static uint16_t w[kN], g[kN];
+  for (int i = 0; i < kN; ++i) w[i] = sf_float_to_bf16(1.0f), g[i] = sf_float_to_bf16(-1.0f);
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_SGD);
+  cfg.lr = 1.0 / 4096; /* 1/32 of a bf16 ulp at 1.0 */
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  CHECK(!o.compensated_weights);
+  o.master_weights = false;
+  o.compensated_weights = true;
+  const sf_param p = {{w, kN, SF_BF16}, {g, kN, SF_BF16}};
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, &p, 1, &o, &opt));
+  for (int s = 0; s < 8; ++s) CHECK_OK(sf_optimizer_step(opt));
+  const uint16_t* comp = NULL;
+  int64_t numel = -1;
+  CHECK_OK(sf_optimizer_compensation(opt, 0, &comp, &numel));
+  CHECK(comp != NULL && numel == kN);
+  for (int i = 0; i < kN; ++i) {
+    CHECK(w[i] == sf_float_to_bf16(1.0f));             /* 8/32 of an ulp: the weight stays */
+    CHECK(comp[i] == sf_float_to_bf16(1.0f / 512)); /* ... and the compensation holds it exactly */
+  }
+  const float* master = (const float*)1;
+  CHECK_OK(sf_optimizer_master(opt, 0, &master, &numel));
+  CHECK(master == NULL && numel == 0);
+  sf_optimizer_options got;
+  sf_optimizer_options_init(&got);
+  CHECK_OK(sf_optimizer_get_options(opt, &got));
+  CHECK(got.compensated_weights && !got.master_weights);
+  /* The struct of the header before compensated weights: its fields are written, nothing after. */
+  sf_optimizer_options old;
+  memset(&old, 0xAB, sizeof old);
+  old.struct_size = (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V3;
+  CHECK_OK(sf_optimizer_get_options(opt, &old));
+  CHECK(old.struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V3 && !old.stochastic_rounding);
+  CHECK(*(const unsigned char*)&old.compensated_weights == 0xAB);
+  CHECK_FAILS(sf_optimizer_compensation(opt, 1, &comp, &numel), SF_INVALID_ARGUMENT, "param");
+  sf_optimizer_destroy(opt);
+  /* With masters: refused, naming the option. */
+  o.master_weights = true;
+  sf_optimizer* none = NULL;
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &none), SF_INVALID_ARGUMENT, "compensated_weights");
+  CHECK(none == NULL);
+}
+
 int main(void) {
   g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
   printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
@@ -1793,6 +1841,7 @@ int main(void) {
   test_param_groups();
   test_two_phase_program();
   test_stochastic_rounding();
+  test_compensated_weights();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

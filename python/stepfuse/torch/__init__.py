@@ -17,7 +17,9 @@ Every optimizer is a ``torch.optim.Optimizer`` with torch's arguments, defaults,
 ``norm_type`` (``clip_grad_norm_`` over all groups, fused into the step) and
 ``master_weights`` (fp32 masters for float16/bfloat16 params), ``stochastic_rounding`` /
 ``seed`` (bfloat16 params without masters rounded stochastically, reproducibly from the
-seed). ``opt.last_grad_norm`` is the total gradient norm of the last step.
+seed) and ``compensated_weights`` (bfloat16 params without masters, each with a bfloat16
+compensation: 2 bytes per param instead of a master's 4). ``opt.last_grad_norm`` is the
+total gradient norm of the last step.
 """
 
 from ._base import StepfuseOptimizer

@@ -125,6 +125,13 @@ def _copy_into(view: Any, src: torch.Tensor) -> None:
         view.reshape(-1)[:] = src.detach().to(torch.float32).reshape(-1).cpu().numpy()
 
 
+def _copy_bf16_into(view: Any, src: torch.Tensor) -> None:
+    """Copies a saved bfloat16 tensor (a compensation) into an engine view of its bits (a uint16
+    NumPy array; None: nothing to fill)."""
+    if view is not None:
+        view.reshape(-1)[:] = src.detach().to(torch.bfloat16).reshape(-1).cpu().view(torch.uint16).numpy()
+
+
 class _CppGroup:
     """One engine group: params of one torch group with one step count."""
 
@@ -167,6 +174,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         master_weights: bool = True,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        compensated_weights: bool = False,
         num_threads: Optional[int] = None,
         communicator: Any = None,
     ) -> None:
@@ -183,6 +191,13 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             raise ValueError("stepfuse.torch: stochastic_rounding=True needs master_weights=False (with fp32 masters "
                              "each weight is rounded to nearest from its master; stochastic rounding is the "
                              "alternative to masters, for bfloat16 params)")
+        if compensated_weights and master_weights:
+            raise ValueError("stepfuse.torch: compensated_weights=True needs master_weights=False (a bfloat16 "
+                             "compensation replaces the fp32 master: it is the alternative to masters, for bfloat16 "
+                             "params)")
+        if compensated_weights and stochastic_rounding:
+            raise ValueError("stepfuse.torch: compensated_weights=True and stochastic_rounding=True together (the "
+                             "compensation keeps what rounding to nearest loses; choose one of the two)")
         if num_threads is not None and not (0 <= int(num_threads) <= 1024):
             raise ValueError(f"Invalid num_threads: {num_threads} (use None for torch.get_num_threads(), or 1 to 1024)")
         self.max_grad_norm = max_grad_norm
@@ -192,6 +207,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         # counted by the engine's applied step and the element's index in its params).
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = seed
+        # bfloat16 params without masters: each with a bfloat16 compensation (the engine's,
+        # state[p]["compensation"]), the part of the parameter rounding to bfloat16 lost.
+        self.compensated_weights = bool(compensated_weights)
         self.num_threads = num_threads
         # A sharded step (stepfuse.torch.distributed): a stepfuse.Communicator, or a
         # torch.distributed ProcessGroup wrapped in a ProcessGroupCommunicator.
@@ -205,6 +223,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 and not any(p.dtype == torch.bfloat16 for g in self.param_groups for p in g["params"])):
             raise ValueError("stepfuse.torch: stochastic_rounding=True but no param is bfloat16 (float32 params are "
                              "stored exactly; there is nothing to round: leave stochastic_rounding off)")
+        if (self.compensated_weights and self.communicator is None
+                and not any(p.dtype == torch.bfloat16 for g in self.param_groups for p in g["params"])):
+            raise ValueError("stepfuse.torch: compensated_weights=True but no param is bfloat16 (float32 params are "
+                             "stored exactly; there is nothing to compensate: leave compensated_weights off)")
         if self.communicator is not None and self._device is not None and self._device.type != "cpu":
             raise NotImplementedError(f"stepfuse.torch: a sharded step (communicator=) takes CPU params so far; these "
                                       f"params are on {self._device} (an nccl process group is not wrapped yet; from "
@@ -224,8 +246,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     # torch pickles (and deep-copies) an optimizer as defaults, state and param_groups:
     # keep the options too; the engine is re-planned from the state at the next step.
-    _OPTIONS = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "num_threads",
-                "_device")
+    _OPTIONS = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "compensated_weights",
+                "num_threads", "_device")
 
     def __getstate__(self) -> Dict[str, Any]:
         if getattr(self, "communicator", None) is not None:
@@ -242,7 +264,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
-        for k, default in zip(self._OPTIONS, (None, 2.0, True, False, 0, None, None)):
+        for k, default in zip(self._OPTIONS, (None, 2.0, True, False, 0, False, None, None)):
             if not hasattr(self, k):
                 setattr(self, k, default)
         if not hasattr(self, "communicator"):
@@ -276,6 +298,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             if p.dtype == torch.float16 and getattr(self, "stochastic_rounding", False):
                 raise ValueError("stepfuse.torch: a param is float16 but stochastic_rounding=True (stochastic rounding "
                                  "is for bfloat16 params: keep fp32 masters for float16 params, or store them as "
+                                 "bfloat16)")
+            if p.dtype == torch.float16 and getattr(self, "compensated_weights", False):
+                raise ValueError("stepfuse.torch: a param is float16 but compensated_weights=True (compensated weights "
+                                 "are for bfloat16 params: keep fp32 masters for float16 params, or store them as "
                                  "bfloat16)")
             device = self._device or (self._first_device() if hasattr(self, "param_groups") else None)
             if device is not None and p.device != device:
@@ -363,6 +389,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         # torch casts floating state to the param's dtype; the engine keeps fp32 state
         # (and fp32 masters for 16-bit params): take the saved tensors at full precision.
+        # A bfloat16 param's compensation is bfloat16: taken as it is.
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for sid, p in zip(saved_ids, params):
@@ -371,7 +398,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 continue
             for k, v in saved.items():
                 if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
-                    self.state[p][k] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                    dtype = torch.bfloat16 if k == "compensation" else torch.float32
+                    self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         # torch's load replaced self.state with the loaded tensors: the next step
         # re-plans and copies them into the engine.
         self._engine = None
@@ -548,11 +576,14 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         # Stochastic rounding needs a bfloat16 param among the engine's: a step whose only
         # gradients are float32 params' rounds nothing (float32 weights are stored exactly).
         # Sharded, every rank passes the same options (a rank may hold float32 params only).
-        rounding = self.stochastic_rounding and (
-            self.communicator is not None or any(p.dtype == torch.bfloat16 for g in cpp_groups for p in g.params))
+        # Compensated weights likewise.
+        any_bf16 = self.communicator is not None or any(p.dtype == torch.bfloat16 for g in cpp_groups for p in g.params)
+        rounding = self.stochastic_rounding and any_bf16
+        compensated = self.compensated_weights and any_bf16
         options: Dict[str, Any] = dict(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
                                        master_weights=self.master_weights, stochastic_rounding=rounding,
-                                       seed=self.seed, communicator=self.communicator,
+                                       seed=self.seed, compensated_weights=compensated,
+                                       communicator=self.communicator,
                                        num_threads=self.num_threads if self.num_threads is not None
                                        else (torch.get_num_threads() if device.type == "cpu" else 0))
         if device.type == "cuda":
@@ -574,6 +605,11 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 master = st.get("master_param")
                 if isinstance(master, torch.Tensor) and master.numel() == p.numel():
                     _copy_into(engine.master(i), master)
+                # A param without one (a state dict saved without compensated weights) starts
+                # from the engine's: zero, the weight alone, as a missing master starts from it.
+                compensation = st.get("compensation")
+                if isinstance(compensation, torch.Tensor) and compensation.numel() == p.numel():
+                    _copy_bf16_into(engine.compensation(i), compensation)
         for g, cg in enumerate(cpp_groups):
             if cg.step:
                 engine.set_group_step_count(g, cg.step)
@@ -632,6 +668,11 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             if master is not None:
                 t = torch.from_numpy(master).view(p.shape)
                 st["master_param"] = t if p.device.type == "cpu" else t.to(p.device)
+            compensation = engine.compensation(i)
+            if compensation is not None:
+                # NumPy has no bfloat16: the engine's bits (uint16), viewed as bfloat16.
+                t = torch.from_numpy(compensation).view(torch.bfloat16).view(p.shape)
+                st["compensation"] = t if p.device.type == "cpu" else t.to(p.device)
             if st:
                 self.state[p] = st
             elif p in self.state:

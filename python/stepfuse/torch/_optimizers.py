@@ -14,7 +14,8 @@ from ._base import StepfuseOptimizer, _as_float, _dummy_param
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD",
            "Lion", "LAMB"]
 
-_EXTRA = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "num_threads", "communicator")
+_EXTRA = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "compensated_weights",
+          "num_threads", "communicator")
 
 
 def _torch_defaults(torch_class: type, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -48,7 +49,7 @@ def _betas(group: Dict[str, Any]) -> Tuple[float, float]:
 class SGD(_TorchLike):
     """torch.optim.SGD, fused: ``SGD(params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
     maximize=False, max_grad_norm=None, norm_type=2.0, master_weights=True, stochastic_rounding=False, seed=0,
-    num_threads=None, communicator=None)``."""
+    compensated_weights=False, num_threads=None, communicator=None)``."""
 
     _torch_class = torch.optim.SGD
 
