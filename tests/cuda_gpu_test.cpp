@@ -337,6 +337,7 @@ struct DtypeSet {
   std::vector<TensorType> cycle;
   bool masters;
   bool stochastic = false;  // bf16 weights without masters, rounded stochastically
+  bool compensated = false; // bf16 weights without masters, with bf16 compensations
 };
 const std::vector<DtypeSet>& dtype_sets() {
   static const std::vector<DtypeSet> all = {
@@ -347,6 +348,7 @@ const std::vector<DtypeSet>& dtype_sets() {
       {"f32w_bf16g", {{DType::f32, DType::bf16}}, true},
       {"mixed", {{DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::f32, DType::bf16}}, true},
       {"bf16_stochastic", {{DType::bf16, DType::bf16}, {DType::f32, DType::f32}, {DType::bf16, DType::f32}}, false, true},
+      {"bf16_compensated", {{DType::bf16, DType::bf16}, {DType::f32, DType::f32}, {DType::bf16, DType::f16}}, false, false, true},
   };
   return all;
 }
@@ -369,10 +371,11 @@ constexpr double kMaxNormInf = 0.02;   // below their largest |g| (about 0.05)
 // chunk, tiny ones and an empty one.
 const std::vector<std::int64_t> kSizes = {32771, 4097, 0, 3, 16384, 12289, 1};
 
-OptimizerOptions options_for(StepKind k, bool masters, Device d, bool stochastic = false) {
+OptimizerOptions options_for(StepKind k, bool masters, Device d, bool stochastic = false, bool compensated = false) {
   OptimizerOptions o;
   o.device = d;
   o.master_weights = masters;
+  o.compensated_weights = compensated;
   o.stochastic_rounding = stochastic;
   o.seed = stochastic ? 0x5EED0000000Full : 0;
   if (k == StepKind::clipped) o.max_grad_norm = kMaxNorm;
@@ -401,6 +404,7 @@ struct Snapshot {
   std::vector<std::string> state_names;
   std::vector<std::vector<std::vector<float>>> state;  // [stream][tensor]
   std::vector<std::vector<float>> masters;             // [tensor], empty without one
+  std::vector<std::vector<float>> compensations;       // [tensor], widened; empty without one
 };
 
 Snapshot snapshot(const Optimizer& o, std::vector<std::byte> weights, std::vector<std::byte> grads) {
@@ -425,6 +429,8 @@ Snapshot snapshot(const Optimizer& o, std::vector<std::byte> weights, std::vecto
   for (std::size_t t = 0; t < o.num_params(); ++t) {
     const std::span<const float> m = o.master(t);
     s.masters.emplace_back(m.begin(), m.end());
+    auto& c = s.compensations.emplace_back();
+    for (std::uint16_t h : o.compensation(t)) c.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16));
   }
   return s;
 }
@@ -508,6 +514,7 @@ void expect_identical(const Snapshot& a, const Snapshot& b, const ListLayout& L,
         fail(at + " " + what + "[" + std::to_string(i) + "] " + describe(x[i]) + " vs " + describe(y[i]));
     };
     floats(a.masters[t], b.masters[t], "master");
+    floats(a.compensations[t], b.compensations[t], "compensation");
     for (std::size_t s = 0; s < std::min(a.state.size(), b.state.size()); ++s) floats(a.state[s][t], b.state[s][t], a.state_names[s]);
   }
   if (failures > 6) ADD_FAILURE() << where << ": ... and " << failures - 6 << " more differences";
@@ -552,8 +559,8 @@ struct SideBySide {
     dev.set_weights(w0);
     const OptimizerConfig& config = config_named(c.config);
     const DtypeSet& set = dtype_set(c.dtypes);
-    ho.emplace(config, host.params, options_for(kind, set.masters, Device::cpu(), set.stochastic));
-    go.emplace(config, dev.params, options_for(kind, set.masters, test_device(), set.stochastic));
+    ho.emplace(config, host.params, options_for(kind, set.masters, Device::cpu(), set.stochastic, set.compensated));
+    go.emplace(config, dev.params, options_for(kind, set.masters, test_device(), set.stochastic, set.compensated));
   }
   // The same gradients on both sides, then a step of each.
   void step(const std::vector<std::byte>& g) {
@@ -595,6 +602,12 @@ std::vector<Case> layout_cases() {
   for (const char* c : {"AdamW", "SGD_momentum", "Lion"})
     for (Layout l : {Layout::separate, Layout::misaligned})
       for (StepKind k : {StepKind::plain, StepKind::scaled, StepKind::clipped}) cases.push_back({c, "bf16_stochastic", l, k});
+  // Compensated weights: the bf16 compensation beside each bf16 weight, bitwise the CPU's;
+  // LAMB's phase 1 reads the parameter.
+  for (const char* c : {"AdamW", "SGD_momentum", "Lion", "LAMB"})
+    for (Layout l : {Layout::separate, Layout::misaligned})
+      for (StepKind k : {StepKind::plain, StepKind::scaled, StepKind::clipped}) cases.push_back({c, "bf16_compensated", l, k});
+  cases.push_back({"AdamW", "bf16_compensated", Layout::flat, StepKind::scaled_clipped_inf});
   return cases;
 }
 std::vector<Case> non_finite_cases() {
@@ -623,7 +636,7 @@ void prewarm_kernel_cache(int sm) {
     const OptimizerConfig& config = config_named(c.config);
     const ListLayout L = case_layout(c);
     const DtypeSet& set = dtype_set(c.dtypes);
-    const OptimizerOptions o = options_for(c.kind, set.masters, Device::cuda(0), set.stochastic);
+    const OptimizerOptions o = options_for(c.kind, set.masters, Device::cuda(0), set.stochastic, set.compensated);
     const jit::CudaLayout layout =
         jit::plan_cuda_layout(jit::builtin_program(jit::select_builtin(config)), L.params(w, g), o);
     specs.emplace(jit::canonical_text(layout.spec), layout.spec);

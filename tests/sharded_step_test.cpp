@@ -265,6 +265,21 @@ TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
   };
   rounding_on(Model(DType::bf16, DType::bf16), {1, 2}, "OptimizerOptions::seed (rank 0: 1, rank 1: 2; stochastic rounding");
   rounding_on(m, {0, 0}, "stochastic_rounding is set but no rank has a bf16 weight");  // (m: f32 weights)
+  // Compensated weights: every rank keeps them or none does, and some rank has a bf16 weight.
+  const auto compensated_on = [&](const Model& model, std::array<bool, 2> on, const char* message) {
+    expect_every_rank_throws(
+        2,
+        [&](int r, const std::shared_ptr<Communicator>& comm) {
+          OptimizerOptions o = base_options(kNorms[0]);
+          o.communicator = comm;
+          o.master_weights = false;
+          o.compensated_weights = on[static_cast<std::size_t>(r)];
+          Optimizer opt(optim::AdamW{}, rank_params(model, parts[static_cast<std::size_t>(r)]), o);
+        },
+        ErrorCode::invalid_argument, message);
+  };
+  compensated_on(Model(DType::bf16, DType::bf16), {true, false}, "OptimizerOptions::compensated_weights differs between ranks");
+  compensated_on(m, {true, true}, "compensated_weights is set but no rank has a bf16 weight");
 }
 
 // Builds Adam (or `config`) on each rank over `parts` with slices.
