@@ -121,6 +121,23 @@ void validate_options(const OptimizerOptions& o) {
     bad_argument("OptimizerOptions::fusion = " + std::to_string(static_cast<int>(o.fusion)) + " is not a Fusion value");
 }
 
+// What stochastic rounding and compensated weights share: they are for bf16 weights
+// (no f16 ones), and some param must have one. `at` names the optimizer and the option,
+// `what` says whom the option is for, `verb` what it would do to a bf16 weight.
+void validate_bf16_option(const std::vector<Param>& params, const OptimizerOptions& o, const std::string& at,
+                          std::string_view option, std::string_view what, std::string_view verb) {
+  bool any_bf16 = false;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].weight.dtype == DType::f16)
+      bad_argument(at + ": params[" + std::to_string(i) + "] has f16 weights; " + std::string(what) +
+                   " for bf16 weights (keep fp32 masters for f16 weights, or store them as bf16)");
+    any_bf16 |= params[i].weight.dtype == DType::bf16;
+  }
+  if (!any_bf16 && !o.communicator)  // (a sharded optimizer's rank may hold f32 params only)
+    bad_argument(at + " is set but no param has bf16 weights (f32 weights are stored exactly; there is nothing to " +
+                 std::string(verb) + ": leave " + std::string(option) + " off)");
+}
+
 // Stochastic rounding: bf16 weights without masters, and at least one of them.
 void validate_rounding(const std::vector<Param>& params, const OptimizerOptions& o, std::string_view optimizer) {
   if (!o.stochastic_rounding) return;
@@ -128,17 +145,7 @@ void validate_rounding(const std::vector<Param>& params, const OptimizerOptions&
   if (o.master_weights)
     bad_argument(at + " is set with master_weights = true (the weights are then rounded from their fp32 masters, "
                       "to nearest; stochastic rounding is the alternative to masters: set master_weights = false)");
-  bool any_bf16 = false;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    if (params[i].weight.dtype == DType::f16)
-      bad_argument(at + ": params[" + std::to_string(i) +
-                   "] has f16 weights; stochastic rounding is for bf16 weights (keep fp32 masters for f16 weights, "
-                   "or store them as bf16)");
-    any_bf16 |= params[i].weight.dtype == DType::bf16;
-  }
-  if (!any_bf16 && !o.communicator)  // (a sharded optimizer's rank may hold f32 params only)
-    bad_argument(at + " is set but no param has bf16 weights (f32 weights are stored exactly; there is nothing to "
-                      "round: leave stochastic_rounding off)");
+  validate_bf16_option(params, o, at, "stochastic_rounding", "stochastic rounding is", "round");
 }
 
 // Compensated weights: bf16 weights without masters or stochastic rounding, and at least one of them.
@@ -151,17 +158,7 @@ void validate_compensation(const std::vector<Param>& params, const OptimizerOpti
   if (o.stochastic_rounding)
     bad_argument(at + " is set with stochastic_rounding = true (the compensation keeps what rounding to nearest "
                       "loses; choose one of the two)");
-  bool any_bf16 = false;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    if (params[i].weight.dtype == DType::f16)
-      bad_argument(at + ": params[" + std::to_string(i) +
-                   "] has f16 weights; compensated weights are for bf16 weights (keep fp32 masters for f16 "
-                   "weights, or store them as bf16)");
-    any_bf16 |= params[i].weight.dtype == DType::bf16;
-  }
-  if (!any_bf16 && !o.communicator)  // (a sharded optimizer's rank may hold f32 params only)
-    bad_argument(at + " is set but no param has bf16 weights (f32 weights are stored exactly; there is nothing to "
-                      "compensate: leave compensated_weights off)");
+  validate_bf16_option(params, o, at, "compensated_weights", "compensated weights are", "compensate");
 }
 
 std::string stream_name(const void* stream) {

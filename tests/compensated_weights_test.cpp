@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "hwy/targets.h"
+#include "cpu_paths.hpp"
 #include "hwy_targets.hpp"
-#include "jit/llvm/emit_llvm.hpp"
 #include "runtime/cpu/kernels.hpp"
 #include "stepfuse/stepfuse.hpp"
 
@@ -217,28 +217,9 @@ TEST(CompensatedWeights, FollowsTheFp32StepSplitAfterEveryStep) {
 }
 
 TEST(CompensatedWeights, BitwiseIdenticalAcrossTargetsThreadsAndModes) {
-  for (const OptimizerConfig& config : some_programs()) {
-    const std::vector<std::uint8_t> ref = train(config, compensated_options());
-    for (std::int64_t target : targets()) {
-      PerTarget scope(target);
-      EXPECT_EQ(train(config, compensated_options()), ref) << optimizer_name(config) << " on " << hwy::TargetName(target);
-    }
-    for (int threads : {1, 2, 3}) {
-      OptimizerOptions o = compensated_options();
-      o.num_threads = threads;
-      EXPECT_EQ(train(config, o), ref) << optimizer_name(config) << " with " << threads << " threads";
-    }
-    for (Fusion f : {Fusion::interpreted, Fusion::unfused}) {
-      OptimizerOptions o = compensated_options();
-      o.fusion = f;
-      EXPECT_EQ(train(config, o), ref) << optimizer_name(config) << (f == Fusion::unfused ? " unfused" : " interpreted");
-    }
-    if (jit::llvm_built()) {
-      OptimizerOptions o = compensated_options();
-      o.cpu_backend = CpuBackend::llvm;
-      EXPECT_EQ(train(config, o), ref) << optimizer_name(config) << " with the LLVM backend";
-    }
-  }
+  for (const OptimizerConfig& config : some_programs())
+    test::expect_same_on_every_cpu_path(
+        compensated_options(), [&](const OptimizerOptions& o) { return train(config, o); }, std::string(optimizer_name(config)));
 }
 
 TEST(CompensatedWeights, CustomProgramsAsBuiltIns) {

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "hwy/targets.h"
+#include "cpu_paths.hpp"
 #include "hwy_targets.hpp"
-#include "jit/llvm/emit_llvm.hpp"
 #include "jit/stochastic_round.h"
 #include "runtime/cpu/kernels.hpp"
 #include "stepfuse/stepfuse.hpp"
@@ -217,28 +217,9 @@ std::vector<OptimizerConfig> some_programs() {
 }
 
 TEST(StochasticRounding, BitwiseIdenticalAcrossTargetsThreadsAndModes) {
-  for (const OptimizerConfig& config : some_programs()) {
-    const std::vector<std::uint16_t> ref = train(config, rounding_options());
-    for (std::int64_t target : targets()) {
-      PerTarget scope(target);
-      EXPECT_EQ(train(config, rounding_options()), ref) << optimizer_name(config) << " on " << hwy::TargetName(target);
-    }
-    for (int threads : {1, 2, 3}) {
-      OptimizerOptions o = rounding_options();
-      o.num_threads = threads;
-      EXPECT_EQ(train(config, o), ref) << optimizer_name(config) << " with " << threads << " threads";
-    }
-    for (Fusion f : {Fusion::interpreted, Fusion::unfused}) {
-      OptimizerOptions o = rounding_options();
-      o.fusion = f;
-      EXPECT_EQ(train(config, o), ref) << optimizer_name(config) << (f == Fusion::unfused ? " unfused" : " interpreted");
-    }
-    if (jit::llvm_built()) {
-      OptimizerOptions o = rounding_options();
-      o.cpu_backend = CpuBackend::llvm;
-      EXPECT_EQ(train(config, o), ref) << optimizer_name(config) << " with the LLVM backend";
-    }
-  }
+  for (const OptimizerConfig& config : some_programs())
+    test::expect_same_on_every_cpu_path(
+        rounding_options(), [&](const OptimizerOptions& o) { return train(config, o); }, std::string(optimizer_name(config)));
 }
 
 TEST(StochasticRounding, CustomProgramsRoundAsBuiltIns) {
