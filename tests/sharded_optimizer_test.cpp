@@ -145,6 +145,7 @@ struct Case {
   std::optional<double> max_grad_norm;
   double norm_type = 2.0;
   bool masters = true;
+  bool compensated = false;  // compensated_weights (needs masters = false)
   bool scaled = false;  // step_scaled(S) (grads scaled by S), else step()
   double S = 1024.0;
   bool scaler = false;  // step(GradScaler&): grads scaled by the scaler's scale
@@ -172,6 +173,7 @@ struct Case {
     o.cpu_backend = CpuBackend::highway;
     o.num_threads = 1;
     o.master_weights = masters;
+    o.compensated_weights = compensated;
     return o;
   }
   void init_weights(const Tensors& w) const {
@@ -257,12 +259,14 @@ Trace one_process(const Case& c, int ranks, std::unique_ptr<Optimizer>& out, std
   return trace;
 }
 
-// What a rank owns at the end: per shard() param with a model tensor, its slice, state and master.
+// What a rank owns at the end: per shard() param with a model tensor, its slice, state,
+// master and compensation.
 struct Owned {
   TensorSlice slice;
   std::int64_t numel;
   std::vector<std::vector<float>> state;
   std::vector<float> master;
+  std::vector<std::uint16_t> compensation;
 };
 
 struct RankRun {
@@ -309,13 +313,15 @@ std::vector<RankRun> sharded_run(const Case& c, int ranks) {
         EXPECT_EQ(s.params()[i].weight.numel, 0) << "rank " << r;
         continue;
       }
-      Owned o{sl, s.params()[i].weight.numel, {}, {}};
+      Owned o{sl, s.params()[i].weight.numel, {}, {}, {}};
       for (std::string_view n : s.state_names()) {
         const auto st = s.state(i, n);
         o.state.emplace_back(st.begin(), st.end());
       }
       const auto m = s.master(i);
       o.master.assign(m.begin(), m.end());
+      const auto comp = s.compensation(i);
+      o.compensation.assign(comp.begin(), comp.end());
       run.owned.push_back(std::move(o));
     }
     run.range = opt.range();
@@ -375,6 +381,12 @@ void expect_matches_one_process(const Case& c, int ranks, const std::string& wha
       if (!m.empty()) {
         EXPECT_EQ(std::memcmp(o.master.data(), m.data() + o.slice.offset, static_cast<std::size_t>(o.numel) * 4), 0)
             << at << ": master of tensor " << t;
+      }
+      const auto comp = ref->compensation(t);
+      ASSERT_EQ(o.compensation.empty(), comp.empty()) << at;
+      if (!comp.empty()) {
+        EXPECT_EQ(std::memcmp(o.compensation.data(), comp.data() + o.slice.offset, static_cast<std::size_t>(o.numel) * 2), 0)
+            << at << ": compensation of tensor " << t;
       }
     }
     EXPECT_EQ(owned, run.range.size()) << at;
@@ -439,6 +451,17 @@ TEST(ShardedOptimizer, Bf16WithoutMasters) {
   c.scaled = true;
   c.max_grad_norm = 0.5;
   for (int ranks : {2, 3}) expect_matches_one_process(c, ranks, "bf16 without masters");
+}
+
+TEST(ShardedOptimizer, Bf16WithCompensations) {
+  Case c;  // the owners keep the compensations of their slices; the weights are gathered
+  c.weight = {bf16, bf16, bf16, bf16, bf16, f32, bf16};
+  c.grad = c.weight;
+  c.masters = false;
+  c.compensated = true;
+  c.scaled = true;
+  c.max_grad_norm = 0.5;
+  for (int ranks : {1, 2, 3}) expect_matches_one_process(c, ranks, "bf16 with compensations");
 }
 
 TEST(ShardedOptimizer, RunToRunIdentical) {
