@@ -25,12 +25,24 @@ Order of work, on purpose:
      while another peer steps: OMP_WAIT_POLICY=PASSIVE is set before torch is imported
      (--omp-wait-policy).
 
+--dtype bf16 times the low-precision peers instead: bf16 weights and gradients, the same step,
+each peer keeping its bf16 params its own way: stepfuse.torch with fp32 masters (the ratios'
+reference), with stochastic rounding and with compensated weights; torchao's AdamW
+(bf16_stochastic_round) and AdamW8bit, and bitsandbytes' AdamW8bit on the CPU, behind
+torch.amp.GradScaler + clip_grad_norm_. None of them is the exact answer, so each is verified
+against a step computed in fp64 from the same inputs, to a tolerance stated per figure
+(config.py): the clip coefficient and skip decision, the state (fp32, bf16 or 8-bit), every
+weight within one bf16 ulp (half of one where it rounds to nearest), the update and the weight
+decay fitted over all weights (no bias), and the master or compensated parameter. Each row's
+GB/s is for its own bytes per parameter (what it stores).
+
 --overhead times the per-step fixed cost instead: a plain AdamW step (no loss scale, no
 clipping) of stepfuse and of torch fused AdamW, on a many-tensor list (many-small by
 default) and on one flat tensor with the same element count.
 
 Run it through bench/peers/run.sh, which builds stepfuse-bench (for the tensor lists) and
-sets up a virtual environment with torch, jax, optax and the stepfuse package (pip install .).
+sets up a virtual environment with torch, jax, optax, torchao, bitsandbytes and the stepfuse
+package (pip install .).
 
 The code is the package stepfuse_peers beside this file; this file is the command line and
 the exit codes:
@@ -41,6 +53,8 @@ the exit codes:
   stepfuse_peer.py (stepfuse, stepfuse.torch, stepfuse.torch-fresh), torch_peers.py,
   jax_peer.py: the peers
   verify.py        each peer's one-step result against stepfuse's
+  lowp_peers.py, lowp_verify.py, lowp_report.py: --dtype bf16's peers, verification against the
+                   fp64 reference step, and report
   timing.py        the interleaved timing
   compare.py       the peers mode; overhead.py: the --overhead mode
   report.py        the tables and the JSON
@@ -55,6 +69,7 @@ import traceback
 from stepfuse_peers.cli import parse_args
 from stepfuse_peers.compare import run_peers
 from stepfuse_peers.console import progress
+from stepfuse_peers.lowp_report import report_lowp
 from stepfuse_peers.overhead import run_overhead
 from stepfuse_peers.report import report_peers
 from stepfuse_peers.tensors import load_shapes
@@ -104,7 +119,8 @@ def main(argv):
                 versions["jax"] = f"not importable ({e})"
         ctx, peers, status, samples = run_peers(args, sf, torch, shapes)
         ctx.versions = {**versions, **ctx.versions}
-        report_peers(args, sf, shapes, shapes_source, ctx, peers, status, samples, t_start)
+        (report_lowp if args.dtype == "bf16" else report_peers)(args, sf, shapes, shapes_source, ctx, peers, status,
+                                                                samples, t_start)
         return 0
     except RuntimeError as e:
         progress("")

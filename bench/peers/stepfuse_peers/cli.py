@@ -3,7 +3,7 @@
 import argparse
 import os
 
-from .config import ALL_PEERS, REPO
+from .config import ALL_PEERS, LOWP_PEERS, LOWP_REF, REPO
 
 
 def parse_args(argv):
@@ -13,11 +13,16 @@ def parse_args(argv):
         "binding and through stepfuse.torch (the torch.optim drop-in), beside PyTorch eager fused/foreach AdamW "
         "with torch.amp.GradScaler, torch.compile of the whole step, and JAX/optax under jax.jit, on the same "
         "tensor list, interleaved in one process. Each peer's one-step result is checked against stepfuse's "
-        "before anything is timed. Needs the stepfuse Python package (pip install .) and torch; jax and optax "
-        "for jax-optax.",
+        "before anything is timed. --dtype bf16 times the low-precision peers instead (bf16 weights and "
+        "gradients: stepfuse.torch's masters, stochastic rounding and compensated weights, torchao, bitsandbytes). "
+        "Needs the stepfuse Python package (pip install .) and torch; jax and optax for jax-optax; torchao and "
+        "bitsandbytes for their peers.",
         epilog="The ratio column is peer time / stepfuse time (median over median): 2.0x means the peer takes "
         "twice as long as stepfuse. GB/s uses stepfuse's byte model (bench/step_bytes.cpp), the bytes any "
-        "implementation must move, so the figures compare across peers. OpenMP: torch's worker threads sleep "
+        "implementation must move, so the figures compare across peers. With --dtype bf16 the ratio is over "
+        "stepfuse.torch-masters, and each row has its own bytes per parameter (B/param: what it stores, read "
+        "and written once per step), so its GB/s is the bandwidth it reaches for its own storage. "
+        "OpenMP: torch's worker threads sleep "
         "as soon as they are idle (OMP_WAIT_POLICY=PASSIVE unless --omp-wait-policy or the environment says "
         "otherwise), so that none spins while another peer steps. Exit codes: 0 ok (even if a non-stepfuse "
         "peer failed: the table says why), 1 bad arguments, 2 stepfuse itself failed, 3 other errors.",
@@ -28,9 +33,17 @@ def parse_args(argv):
     p.add_argument("--shapes", metavar="FILE",
                    help="your own tensor list instead of a preset: stepfuse-bench's --shapes format ('[NAME] COUNT' "
                    "per line)")
-    p.add_argument("--dtype", default="f32", choices=["f32"],
-                   help="weight and gradient dtype (fp32 only: with bf16 weights PyTorch keeps bf16 state and no "
-                   "fp32 masters, JAX does what the user writes, and the peers would no longer do the same math)")
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
+                   help="weight and gradient dtype. f32 (default): the peers above, each checked against stepfuse. "
+                   "bf16: the low-precision peers instead, each keeping its bf16 params its own way (so none "
+                   "is the exact answer; each is checked against a step computed in fp64, to a stated tolerance): "
+                   "stepfuse.torch.AdamW with fp32 masters (master_weights=True; the ratios' reference), with "
+                   "stochastic rounding (master_weights=False, stochastic_rounding=True, seed=--seed) and with "
+                   "compensated weights (compensated_weights=True); torchao's AdamW and AdamW8bit with "
+                   "bf16_stochastic_round=True and bitsandbytes' AdamW8bit on the CPU, behind torch.amp.GradScaler "
+                   "+ clip_grad_norm_ (pip install torchao bitsandbytes; a peer whose package is missing is "
+                   "skipped, saying so). torch.optim's AdamW is not among them: on bf16 params it keeps bf16 state "
+                   "and rounds each weight to nearest, with neither masters nor stochastic rounding")
     p.add_argument("--threads", type=int, default=2,
                    help="threads for every peer: torch.set_num_threads, XLA_FLAGS (--xla_cpu_multi_thread_eigen, "
                    "intra_op_parallelism_threads), stepfuse's num_threads (default 2)")
@@ -38,8 +51,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up rounds after verification (default 3)")
     p.add_argument("--loss-scale", type=float, default=1024.0,
                    help="loss scale S: the gradients are stored multiplied by S (default 1024)")
-    p.add_argument("--peers", default=",".join(ALL_PEERS),
-                   help="comma-separated subset of: " + ", ".join(ALL_PEERS) + " (stepfuse is always included)")
+    p.add_argument("--peers", default=None,
+                   help="comma-separated subset of: " + ", ".join(ALL_PEERS) + " (stepfuse is always included); "
+                   "with --dtype bf16 of: " + ", ".join(LOWP_PEERS) + f" ({LOWP_REF} is always included)")
     p.add_argument("--overhead", action="store_true",
                    help="measure the per-step fixed overhead instead: plain AdamW step of stepfuse and torch fused "
                    "AdamW on the preset's tensors vs one flat tensor of the same total size")
@@ -54,9 +68,10 @@ def parse_args(argv):
                    "workers sleep at once instead of spinning for milliseconds after each parallel region, which would "
                    "take a core from the peer timed next)")
     p.add_argument("--compile-max-tensors", type=int, default=2000,
-                   help="skip torch.compile above this many tensors (its compile time grows with the tensor count; "
-                   "default 2000)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the weights and gradients (default 0)")
+                   help="skip torch.compile (with --dtype bf16: the torchao peers, which call a compiled update per "
+                   "tensor) above this many tensors (its compile time grows with the tensor count; default 2000)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for the weights and gradients, and stepfuse's stochastic rounding (default 0)")
     p.add_argument("--json", metavar="FILE", help="also write every figure and sample to FILE as JSON")
     p.add_argument("--build-dir", default=os.environ.get("STEPFUSE_BUILD_DIR", os.path.join(REPO, "build", "release")),
                    help="where stepfuse-bench was built (default $STEPFUSE_BUILD_DIR or build/release); JAX's "
@@ -74,11 +89,14 @@ def parse_args(argv):
         p.error("--steps must be >= 1 and --warmup >= 0")
     if not (a.loss_scale > 0) or a.loss_scale == float("inf"):
         p.error("--loss-scale must be finite and > 0")
-    a.peer_list = [s.strip() for s in a.peers.split(",") if s.strip()]
+    if a.overhead and a.dtype != "f32":
+        p.error("--overhead times fp32 weights only (--dtype f32)")
+    known, ref = (LOWP_PEERS, LOWP_REF) if a.dtype == "bf16" else (ALL_PEERS, "stepfuse")
+    a.peer_list = [s.strip() for s in (a.peers or ",".join(known)).split(",") if s.strip()]
     for s in a.peer_list:
-        if s not in ALL_PEERS:
-            p.error(f"--peers: unknown peer '{s}' (expected some of {', '.join(ALL_PEERS)})")
-    if "stepfuse" not in a.peer_list:
-        a.peer_list.insert(0, "stepfuse")
+        if s not in known:
+            p.error(f"--peers: unknown peer '{s}' with --dtype {a.dtype} (expected some of {', '.join(known)})")
+    if ref not in a.peer_list:
+        a.peer_list.insert(0, ref)
     a.bench = a.bench or os.path.join(a.build_dir, "bench", "stepfuse-bench")
     return a

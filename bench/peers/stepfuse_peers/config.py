@@ -32,6 +32,58 @@ NORM_TOL = 1e-2
 ALL_PEERS = ["stepfuse", "stepfuse.torch", "stepfuse.torch-fresh", "torch-fused", "torch-foreach", "torch-compile",
              "jax-optax"]
 
+# --dtype bf16: the low-precision peers (lowp_peers.py), bf16 weights and bf16 gradients. The
+# first is the ratios' denominator and always runs; the three stepfuse rows are stepfuse itself
+# (their failing is exit code 2).
+LOWP_PEERS = ["stepfuse.torch-masters", "stepfuse.torch-sr", "stepfuse.torch-compensated", "torchao-adamw-sr",
+              "torchao-adamw8bit-sr", "bnb-adamw8bit"]
+LOWP_REF = LOWP_PEERS[0]
+
+# Verification of each low-precision peer (lowp_verify.py) against a reference step computed in
+# fp64 from the same bf16 weights and gradients (kept as fp32: 2^-16 of a bf16 ulp):
+#  - applied: every peer must apply the step (the gradients are finite), and its clip
+#    coefficient, fitted from exp_avg as in the fp32 mode, must be within NORM_TOL of the
+#    reference's: the norm and skip decision.
+#  - exp_avg / r, exp_avg_sq / r^2 against the reference, the worst element: relative to
+#    max(|ref_i|, VERIFY_FLOOR * max|ref|) where the state is fp32 or bf16; relative to the
+#    absmax of the reference's 256-element block where it is 8-bit (each block is stored as
+#    codes into a 256-entry code book times the block's absmax). The tolerance is the row's:
+#      stepfuse rows: VERIFY_TOL (fp32 state, computed in fp32 from the stored bf16 gradients);
+#      torch-path rows: LOWP_GRAD_TOL, a relative error of 2^-6. A bf16 value is within 2^-8
+#        of what it rounds; the clipped gradient that torch's in-place unscale_ and
+#        clip_grad_norm_ write back into the bf16 .grad, squared for exp_avg_sq, and a
+#        bf16-stored state add up to at most three such roundings;
+#      8-bit state: LOWP_GRAD_TOL plus the largest step between two codes of the peer's code
+#        books (read from its state; the dynamic map of bitsandbytes and torchao: 0.9/64 of
+#        the absmax in its top decade, twice the worst rounding to the nearest code).
+#  - weights w1 (bf16) against the reference's w1, elementwise: |w1 - ref| <= one bf16 ulp of
+#    ref for a row that rounds stochastically (it lands on either neighbour of the exact value),
+#    half of one for a row that rounds to nearest, + lr * the row's state tolerance (the first
+#    AdamW update, lr * g / (|g| + eps), moves by at most the gradient's relative error where |g|
+#    is near eps). The figure reported is the worst element's |w1 - ref| over that bound.
+#  - the update's fit: sum(dw * dt) / sum(dt^2) - 1 over every element, dw = w1 - w0 and dt =
+#    what the row's rounding gives on average minus w0: the exact weight (stochastic rounding
+#    is unbiased), or the exact weight rounded to nearest (whose bias is real: AdamW's first
+#    update is about lr for every weight, 2.05 bf16 ulps of a weight in [2^-4, 2^-3), which
+#    rounds to 2). Within LOWP_FIT_TOL + LOWP_FIT_SIGMAS standard deviations of the fit that
+#    stochastic rounding alone leaves (variance at most ulp^2 / 4 per element: negligible on a
+#    model, it matters on a list of a few thousand parameters). A wrong lr, bias correction or
+#    weight decay moves it.
+#  - the decay: -sum((w1 - target) * w0) / sum(w0^2) / (lr * wd), target as for the fit: the
+#    row's weight decay over the reference's, - 1. The first step decays a weight by lr * wd =
+#    1e-5 of itself, 1/40 of a bf16 ulp, which no single weight shows: only this average over
+#    every weight does. Within LOWP_DECAY_TOL + LOWP_FIT_SIGMAS standard deviations as above.
+#  - the parameter a row keeps beside its bf16 weight (fp32 master; weight + bf16
+#    compensation): within LOWP_PARAM_TOL of a bf16 ulp of the larger of the reference's w1
+#    and w0, elementwise (both carry at least 16 significant bits; the compensation's rounding
+#    is 2^-10 ulp at most; where the update cancels the weight, the fp32 arithmetic's error is
+#    the operands', not the small result's).
+LOWP_GRAD_TOL = 2.0 ** -6
+LOWP_FIT_TOL = 1e-2
+LOWP_FIT_SIGMAS = 5.0
+LOWP_DECAY_TOL = 0.5
+LOWP_PARAM_TOL = 2.0 ** -8
+
 # The comparisons the report spells out, (numerator, denominator, what it says): each is the
 # numerator's median step time over the denominator's, and the median of the per-round ratios.
 RATIOS = [
@@ -40,6 +92,31 @@ RATIOS = [
     ("stepfuse.torch", "stepfuse", "stepfuse.torch vs the C++ binding (the Python layer's cost)"),
     ("stepfuse.torch-fresh", "stepfuse.torch", "new .grad tensors every step vs the same ones (set_grads' cost)"),
 ]
+
+# --dtype bf16's comparisons, as RATIOS: each stepfuse way of keeping bf16 weights against fp32
+# masters, and each other peer against the stepfuse row that stores its weights alike (the bf16
+# weight alone: stochastic rounding; bitsandbytes rounds to nearest, which stepfuse does only with
+# masters or compensations).
+LOWP_RATIOS = [
+    ("stepfuse.torch-sr", "stepfuse.torch-masters", "stepfuse.torch: no masters, stochastic rounding vs fp32 masters"),
+    ("stepfuse.torch-compensated", "stepfuse.torch-masters",
+     "stepfuse.torch: no masters, bf16 compensations vs fp32 masters"),
+    ("torchao-adamw-sr", "stepfuse.torch-sr",
+     "torchao AdamW (bf16 state) vs stepfuse.torch (fp32 state), both stochastic rounding, no masters"),
+    ("torchao-adamw8bit-sr", "stepfuse.torch-sr",
+     "torchao AdamW8bit vs stepfuse.torch (fp32 state), both stochastic rounding, no masters"),
+    ("bnb-adamw8bit", "stepfuse.torch-sr", "bitsandbytes AdamW8bit vs stepfuse.torch (fp32 state), both no masters"),
+]
+
+
+def lowp_step_bytes(grad_bytes, param_read, param_write, state_bytes):
+    """(reduce, update) bytes per parameter of a low-precision row, from what it stores: the reduce
+    pass reads the gradient; the update pass reads the gradient, reads and writes the parameter as
+    stored (bf16 weight; weight + bf16 compensation; or read the fp32 master and write it and the
+    bf16 weight), and reads and writes each state stream as stored (fp32, bf16, or 8-bit codes +
+    one fp32 absmax per 256). The stepfuse rows give bench/step_bytes.cpp's figures (24, 28, 30
+    B/param with bf16 gradients)."""
+    return grad_bytes, grad_bytes + param_read + param_write + 2 * state_bytes
 
 
 def step_bytes(weight_bytes=4, grad_bytes=4, state_streams=2, reduce_pass=True):

@@ -13,6 +13,7 @@ class Peer:
     what = ""                 # one line: what a timed step contains
     reads_torch_grads = True  # reads the shared torch gradients
     writes_torch_grads = False  # unscales/clips them in place (they are restored before the next reader)
+    required = False          # stepfuse itself: its failing ends the run (exit code 2) instead of a row saying why
 
     def setup(self):
         pass

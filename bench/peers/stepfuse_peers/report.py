@@ -129,14 +129,13 @@ def print_peers_verification(peers, status):
             print(f"  {p.name:<{W}} {'-':>10} {'-':>10} {'-':>10} {'-':>10}  ({status[p.name]['status']})")
 
 
-def print_peers_timing(args, ctx, peers, status, samples, step_total):
-    """The timing table, each peer's median over stepfuse's; stores the figures in status[name] for
-    the JSON."""
-    ref = summarize(samples["stepfuse"])
+def print_timing_preamble(args, ctx, peers, status):
+    """How the steps were timed: rounds, order, idle waits, what happens between steps."""
     waits = sorted((w, p.name) for p in peers for w in status[p.name].get("idle_wait_ms", []))
+    timed = [p for p in peers if status[p.name].get("status") == "ok"]
     print(f"{args.steps} timed steps per peer after {args.warmup} warm-up rounds, interleaved (each round in another "
           f"order of a Williams design: every peer directly follows every other equally often over "
-          f"{2 * len(peers) if len(peers) % 2 else len(peers)} rounds);")
+          f"{2 * len(timed) if len(timed) % 2 else len(timed)} rounds);")
     if waits:
         print(f"before each step at least {args.gap_ms:g} ms idle, longer until the process used < 10% of a CPU over "
               f"{args.gap_ms:g} ms (waits: median {quantile([w for w, _ in waits], 0.5):.0f} ms, max "
@@ -144,6 +143,13 @@ def print_peers_timing(args, ctx, peers, status, samples, step_total):
     print("gradients that PyTorch's eager path unscales and clips in place are restored between steps, OUTSIDE the "
           f"timed region; before each step a {getattr(ctx, 'scratch_bytes', 0) >> 20} MB scratch buffer is read and "
           "written (4x the last-level cache), so that no step starts with data left in cache by the one before")
+
+
+def print_peers_timing(args, ctx, peers, status, samples, step_total):
+    """The timing table, each peer's median over stepfuse's; stores the figures in status[name] for
+    the JSON."""
+    ref = summarize(samples["stepfuse"])
+    print_timing_preamble(args, ctx, peers, status)
     print(f"  {'peer':<{W}} {'median ms':>10} {'min':>9} {'IQR':>9} {'GB/s':>8} {'peer/stepfuse':>14}")
     for p in peers:
         st = status[p.name]
@@ -163,12 +169,12 @@ def print_peers_timing(args, ctx, peers, status, samples, step_total):
           "GB/s: the bytes above / median time)")
 
 
-def peer_ratios(status, samples):
-    """The comparisons of config.RATIOS whose two peers were both timed: for each, the median over
-    median and the median (and range) of the per-round ratios (both peers step once per round, so a
-    round's ratio sees one state of the machine)."""
+def peer_ratios(status, samples, ratios=RATIOS):
+    """The comparisons of `ratios` (config.RATIOS, LOWP_RATIOS) whose two peers were both timed: for
+    each, the median over median and the median (and range) of the per-round ratios (both peers step
+    once per round, so a round's ratio sees one state of the machine)."""
     out = []
-    for num, den, what in RATIOS:
+    for num, den, what in ratios:
         a, b = samples.get(num, []), samples.get(den, [])
         if status.get(num, {}).get("status") != "ok" or status.get(den, {}).get("status") != "ok" or not a or not b:
             continue
@@ -190,7 +196,7 @@ def print_peers_ratios(ratios):
               f"{r['rounds']} rounds)")
 
 
-def print_peers_steps(peers, status):
+def print_peers_steps(peers, status, width=W):
     """What each peer's timed step contains, with its untimed compile time where it has one."""
     print("what each timed step contains:")
     for p in peers:
@@ -198,7 +204,10 @@ def print_peers_steps(peers, status):
         cs = status[p.name].get("compile_and_first_step_s")
         if cs is not None:
             extra = f" [compile + first step: {cs:.1f} s, untimed]"
-        print(f"  {p.name:<{W}} {status[p.name].get('what', p.what)}{extra}")
+        fs = status[p.name].get("first_step_s")
+        if fs is not None:
+            extra = f" [first step (the verification's): {fs:.1f} s, untimed]"
+        print(f"  {p.name:<{width}} {status[p.name].get('what', p.what)}{extra}")
 
 
 def report_overhead(args, sf, shapes, shapes_source, versions, t_start, configs, verify, samples, threads_sf):

@@ -34,6 +34,7 @@ def state_copies(opt, n, torch):
 
 class StepfusePeer(Peer):
     name = "stepfuse"
+    required = True
     what = ("stepfuse.GradScaler('cpu') step + update over stepfuse.Optimizer(stepfuse.AdamW(...), [(w, g), ...], "
             "max_grad_norm=1.0): the C++ API through the binding, zero-copy on the torch tensors (one reduce pass, "
             "one update pass; the gradients are not written)")
@@ -85,10 +86,14 @@ class StepfuseTorchPeer(Peer):
         import stepfuse.torch as sft
         ctx, torch = self.ctx, self.ctx.torch
         self.opt = sft.AdamW(ctx.weights, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                             weight_decay=HYPER["weight_decay"], max_grad_norm=MAX_NORM)
+                             weight_decay=HYPER["weight_decay"], max_grad_norm=MAX_NORM, **self.options())
         self.scaler = sft.GradScaler("cpu", **scaler_kwargs(ctx.args))
         # As TorchEagerPeer: the scale tensor is created by the first scale() call of a training loop.
         self.scaler.scale(torch.ones(()))
+
+    def options(self):
+        """stepfuse.torch's own keyword arguments beyond torch's (the low-precision peers' weights options)."""
+        return {}
 
     def step(self):
         self.scaler.step(self.opt)

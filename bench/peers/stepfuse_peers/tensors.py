@@ -59,14 +59,17 @@ class Context:
         self.grads_dirty = False
 
     def allocate(self, shapes):
-        """Weights ~ U(-0.1, 0.1), gradients ~ U(-1e-3, 1e-3) * S, fp32, one tensor each;
-        a pristine copy of both (the verification's starting point and the restore source)."""
+        """Weights ~ U(-0.1, 0.1), gradients ~ U(-1e-3, 1e-3) * S, one tensor each, in --dtype (fp32;
+        bf16: the same fp32 draws rounded to nearest); a pristine copy of both (the verification's
+        starting point and the restore source)."""
         torch = self.torch
+        dtype = torch.bfloat16 if self.args.dtype == "bf16" else torch.float32
         gen = torch.Generator().manual_seed(self.args.seed)
         self.weights, self.grads = [], []
         for _, n in shapes:
-            w = torch.nn.Parameter(torch.empty(n, dtype=torch.float32).uniform_(-0.1, 0.1, generator=gen))
+            w = torch.nn.Parameter(torch.empty(n, dtype=torch.float32).uniform_(-0.1, 0.1, generator=gen).to(dtype))
             g = torch.empty(n, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=gen).mul_(self.args.loss_scale)
+            g = g.to(dtype)
             w.grad = g
             self.weights.append(w)
             self.grads.append(g)

@@ -55,7 +55,7 @@ def time_peers(args, ctx, active, status):
     """{peer name: [seconds per timed step]}: the verified peers `active`, interleaved; before each
     step, untimed: the peer's prepare(), the cache eviction, then at least --gap-ms idle
     (wait_until_idle; status[name]["idle_wait_ms"] has the waits). A peer other than stepfuse that
-    fails is removed from `active` and its status says why; stepfuse failing raises."""
+    fails is removed from `active` and its status says why; stepfuse (a required peer) failing raises."""
     samples = {p.name: [] for p in active}
     waits = {p.name: [] for p in active}
     gap = args.gap_ms / 1000.0
@@ -80,7 +80,7 @@ def time_peers(args, ctx, active, status):
                     samples[p.name].append(t)
                     waits[p.name].append(waited)
             except Exception as e:
-                if p.name == "stepfuse":
+                if p.required:
                     raise
                 status[p.name].update(status="failed", error="during timing: " + first_lines(e),
                                       traceback=traceback.format_exc())

@@ -16,11 +16,15 @@ class TorchEagerPeer(Peer):
         self.what = (f"torch.amp.GradScaler('cpu'): unscale_(opt), clip_grad_norm_(params, 1.0, foreach=True), "
                      f"step(opt), update(), with torch.optim.AdamW({impl}=True)")
 
+    def make_optimizer(self):
+        """The optimizer over the shared weights (the low-precision peers bring torchao's and bitsandbytes')."""
+        kw = {"fused": True} if self.impl == "fused" else {"foreach": True}
+        return self.ctx.torch.optim.AdamW(self.ctx.weights, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                          eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], **kw)
+
     def setup(self):
         torch = self.ctx.torch
-        kw = {"fused": True} if self.impl == "fused" else {"foreach": True}
-        self.opt = torch.optim.AdamW(self.ctx.weights, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                                     eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], **kw)
+        self.opt = self.make_optimizer()
         self.scaler = torch.amp.GradScaler("cpu", init_scale=self.ctx.args.loss_scale, growth_factor=GROWTH_FACTOR,
                                            backoff_factor=BACKOFF_FACTOR, growth_interval=GROWTH_INTERVAL)
         # GradScaler creates its scale tensor in the first scale() call (a training loop's

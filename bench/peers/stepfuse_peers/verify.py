@@ -76,7 +76,7 @@ def verify_peers(ctx, peers, status):
         except SkipPeer as e:
             status[p.name] = {"status": "skipped", "error": str(e)}
         except Exception as e:  # a peer failing is a result, reported in the table
-            if p.name == "stepfuse":
+            if p.required:
                 raise
             status[p.name].update(status="failed", error=first_lines(e), traceback=traceback.format_exc())
     del ref
