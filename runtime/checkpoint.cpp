@@ -1073,9 +1073,10 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
       }
       // Elements [first, last) of the model tensor: this param's and the saved one's.
       const std::int64_t first = std::max(at.offset, q.at.offset), last = std::min(end, q.end());
-      // `size` bytes an element: F32, or BF16 for a compensation (bit patterns, copied as
-      // they are: 2 bytes an element, so its slices are not a master's).
-      const auto take = [&](std::string_view what, void* dst, std::string_view dtype, std::size_t size) {
+      // dtype: F32, or BF16 for a compensation (bit patterns, copied as they are: 2 bytes
+      // an element, so its slices are not a master's).
+      const auto take = [&](std::string_view what, void* dst, std::string_view dtype) {
+        const std::size_t size = dtype == "BF16" ? sizeof(std::uint16_t) : sizeof(float);
         const std::string name = tensor_name(q.group, q.index, what);
         const detail::SafetensorsTensor* t = f.c.file->find(name);
         if (t == nullptr) corrupt(path, "tensor '" + name + "' is missing");
@@ -1086,9 +1087,9 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
                                   f.c.file->data(*t).subspan(static_cast<std::size_t>(first - q.at.offset) * size,
                                                              static_cast<std::size_t>(last - first) * size));
       };
-      for (std::string_view s : state_streams(e.program(g))) take(s, e.state_data(p, e.state_stream(s)), "F32", sizeof(float));
-      if (float* m = e.master_data(p)) take("master", m, "F32", sizeof(float));
-      if (std::uint16_t* c = e.compensation_data(p)) take("compensation", c, "BF16", sizeof(std::uint16_t));
+      for (std::string_view s : state_streams(e.program(g))) take(s, e.state_data(p, e.state_stream(s)), "F32");
+      if (float* m = e.master_data(p)) take("master", m, "F32");
+      if (std::uint16_t* c = e.compensation_data(p)) take("compensation", c, "BF16");
       f.used = true;
     }
   }

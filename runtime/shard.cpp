@@ -187,12 +187,10 @@ Shard::Shard(const OptimizerOptions& options, const std::vector<Param>& params, 
   Header mine = local_header(options);
   mine.status = RankStatus::of(nullptr);
   mine.params = static_cast<std::int64_t>(params.size());
-  if (options.stochastic_rounding &&
-      std::any_of(params.begin(), params.end(), [](const Param& p) { return p.weight.dtype == DType::bf16; }))
-    mine.stochastic_rounding = 2;
-  if (options.compensated_weights &&
-      std::any_of(params.begin(), params.end(), [](const Param& p) { return p.weight.dtype == DType::bf16; }))
-    mine.compensated_weights = 2;
+  const bool any_bf16 =
+      std::any_of(params.begin(), params.end(), [](const Param& p) { return p.weight.dtype == DType::bf16; });
+  if (options.stochastic_rounding && any_bf16) mine.stochastic_rounding = 2;
+  if (options.compensated_weights && any_bf16) mine.compensated_weights = 2;
   const std::vector<Header> all = exchange_headers(comm, mine);
   throw_if_any_failed(all, nullptr, "sharded Optimizer", "could not build its shard, so no rank builds one");
   check_same_options(all);

@@ -46,8 +46,8 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
     const std::int64_t at = layout_.offsets[ch.tensor] + ch.begin;
     const std::size_t g = programs.tensor_group[ch.tensor];
     for (std::size_t b = 0; b < nb; ++b) std::fill_n(state_[b].data() + at, ch.len, init[g * nb + b]);
-    if (layout_.master_offsets[ch.tensor] < 0) {
-    } else if (layout_.master_elem_bytes == 2) {  // compensations start at 0: the weights are the parameters
+    if (layout_.master_offsets[ch.tensor] < 0) return;
+    if (layout_.master_elem_bytes == 2) {  // compensations start at 0: the weights are the parameters
       std::fill_n(reinterpret_cast<std::uint16_t*>(masters_.data()) + layout_.master_offsets[ch.tensor] + ch.begin,
                   ch.len, std::uint16_t{0});
     } else {
