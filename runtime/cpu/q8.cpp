@@ -1,0 +1,417 @@
+// The q8 state codec (runtime/cpu/q8.hpp): bitsandbytes' two dynamic maps, the scalar
+// references, and the Highway kernels, bitwise equal to them on every target.
+//
+// Encoding counts the thresholds below x. The Highway encoder does it with one gather
+// per vector instead of a binary search (8 dependent lookups): x's bits, mapped to a
+// signed integer key that orders like the floats, are cut into buckets by their top
+// bits (sign, exponent and the first few mantissa bits), narrow enough that no bucket
+// holds two thresholds. One table entry per bucket holds the number of thresholds
+// below the bucket and the low key bits of the threshold inside it, if any: the code
+// is that count plus one exact integer compare of the keys.
+//
+// A block whose values are all finite (found by an integer max of their magnitude bits,
+// which also gives the absmax) takes the fast path: no
+// sanitizing, no NaN lanes, no clamping of the buckets. Other blocks take the general one.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "runtime/cpu/q8.cpp"
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "runtime/cpu/q8.hpp"
+
+// The maps and the encoder's bucket tables: compiled once, shared by every target.
+#ifndef STEPFUSE_CPU_Q8_SHARED_
+#define STEPFUSE_CPU_Q8_SHARED_
+namespace stepfuse::cpu {
+namespace {
+
+// bitsandbytes 0.50.2's create_dynamic_map(signed=True) and (signed=False), copied bit
+// for bit rather than recomputed: the map is built with torch.linspace in fp32, whose
+// CPU kernel computes start + step * i with an FMA on its AVX2 and AVX-512 paths but
+// without one on its scalar path, so even torch's own result depends on the CPU (42
+// signed and 31 unsigned values differ by an ulp or two under ATEN_CPU_CAPABILITY=default).
+// These are the AVX2 / AVX-512 values, what bitsandbytes computes on x86 CPUs.
+alignas(64) constexpr float kSignedCode[256] = {
+    -0x1.fc6666p-1f, -0x1.f53334p-1f, -0x1.eep-1f, -0x1.e6ccccp-1f, -0x1.df999ap-1f, -0x1.d86666p-1f, -0x1.d13334p-1f,
+    -0x1.cap-1f, -0x1.c2ccccp-1f, -0x1.bb999ap-1f, -0x1.b46666p-1f, -0x1.ad3334p-1f, -0x1.a6p-1f, -0x1.9eccccp-1f,
+    -0x1.97999ap-1f, -0x1.906666p-1f, -0x1.893334p-1f, -0x1.82p-1f, -0x1.7accccp-1f, -0x1.73999ap-1f, -0x1.6c6668p-1f,
+    -0x1.653334p-1f, -0x1.5ep-1f, -0x1.56ccccp-1f, -0x1.4f999ap-1f, -0x1.486668p-1f, -0x1.413334p-1f, -0x1.3ap-1f,
+    -0x1.32ccccp-1f, -0x1.2b999ap-1f, -0x1.246668p-1f, -0x1.1d3334p-1f, -0x1.16p-1f, -0x1.0eccccp-1f, -0x1.079998p-1f,
+    -0x1.006666p-1f, -0x1.f26664p-2f, -0x1.e4p-2f, -0x1.d59998p-2f, -0x1.c73334p-2f, -0x1.b8ccccp-2f, -0x1.aa6666p-2f,
+    -0x1.9cp-2f, -0x1.8d9998p-2f, -0x1.7f3334p-2f, -0x1.70ccccp-2f, -0x1.626666p-2f, -0x1.54p-2f, -0x1.459998p-2f,
+    -0x1.373334p-2f, -0x1.28ccccp-2f, -0x1.1a6668p-2f, -0x1.0cp-2f, -0x1.fb3332p-3f, -0x1.de6666p-3f, -0x1.c1999ap-3f,
+    -0x1.a4ccccp-3f, -0x1.88p-3f, -0x1.6b3334p-3f, -0x1.4e6666p-3f, -0x1.31999ap-3f, -0x1.14ccccp-3f, -0x1.fp-4f,
+    -0x1.b66668p-4f, -0x1.93d70ap-4f, -0x1.8851eep-4f, -0x1.7ccccep-4f, -0x1.7147aep-4f, -0x1.65c29p-4f,
+    -0x1.5a3d7p-4f, -0x1.4eb854p-4f, -0x1.433334p-4f, -0x1.37ae14p-4f, -0x1.2c28f6p-4f, -0x1.20a3d6p-4f,
+    -0x1.151ebap-4f, -0x1.09999ap-4f, -0x1.fc28f6p-5f, -0x1.e51ebap-5f, -0x1.ce147ap-5f, -0x1.b70a3ep-5f, -0x1.ap-5f,
+    -0x1.88f5c2p-5f, -0x1.71eb86p-5f, -0x1.5ae146p-5f, -0x1.43d70ap-5f, -0x1.2ccccep-5f, -0x1.15c29p-5f,
+    -0x1.fd70a4p-6f, -0x1.cf5c2ap-6f, -0x1.a147aep-6f, -0x1.733334p-6f, -0x1.451ebap-6f, -0x1.170a3ep-6f,
+    -0x1.d1eb86p-7f, -0x1.75c29p-7f, -0x1.3e76c8p-7f, -0x1.2c083p-7f, -0x1.19999ap-7f, -0x1.072b02p-7f,
+    -0x1.e978d4p-8f, -0x1.c49ba6p-8f, -0x1.9fbe76p-8f, -0x1.7ae148p-8f, -0x1.56041ap-8f, -0x1.3126e8p-8f,
+    -0x1.0c49bap-8f, -0x1.ced914p-9f, -0x1.851eb8p-9f, -0x1.3b645ap-9f, -0x1.e353f8p-10f, -0x1.4fdf3ap-10f,
+    -0x1.eecbfep-11f, -0x1.b3d07cp-11f, -0x1.78d5p-11f, -0x1.3dd982p-11f, -0x1.02de02p-11f, -0x1.8fc506p-12f,
+    -0x1.19ce0ap-12f, -0x1.47ae16p-13f, -0x1.743e96p-14f, -0x1.15df66p-14f, -0x1.6f0068p-15f, -0x1.64840cp-16f,
+    -0x1.040bfep-17f, -0x1.b43528p-19f, -0x1.27476ep-21f, 0.0f, 0x1.27476ep-21f, 0x1.b43528p-19f, 0x1.040bfep-17f,
+    0x1.64840cp-16f, 0x1.6f0068p-15f, 0x1.15df66p-14f, 0x1.743e96p-14f, 0x1.47ae16p-13f, 0x1.19ce0ap-12f,
+    0x1.8fc506p-12f, 0x1.02de02p-11f, 0x1.3dd982p-11f, 0x1.78d5p-11f, 0x1.b3d07cp-11f, 0x1.eecbfep-11f,
+    0x1.4fdf3ap-10f, 0x1.e353f8p-10f, 0x1.3b645ap-9f, 0x1.851eb8p-9f, 0x1.ced914p-9f, 0x1.0c49bap-8f, 0x1.3126e8p-8f,
+    0x1.56041ap-8f, 0x1.7ae148p-8f, 0x1.9fbe76p-8f, 0x1.c49ba6p-8f, 0x1.e978d4p-8f, 0x1.072b02p-7f, 0x1.19999ap-7f,
+    0x1.2c083p-7f, 0x1.3e76c8p-7f, 0x1.75c29p-7f, 0x1.d1eb86p-7f, 0x1.170a3ep-6f, 0x1.451ebap-6f, 0x1.733334p-6f,
+    0x1.a147aep-6f, 0x1.cf5c2ap-6f, 0x1.fd70a4p-6f, 0x1.15c29p-5f, 0x1.2ccccep-5f, 0x1.43d70ap-5f, 0x1.5ae146p-5f,
+    0x1.71eb86p-5f, 0x1.88f5c2p-5f, 0x1.ap-5f, 0x1.b70a3ep-5f, 0x1.ce147ap-5f, 0x1.e51ebap-5f, 0x1.fc28f6p-5f,
+    0x1.09999ap-4f, 0x1.151ebap-4f, 0x1.20a3d6p-4f, 0x1.2c28f6p-4f, 0x1.37ae14p-4f, 0x1.433334p-4f, 0x1.4eb854p-4f,
+    0x1.5a3d7p-4f, 0x1.65c29p-4f, 0x1.7147aep-4f, 0x1.7ccccep-4f, 0x1.8851eep-4f, 0x1.93d70ap-4f, 0x1.b66668p-4f,
+    0x1.fp-4f, 0x1.14ccccp-3f, 0x1.31999ap-3f, 0x1.4e6666p-3f, 0x1.6b3334p-3f, 0x1.88p-3f, 0x1.a4ccccp-3f,
+    0x1.c1999ap-3f, 0x1.de6666p-3f, 0x1.fb3332p-3f, 0x1.0cp-2f, 0x1.1a6668p-2f, 0x1.28ccccp-2f, 0x1.373334p-2f,
+    0x1.459998p-2f, 0x1.54p-2f, 0x1.626666p-2f, 0x1.70ccccp-2f, 0x1.7f3334p-2f, 0x1.8d9998p-2f, 0x1.9cp-2f,
+    0x1.aa6666p-2f, 0x1.b8ccccp-2f, 0x1.c73334p-2f, 0x1.d59998p-2f, 0x1.e4p-2f, 0x1.f26664p-2f, 0x1.006666p-1f,
+    0x1.079998p-1f, 0x1.0eccccp-1f, 0x1.16p-1f, 0x1.1d3334p-1f, 0x1.246668p-1f, 0x1.2b999ap-1f, 0x1.32ccccp-1f,
+    0x1.3ap-1f, 0x1.413334p-1f, 0x1.486668p-1f, 0x1.4f999ap-1f, 0x1.56ccccp-1f, 0x1.5ep-1f, 0x1.653334p-1f,
+    0x1.6c6668p-1f, 0x1.73999ap-1f, 0x1.7accccp-1f, 0x1.82p-1f, 0x1.893334p-1f, 0x1.906666p-1f, 0x1.97999ap-1f,
+    0x1.9eccccp-1f, 0x1.a6p-1f, 0x1.ad3334p-1f, 0x1.b46666p-1f, 0x1.bb999ap-1f, 0x1.c2ccccp-1f, 0x1.cap-1f,
+    0x1.d13334p-1f, 0x1.d86666p-1f, 0x1.df999ap-1f, 0x1.e6ccccp-1f, 0x1.eep-1f, 0x1.f53334p-1f, 0x1.fc6666p-1f,
+    0x1p+0f,
+};
+alignas(64) constexpr float kUnsignedCode[256] = {
+    0.0f, 0x1.5cf754p-22f, 0x1.a0133p-21f, 0x1.1d367p-19f, 0x1.2599ecp-18f, 0x1.bc98a2p-18f, 0x1.29cbaap-17f,
+    0x1.0624dcp-16f, 0x1.c2e34p-16f, 0x1.3fd0dp-15f, 0x1.9e3p-15f, 0x1.fc8f34p-15f, 0x1.2d7732p-14f, 0x1.5ca6c8p-14f,
+    0x1.8bd662p-14f, 0x1.0cb296p-13f, 0x1.82a994p-13f, 0x1.f8a092p-13f, 0x1.374bc8p-12f, 0x1.724744p-12f,
+    0x1.ad42c6p-12f, 0x1.e83e44p-12f, 0x1.119ce2p-11f, 0x1.2f1aap-11f, 0x1.4c986p-11f, 0x1.6a162p-11f,
+    0x1.8793dep-11f, 0x1.a511ap-11f, 0x1.c28f5ep-11f, 0x1.e00d1cp-11f, 0x1.fd8adcp-11f, 0x1.2b020cp-10f,
+    0x1.74bc6ap-10f, 0x1.be76c8p-10f, 0x1.041894p-9f, 0x1.28f5c2p-9f, 0x1.4dd2fp-9f, 0x1.72b02p-9f, 0x1.978d4ep-9f,
+    0x1.bc6a8p-9f, 0x1.e147aep-9f, 0x1.03126ep-8f, 0x1.158104p-8f, 0x1.27ef9ep-8f, 0x1.3a5e34p-8f, 0x1.4cccccp-8f,
+    0x1.5f3b64p-8f, 0x1.71a9fap-8f, 0x1.841894p-8f, 0x1.96872ap-8f, 0x1.a8f5c2p-8f, 0x1.bb645cp-8f, 0x1.cdd2fp-8f,
+    0x1.e0418ap-8f, 0x1.f2b01ep-8f, 0x1.028f5cp-7f, 0x1.0bc6a8p-7f, 0x1.14fdf2p-7f, 0x1.1e354p-7f, 0x1.276c8ap-7f,
+    0x1.30a3d6p-7f, 0x1.39db24p-7f, 0x1.43126ep-7f, 0x1.5eb854p-7f, 0x1.8ccccep-7f, 0x1.bae146p-7f, 0x1.e8f5c4p-7f,
+    0x1.0b851ep-6f, 0x1.228f5ep-6f, 0x1.39999ap-6f, 0x1.50a3d6p-6f, 0x1.67ae16p-6f, 0x1.7eb852p-6f, 0x1.95c28ep-6f,
+    0x1.accccep-6f, 0x1.c3d70ep-6f, 0x1.dae146p-6f, 0x1.f1eb86p-6f, 0x1.047aep-5f, 0x1.1p-5f, 0x1.1b851ep-5f,
+    0x1.270a3ep-5f, 0x1.328f5ep-5f, 0x1.3e147ap-5f, 0x1.49999ap-5f, 0x1.551eb8p-5f, 0x1.60a3d6p-5f, 0x1.6c28f6p-5f,
+    0x1.77ae14p-5f, 0x1.833334p-5f, 0x1.8eb85p-5f, 0x1.9a3d7p-5f, 0x1.a5c28ep-5f, 0x1.b147aep-5f, 0x1.bccccep-5f,
+    0x1.c851eep-5f, 0x1.d3d70ep-5f, 0x1.df5c2ap-5f, 0x1.eae146p-5f, 0x1.f66666p-5f, 0x1.00f5c4p-4f, 0x1.06b854p-4f,
+    0x1.0c7ae2p-4f, 0x1.123d7p-4f, 0x1.18p-4f, 0x1.1dc29p-4f, 0x1.23852p-4f, 0x1.2947aep-4f, 0x1.2f0a3ep-4f,
+    0x1.34cccep-4f, 0x1.3a8f5ep-4f, 0x1.4051ecp-4f, 0x1.46147cp-4f, 0x1.4bd70ap-4f, 0x1.51999ap-4f, 0x1.575c2ap-4f,
+    0x1.5d1eb8p-4f, 0x1.62e148p-4f, 0x1.68a3d6p-4f, 0x1.6e6666p-4f, 0x1.7428f6p-4f, 0x1.79eb86p-4f, 0x1.7fae16p-4f,
+    0x1.8570a4p-4f, 0x1.8b3334p-4f, 0x1.90f5c4p-4f, 0x1.96b852p-4f, 0x1.a8p-4f, 0x1.c4ccccp-4f, 0x1.e1999ap-4f,
+    0x1.fe6666p-4f, 0x1.0d9998p-3f, 0x1.1cp-3f, 0x1.2a6668p-3f, 0x1.38ccccp-3f, 0x1.473334p-3f, 0x1.559998p-3f,
+    0x1.64p-3f, 0x1.726668p-3f, 0x1.80ccccp-3f, 0x1.8f3334p-3f, 0x1.9d9998p-3f, 0x1.acp-3f, 0x1.ba6668p-3f,
+    0x1.c8ccccp-3f, 0x1.d73334p-3f, 0x1.e59998p-3f, 0x1.f4p-3f, 0x1.013332p-2f, 0x1.086666p-2f, 0x1.0f999ap-2f,
+    0x1.16ccccp-2f, 0x1.1ep-2f, 0x1.253334p-2f, 0x1.2c6666p-2f, 0x1.339998p-2f, 0x1.3accccp-2f, 0x1.42p-2f,
+    0x1.493334p-2f, 0x1.506666p-2f, 0x1.579998p-2f, 0x1.5eccccp-2f, 0x1.66p-2f, 0x1.6d3334p-2f, 0x1.746666p-2f,
+    0x1.7b9998p-2f, 0x1.82ccccp-2f, 0x1.8ap-2f, 0x1.913334p-2f, 0x1.986666p-2f, 0x1.9f9998p-2f, 0x1.a6ccccp-2f,
+    0x1.aep-2f, 0x1.b53334p-2f, 0x1.bc6666p-2f, 0x1.c39998p-2f, 0x1.caccccp-2f, 0x1.d2p-2f, 0x1.d93334p-2f,
+    0x1.e06666p-2f, 0x1.e79998p-2f, 0x1.eeccccp-2f, 0x1.f6p-2f, 0x1.fd3332p-2f, 0x1.023334p-1f, 0x1.05ccccp-1f,
+    0x1.096666p-1f, 0x1.0dp-1f, 0x1.109998p-1f, 0x1.143334p-1f, 0x1.17ccccp-1f, 0x1.1b6668p-1f, 0x1.1fp-1f,
+    0x1.22999ap-1f, 0x1.263334p-1f, 0x1.29ccccp-1f, 0x1.2d6668p-1f, 0x1.31p-1f, 0x1.34999ap-1f, 0x1.383334p-1f,
+    0x1.3bccccp-1f, 0x1.3f6668p-1f, 0x1.43p-1f, 0x1.46999ap-1f, 0x1.4a3334p-1f, 0x1.4dccccp-1f, 0x1.516668p-1f,
+    0x1.55p-1f, 0x1.58999ap-1f, 0x1.5c3334p-1f, 0x1.5fccccp-1f, 0x1.636668p-1f, 0x1.67p-1f, 0x1.6a999ap-1f,
+    0x1.6e3334p-1f, 0x1.71ccccp-1f, 0x1.756668p-1f, 0x1.79p-1f, 0x1.7c999ap-1f, 0x1.803334p-1f, 0x1.83ccccp-1f,
+    0x1.876668p-1f, 0x1.8bp-1f, 0x1.8e9998p-1f, 0x1.923334p-1f, 0x1.95ccccp-1f, 0x1.996668p-1f, 0x1.9dp-1f,
+    0x1.a09998p-1f, 0x1.a43334p-1f, 0x1.a7ccccp-1f, 0x1.ab6668p-1f, 0x1.afp-1f, 0x1.b29998p-1f, 0x1.b63334p-1f,
+    0x1.b9ccccp-1f, 0x1.bd6668p-1f, 0x1.c1p-1f, 0x1.c49998p-1f, 0x1.c83334p-1f, 0x1.cbccccp-1f, 0x1.cf6668p-1f,
+    0x1.d3p-1f, 0x1.d69998p-1f, 0x1.da3334p-1f, 0x1.ddccccp-1f, 0x1.e16668p-1f, 0x1.e5p-1f, 0x1.e89998p-1f,
+    0x1.ec3334p-1f, 0x1.efccccp-1f, 0x1.f36668p-1f, 0x1.f7p-1f, 0x1.fa9998p-1f, 0x1.fe3334p-1f, 0x1p+0f,
+};
+
+std::uint32_t float_bits(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+// A signed integer that orders like the float (-0 just below +0; NaNs beyond the infinities).
+std::int32_t order_key(float x) {
+  const std::uint32_t u = float_bits(x);
+  return static_cast<std::int32_t>(u >> 31 ? u ^ 0x7FFFFFFFu : u);
+}
+
+// One map's thresholds and bucket table. Bucket b holds the keys k with k >> shift == b,
+// for b in lo..hi, the buckets of -2 and 2: the fast path's normalized values (|x| < 2)
+// need no clamping, and other values clamp to those end buckets, which hold no
+// threshold. The widest threshold-free run of buckets, mid_lo..mid_hi (around 0, or all
+// the negatives for the unsigned map), shares one entry. Entry of bucket b:
+//   (low `shift` key bits of b's threshold, all ones if it has none) << (32 - shift) | n
+// where n is the number of thresholds below bucket b. For a key in bucket b, its low bits
+// shifted the same way compare (unsigned) above the entry exactly when the key is above
+// b's threshold, and the code is the entry's low byte plus that comparison.
+struct Q8Tables {
+  float code[256];
+  float thresholds[255];
+  int shift = 0;
+  std::int32_t lo = 0, hi = 0, mid_lo = 0, mid_hi = 0;
+  std::vector<std::int32_t> entries;
+  const std::int32_t* entry_base = nullptr;  // entry of bucket b: entry_base[b - clamp(b, mid_lo, mid_hi)]
+};
+
+Q8Tables build_tables(const float* code) {
+  Q8Tables q;
+  std::memcpy(q.code, code, sizeof q.code);
+  for (int k = 0; k < 255; ++k) {
+    q.thresholds[k] = static_cast<float>((static_cast<double>(code[k]) + static_cast<double>(code[k + 1])) / 2);
+    // A fixed map: these cannot fail (the tests check the map).
+    if (!(std::fabs(q.thresholds[k]) < 1.0f) || (k > 0 && !(q.thresholds[k] > q.thresholds[k - 1]))) std::abort();
+  }
+  // The coarsest buckets that hold at most one threshold each (entries keep 8 bits for the count).
+  for (q.shift = 23; q.shift > 0; --q.shift) {
+    bool fits = true;
+    for (int k = 1; k < 255 && fits; ++k)
+      fits = order_key(q.thresholds[k]) >> q.shift != order_key(q.thresholds[k - 1]) >> q.shift;
+    if (fits) break;
+  }
+  q.lo = order_key(-2.0f) >> q.shift;
+  q.hi = order_key(2.0f) >> q.shift;
+  // Occupied buckets, with sentinels outside lo..hi; the widest run between two of them is shared.
+  std::vector<std::int32_t> occupied{q.lo - 1};
+  for (int k = 0; k < 255; ++k) occupied.push_back(order_key(q.thresholds[k]) >> q.shift);
+  occupied.push_back(q.hi + 1);
+  std::size_t gap = 0;
+  for (std::size_t j = 1; j + 1 < occupied.size(); ++j)
+    if (occupied[j + 1] - occupied[j] > occupied[gap + 1] - occupied[gap]) gap = j;
+  q.mid_lo = occupied[gap] + 1;
+  q.mid_hi = std::max(occupied[gap + 1] - 1, q.mid_lo);  // if no bucket is free, a run of one bucket
+  const std::uint32_t low_mask = (1u << q.shift) - 1;
+  int below = 0;  // thresholds in the buckets below b
+  for (std::int32_t b = q.lo; b <= q.hi; ++b) {
+    const bool has = below < 255 && occupied[below + 1] == b;
+    const std::uint32_t low = has ? static_cast<std::uint32_t>(order_key(q.thresholds[below])) & low_mask : low_mask;
+    if (b <= q.mid_lo || b > q.mid_hi)
+      q.entries.push_back(static_cast<std::int32_t>(low << (32 - q.shift) | static_cast<std::uint32_t>(below)));
+    below += has;
+  }
+  if (below != 255) std::abort();
+  q.entry_base = q.entries.data() + (q.mid_lo - q.lo);
+  return q;
+}
+
+const Q8Tables& tables(Q8Map map) {
+  static const Q8Tables signed_tables = build_tables(kSignedCode);
+  static const Q8Tables unsigned_tables = build_tables(kUnsignedCode);
+  return map == Q8Map::signed_dynamic ? signed_tables : unsigned_tables;
+}
+
+// The number of the 255 ascending thresholds t[k] below x, by a binary search: after the
+// step of size s the count is known to a multiple of s. Comparisons with NaN are false,
+// so NaN counts 0. Written with masks rather than conditionals, which the compiler
+// turns into branches that mispredict on random data.
+inline std::uint8_t encode_below(const float* t, float x) {
+  unsigned count = 0;
+  for (unsigned step = 128; step > 0; step >>= 1) count += step & (0u - static_cast<unsigned>(x > t[count + step - 1]));
+  return static_cast<std::uint8_t>(count);
+}
+
+// NaN -> 0, +-inf -> +-FLT_MAX, everything else unchanged (the sign of 0 included).
+float sanitize(float x) {
+  if (std::isnan(x)) return 0.0f;
+  return x > FLT_MAX ? FLT_MAX : x < -FLT_MAX ? -FLT_MAX : x;
+}
+
+}  // namespace
+}  // namespace stepfuse::cpu
+#endif  // STEPFUSE_CPU_Q8_SHARED_
+
+HWY_BEFORE_NAMESPACE();
+namespace stepfuse::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// One map's encoder constants, broadcast once per call (D: the float lanes' tag).
+template <class D>
+struct Encoder {
+  using DI = hn::RebindToSigned<D>;
+  using V = hn::Vec<DI>;
+  Encoder(DI di, const Q8Tables& q)
+      : entries(q.entry_base), shift(q.shift), lo(hn::Set(di, q.lo)), hi(hn::Set(di, q.hi)),
+        mid_lo(hn::Set(di, q.mid_lo)), mid_hi(hn::Set(di, q.mid_hi)) {}
+  const std::int32_t* entries;
+  int shift;
+  V lo, hi, mid_lo, mid_hi;
+};
+
+// q8_encode_scalar of each lane, for lanes in [-2, 2] (no NaN); the code in each u32
+// lane's low byte. With `kClamp`, any non-NaN value.
+template <bool kClamp, class D>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFinite(const Encoder<D>& e, hn::Vec<D> x) {
+  const hn::RebindToSigned<D> di;
+  const hn::RebindToUnsigned<D> du;
+  const auto u = hn::BitCast(di, x);
+  const auto key = hn::Xor(u, hn::And(hn::ShiftRight<31>(u), hn::Set(di, 0x7FFFFFFF)));
+  auto b = hn::ShiftRightSame(key, e.shift);
+  if constexpr (kClamp) b = hn::Min(hn::Max(b, e.lo), e.hi);
+  const auto index = hn::Sub(b, hn::Min(hn::Max(b, e.mid_lo), e.mid_hi));
+  const auto entry = hn::BitCast(du, hn::GatherIndex(di, e.entries, index));
+  // A true mask is all ones: subtracting it adds the threshold inside the bucket when x is above it.
+  const auto above = hn::Gt(hn::BitCast(du, hn::ShiftLeftSame(key, 32 - e.shift)), entry);
+  return hn::Sub(entry, hn::VecFromMask(du, above));
+}
+
+// q8_encode_scalar of each lane, any value.
+template <class D>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> Encode(const Encoder<D>& e, hn::Vec<D> x) {
+  const hn::RebindToUnsigned<D> du;
+  // Positive NaNs order above +inf, so their bucket is hi; NaN is above no threshold.
+  return hn::IfThenZeroElse(hn::RebindMask(du, hn::IsNaN(x)), EncodeFinite<true>(e, x));
+}
+
+template <class D>
+HWY_INLINE void StoreCodes(D /*d*/, hn::Vec<hn::RebindToUnsigned<D>> codes, std::uint8_t* to) {
+  const hn::Rebind<std::uint8_t, D> d8;
+  hn::StoreU(hn::TruncateTo(d8, codes), d8, to);
+}
+
+template <class D>
+HWY_INLINE hn::Vec<D> Sanitize(D d, hn::Vec<D> x) {
+  const auto finite = hn::IfThenZeroElse(hn::IsNaN(x), x);
+  return hn::Min(hn::Max(finite, hn::Set(d, -FLT_MAX)), hn::Set(d, FLT_MAX));
+}
+
+void EncodeArray(const float* x, std::uint8_t* codes, std::size_t n, int map) {
+  using D = hn::ScalableTag<float>;
+  const D d;
+  const std::size_t N = hn::Lanes(d);
+  const Encoder<D> e(hn::RebindToSigned<D>(), tables(static_cast<Q8Map>(map)));
+  std::size_t i = 0;
+  for (; i + N <= n; i += N) StoreCodes(d, Encode(e, hn::LoadU(d, x + i)), codes + i);
+  if (i == n) return;
+  alignas(64) float in[hn::MaxLanes(d)] = {};
+  alignas(64) std::uint8_t out[hn::MaxLanes(d)];
+  std::memcpy(in, x + i, (n - i) * sizeof(float));
+  StoreCodes(d, Encode(e, hn::Load(d, in)), out);
+  std::memcpy(codes + i, out, n - i);
+}
+
+// One block of len <= kQ8Block elements, any values: sanitized, then encoded with NaN
+// handling.
+template <class D>
+float QuantizeBlockSlow(D d, const Encoder<D>& e, const float* x, std::uint8_t* c, std::size_t len) {
+  const std::size_t N = hn::Lanes(d);
+  const std::size_t full = len - len % N;
+  alignas(64) float tail[hn::MaxLanes(d)] = {};  // zero padding changes no max
+  std::memcpy(tail, x + full, (len - full) * sizeof(float));
+  auto vmax = hn::Abs(Sanitize(d, hn::Load(d, tail)));
+  for (std::size_t i = 0; i < full; i += N) vmax = hn::Max(vmax, hn::Abs(Sanitize(d, hn::LoadU(d, x + i))));
+  const float absmax = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  const auto inv = hn::Set(d, q8_inverse_scale(absmax));
+  for (std::size_t i = 0; i < full; i += N)
+    StoreCodes(d, Encode(e, hn::Mul(Sanitize(d, hn::LoadU(d, x + i)), inv)), c + i);
+  if (full < len) {
+    alignas(64) std::uint8_t out[hn::MaxLanes(d)];
+    StoreCodes(d, Encode(e, hn::Mul(Sanitize(d, hn::Load(d, tail)), inv)), out);
+    std::memcpy(c + full, out, len - full);
+  }
+  return absmax;
+}
+
+void Quantize(const float* in, std::uint8_t* codes, float* absmax, std::size_t n, int map) {
+  using D = hn::ScalableTag<float>;
+  const D d;
+  const hn::RebindToSigned<D> di;
+  const std::size_t N = hn::Lanes(d);
+  const Encoder<D> e(di, tables(static_cast<Q8Map>(map)));
+  const auto magnitude = hn::Set(di, 0x7FFFFFFF);
+  for (std::size_t start = 0, block = 0; start < n; start += kQ8Block, ++block) {
+    const float* x = in + start;
+    std::uint8_t* c = codes + start;
+    const std::size_t len = n - start < kQ8Block ? n - start : kQ8Block;
+    const std::size_t full = len - len % N;
+    // The largest |x| as the largest magnitude bit pattern: exact, and above the
+    // largest finite float's exactly when the block holds an inf or a NaN.
+    auto vmax = hn::Zero(di);
+    for (std::size_t i = 0; i < full; i += N)
+      vmax = hn::Max(vmax, hn::And(hn::BitCast(di, hn::LoadU(d, x + i)), magnitude));
+    for (std::size_t i = full; i < len; ++i)
+      vmax = hn::Max(vmax, hn::Set(di, static_cast<std::int32_t>(float_bits(x[i]) & 0x7FFFFFFFu)));
+    const std::int32_t max_bits = hn::GetLane(hn::MaxOfLanes(di, vmax));
+    float m;
+    std::memcpy(&m, &max_bits, sizeof m);
+    const float inv = q8_inverse_scale(m);
+    if (max_bits > 0x7F7FFFFF || !(inv <= FLT_MAX)) {
+      // inf or NaN to sanitize: rare.
+      absmax[block] = QuantizeBlockSlow(d, e, x, c, len);
+      continue;
+    }
+    absmax[block] = m;
+    // The normalized values are finite and below 2 in magnitude (|x| <= absmax, and
+    // absmax * inv is 1 within a few roundings, even where inv is subnormal).
+    const auto vinv = hn::Set(d, inv);
+    for (std::size_t i = 0; i < full; i += N)
+      StoreCodes(d, EncodeFinite<false>(e, hn::Mul(hn::LoadU(d, x + i), vinv)), c + i);
+    if (full == len) continue;
+    alignas(64) float tail[hn::MaxLanes(d)] = {};
+    alignas(64) std::uint8_t out[hn::MaxLanes(d)];
+    std::memcpy(tail, x + full, (len - full) * sizeof(float));
+    StoreCodes(d, EncodeFinite<false>(e, hn::Mul(hn::Load(d, tail), vinv)), out);
+    std::memcpy(c + full, out, len - full);
+  }
+}
+
+void Dequantize(const std::uint8_t* codes, const float* absmax, float* out, std::size_t n, int map) {
+  const hn::ScalableTag<float> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  const hn::Rebind<std::uint8_t, decltype(d)> d8;
+  const std::size_t N = hn::Lanes(d);
+  const float* code = tables(static_cast<Q8Map>(map)).code;
+  for (std::size_t start = 0, block = 0; start < n; start += kQ8Block, ++block) {
+    const std::uint8_t* c = codes + start;
+    float* o = out + start;
+    const std::size_t len = n - start < kQ8Block ? n - start : kQ8Block;
+    const std::size_t full = len - len % N;
+    const auto scale = hn::Set(d, absmax[block]);
+    for (std::size_t i = 0; i < full; i += N) {
+      const auto value = hn::GatherIndex(d, code, hn::PromoteTo(di, hn::LoadU(d8, c + i)));
+      hn::StoreU(hn::Mul(value, scale), d, o + i);
+    }
+    if (full == len) continue;
+    alignas(64) std::uint8_t tail[hn::MaxLanes(d)] = {};
+    alignas(64) float result[hn::MaxLanes(d)];
+    std::memcpy(tail, c + full, len - full);
+    hn::Store(hn::Mul(hn::GatherIndex(d, code, hn::PromoteTo(di, hn::Load(d8, tail))), scale), d, result);
+    std::memcpy(o + full, result, (len - full) * sizeof(float));
+  }
+}
+
+}  // namespace stepfuse::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace stepfuse::cpu {
+HWY_EXPORT(EncodeArray);
+HWY_EXPORT(Quantize);
+HWY_EXPORT(Dequantize);
+
+const float* q8_code(Q8Map map) { return tables(map).code; }
+const float* q8_thresholds(Q8Map map) { return tables(map).thresholds; }
+
+std::uint8_t q8_encode_scalar(float x, Q8Map map) { return encode_below(tables(map).thresholds, x); }
+
+void q8_encode(const float* x, std::uint8_t* codes, std::size_t n, Q8Map map) {
+  HWY_DYNAMIC_DISPATCH(EncodeArray)(x, codes, n, static_cast<int>(map));
+}
+void q8_quantize(const float* in, std::uint8_t* codes, float* absmax, std::size_t n, Q8Map map) {
+  HWY_DYNAMIC_DISPATCH(Quantize)(in, codes, absmax, n, static_cast<int>(map));
+}
+void q8_dequantize(const std::uint8_t* codes, const float* absmax, float* out, std::size_t n, Q8Map map) {
+  HWY_DYNAMIC_DISPATCH(Dequantize)(codes, absmax, out, n, static_cast<int>(map));
+}
+
+void q8_quantize_scalar(const float* in, std::uint8_t* codes, float* absmax, std::size_t n, Q8Map map) {
+  const float* t = tables(map).thresholds;
+  for (std::size_t start = 0, block = 0; start < n; start += kQ8Block, ++block) {
+    const std::size_t end = n - start < kQ8Block ? n : start + kQ8Block;
+    float m = 0.0f;
+    for (std::size_t i = start; i < end; ++i) m = std::fmax(m, std::fabs(sanitize(in[i])));
+    absmax[block] = m;
+    const float inv = q8_inverse_scale(m);
+    for (std::size_t i = start; i < end; ++i) codes[i] = encode_below(t, sanitize(in[i]) * inv);
+  }
+}
+
+void q8_dequantize_scalar(const std::uint8_t* codes, const float* absmax, float* out, std::size_t n, Q8Map map) {
+  const float* code = q8_code(map);
+  for (std::size_t i = 0; i < n; ++i) out[i] = code[codes[i]] * absmax[i / kQ8Block];
+}
+}  // namespace stepfuse::cpu
+#endif
