@@ -86,6 +86,8 @@ std::string to_string(const Program& p) {
   for (int s = 0; s < p.num_streams; ++s) {
     out += "  stream " + std::string(p.streams[s].name) + " : " + std::string(role_name(p.streams[s].role));
     if (p.streams[s].role == StreamRole::state && p.streams[s].init != 0.0f) out += " = " + float_text(p.streams[s].init);
+    if (p.streams[s].values == StateValues::nonnegative) out += " (nonnegative)";
+    if (p.streams[s].values == StateValues::full_precision) out += " (full precision)";
     out += "\n";
   }
   for (int s = 0; s < p.num_scalars; ++s) out += "  scalar " + std::string(p.scalars[s]) + "\n";

@@ -39,6 +39,10 @@ struct StepPrograms {
   std::vector<std::uint32_t> tensor_group;      // per tensor: its group
   std::vector<std::string_view> state_names;     // the state buffers, first-use order
   std::vector<std::array<int, kMaxStreams>> state_slot;  // per group, per program stream: buffer, or -1
+  std::vector<StateValues> state_values;         // per buffer: what its stream's values allow
+  // Per tensor, per buffer: how it is stored (f32 where the tensor's program lacks the buffer).
+  std::vector<std::vector<StateFormat>> formats;
+  bool compressed() const;  // some tensor stores some buffer as bf16 or q8
 
   const Program& program_of(std::size_t tensor) const { return *groups[tensor_group[tensor]].program; }
   int state_index(std::string_view name) const {  // a buffer's index, or -1
@@ -49,6 +53,14 @@ struct StepPrograms {
   int num_states() const { return static_cast<int>(state_names.size()); }
   // Fills state_names and state_slot from groups.
   void index_states();
+};
+
+// Where and how one tensor's state buffer is stored.
+struct StateSlot {
+  StateFormat format = StateFormat::f32;
+  void* data = nullptr;       // f32 values, bf16 bit patterns or q8 codes, from the tensor's element 0
+  float* absmax = nullptr;    // q8: one per kQ8Block elements
+  bool nonnegative = false;   // q8: the unsigned code (StateValues::nonnegative)
 };
 
 // A group's per-step scalar rules, and the global step count when it was added
@@ -96,6 +108,11 @@ class Backend {
   // it) when the device has changed since, and copied back before the next step.
   virtual float* state_data(int stream) const = 0;
   virtual float* masters_data() const = 0;
+  // Where tensor `tensor` keeps state buffer `stream`: by default f32 in state_data(),
+  // at layout().offsets[tensor]; the CPU backends also store bf16 and q8.
+  virtual StateSlot state_slot(int stream, std::size_t tensor) const {
+    return {StateFormat::f32, state_data(stream) + layout().offsets[tensor], nullptr, false};
+  }
 
   // The gradients moved (Optimizer::set_grads): `params` (the engine's, already
   // holding the new pointers, same sizes and dtypes) is what the next step reads.

@@ -64,6 +64,8 @@
 #include "jit/config_fields.hpp"
 #include "jit/update_program_rules.hpp"
 #include "runtime/checkpoint_file.hpp"
+#include "runtime/cpu/host_buffers.hpp"
+#include "runtime/cpu/q8.hpp"
 #include "runtime/detail_access.hpp"
 #include "runtime/safetensors.hpp"
 #include "runtime/step_engine.hpp"
@@ -102,6 +104,10 @@ std::string group_key(std::size_t g, std::string_view field) {
 std::string tensor_name(std::size_t g, std::size_t i, std::string_view what) {
   return group_key(g, "param." + std::to_string(i) + "." + std::string(what));
 }
+
+// A q8 stream's absmaxes: "<stream>.absmax", one F32 per block of kQ8Block elements.
+std::string absmax_name(std::string_view stream) { return std::string(stream) + ".absmax"; }
+std::size_t q8_blocks(std::size_t numel) { return (numel + cpu::kQ8Block - 1) / cpu::kQ8Block; }
 
 // The state streams of a program, in stream order: a param's tensors.
 std::vector<std::string_view> state_streams(const Program& p) {
@@ -157,7 +163,32 @@ struct ParsedOptimizer {
   std::int64_t step_count = 0;
   std::vector<std::int64_t> step_bases;  // per group
   std::vector<std::pair<void*, std::span<const unsigned char>>> copies;  // destination, source bytes
+  // State saved in another format than this optimizer stores it (LoadOptions::convert_state).
+  struct Conversion {
+    detail::StateSlot to;
+    std::size_t to_at = 0;  // the first element written (a multiple of kQ8Block)
+    std::size_t numel = 0;
+    StateFormat from = StateFormat::f32;
+    const unsigned char* data = nullptr;    // as saved
+    const unsigned char* absmax = nullptr;  // q8: as saved
+    bool nonnegative = false;               // q8: saved with the unsigned code (the stream's StateValues)
+  };
+  std::vector<Conversion> conversions;
 };
+
+// The values a saved stream holds (its bytes may be unaligned in the file).
+std::vector<float> saved_values(const ParsedOptimizer::Conversion& c) {
+  std::vector<float> out(c.numel);
+  if (c.from == StateFormat::f32) {
+    std::memcpy(out.data(), c.data, c.numel * sizeof(float));
+    return out;
+  }
+  std::vector<unsigned char> bytes(c.data, c.data + c.numel * (c.from == StateFormat::bf16 ? 2 : 1));
+  std::vector<float> absmax(c.from == StateFormat::q8 ? q8_blocks(c.numel) : 0);
+  if (!absmax.empty()) std::memcpy(absmax.data(), c.absmax, absmax.size() * sizeof(float));
+  cpu::HostBuffers::decode({c.from, bytes.data(), absmax.data(), c.nonnegative}, 0, c.numel, out.data());
+  return out;
+}
 
 void commit_optimizer(detail::StepEngine& e, const ParsedOptimizer& p) {
   if (p.program) {
@@ -167,6 +198,11 @@ void commit_optimizer(detail::StepEngine& e, const ParsedOptimizer& p) {
   }
   for (const auto& [dst, src] : p.copies)
     if (!src.empty()) std::memcpy(dst, src.data(), src.size());
+  for (const ParsedOptimizer::Conversion& c : p.conversions) {
+    const std::vector<float> values = saved_values(c);
+    if (c.to.format == StateFormat::f32) std::copy(values.begin(), values.end(), static_cast<float*>(c.to.data) + c.to_at);
+    else cpu::HostBuffers::encode(values.data(), c.to, c.to_at, c.numel);
+  }
   e.set_steps(p.step_count, p.step_bases);
 }
 
@@ -284,7 +320,7 @@ Described describe(const detail::StepEngine& e) {
   const std::vector<Param>& params = e.params();
   const detail::Shard* shard = e.shard();
   const ModelView model = shard ? model_view(e) : ModelView{};
-  std::vector<detail::SafetensorsSource> compensations;  // BF16
+  std::vector<detail::SafetensorsSource> two_byte, one_byte;  // BF16 (compensations, bf16 state), U8 (q8 codes)
   if (shard != nullptr)
     m["shard"] = "{\"rank\":" + std::to_string(shard->communicator().rank()) + ",\"ranks\":" +
                  std::to_string(shard->communicator().size()) + ",\"tensors\":" + std::to_string(model.tensors.size()) + "}";
@@ -321,21 +357,39 @@ Described describe(const detail::StepEngine& e) {
               std::string(dtype_name(params[p].grad.dtype)) + "\",\"master\":" +
               (e.master_data(p) != nullptr ? "true" : "false") + ",\"compensation\":" +
               (e.compensation_data(p) != nullptr ? "true" : "false");
+      std::string formats;  // the streams not stored as f32 (none: the key is left out, as older files have it)
+      for (std::string_view s : streams) {
+        const StateFormat f = e.state_slot(p, e.state_stream(s)).format;
+        if (f == StateFormat::f32) continue;
+        formats += formats.empty() ? "{" : ",";
+        detail::append_json_string(formats, s);
+        formats += ":\"" + std::string(state_format_name(f)) + "\"";
+      }
+      if (!formats.empty()) list += ",\"state_formats\":" + formats + "}";
       if (shard != nullptr) {
         const Placement& at = model.params[p];
         list += ",\"tensor\":" + std::to_string(at.tensor) + ",\"offset\":" + std::to_string(at.offset) +
                 ",\"tensor_numel\":" + std::to_string(at.tensor_numel);
       }
       list += '}';
-      for (std::string_view s : streams) d.tensors.push_back({tensor_name(g, i, s), e.state_data(p, e.state_stream(s)), numel});
+      for (std::string_view s : streams) {
+        const detail::StateSlot slot = e.state_slot(p, e.state_stream(s));
+        if (slot.format == StateFormat::f32) d.tensors.push_back({tensor_name(g, i, s), slot.data, numel});
+        if (slot.format == StateFormat::bf16) two_byte.push_back({tensor_name(g, i, s), slot.data, numel, "BF16"});
+        if (slot.format == StateFormat::q8) {
+          one_byte.push_back({tensor_name(g, i, s), slot.data, numel, "U8"});
+          d.tensors.push_back({tensor_name(g, i, absmax_name(s)), slot.absmax, q8_blocks(numel)});
+        }
+      }
       if (const float* master = e.master_data(p)) d.tensors.push_back({tensor_name(g, i, "master"), master, numel});
       if (const std::uint16_t* c = e.compensation_data(p))
-        compensations.push_back({tensor_name(g, i, "compensation"), c, numel, "BF16"});
+        two_byte.push_back({tensor_name(g, i, "compensation"), c, numel, "BF16"});
     }
     m[group_key(g, "params")] = list + "]";
   }
-  // Last: 2 bytes an element, they would leave the F32 tensors after them unaligned.
-  d.tensors.insert(d.tensors.end(), compensations.begin(), compensations.end());
+  // Last: 2 and 1 bytes an element, they would leave the tensors after them unaligned.
+  d.tensors.insert(d.tensors.end(), two_byte.begin(), two_byte.end());
+  d.tensors.insert(d.tensors.end(), one_byte.begin(), one_byte.end());
   return d;
 }
 
@@ -484,7 +538,65 @@ void check_kind(const detail::SafetensorsFile& f, const detail::StepEngine& e) {
   }
 }
 
-ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEngine& e) {
+// Whether the optimizer's stream `s` is non-negative: q8 stores it with the unsigned code.
+bool nonnegative(const detail::StepEngine& e, std::string_view s) {
+  return e.programs().state_values[static_cast<std::size_t>(e.state_stream(s))] == StateValues::nonnegative;
+}
+
+bool parse_state_format(std::string_view text, StateFormat& out) {
+  for (StateFormat f : {StateFormat::f32, StateFormat::bf16, StateFormat::q8})
+    if (text == state_format_name(f)) {
+      out = f;
+      return true;
+    }
+  return false;
+}
+
+// A params entry's "state_formats": the streams saved in another format than f32
+// (absent: every stream f32, as files written before the formats existed).
+std::map<std::string, StateFormat, std::less<>> read_state_formats(const detail::JsonValue& entry, const std::string& path,
+                                                                   const std::string& at) {
+  std::map<std::string, StateFormat, std::less<>> out;
+  const detail::JsonValue* formats = entry.find("state_formats");
+  if (formats == nullptr) return out;
+  if (formats->kind != detail::JsonValue::Kind::object) corrupt(path, at + "\"state_formats\" is not an object");
+  for (const detail::JsonMember& m : formats->members) {
+    StateFormat f = StateFormat::f32;
+    if (m.second.kind != detail::JsonValue::Kind::string || !parse_state_format(m.second.text, f))
+      corrupt(path, at + "state '" + m.first + "' has an unknown format (not \"f32\", \"bf16\" or \"q8\")");
+    out[m.first] = f;
+  }
+  return out;
+}
+StateFormat saved_format(const std::map<std::string, StateFormat, std::less<>>& formats, std::string_view stream) {
+  const auto it = formats.find(stream);
+  return it == formats.end() ? StateFormat::f32 : it->second;
+}
+
+// One saved state stream of param p, saved in format `from`: copied as stored when
+// this optimizer stores it so, converted when asked (LoadOptions::convert_state),
+// else a mismatch. find(what, dtype, numel) checks and returns a saved tensor's bytes.
+template <class Find>
+void take_state(ParsedOptimizer& out, const detail::StepEngine& e, std::size_t p, std::string_view s, StateFormat from,
+                std::uint64_t numel, bool convert, const std::string& path, const std::string& at, const Find& find) {
+  const detail::StateSlot here = e.state_slot(p, e.state_stream(s));
+  const std::string_view dtype = from == StateFormat::f32 ? "F32" : from == StateFormat::bf16 ? "BF16" : "U8";
+  const std::span<const unsigned char> data = find(s, dtype, numel);
+  const std::span<const unsigned char> absmax =
+      from == StateFormat::q8 ? find(absmax_name(s), "F32", q8_blocks(numel)) : std::span<const unsigned char>{};
+  if (from == here.format) {
+    out.copies.emplace_back(here.data, data);
+    if (from == StateFormat::q8) out.copies.emplace_back(here.absmax, absmax);
+    return;
+  }
+  if (!convert)
+    mismatch(path, at + "state '" + std::string(s) + "' was saved as " + std::string(state_format_name(from)) +
+                       ", this optimizer stores it as " + std::string(state_format_name(here.format)) +
+                       " (OptimizerOptions::state_format differs; load with LoadOptions::convert_state to convert it)");
+  out.conversions.push_back({here, 0, static_cast<std::size_t>(numel), from, data.data(), absmax.data(), nonnegative(e, s)});
+}
+
+ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEngine& e, bool convert) {
   const std::string& path = f.path();
   const MetadataReader meta(f);
   const UpdateProgram* custom = e.custom_program();
@@ -576,17 +688,21 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
                              std::to_string(here_at.tensor) +
                              " (the ranks cut the model differently: load the whole set of shard files with load_shards)");
       }
-      // dtype: F32, or BF16 for a compensation (bit patterns, copied as they are).
-      const auto take = [&](std::string_view what, void* dst, std::string_view dtype) {
+      // dtype: F32, BF16 (a compensation, bf16 state: bit patterns) or U8 (q8 codes), copied as they are.
+      const auto find = [&](std::string_view what, std::string_view dtype, std::uint64_t n) {
         const std::string name = tensor_name(g, i, what);
         const detail::SafetensorsTensor* t = f.find(name);
         if (t == nullptr) corrupt(path, "tensor '" + name + "' is missing");
-        if (t->dtype != dtype || t->shape.size() != 1 || t->shape[0] != numel)
-          corrupt(path, "tensor '" + name + "' is not " + std::string(dtype) + " of shape [" + std::to_string(numel) + "]");
-        out.copies.emplace_back(dst, f.data(*t));
+        if (t->dtype != dtype || t->shape.size() != 1 || t->shape[0] != n)
+          corrupt(path, "tensor '" + name + "' is not " + std::string(dtype) + " of shape [" + std::to_string(n) + "]");
         ++tensors;
+        return f.data(*t);
       };
-      for (std::string_view s : streams) take(s, e.state_data(p, e.state_stream(s)), "F32");
+      const auto take = [&](std::string_view what, void* dst, std::string_view dtype) {
+        out.copies.emplace_back(dst, find(what, dtype, numel));
+      };
+      const auto saved_formats = read_state_formats(entry, path, at);
+      for (std::string_view s : streams) take_state(out, e, p, s, saved_format(saved_formats, s), numel, convert, path, at, find);
       if (float* m = e.master_data(p)) take("master", m, "F32");
       if (std::uint16_t* c = e.compensation_data(p)) take("compensation", c, "BF16");
     }
@@ -595,7 +711,10 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
     std::set<std::string> known;
     for (std::size_t g = 0; g < e.num_groups(); ++g)
       for (std::size_t i = 0; i < e.group_end(g) - e.group_begin(g); ++i) {
-        for (std::string_view s : state_streams(e.program(g))) known.insert(tensor_name(g, i, s));
+        for (std::string_view s : state_streams(e.program(g))) {
+          known.insert(tensor_name(g, i, s));
+          known.insert(tensor_name(g, i, absmax_name(s)));
+        }
         known.insert(tensor_name(g, i, "master"));
         known.insert(tensor_name(g, i, "compensation"));
       }
@@ -607,7 +726,7 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
 
 // ---- format versions 1 and 2: reading ----
 
-ParsedOptimizer parse_container(const detail::CheckpointFile& file, const detail::StepEngine& e) {
+ParsedOptimizer parse_container(const detail::CheckpointFile& file, const detail::StepEngine& e, bool convert) {
   const std::string& path = file.path();
   if (e.num_groups() != 1)
     mismatch(path, "it is a format-" + std::to_string(file.version()) +
@@ -699,7 +818,12 @@ ParsedOptimizer parse_container(const detail::CheckpointFile& file, const detail
     if (r.str() != s) mismatch(path, "its state tensors differ from this optimizer's");
   for (std::size_t i = 0; i < params.size(); ++i) {
     const auto bytes = static_cast<std::size_t>(params[i].weight.numel) * sizeof(float);
-    for (std::string_view s : streams) out.copies.emplace_back(e.state_data(i, e.state_stream(s)), r.bytes(bytes));
+    const std::string at = "params[" + std::to_string(i) + "]: ";
+    for (std::string_view s : streams) {
+      const std::span<const unsigned char> saved = r.bytes(bytes);
+      take_state(out, e, i, s, StateFormat::f32, static_cast<std::uint64_t>(params[i].weight.numel), convert, path, at,
+                 [&](std::string_view, std::string_view, std::uint64_t) { return saved; });
+    }
     if (has_master[i]) out.copies.emplace_back(e.master_data(i), r.bytes(bytes));
   }
   if (!r.done()) corrupt(path, "extra bytes in the optimizer section");
@@ -749,8 +873,8 @@ OpenedCheckpoint open_checkpoint(const std::string& path, bool verify = true) {
   return out;
 }
 
-ParsedOptimizer parse_optimizer(const OpenedCheckpoint& c, const detail::StepEngine& e) {
-  return c.container ? parse_container(*c.container, e) : parse_v3(*c.file, e);
+ParsedOptimizer parse_optimizer(const OpenedCheckpoint& c, const detail::StepEngine& e, bool convert = false) {
+  return c.container ? parse_container(*c.container, e, convert) : parse_v3(*c.file, e, convert);
 }
 
 std::map<std::string, double> parse_scaler(const OpenedCheckpoint& c) {
@@ -788,6 +912,7 @@ struct SavedParam {
   std::int64_t numel = 0;
   std::string weight_dtype, grad_dtype;
   Kept kept;
+  std::map<std::string, StateFormat, std::less<>> formats;  // streams saved as bf16 or q8
   std::int64_t end() const { return at.offset + numel; }
 };
 
@@ -873,6 +998,7 @@ SetFile read_set_file(const std::string& path, std::size_t index, const detail::
       if (p.kept.master && p.kept.compensation)
         corrupt(path, "group " + std::to_string(g) + " param " + std::to_string(i) +
                           " has both an fp32 master and a bf16 compensation");
+      p.formats = read_state_formats(entry, path, "group " + std::to_string(g) + " param " + std::to_string(i) + ": ");
       if (sharded) {
         p.at = {meta.int64(entry, key, "tensor"), meta.int64(entry, key, "offset"), meta.int64(entry, key, "tensor_numel")};
         if (p.at.offset < 0 || p.at.tensor_numel > kMaxElements || p.end() > p.at.tensor_numel)
@@ -1004,7 +1130,7 @@ std::string config_difference(const OptimizerConfig& a, const OptimizerConfig& b
 // hyperparameters and step count from the saved groups its elements come from (which
 // must agree).
 ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedParam>& pieces, const ModelView& model,
-                           const detail::StepEngine& e) {
+                           const detail::StepEngine& e, bool convert) {
   ParsedOptimizer out;
   out.step_count = files[0].step_count;
   const UpdateProgram* custom = e.custom_program();
@@ -1087,7 +1213,42 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
                                   f.c.file->data(*t).subspan(static_cast<std::size_t>(first - q.at.offset) * size,
                                                              static_cast<std::size_t>(last - first) * size));
       };
-      for (std::string_view s : state_streams(e.program(g))) take(s, e.state_data(p, e.state_stream(s)), "F32");
+      // A state stream: elements [first, last) as saved (bf16: 2 bytes, q8: 1 byte and the absmaxes of
+      // its blocks, which the slices' chunk-aligned cuts keep whole), copied or converted.
+      const auto take_stream = [&](std::string_view s) {
+        const StateFormat from = saved_format(q.formats, s);
+        const detail::StateSlot here = e.state_slot(p, e.state_stream(s));
+        const std::string_view dtype = from == StateFormat::f32 ? "F32" : from == StateFormat::bf16 ? "BF16" : "U8";
+        const std::size_t size = from == StateFormat::f32 ? 4 : from == StateFormat::bf16 ? 2 : 1;
+        const auto bytes = [&](std::string_view what, std::string_view type, std::uint64_t n) {
+          const std::string name = tensor_name(q.group, q.index, what);
+          const detail::SafetensorsTensor* t = f.c.file->find(name);
+          if (t == nullptr) corrupt(path, "tensor '" + name + "' is missing");
+          if (t->dtype != type || t->shape.size() != 1 || t->shape[0] != n)
+            corrupt(path, "tensor '" + name + "' is not " + std::string(type) + " of shape [" + std::to_string(n) + "]");
+          return f.c.file->data(*t);
+        };
+        const std::span<const unsigned char> data = bytes(s, dtype, static_cast<std::uint64_t>(q.numel));
+        const std::span<const unsigned char> absmax =
+            from == StateFormat::q8 ? bytes(absmax_name(s), "F32", q8_blocks(static_cast<std::size_t>(q.numel)))
+                                    : std::span<const unsigned char>{};
+        if (last <= first) return;
+        const auto src = static_cast<std::size_t>(first - q.at.offset), dst = static_cast<std::size_t>(first - at.offset);
+        const auto n = static_cast<std::size_t>(last - first);
+        if (from != here.format && !convert)
+          mismatch(path, saved + "state '" + std::string(s) + "' was saved as " + std::string(state_format_name(from)) +
+                             ", this optimizer stores it as " + std::string(state_format_name(here.format)) +
+                             " (OptimizerOptions::state_format differs; load with LoadOptions::convert_state to convert it)");
+        const unsigned char* blocks = absmax.empty() ? nullptr : absmax.data() + src / cpu::kQ8Block * sizeof(float);
+        if (from != here.format) {
+          out.conversions.push_back({here, dst, n, from, data.data() + src * size, blocks, nonnegative(e, s)});
+          return;
+        }
+        out.copies.emplace_back(static_cast<unsigned char*>(here.data) + dst * size, data.subspan(src * size, n * size));
+        if (from == StateFormat::q8)
+          out.copies.emplace_back(here.absmax + dst / cpu::kQ8Block, std::span<const unsigned char>(blocks, q8_blocks(n) * sizeof(float)));
+      };
+      for (std::string_view s : state_streams(e.program(g))) take_stream(s);
       if (float* m = e.master_data(p)) take("master", m, "F32");
       if (std::uint16_t* c = e.compensation_data(p)) take("compensation", c, "BF16");
       f.used = true;
@@ -1146,7 +1307,7 @@ void agree(Communicator& comm, const std::vector<std::string>& paths, const std:
 
 // load_shards: reads and checks everything; sharded, agrees with the other ranks; then
 // commits (the optimizer, and the scaler when given one).
-void load_shard_set(detail::StepEngine& e, const std::vector<std::string>& paths, GradScaler* scaler) {
+void load_shard_set(detail::StepEngine& e, const std::vector<std::string>& paths, GradScaler* scaler, bool convert) {
   std::vector<SetFile> files;
   ParsedOptimizer parsed;
   std::optional<GradScaler> restored;
@@ -1158,7 +1319,7 @@ void load_shard_set(detail::StepEngine& e, const std::vector<std::string>& paths
     for (std::size_t k = 0; k < paths.size(); ++k) files.push_back(read_set_file(paths[k], k, e, pieces));
     const ModelView model = model_view(e);
     check_set(files, pieces, model);
-    parsed = take_shard(files, pieces, model, e);
+    parsed = take_shard(files, pieces, model, e, convert);
     if (scaler != nullptr) {
       restored.emplace(*scaler);  // validate on a copy: nothing changes on an Error
       restored->load_state_dict(set_scaler_state(files));
@@ -1200,20 +1361,32 @@ void Optimizer::save(const std::string& path, const GradScaler& scaler) const {
   save_checkpoint(*engine_, path, {{kScalerKey, json_object_of_doubles(scaler.state_dict())}});
 }
 
-void Optimizer::load(const std::string& path) {
+void Optimizer::load(const std::string& path) { load(path, LoadOptions{}); }
+
+void Optimizer::load(const std::string& path, const LoadOptions& options) {
   const OpenedCheckpoint c = open_checkpoint(path);
-  commit_optimizer(*engine_, parse_optimizer(c, *engine_));
+  commit_optimizer(*engine_, parse_optimizer(c, *engine_, options.convert_state));
 }
 
-void Optimizer::load_shards(const std::vector<std::string>& paths) { load_shard_set(*engine_, paths, nullptr); }
+void Optimizer::load_shards(const std::vector<std::string>& paths) { load_shard_set(*engine_, paths, nullptr, false); }
 
 void Optimizer::load_shards(const std::vector<std::string>& paths, GradScaler& scaler) {
-  load_shard_set(*engine_, paths, &scaler);
+  load_shard_set(*engine_, paths, &scaler, false);
 }
 
-void Optimizer::load(const std::string& path, GradScaler& scaler) {
+void Optimizer::load_shards(const std::vector<std::string>& paths, const LoadOptions& options) {
+  load_shard_set(*engine_, paths, nullptr, options.convert_state);
+}
+
+void Optimizer::load_shards(const std::vector<std::string>& paths, GradScaler& scaler, const LoadOptions& options) {
+  load_shard_set(*engine_, paths, &scaler, options.convert_state);
+}
+
+void Optimizer::load(const std::string& path, GradScaler& scaler) { load(path, scaler, LoadOptions{}); }
+
+void Optimizer::load(const std::string& path, GradScaler& scaler, const LoadOptions& options) {
   const OpenedCheckpoint c = open_checkpoint(path);
-  const ParsedOptimizer parsed = parse_optimizer(c, *engine_);
+  const ParsedOptimizer parsed = parse_optimizer(c, *engine_, options.convert_state);
   GradScaler restored = scaler;  // validate on a copy: nothing changes on an Error
   restored.load_state_dict(parse_scaler(c));
   commit_optimizer(*engine_, parsed);

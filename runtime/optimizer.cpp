@@ -3,16 +3,21 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 
 #include "jit/base/format.hpp"
+#include "runtime/cpu/host_buffers.hpp"
+#include "runtime/cpu/q8.hpp"
 #include "runtime/step_engine.hpp"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse {
 
 namespace {
+// Bytes per element of a stored state format.
+std::size_t format_bytes(StateFormat f) { return f == StateFormat::f32 ? 4 : f == StateFormat::bf16 ? 2 : 1; }
 
 // Builds the engine. Sharded, construction is collective (runtime/shard.hpp): a
 // rank whose own construction throws tells the others before rethrowing, so
@@ -108,8 +113,11 @@ void Optimizer::add_param_group(ParamGroup group) {
     const auto n = static_cast<std::size_t>(old.params()[i].weight.numel);
     for (int b = 0; b < from.num_states(); ++b) {
       if (!old.has_state(i, b)) continue;
-      const float* src = old.state_data(i, b);
-      std::copy(src, src + n, next->state_data(i, next->state_stream(from.state_names[static_cast<std::size_t>(b)])));
+      // (the same stream of the same tensor: the same format, copied as stored)
+      const detail::StateSlot src = old.state_slot(i, b);
+      const detail::StateSlot dst = next->state_slot(i, next->state_stream(from.state_names[static_cast<std::size_t>(b)]));
+      std::memcpy(dst.data, src.data, n * format_bytes(src.format));
+      if (src.format == StateFormat::q8) std::copy_n(src.absmax, (n + cpu::kQ8Block - 1) / cpu::kQ8Block, dst.absmax);
     }
     if (const float* m = old.master_data(i)) std::copy(m, m + n, next->master_data(i));
     if (const std::uint16_t* c = old.compensation_data(i)) std::copy(c, c + n, next->compensation_data(i));
@@ -237,7 +245,7 @@ void check_param_index(std::size_t param, std::size_t n) {
 }
 }  // namespace
 
-std::span<float> Optimizer::mutable_state(std::size_t param, std::string_view name) {
+int Optimizer::state_buffer(std::size_t param, std::string_view name) const {
   check_param_index(param, num_params());
   const int s = engine_->state_stream(name);
   if (s < 0) {
@@ -252,8 +260,57 @@ std::span<float> Optimizer::mutable_state(std::size_t param, std::string_view na
                 "state '" + std::string(name) + "' does not exist for param " + std::to_string(param) + ": its group (" +
                     std::to_string(engine_->group_of(param)) + ") runs " +
                     std::string(engine_->program(engine_->group_of(param)).name) + ", which keeps none");
-  return {engine_->state_data(param, s), static_cast<std::size_t>(engine_->params()[param].weight.numel)};
+  return s;
 }
+
+std::span<float> Optimizer::mutable_state(std::size_t param, std::string_view name) {
+  const detail::StateSlot slot = engine_->state_slot(param, state_buffer(param, name));
+  if (slot.format != StateFormat::f32)
+    throw Error(ErrorCode::invalid_state,
+                "state '" + std::string(name) + "' of param " + std::to_string(param) + " is stored as " +
+                    std::string(state_format_name(slot.format)) +
+                    ", not f32 (read it with state_values(), or as stored with state_storage() and state_absmax())");
+  return {static_cast<float*>(slot.data), static_cast<std::size_t>(engine_->params()[param].weight.numel)};
+}
+StateFormat Optimizer::state_format(std::size_t param, std::string_view name) const {
+  return engine_->state_slot(param, state_buffer(param, name)).format;
+}
+std::span<std::byte> Optimizer::mutable_state_storage(std::size_t param, std::string_view name) {
+  const detail::StateSlot slot = engine_->state_slot(param, state_buffer(param, name));
+  return {static_cast<std::byte*>(slot.data),
+          static_cast<std::size_t>(engine_->params()[param].weight.numel) * format_bytes(slot.format)};
+}
+std::span<const std::byte> Optimizer::state_storage(std::size_t param, std::string_view name) const {
+  return const_cast<Optimizer*>(this)->mutable_state_storage(param, name);
+}
+std::span<float> Optimizer::mutable_state_absmax(std::size_t param, std::string_view name) {
+  const detail::StateSlot slot = engine_->state_slot(param, state_buffer(param, name));
+  if (slot.format != StateFormat::q8) return {};
+  const auto n = static_cast<std::size_t>(engine_->params()[param].weight.numel);
+  return {slot.absmax, (n + cpu::kQ8Block - 1) / cpu::kQ8Block};
+}
+std::span<const float> Optimizer::state_absmax(std::size_t param, std::string_view name) const {
+  return const_cast<Optimizer*>(this)->mutable_state_absmax(param, name);
+}
+std::vector<float> Optimizer::state_values(std::size_t param, std::string_view name) const {
+  const detail::StateSlot slot = engine_->state_slot(param, state_buffer(param, name));
+  const auto n = static_cast<std::size_t>(engine_->params()[param].weight.numel);
+  std::vector<float> out(n);
+  if (slot.format == StateFormat::f32) std::copy_n(static_cast<const float*>(slot.data), n, out.data());
+  else cpu::HostBuffers::decode(slot, 0, n, out.data());
+  return out;
+}
+void Optimizer::set_state_values(std::size_t param, std::string_view name, std::span<const float> values) {
+  const detail::StateSlot slot = engine_->state_slot(param, state_buffer(param, name));
+  const auto n = static_cast<std::size_t>(engine_->params()[param].weight.numel);
+  if (values.size() != n)
+    throw Error(ErrorCode::invalid_argument, "set_state_values: " + std::to_string(values.size()) +
+                                                 " values for state '" + std::string(name) + "' of param " +
+                                                 std::to_string(param) + ", which has " + std::to_string(n) + " elements");
+  if (slot.format == StateFormat::f32) std::copy_n(values.data(), n, static_cast<float*>(slot.data));
+  else cpu::HostBuffers::encode(values.data(), slot, 0, n);
+}
+
 std::span<const float> Optimizer::state(std::size_t param, std::string_view name) const {
   return const_cast<Optimizer*>(this)->mutable_state(param, name);
 }

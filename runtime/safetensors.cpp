@@ -536,10 +536,10 @@ void write_safetensors(const std::string& path, const std::map<std::string, std:
     if (!is_valid_utf8(s.name)) bad("a checkpoint tensor name is not valid UTF-8, which a safetensors header must be");
     if (s.name == "__metadata__" || !names.emplace(s.name, true).second)
       bad("checkpoint tensor name " + json_quoted(s.name) + " is used twice (or is \"__metadata__\")");
-    if (s.dtype != "F32" && s.dtype != "BF16")
+    if (s.dtype != "F32" && s.dtype != "BF16" && s.dtype != "U8")
       bad("checkpoint tensor " + json_quoted(s.name) + " has dtype " + json_quoted(s.dtype) +
-          " (the writer writes F32 and BF16)");
-    const std::uint64_t size = s.dtype == "F32" ? 4 : 2;
+          " (the writer writes F32, BF16 and U8)");
+    const std::uint64_t size = s.dtype == "F32" ? 4 : s.dtype == "BF16" ? 2 : 1;
     if (s.numel > (~std::uint64_t{0} - offset) / size) bad("checkpoint tensors exceed 2^64 bytes");
     table.push_back({s.name, std::string(s.dtype), {s.numel}, offset, offset + s.numel * size});
     offset = table.back().end;

@@ -440,6 +440,7 @@ void ShardedOptimizer::Impl::plan(const std::vector<ParamGroup>& groups, const O
   for (std::size_t g = 0; g < groups.size(); ++g) {
     ParamGroup pg;
     pg.config = groups[g].config;
+    pg.state_format = groups[g].state_format;
     for (; k < own.size() && own[k].tensor < group_begin[g + 1]; ++k) {
       const Piece& p = own[k];
       const Tensor& x = tensors[p.tensor];

@@ -203,8 +203,16 @@ void validate_shard(const std::vector<Param>& params, const OptimizerOptions& o)
 
 }  // namespace
 
+bool StepPrograms::compressed() const {
+  for (const auto& t : formats)
+    for (StateFormat f : t)
+      if (f != StateFormat::f32) return true;
+  return false;
+}
+
 void StepPrograms::index_states() {
   state_names.clear();
+  state_values.clear();
   state_slot.assign(groups.size(), {});
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const Program& p = *groups[g].program;
@@ -215,6 +223,7 @@ void StepPrograms::index_states() {
       if (b < 0) {
         b = num_states();
         state_names.push_back(p.streams[s].name);
+        state_values.push_back(p.streams[s].values);
       }
       state_slot[g][static_cast<std::size_t>(s)] = b;
     }
@@ -244,6 +253,7 @@ StepEngine::StepEngine(std::vector<ParamGroup> groups, OptimizerOptions options,
     Group group;
     group.config = pg.config;
     group.builtin = jit::select_builtin(pg.config);
+    group.state_format = pg.state_format;
     group.begin = params_.size();
     begins.push_back(params_.size());
     for (Param& p : pg.params) params_.push_back(p);
@@ -303,10 +313,85 @@ void StepEngine::set_custom_rules(const UpdateProgram& program) {
   backend_->set_rules(rules_.data());
 }
 
+// Each tensor's storage of each state buffer: a stream named in
+// OptimizerOptions::state_formats takes that format, any other its group's or the
+// options' blanket format, except that full-precision streams keep f32 under a
+// blanket format and q8 applies to tensors of min_q8_numel elements or more.
+// Validates the choices first (before anything is allocated).
+void StepEngine::resolve_state_formats() {
+  const std::string optimizer(custom_ ? custom_->name() : optimizer_name(groups_[0].config));
+  const auto known_format = [&](StateFormat f, const std::string& what) {
+    if (static_cast<unsigned>(f) > static_cast<unsigned>(StateFormat::q8))
+      bad_argument(optimizer + ": " + what + " = " + std::to_string(static_cast<int>(f)) +
+                   " is not a StateFormat (use f32, bf16 or q8)");
+  };
+  known_format(options_.state_format, "OptimizerOptions::state_format");
+  for (std::size_t g = 0; g < groups_.size(); ++g)
+    if (groups_[g].state_format) known_format(*groups_[g].state_format, "groups[" + std::to_string(g) + "].state_format");
+  if (options_.min_q8_numel < 0)
+    bad_argument(optimizer + ": OptimizerOptions::min_q8_numel = " + std::to_string(options_.min_q8_numel) +
+                 " (must be >= 0: q8 applies to tensors of at least that many elements)");
+  std::string streams;  // the state streams, for messages
+  for (std::string_view n : programs_.state_names) streams += (streams.empty() ? "'" : ", '") + std::string(n) + "'";
+  if (streams.empty()) streams = "none";
+  for (std::size_t k = 0; k < options_.state_formats.size(); ++k) {
+    const auto& [name, format] = options_.state_formats[k];
+    const std::string at = optimizer + ": OptimizerOptions::state_formats[" + std::to_string(k) + "] ('" + name + "')";
+    known_format(format, at);
+    for (std::size_t j = 0; j < k; ++j)
+      if (options_.state_formats[j].first == name)
+        bad_argument(at + " names the stream a second time (state_formats[" + std::to_string(j) +
+                     "] already does; give each stream one format)");
+    const int b = programs_.state_index(name);
+    if (b < 0) bad_argument(at + ": " + optimizer + " has no state stream '" + name + "' (its state streams: " + streams + ")");
+    if (format != StateFormat::f32 && programs_.state_values[static_cast<std::size_t>(b)] == StateValues::full_precision)
+      bad_argument(at + " asks for " + std::string(state_format_name(format)) + ", but " + optimizer + " keeps '" + name +
+                   "' in full precision (it must stay f32: leave it out of state_formats)");
+  }
+  // A blanket format that no stream of a group's program can take is a mistake, not a no-op.
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const StateFormat blanket = groups_[g].state_format.value_or(options_.state_format);
+    if (blanket == StateFormat::f32) continue;
+    const Program& p = *programs_.groups[g].program;
+    bool any_state = false, any_takes = false;
+    std::string full;
+    for (int s = 0; s < p.num_streams; ++s) {
+      if (p.streams[s].role != StreamRole::state) continue;
+      any_state = true;
+      if (p.streams[s].values != StateValues::full_precision) any_takes = true;
+      else full += (full.empty() ? "'" : ", '") + std::string(p.streams[s].name) + "'";
+    }
+    if (any_state && !any_takes)
+      bad_argument(optimizer + ": " +
+                   (groups_[g].state_format ? "groups[" + std::to_string(g) + "].state_format"
+                                            : std::string("OptimizerOptions::state_format")) +
+                   " = " + std::string(state_format_name(blanket)) + ", but every state stream of " +
+                   std::string(p.name) + " must stay f32 (" + full + " full precision)");
+  }
+  const std::size_t nb = programs_.state_names.size();
+  programs_.formats.assign(params_.size(), std::vector<StateFormat>(nb, StateFormat::f32));
+  for (std::size_t t = 0; t < params_.size(); ++t) {
+    const std::size_t g = programs_.tensor_group[t];
+    for (std::size_t b = 0; b < nb; ++b) {
+      if (!has_state(t, static_cast<int>(b))) continue;
+      StateFormat f = groups_[g].state_format.value_or(options_.state_format);
+      if (programs_.state_values[b] == StateValues::full_precision) f = StateFormat::f32;
+      for (const auto& [name, format] : options_.state_formats)
+        if (name == programs_.state_names[b]) f = format;
+      if (f == StateFormat::q8 && params_[t].weight.numel < options_.min_q8_numel) f = StateFormat::f32;
+      programs_.formats[t][b] = f;
+    }
+  }
+  if (options_.device.kind == Device::Kind::cuda && programs_.compressed())
+    throw Error(ErrorCode::unsupported, optimizer + ": bf16 and q8 optimizer state run on the CPU only in this version "
+                                                    "(use StateFormat::f32 with Device::cuda)");
+}
+
 void StepEngine::setup() {
   validate_rounding(params_, options_, custom_ ? custom_->name() : optimizer_name(groups_[0].config));
   validate_compensation(params_, options_, custom_ ? custom_->name() : optimizer_name(groups_[0].config));
   programs_.index_states();
+  resolve_state_formats();
   if (options_.device.kind == Device::Kind::cuda) {
     auto cuda = std::make_unique<CudaBackend>(programs_, params_, options_);
     cuda_ = cuda.get();
@@ -381,7 +466,7 @@ std::vector<ParamGroup> StepEngine::param_groups() const {
   for (const Group& g : groups_)
     out.push_back({std::vector<Param>(params_.begin() + static_cast<std::ptrdiff_t>(g.begin),
                                       params_.begin() + static_cast<std::ptrdiff_t>(g.end)),
-                   g.config});
+                   g.config, g.state_format});
   return out;
 }
 

@@ -99,9 +99,13 @@ class StepEngine {
   bool has_state(std::size_t param, int buffer) const;
   // On CUDA these are a host copy, fetched from the device (waiting for it) when
   // the device has changed since; the next step copies it back.
+  // A stream stored as f32; null for one stored as bf16 or q8 (state_slot() has it).
   float* state_data(std::size_t param, int buffer) const {
-    return backend_->state_data(buffer) + backend_->layout().offsets[param];
+    const StateSlot s = state_slot(param, buffer);
+    return s.format == StateFormat::f32 ? static_cast<float*>(s.data) : nullptr;
   }
+  // Where and how a param's state buffer is stored.
+  StateSlot state_slot(std::size_t param, int buffer) const { return backend_->state_slot(buffer, param); }
   // fp32 master copy of a parameter, or null (f32 weights, masters off, or compensations instead).
   float* master_data(std::size_t param) const {
     const jit::Layout& l = backend_->layout();
@@ -120,8 +124,10 @@ class StepEngine {
     OptimizerConfig config;                // built-ins
     jit::Builtin builtin = jit::Builtin::none;
     std::size_t begin = 0, end = 0;        // its params in params_
+    std::optional<StateFormat> state_format;  // ParamGroup::state_format
   };
   void setup();  // the backend, once the programs and their rules are known
+  void resolve_state_formats();  // programs_.formats, validated
   [[noreturn]] static void no_config(const char* what);
 
   std::unique_ptr<UpdateProgram> custom_;  // custom programs (then Group::config is unused)

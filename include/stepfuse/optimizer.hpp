@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "stepfuse/distributed.hpp"
@@ -67,6 +68,19 @@ struct OptimizerOptions {
   // close to masters (docs/low-precision.md). Needs at least one bf16 weight and
   // no f16 weights; excludes stochastic_rounding; f32 weights are unaffected.
   bool compensated_weights = false;
+  // How the optimizer state is stored between steps (docs/low-precision.md): every
+  // state stream in `state_format`, except the streams named in `state_formats`
+  // (by the program's stream names: "exp_avg", "exp_avg_sq", ...), and a group's
+  // streams in ParamGroup::state_format when it has one. The update computes in
+  // fp32 either way, decoding each stream as it loads it and encoding it as it
+  // stores it, in the same single pass. A stream the program marks full precision
+  // (StateValues::full_precision, e.g. ASGD's "ax") keeps f32 under the blanket
+  // formats and is an Error when named. q8 applies to tensors of at least
+  // min_q8_numel elements; smaller ones keep f32 (bitsandbytes' min_8bit_size).
+  // Every format is bitwise the same on every CPU backend and thread count.
+  StateFormat state_format = StateFormat::f32;
+  std::vector<std::pair<std::string, StateFormat>> state_formats;
+  std::int64_t min_q8_numel = 4096;
   Fusion fusion = Fusion::fused;
   // Threads for the CPU backend; 0 = STEPFUSE_NUM_THREADS, else the machine's cores,
   // but no more than one per 256 K elements (small lists run faster on fewer).
@@ -124,6 +138,19 @@ struct StepResult {
 struct ParamGroup {
   std::vector<Param> params;
   OptimizerConfig config;
+  // This group's state storage (OptimizerOptions::state_format), instead of the
+  // options' blanket format; streams named in OptimizerOptions::state_formats
+  // still take theirs.
+  std::optional<StateFormat> state_format = std::nullopt;
+};
+
+// How Optimizer::load treats a checkpoint.
+struct LoadOptions {
+  // A state stream saved in another format (f32, bf16, q8) than this optimizer
+  // stores it: converted (decoded to fp32, then encoded as a step stores it) when
+  // set; else an Error(invalid_argument) naming the param, the stream and both
+  // formats. Streams saved in this optimizer's format load bit for bit either way.
+  bool convert_state = false;
 };
 
 namespace detail {
@@ -268,8 +295,25 @@ class Optimizer {
   std::size_t num_params() const;
   const std::vector<Param>& params() const;
   std::vector<std::string_view> state_names() const;  // e.g. {"exp_avg", "exp_avg_sq"}
+  // A state stream of a param, stored as f32 (state_format() says so); a stream
+  // stored as bf16 or q8 is an Error(invalid_state): read it with state_values()
+  // or state_storage().
   std::span<const float> state(std::size_t param, std::string_view name) const;
   std::span<float> mutable_state(std::size_t param, std::string_view name);
+  // How a param's state stream is stored (OptimizerOptions::state_format).
+  StateFormat state_format(std::size_t param, std::string_view name) const;
+  // Any format: the values the next step loads (decoded: exact for f32 and bf16,
+  // code * absmax for q8), and writing values as a step stores them (rounded to
+  // bf16, or quantized block by block). values.size() must be the param's numel.
+  std::vector<float> state_values(std::size_t param, std::string_view name) const;
+  void set_state_values(std::size_t param, std::string_view name, std::span<const float> values);
+  // The stored bytes as they are: fp32 values, bf16 bit patterns or q8 codes (one
+  // byte per element), and for q8 the fp32 absmax of each block of 256 elements
+  // (empty for f32 and bf16). Writable: restoring state saved in these formats.
+  std::span<const std::byte> state_storage(std::size_t param, std::string_view name) const;
+  std::span<const float> state_absmax(std::size_t param, std::string_view name) const;
+  std::span<std::byte> mutable_state_storage(std::size_t param, std::string_view name);
+  std::span<float> mutable_state_absmax(std::size_t param, std::string_view name);
   // fp32 master copy of a parameter; empty when the weights are f32 or masters are off.
   std::span<const float> master(std::size_t param) const;
   // Writable, as mutable_state(): restoring masters saved by a framework's own
@@ -316,6 +360,9 @@ class Optimizer {
   void save(const std::string& path, const GradScaler& scaler) const;
   void load(const std::string& path);
   void load(const std::string& path, GradScaler& scaler);
+  // The same, converting state saved in another format (LoadOptions::convert_state).
+  void load(const std::string& path, const LoadOptions& options);
+  void load(const std::string& path, GradScaler& scaler, const LoadOptions& options);
 
   // Re-sharding: loads a checkpoint saved by any number of ranks R (the files every
   // rank's save() wrote, in any order; an unsharded save is one file of one rank)
@@ -344,9 +391,13 @@ class Optimizer {
   // same in all of them, and the scaler takes it.
   void load_shards(const std::vector<std::string>& paths);
   void load_shards(const std::vector<std::string>& paths, GradScaler& scaler);
+  void load_shards(const std::vector<std::string>& paths, const LoadOptions& options);
+  void load_shards(const std::vector<std::string>& paths, GradScaler& scaler, const LoadOptions& options);
 
  private:
   friend struct detail_access;
+  // The state buffer of a param's stream `name`, or Error(invalid_argument) saying why not.
+  int state_buffer(std::size_t param, std::string_view name) const;
   std::unique_ptr<detail::StepEngine> engine_;
 };
 

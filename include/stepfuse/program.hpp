@@ -28,10 +28,20 @@ enum class StreamRole : std::uint8_t {
   state,  // optimizer state, fp32, owned by the optimizer
 };
 
+// What a state stream's values allow in storage (OptimizerOptions::state_format):
+// the q8 format quantizes a non-negative stream with an unsigned code (twice the
+// resolution), and a full-precision stream stays fp32 whatever the options say.
+enum class StateValues : std::uint8_t {
+  any,             // signed values (first moments, momentum buffers)
+  nonnegative,     // never negative (second moments, sums of squares, step sizes)
+  full_precision,  // needs fp32 (a running average of the weights, say)
+};
+
 struct StreamDecl {
   std::string_view name;
   StreamRole role = StreamRole::state;
   float init = 0.0f;  // initial value of a state stream
+  StateValues values = StateValues::any;  // state streams only
 };
 
 enum class Op : std::uint8_t {
@@ -137,12 +147,13 @@ class ProgramBuilder {
  public:
   constexpr explicit ProgramBuilder(std::string_view name) { p_.name = name; }
 
-  constexpr Stream stream(std::string_view name, StreamRole role, float init = 0.0f) {
+  constexpr Stream stream(std::string_view name, StreamRole role, float init = 0.0f,
+                          StateValues values = StateValues::any) {
     if (p_.num_streams >= kMaxStreams) {
       note_overflow("too many streams", name);
       return Stream{0};
     }
-    p_.streams[p_.num_streams] = {name, role, init};
+    p_.streams[p_.num_streams] = {name, role, init, values};
     return Stream{p_.num_streams++};
   }
   // Declares (or finds) a named per-step scalar and returns its value.
@@ -237,6 +248,10 @@ constexpr const char* find_problem(const Program& p, int* where) {
     // Every enum field is checked where a program enters: a value outside the enumerators
     // (a cast, a byte from a file) would otherwise reach the backends.
     if (static_cast<int>(p.streams[s].role) > static_cast<int>(StreamRole::state)) return "a stream has an unknown role";
+    if (static_cast<int>(p.streams[s].values) > static_cast<int>(StateValues::full_precision))
+      return "a stream has unknown StateValues";
+    if (p.streams[s].role != StreamRole::state && p.streams[s].values != StateValues::any)
+      return "a grad or param stream has StateValues other than any (they describe state streams)";
     for (int t = 0; t < s; ++t)
       if (p.streams[t].name == p.streams[s].name) return "two streams have the same name";
     grads += p.streams[s].role == StreamRole::grad;

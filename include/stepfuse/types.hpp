@@ -15,6 +15,20 @@ constexpr std::string_view dtype_name(DType t) {
   return t == DType::f32 ? "f32" : t == DType::f16 ? "f16" : "bf16";
 }
 
+// How an optimizer state stream is stored between steps (OptimizerOptions::
+// state_format, docs/low-precision.md). The update always computes in fp32: a
+// stored stream is decoded when a step loads it and encoded when it stores it.
+enum class StateFormat : std::uint8_t {
+  f32,   // 4 bytes per element, exact
+  bf16,  // 2 bytes per element, rounded to nearest even
+  q8,    // block-wise 8-bit dynamic quantization, as bitsandbytes': per block of 256
+         // elements one fp32 absmax and one byte per element, the nearest of 256
+         // codes (a signed code, or an unsigned one for non-negative streams)
+};
+constexpr std::string_view state_format_name(StateFormat f) {
+  return f == StateFormat::f32 ? "f32" : f == StateFormat::bf16 ? "bf16" : "q8";
+}
+
 // Where an optimizer runs. The CPU is always available.
 struct Device {
   enum class Kind : std::uint8_t { cpu, cuda };

@@ -12,8 +12,8 @@ constexpr Program make_adadelta() {
   ProgramBuilder b("adadelta");
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
-  const Stream square_avg = b.stream("square_avg", StreamRole::state);
-  const Stream acc_delta = b.stream("acc_delta", StreamRole::state);
+  const Stream square_avg = b.stream("square_avg", StreamRole::state, 0.0f, StateValues::nonnegative);
+  const Stream acc_delta = b.stream("acc_delta", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
   g = b.add(g, b.mul(b.scalar("weight_decay"), p));

@@ -13,7 +13,7 @@ constexpr Program make_adagrad() {
   ProgramBuilder b("adagrad");
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
-  const Stream sum_stream = b.stream("sum", StreamRole::state);
+  const Stream sum_stream = b.stream("sum", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
   g = b.add(g, b.mul(b.scalar("weight_decay"), p));

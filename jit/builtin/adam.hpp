@@ -17,7 +17,7 @@ constexpr Program make_adam(bool amsgrad) {
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
   const Stream exp_avg = b.stream("exp_avg", StreamRole::state);
-  const Stream exp_avg_sq = b.stream("exp_avg_sq", StreamRole::state);
+  const Stream exp_avg_sq = b.stream("exp_avg_sq", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
   g = b.add(g, b.mul(b.scalar("l2"), p));
@@ -27,7 +27,7 @@ constexpr Program make_adam(bool amsgrad) {
   b.store(exp_avg, m);
   b.store(exp_avg_sq, v);
   if (amsgrad) {
-    const Stream max_sq = b.stream("max_exp_avg_sq", StreamRole::state);
+    const Stream max_sq = b.stream("max_exp_avg_sq", StreamRole::state, 0.0f, StateValues::nonnegative);
     v = b.max(b.load(max_sq), v);
     b.store(max_sq, v);
   }

@@ -14,7 +14,7 @@ constexpr Program make_adamax() {
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
   const Stream exp_avg = b.stream("exp_avg", StreamRole::state);
-  const Stream exp_inf = b.stream("exp_inf", StreamRole::state);
+  const Stream exp_inf = b.stream("exp_inf", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
   g = b.add(g, b.mul(b.scalar("weight_decay"), p));

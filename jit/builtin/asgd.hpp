@@ -14,7 +14,7 @@ constexpr Program make_asgd() {
   ProgramBuilder b("asgd");
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
-  const Stream ax = b.stream("ax", StreamRole::state);
+  const Stream ax = b.stream("ax", StreamRole::state, 0.0f, StateValues::full_precision);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
   g = b.add(g, b.mul(b.scalar("weight_decay"), p));

@@ -28,7 +28,7 @@ constexpr Program make_lamb() {
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
   const Stream exp_avg = b.stream("exp_avg", StreamRole::state);
-  const Stream exp_avg_sq = b.stream("exp_avg_sq", StreamRole::state);
+  const Stream exp_avg_sq = b.stream("exp_avg_sq", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value g = b.mul(b.load(grad), b.scalar("gscale"));
   const Value p = b.load(param);
   const Value m = b.add(b.mul(b.load(exp_avg), b.scalar("beta1")), b.mul(b.scalar("one_minus_beta1"), g));

@@ -16,7 +16,7 @@ constexpr Program make_radam() {
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
   const Stream exp_avg = b.stream("exp_avg", StreamRole::state);
-  const Stream exp_avg_sq = b.stream("exp_avg_sq", StreamRole::state);
+  const Stream exp_avg_sq = b.stream("exp_avg_sq", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
   g = b.add(g, b.mul(b.scalar("l2"), p));

@@ -15,7 +15,7 @@ constexpr Program make_rmsprop(bool centered, bool momentum) {
                             : (momentum ? "rmsprop_momentum" : "rmsprop"));
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
-  const Stream square_avg = b.stream("square_avg", StreamRole::state);
+  const Stream square_avg = b.stream("square_avg", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
   g = b.add(g, b.mul(b.scalar("weight_decay"), p));

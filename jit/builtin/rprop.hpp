@@ -14,7 +14,7 @@ constexpr Program make_rprop() {
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
   const Stream prev = b.stream("prev", StreamRole::state);
-  const Stream step_size = b.stream("step_size", StreamRole::state);
+  const Stream step_size = b.stream("step_size", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   const Value g = b.mul(b.load(grad), b.scalar("gscale"));
   const Value zero = b.constant(0.0f);

@@ -46,8 +46,10 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
                                      static_cast<std::size_t>(threads()));
   }
   two_phase_ = TwoPhase(tensor_programs, l);
-  for (std::size_t i = 0; i < params_.size(); ++i)
+  for (std::size_t i = 0; i < params_.size(); ++i) {
     stochastic_.push_back(l.combos[static_cast<std::size_t>(l.tensor_combo[i])].stochastic);
+    stores_.push_back(stored_streams(*tensor_programs[i]));
+  }
   if (options_.stochastic_rounding) rounding_bits_.resize(kRoundingRun * static_cast<std::size_t>(threads()));
   if (options_.fusion == Fusion::fused) setup_llvm(std::move(program_owner));
 }
@@ -168,45 +170,51 @@ StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<do
   // Two-phase programs: phase 1 over their chunks, then each tensor's norms, which
   // phase 2 (the update below) reads through `args` (runtime/cpu/two_phase.hpp).
   const std::vector<UpdateArgs>& args = two_phase_.any() ? two_phase_.args(host_.args()) : host_.args();
+  const std::size_t per_thread = interpreters_ ? static_cast<std::size_t>(interpreters_->max_slots()) * Interpreter::kBlock : 0;
+  // A tensor with bf16 or q8 state runs its chunks through HostBuffers::stage():
+  // runs of its elements on fp32 copies of those streams, advanced args, begin 0.
+  const auto staged = [&](std::size_t t, const UpdateArgs& a, std::size_t begin, std::size_t len, std::size_t run,
+                          unsigned stored, int thread, const auto& body) {
+    if (!host_.staged(t)) return body(a, begin, len);
+    host_.stage(a, t, begin, len, run, stored, dtype_size(params_[t].grad.dtype), thread,
+                [&](const UpdateArgs& r, std::size_t n) { body(r, 0, n); });
+  };
   if (two_phase_.any()) {
-    const std::size_t per_thread = interpreters_ ? static_cast<std::size_t>(interpreters_->max_slots()) * Interpreter::kBlock : 0;
     host_.for_chunks([&](std::size_t c, int t) {
       const jit::Chunk& ch = l.chunks[c];
       if (!two_phase_.two_phase(ch.tensor)) return;
-      const auto begin = static_cast<std::size_t>(ch.begin), len = static_cast<std::size_t>(ch.len);
-      if (interpreters_)
-        (*interpreters_)[interpreters_->group_of(ch.tensor)].run_phase1_blocked(
-            args[ch.tensor], begin, len, scratch_.data() + per_thread * static_cast<std::size_t>(t), two_phase_.sums(c));
-      else
-        kernels_[ch.tensor].phase1(args[ch.tensor], begin, len, two_phase_.sums(c));
+      // (phase 1 stages the whole chunk: its sums are the chunk's, in the canonical order)
+      staged(ch.tensor, args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
+             kChunkElems, stores_[ch.tensor].phase1, t, [&](const UpdateArgs& a, std::size_t begin, std::size_t len) {
+               if (interpreters_)
+                 (*interpreters_)[interpreters_->group_of(ch.tensor)].run_phase1_blocked(
+                     a, begin, len, scratch_.data() + per_thread * static_cast<std::size_t>(t), two_phase_.sums(c));
+               else
+                 kernels_[ch.tensor].phase1(a, begin, len, two_phase_.sums(c));
+             });
     });
     two_phase_.combine();
   }
-  if (interpreters_) {
-    const std::size_t per_thread = static_cast<std::size_t>(interpreters_->max_slots()) * Interpreter::kBlock;
-    host_.for_chunks([&](std::size_t c, int t) {
-      const jit::Chunk& ch = l.chunks[c];
-      (*interpreters_)[interpreters_->group_of(ch.tensor)].run_blocked(
-          args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
-          scratch_.data() + per_thread * static_cast<std::size_t>(t));
-    });
-  } else {
-    host_.for_chunks([&](std::size_t c, int t) {
-      const jit::Chunk& ch = l.chunks[c];
-      const auto begin = static_cast<std::size_t>(ch.begin), len = static_cast<std::size_t>(ch.len);
-      if (!stochastic_[ch.tensor]) return kernels_[ch.tensor].update(args[ch.tensor], begin, len);
-      // Runs of the chunk: each run's random bits (one Philox call per 8 elements, kept in
-      // L1), then the update of the run reading them.
-      UpdateArgs a = args[ch.tensor];
-      std::uint16_t* bits = rounding_bits_.data() + kRoundingRun * static_cast<std::size_t>(t);
-      a.sr_bits = bits;
-      for (std::size_t at = begin; at < begin + len; at += kRoundingRun) {
-        const std::size_t n = std::min(kRoundingRun, begin + len - at);
-        rounding_bits(a.sr_seed, a.sr_step, a.sr_base + at, n, bits);
-        kernels_[ch.tensor].update(a, at, n);
-      }
-    });
-  }
+  host_.for_chunks([&](std::size_t c, int t) {
+    const jit::Chunk& ch = l.chunks[c];
+    staged(ch.tensor, args[ch.tensor], static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len), kStageRun,
+           stores_[ch.tensor].update, t, [&](const UpdateArgs& args_run, std::size_t begin, std::size_t len) {
+             if (interpreters_)
+               return (*interpreters_)[interpreters_->group_of(ch.tensor)].run_blocked(
+                   args_run, begin, len, scratch_.data() + per_thread * static_cast<std::size_t>(t));
+             if (!stochastic_[ch.tensor]) return kernels_[ch.tensor].update(args_run, begin, len);
+             // Runs of the chunk: each run's random bits (one Philox call per 8 elements, kept in
+             // L1), then the update of the run reading them.
+             UpdateArgs a = args_run;
+             std::uint16_t* bits = rounding_bits_.data() + kRoundingRun * static_cast<std::size_t>(t);
+             a.sr_bits = bits;
+             for (std::size_t at = begin; at < begin + len; at += kRoundingRun) {
+               const std::size_t n = std::min(kRoundingRun, begin + len - at);
+               rounding_bits(a.sr_seed, a.sr_step, a.sr_base + at, n, bits);
+               kernels_[ch.tensor].update(a, at, n);
+             }
+           });
+  });
   step_count_ = stage.step;
   r.applied = true;
   return r;

@@ -62,6 +62,10 @@ class FusedBackend final : public HostBackend {
   // bits of the chunk its compiled kernel is updating (UpdateArgs::sr_bits).
   static constexpr std::size_t kRoundingRun = 2048;  // elements whose bits are drawn at once
   std::vector<bool> stochastic_;
+  // bf16 and q8 state (HostBuffers::stage()): elements per staged run of an update,
+  // and per tensor the streams its phases store.
+  static constexpr std::size_t kStageRun = 2048;
+  std::vector<StoredStreams> stores_;
   std::vector<std::uint16_t> rounding_bits_;
   TwoPhase two_phase_;                            // two-phase programs' chunk sums and norms
 };

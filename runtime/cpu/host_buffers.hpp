@@ -5,6 +5,7 @@
 // backends' common base over them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -23,6 +24,14 @@ class Shard;
 
 namespace stepfuse::cpu {
 
+// The streams a program stores, as masks by stream index: in a two-phase
+// program's phase 1, and in the update (phase 2, or the whole of a one-phase
+// program). What HostBuffers::stage() encodes back after each.
+struct StoredStreams {
+  unsigned phase1 = 0, update = 0;
+};
+StoredStreams stored_streams(const Program& p);
+
 class HostBuffers {
  public:
   // Plans the list, picks the thread count (OptimizerOptions::num_threads, or
@@ -36,12 +45,52 @@ class HostBuffers {
   const jit::Layout& layout() const { return layout_; }
   detail::ThreadPool& pool() const { return *pool_; }
   float* state(int buffer) const { return state_[buffer].data(); }  // by StepPrograms::state_names
+  // Where tensor t keeps buffer b, and how (StepPrograms::formats).
+  const detail::StateSlot& slot(int buffer, std::size_t t) const { return slots_[static_cast<std::size_t>(buffer)][t]; }
   float* masters() const { return masters_.data(); }
   const std::vector<UpdateArgs>& args() const { return args_; }
   // Points every tensor's args at its (moved) gradient.
   void set_grads(const std::vector<Param>& params) {
     for (std::size_t i = 0; i < args_.size(); ++i) args_[i].grad = params[i].grad.data;
   }
+
+  // ---- state stored as bf16 or q8 ----
+  // Whether tensor t keeps some state stream as bf16 or q8. Its args then have a
+  // null pointer for those streams, and its updates run through stage().
+  bool staged(std::size_t t) const { return !staged_[t].empty(); }
+  struct StagedStream {
+    int stream = 0;  // the program's stream index
+    detail::StateSlot slot;
+  };
+  const std::vector<StagedStream>& staged_streams(std::size_t t) const { return staged_[t]; }
+  // Runs fn(args, n) over elements [begin, begin + len) of tensor t (begin a
+  // multiple of kQ8Block) in runs of at most `run` elements (a multiple of kQ8Block,
+  // at most kChunkElems): each run's args are `a` with every pointer advanced to the
+  // run's first element (so fn works on elements [0, n); sr_base advanced too; the
+  // gradient by grad_size bytes an element, as `a` holds it), and each bf16 or q8
+  // stream decoded into fp32 scratch of thread `thread`. After fn, the streams in
+  // the `stored` mask (by program stream index) are encoded back: a stream only
+  // loaded keeps its bytes exactly.
+  template <class F>
+  void stage(const UpdateArgs& a, std::size_t t, std::size_t begin, std::size_t len, std::size_t run, unsigned stored,
+             std::size_t grad_size, int thread, F&& fn) const {
+    float* scratch = scratch_.data() + static_cast<std::size_t>(thread) * scratch_per_thread_;
+    const std::vector<StagedStream>& streams = staged_[t];
+    for (std::size_t at = begin; at < begin + len; at += run) {
+      const std::size_t n = std::min(run, begin + len - at);
+      UpdateArgs r = advanced(a, t, at, grad_size);
+      for (std::size_t k = 0; k < streams.size(); ++k) {
+        decode(streams[k].slot, at, n, scratch + k * kChunkElems);
+        r.state[streams[k].stream] = scratch + k * kChunkElems;
+      }
+      fn(r, n);
+      for (std::size_t k = 0; k < streams.size(); ++k)
+        if (stored & (1u << streams[k].stream)) encode(scratch + k * kChunkElems, streams[k].slot, at, n);
+    }
+  }
+  // Elements [at, at + n) of a bf16 or q8 slot to fp32 and back (at a multiple of kQ8Block).
+  static void decode(const detail::StateSlot& s, std::size_t at, std::size_t n, float* dst);
+  static void encode(const float* src, const detail::StateSlot& s, std::size_t at, std::size_t n);
 
   // Calls body(chunk, thread) for every chunk of the layout, each thread its own
   // run of them.
@@ -82,7 +131,17 @@ class HostBuffers {
  private:
   Reduction combine(bool inf_norm, std::vector<double>& tensor_norms) const;
 
+  // `a` with its pointers advanced to element `at` of tensor t (state streams that
+  // are null stay null).
+  UpdateArgs advanced(const UpdateArgs& a, std::size_t t, std::size_t at, std::size_t grad_size) const;
+  void allocate_state(const detail::StepPrograms& programs, const std::vector<Param>& params);
+
   jit::Layout layout_;
+  std::vector<std::vector<detail::StateSlot>> slots_;  // per buffer, per tensor
+  std::vector<detail::AlignedBuffer> absmax_;          // per buffer: its q8 tensors' absmaxes
+  std::vector<std::vector<StagedStream>> staged_;      // per tensor: its bf16 and q8 streams
+  detail::AlignedBuffer scratch_;                      // per thread: kChunkElems floats per staged stream
+  std::size_t scratch_per_thread_ = 0;
   std::vector<std::size_t> thread_chunks_;  // thread t runs chunks [thread_chunks_[t], thread_chunks_[t + 1])
   detail::ThreadPool* pool_ = nullptr;
   std::vector<detail::AlignedBuffer> state_;  // by StepPrograms::state_names
@@ -107,6 +166,7 @@ class HostBackend : public detail::Backend {
   void set_step_count(std::int64_t n) override { step_count_ = n; }
   const jit::Layout& layout() const override { return host_.layout(); }
   float* state_data(int stream) const override { return host_.state(stream); }
+  detail::StateSlot state_slot(int stream, std::size_t tensor) const override { return host_.slot(stream, tensor); }
   float* masters_data() const override { return host_.masters(); }
   int threads() const override { return host_.pool().size(); }
   // The reduce pass reads params_ (the engine's, already updated); the update, the args.

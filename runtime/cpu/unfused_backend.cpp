@@ -26,6 +26,40 @@ UnfusedBackend::UnfusedBackend(const detail::StepPrograms& programs, const std::
   tmp_args_ = host_.args();
   for (std::size_t i = 0; i < params_.size(); ++i) tmp_args_[i].grad = grad_tmp_.data() + host_.layout().offsets[i];
   two_phase_ = TwoPhase(tensor_programs(programs), host_.layout(), /*lanes=*/true);
+  // bf16 and q8 state: decoded into an fp32 temporary per stream before the update
+  // ops and encoded back after them (the eager way); both arg sets point there.
+  staged_args_ = host_.args();
+  bool any = false;
+  for (std::size_t i = 0; i < params_.size(); ++i) any |= host_.staged(i);
+  if (any) state_tmp_ = detail::AlignedBuffer(static_cast<std::size_t>(kMaxStreams) * elems);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    for (const HostBuffers::StagedStream& s : host_.staged_streams(i))
+      staged_args_[i].state[s.stream] = tmp_args_[i].state[s.stream] =
+          state_tmp_.data() + static_cast<std::size_t>(s.stream) * elems + host_.layout().offsets[i];
+    stores_.push_back(stored_streams(programs.program_of(i)));
+  }
+}
+
+void UnfusedBackend::decode_state() {
+  const jit::Layout& l = host_.layout();
+  host_.for_chunks([&](std::size_t c, int) {
+    const jit::Chunk& ch = l.chunks[c];
+    for (const HostBuffers::StagedStream& s : host_.staged_streams(ch.tensor))
+      HostBuffers::decode(s.slot, static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
+                          staged_args_[ch.tensor].state[s.stream] + ch.begin);
+  });
+}
+
+void UnfusedBackend::encode_state(bool phase1) {
+  const jit::Layout& l = host_.layout();
+  host_.for_chunks([&](std::size_t c, int) {
+    const jit::Chunk& ch = l.chunks[c];
+    const unsigned stored = phase1 ? stores_[ch.tensor].phase1 : stores_[ch.tensor].update;
+    for (const HostBuffers::StagedStream& s : host_.staged_streams(ch.tensor))
+      if (stored & (1u << s.stream))
+        HostBuffers::encode(staged_args_[ch.tensor].state[s.stream] + ch.begin, s.slot,
+                            static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len));
+  });
 }
 
 StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<double>& tensor_norms) {
@@ -76,8 +110,10 @@ StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<
   // The update, one pass per program op over all tensors, temporaries in model-sized slots.
   eval_scalars(request, step_count_ + 1, 1.0);
   if (options_.stochastic_rounding)
-    for (std::size_t i = 0; i < tmp_args_.size(); ++i) tmp_args_[i].sr_step = host_.args()[i].sr_step;
-  const std::vector<UpdateArgs>& step_args = use_tmp ? tmp_args_ : host_.args();
+    for (std::size_t i = 0; i < tmp_args_.size(); ++i) tmp_args_[i].sr_step = staged_args_[i].sr_step = host_.args()[i].sr_step;
+  const bool staged = state_tmp_.size() > 0;
+  if (staged) decode_state();
+  const std::vector<UpdateArgs>& step_args = use_tmp ? tmp_args_ : staged ? staged_args_ : host_.args();
   // Two-phase programs: every group's phase-1 ops (a reduce op adds into its chunk's
   // lanes), then each tensor's norms, which the update ops below (phase 2) read.
   const std::vector<UpdateArgs>& args = two_phase_.any() ? two_phase_.args(step_args) : step_args;
@@ -102,6 +138,10 @@ StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<
       if (two_phase_.two_phase(l.chunks[c].tensor)) two_phase_.lanes_to_sums(c);
     });
     two_phase_.combine();
+    if (staged) {  // phase 2 loads phase 1's stores as stored
+      encode_state(/*phase1=*/true);
+      decode_state();
+    }
   }
   // Tensors with different dtypes or param-group programs run different lowered
   // programs: one after another.
@@ -119,6 +159,7 @@ StepResult UnfusedBackend::step(const detail::StepRequest& request, std::vector<
       });
     }
   }
+  if (staged) encode_state(/*phase1=*/false);
   ++step_count_;
   r.applied = true;
   return r;

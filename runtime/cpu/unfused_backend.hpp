@@ -21,7 +21,7 @@ class UnfusedBackend final : public HostBackend {
   // Sharded: the model indices of stochastic rounding, in the temporaries' args too.
   void set_shard(detail::Shard* shard) override {
     HostBackend::set_shard(shard);
-    for (std::size_t i = 0; i < tmp_args_.size(); ++i) tmp_args_[i].sr_base = host_.args()[i].sr_base;
+    for (std::size_t i = 0; i < tmp_args_.size(); ++i) tmp_args_[i].sr_base = staged_args_[i].sr_base = host_.args()[i].sr_base;
   }
 
  private:
@@ -34,6 +34,13 @@ class UnfusedBackend final : public HostBackend {
   detail::AlignedBuffer grad_tmp_;     // the unscaled, clipped fp32 gradients
   std::vector<UpdateArgs> tmp_args_;   // host_.args() reading grad_tmp_
   TwoPhase two_phase_;                 // two-phase programs' chunk lanes, sums and norms
+  // bf16 and q8 state: fp32 temporaries (by program stream, model-sized), host_.args()
+  // reading them, and the streams each tensor's phases store.
+  void decode_state();
+  void encode_state(bool phase1);
+  detail::AlignedBuffer state_tmp_;
+  std::vector<UpdateArgs> staged_args_;
+  std::vector<StoredStreams> stores_;
 };
 
 }  // namespace stepfuse::cpu
