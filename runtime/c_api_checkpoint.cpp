@@ -16,15 +16,39 @@ sf_status sf_optimizer_save(const sf_optimizer* opt, const char* path, const sf_
   });
 }
 
-sf_status sf_optimizer_load(sf_optimizer* opt, const char* path, sf_grad_scaler* scaler) {
-  constexpr const char* fn = "sf_optimizer_load";
+void sf_load_options_init(sf_load_options* options) {
+  if (options == nullptr) return;
+  *options = sf_load_options{};
+  options->struct_size = sizeof(sf_load_options);
+  options->convert_state = stepfuse::LoadOptions{}.convert_state;
+}
+
+namespace {
+// sf_optimizer_load and sf_optimizer_load_ex, named `fn`.
+sf_status load_checkpoint(const char* fn, sf_optimizer* opt, const char* path, sf_grad_scaler* scaler,
+                          const sf_load_options* options) {
   return guard(fn, [&] {
     need_all(fn, opt, "opt", path, "path");
+    stepfuse::LoadOptions o;
+    if (options != nullptr) {
+      check_size(fn, options, "options", "sf_load_options", "initialize it with sf_load_options_init()");
+      o.convert_state = bool_value(fn, options->convert_state, "options->convert_state");
+    }
     if (scaler != nullptr)
-      opt->opt.load(path, scaler->scaler);
+      opt->opt.load(path, scaler->scaler, o);
     else
-      opt->opt.load(path);
+      opt->opt.load(path, o);
   });
+}
+}  // namespace
+
+sf_status sf_optimizer_load(sf_optimizer* opt, const char* path, sf_grad_scaler* scaler) {
+  return load_checkpoint("sf_optimizer_load", opt, path, scaler, nullptr);
+}
+
+sf_status sf_optimizer_load_ex(sf_optimizer* opt, const char* path, sf_grad_scaler* scaler,
+                               const sf_load_options* options) {
+  return load_checkpoint("sf_optimizer_load_ex", opt, path, scaler, options);
 }
 
 sf_status sf_loss_scale_optimizer_save(const sf_loss_scale_optimizer* lso, const char* path) {

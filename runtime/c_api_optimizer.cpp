@@ -1,4 +1,5 @@
 // The C ABI of sf_optimizer (include/stepfuse/stepfuse.h): configs, options, creation, steps, what it reports.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -104,17 +105,19 @@ sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options
   constexpr const char* fn = "sf_optimizer_get_options";
   return guard(fn, [&] {
     need_all(fn, opt, "opt", out, "out");
+    sf_optimizer_options full;
+    full.struct_size = sizeof full;
+    options_to_c(opt->opt.options(), &full);
+    full.state_formats = opt->state_formats.empty() ? nullptr : opt->state_formats.data();  // into the handle
+    full.num_state_formats = opt->state_formats.size();
     const std::uint32_t size = out->struct_size;
     if (const std::size_t fields = older_options_fields(size)) {  // an older header's struct: its fields only
-      sf_optimizer_options full;
-      full.struct_size = sizeof full;
-      options_to_c(opt->opt.options(), &full);
       std::memcpy(static_cast<void*>(out), &full, fields);
       out->struct_size = size;
       return;
     }
     check_size(fn, out, "out", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");
-    options_to_c(opt->opt.options(), out);
+    *out = full;
   });
 }
 
@@ -269,6 +272,90 @@ sf_status sf_optimizer_mutable_state(sf_optimizer* opt, size_t param, const char
     const std::span<float> s = opt->opt.mutable_state(param, name);
     *data = s.data();
     *numel = static_cast<int64_t>(s.size());
+  });
+}
+
+sf_status sf_optimizer_state_format(const sf_optimizer* opt, size_t param, const char* name, sf_state_format* format) {
+  constexpr const char* fn = "sf_optimizer_state_format";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", name, "name", format, "format");
+    *format = state_format_to_c(opt->opt.state_format(param, name));
+  });
+}
+
+namespace {
+// numel as a caller passed it for `values` (NULL allowed when 0).
+std::size_t value_count(const char* fn, const float* values, int64_t numel) {
+  if (numel < 0) bad_argument(fn, "numel = " + std::to_string(numel) + " is negative");
+  if (numel > 0) need(fn, values, "values");
+  return static_cast<std::size_t>(numel);
+}
+}  // namespace
+
+sf_status sf_optimizer_state_values(const sf_optimizer* opt, size_t param, const char* name, float* values,
+                                    int64_t numel) {
+  constexpr const char* fn = "sf_optimizer_state_values";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", name, "name");
+    const std::size_t n = value_count(fn, values, numel);
+    const std::vector<float> v = opt->opt.state_values(param, name);
+    if (v.size() != n)
+      bad_argument(fn, "numel = " + std::to_string(numel) + ", but state '" + name + "' of param " +
+                           std::to_string(param) + " has " + std::to_string(v.size()) + " elements");
+    std::copy(v.begin(), v.end(), values);
+  });
+}
+
+sf_status sf_optimizer_set_state_values(sf_optimizer* opt, size_t param, const char* name, const float* values,
+                                        int64_t numel) {
+  constexpr const char* fn = "sf_optimizer_set_state_values";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", name, "name");
+    opt->opt.set_state_values(param, name, {values, value_count(fn, values, numel)});
+  });
+}
+
+sf_status sf_optimizer_state_storage(const sf_optimizer* opt, size_t param, const char* name, const void** data,
+                                     size_t* bytes) {
+  constexpr const char* fn = "sf_optimizer_state_storage";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", name, "name", data, "data", bytes, "bytes");
+    const std::span<const std::byte> s = opt->opt.state_storage(param, name);
+    *data = s.data();
+    *bytes = s.size();
+  });
+}
+
+sf_status sf_optimizer_mutable_state_storage(sf_optimizer* opt, size_t param, const char* name, void** data,
+                                             size_t* bytes) {
+  constexpr const char* fn = "sf_optimizer_mutable_state_storage";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", name, "name", data, "data", bytes, "bytes");
+    const std::span<std::byte> s = opt->opt.mutable_state_storage(param, name);
+    *data = s.data();
+    *bytes = s.size();
+  });
+}
+
+sf_status sf_optimizer_state_absmax(const sf_optimizer* opt, size_t param, const char* name, const float** data,
+                                    size_t* count) {
+  constexpr const char* fn = "sf_optimizer_state_absmax";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", name, "name", data, "data", count, "count");
+    const std::span<const float> a = opt->opt.state_absmax(param, name);
+    *data = a.empty() ? nullptr : a.data();
+    *count = a.size();
+  });
+}
+
+sf_status sf_optimizer_mutable_state_absmax(sf_optimizer* opt, size_t param, const char* name, float** data,
+                                            size_t* count) {
+  constexpr const char* fn = "sf_optimizer_mutable_state_absmax";
+  return guard(fn, [&] {
+    need_all(fn, opt, "opt", name, "name", data, "data", count, "count");
+    const std::span<float> a = opt->opt.mutable_state_absmax(param, name);
+    *data = a.empty() ? nullptr : a.data();
+    *count = a.size();
   });
 }
 

@@ -16,6 +16,9 @@ using namespace stepfuse::c_api;  // guard, need, the checks and conversions (ru
 static_assert(SF_ROLE_GRAD == static_cast<int>(stepfuse::StreamRole::grad) &&
               SF_ROLE_PARAM == static_cast<int>(stepfuse::StreamRole::param) &&
               SF_ROLE_STATE == static_cast<int>(stepfuse::StreamRole::state));
+static_assert(SF_STATE_VALUES_ANY == static_cast<int>(stepfuse::StateValues::any) &&
+              SF_STATE_VALUES_NONNEGATIVE == static_cast<int>(stepfuse::StateValues::nonnegative) &&
+              SF_STATE_VALUES_FULL_PRECISION == static_cast<int>(stepfuse::StateValues::full_precision));
 static_assert(SF_SCALAR_FIXED == static_cast<int>(stepfuse::ScalarRule::Kind::fixed) &&
               SF_SCALAR_GSCALE == static_cast<int>(stepfuse::ScalarRule::Kind::gscale) &&
               SF_SCALAR_FIRST_STEP == static_cast<int>(stepfuse::ScalarRule::Kind::first_step) &&
@@ -47,6 +50,7 @@ struct sf_program_builder {
     std::string name;
     stepfuse::StreamRole role;
     float init;
+    stepfuse::StateValues values;
   };
   struct ScalarRec {
     std::string name;
@@ -105,7 +109,7 @@ stepfuse::UpdateProgram build(const sf_program_builder& b) {
   stepfuse::Program p;
   p.name = b.name;
   p.num_streams = static_cast<std::uint8_t>(b.streams.size());
-  for (std::size_t s = 0; s < b.streams.size(); ++s) p.streams[s] = {b.streams[s].name, b.streams[s].role, b.streams[s].init};
+  for (std::size_t s = 0; s < b.streams.size(); ++s) p.streams[s] = {b.streams[s].name, b.streams[s].role, b.streams[s].init, b.streams[s].values};
   p.num_scalars = static_cast<std::uint8_t>(b.scalars.size());
   for (std::size_t s = 0; s < b.scalars.size(); ++s) p.scalars[s] = b.scalars[s].name;
   p.num_instrs = static_cast<std::uint16_t>(b.code.size());
@@ -162,16 +166,34 @@ sf_status sf_program_builder_create(const char* name, sf_program_builder** out) 
 
 void sf_program_builder_destroy(sf_program_builder* builder) { delete builder; }
 
-sf_status sf_program_builder_stream(sf_program_builder* builder, const char* name, sf_stream_role role, float init,
-                                    int* stream) {
-  constexpr const char* fn = "sf_program_builder_stream";
+namespace {
+
+// sf_program_builder_stream and sf_program_builder_stream_ex, named `fn`.
+sf_status builder_stream(const char* fn, sf_program_builder* builder, const char* name, sf_stream_role role, float init,
+                         sf_state_values values, int* stream) {
   return guard(fn, [&] {
     need_all(fn, builder, "builder", name, "name", stream, "stream");
     const int r = enum_in_range(fn, role, SF_ROLE_GRAD, SF_ROLE_STATE, "role",
                                 "an sf_stream_role (SF_ROLE_GRAD, SF_ROLE_PARAM, SF_ROLE_STATE)");
-    builder->streams.push_back({name, static_cast<stepfuse::StreamRole>(r), init});
+    const int v = enum_in_range(fn, values, SF_STATE_VALUES_ANY, SF_STATE_VALUES_FULL_PRECISION, "values",
+                                "an sf_state_values (SF_STATE_VALUES_ANY, SF_STATE_VALUES_NONNEGATIVE, "
+                                "SF_STATE_VALUES_FULL_PRECISION)");
+    builder->streams.push_back(
+        {name, static_cast<stepfuse::StreamRole>(r), init, static_cast<stepfuse::StateValues>(v)});
     *stream = static_cast<int>(builder->streams.size() - 1);
   });
+}
+
+}  // namespace
+
+sf_status sf_program_builder_stream(sf_program_builder* builder, const char* name, sf_stream_role role, float init,
+                                    int* stream) {
+  return builder_stream("sf_program_builder_stream", builder, name, role, init, SF_STATE_VALUES_ANY, stream);
+}
+
+sf_status sf_program_builder_stream_ex(sf_program_builder* builder, const char* name, sf_stream_role role, float init,
+                                       sf_state_values values, int* stream) {
+  return builder_stream("sf_program_builder_stream_ex", builder, name, role, init, values, stream);
 }
 
 namespace {

@@ -14,6 +14,7 @@
 
 #include "jit/base/format.hpp"
 #include "jit/config_fields.hpp"
+#include "runtime/cpu/q8.hpp"
 #include "stepfuse/error.hpp"
 
 using stepfuse::DType;
@@ -25,6 +26,10 @@ static_assert(SF_F32 == static_cast<int>(DType::f32) && SF_F16 == static_cast<in
               SF_BF16 == static_cast<int>(DType::bf16));
 static_assert(SF_DEVICE_CPU == static_cast<int>(stepfuse::Device::Kind::cpu) &&
               SF_DEVICE_CUDA == static_cast<int>(stepfuse::Device::Kind::cuda));
+static_assert(SF_STATE_F32 == static_cast<int>(stepfuse::StateFormat::f32) &&
+              SF_STATE_BF16 == static_cast<int>(stepfuse::StateFormat::bf16) &&
+              SF_STATE_Q8 == static_cast<int>(stepfuse::StateFormat::q8));
+static_assert(SF_STATE_Q8_BLOCK == stepfuse::cpu::kQ8Block, "stepfuse.h and runtime/cpu/q8.hpp disagree on the q8 block");
 static_assert(SF_FUSION_FUSED == static_cast<int>(stepfuse::Fusion::fused) &&
               SF_FUSION_UNFUSED == static_cast<int>(stepfuse::Fusion::unfused) &&
               SF_FUSION_INTERPRETED == static_cast<int>(stepfuse::Fusion::interpreted));
@@ -261,10 +266,15 @@ void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out) {
       config);
 }
 
+StateFormat state_format_from_c(const char* fn, const sf_state_format& f, const std::string& name) {
+  return static_cast<StateFormat>(
+      enum_in_range(fn, f, SF_STATE_F32, SF_STATE_Q8, name, "an sf_state_format (SF_STATE_F32, SF_STATE_BF16, SF_STATE_Q8)"));
+}
+
 std::size_t older_options_fields(std::uint32_t struct_size) {
   constexpr std::size_t kAlign = alignof(sf_optimizer_options);
   for (const std::size_t end : {std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V1}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V2},
-                                std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V3}})
+                                std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V3}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V4}})
     if (struct_size == end || struct_size == (end + kAlign - 1) / kAlign * kAlign) return end;
   return 0;
 }
@@ -306,6 +316,16 @@ OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& o) {
   out.stochastic_rounding = bool_value(fn, o.stochastic_rounding, "options->stochastic_rounding");
   out.seed = o.seed;
   out.compensated_weights = bool_value(fn, o.compensated_weights, "options->compensated_weights");
+  out.state_format = state_format_from_c(fn, o.state_format, "options->state_format");
+  if (o.num_state_formats > 0 && o.state_formats == nullptr)
+    bad_argument(fn, "options->state_formats is NULL with num_state_formats = " + std::to_string(o.num_state_formats));
+  for (std::size_t i = 0; i < o.num_state_formats; ++i) {
+    const std::string at = "options->state_formats[" + std::to_string(i) + "]";
+    const sf_stream_format& f = o.state_formats[i];
+    if (f.stream == nullptr) bad_argument(fn, at + ".stream is NULL (name a state stream: \"exp_avg\", ...)");
+    out.state_formats.emplace_back(f.stream, state_format_from_c(fn, f.format, at + ".format"));
+  }
+  out.min_q8_numel = o.min_q8_numel;
   return out;
 }
 
@@ -333,6 +353,10 @@ void options_to_c(const OptimizerOptions& o, sf_optimizer_options* out) {
   out->stochastic_rounding = o.stochastic_rounding;
   out->seed = o.seed;
   out->compensated_weights = o.compensated_weights;
+  out->state_format = state_format_to_c(o.state_format);
+  out->state_formats = nullptr;  // (memset above; pointers into a handle: sf_optimizer_get_options)
+  out->num_state_formats = 0;
+  out->min_q8_numel = o.min_q8_numel;
 }
 
 void write_result(const char* fn, const StepResult& r, sf_step_result* out, const char* name) {
@@ -347,9 +371,13 @@ void write_result(const char* fn, const StepResult& r, sf_step_result* out, cons
 // ---- Handles and text --------------------------------------------------------------
 
 sf_optimizer* make_optimizer(Optimizer&& opt) {
-  auto* h = new sf_optimizer{std::move(opt), {}};
+  auto* h = new sf_optimizer{std::move(opt), {}, {}, {}};
   try {
     for (std::string_view n : h->opt.state_names()) h->state_names.emplace_back(n);
+    const auto& formats = h->opt.options().state_formats;
+    for (const auto& [stream, format] : formats) h->state_format_streams.push_back(stream);
+    for (std::size_t i = 0; i < formats.size(); ++i)  // (the names are all in place: no reallocation moves them)
+      h->state_formats.push_back({h->state_format_streams[i].c_str(), state_format_to_c(formats[i].second)});
   } catch (...) {
     delete h;
     throw;

@@ -25,6 +25,10 @@
 struct sf_optimizer {
   stepfuse::Optimizer opt;
   std::vector<std::string> state_names;  // NUL-terminated copies of opt.state_names()
+  // opt.options().state_formats as C (sf_optimizer_get_options): the stream names copied,
+  // each entry pointing at its copy.
+  std::vector<std::string> state_format_streams;
+  std::vector<sf_stream_format> state_formats;
 };
 struct sf_grad_scaler {
   stepfuse::GradScaler scaler;
@@ -162,15 +166,23 @@ OptimizerConfig to_config(const char* fn, const sf_optimizer_config* config);  /
 // Fills every field of `out` (except struct_size) from a C++ config.
 void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out);
 
-// The options as this library's struct: one from an older header (SF_OPTIMIZER_OPTIONS_SIZE_V1)
-// gets the defaults for the fields it lacks.
+// The C value of a state format, and the C++ one of a checked C value.
+inline sf_state_format state_format_to_c(StateFormat f) { return static_cast<sf_state_format>(static_cast<int>(f)); }
+// An sf_state_format the caller passed (read as enum_value does), or Error(invalid_argument)
+// "fn: <name> = <value> is not an sf_state_format (...)".
+StateFormat state_format_from_c(const char* fn, const sf_state_format& f, const std::string& name);
+
+// The options as this library's struct: one from an older header (SF_OPTIMIZER_OPTIONS_SIZE_V1
+// .. _V4) gets the defaults for the fields it lacks.
 sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* options);
 // An older stepfuse.h's options struct: the bytes of its fields when struct_size is the end of
-// its fields (SF_OPTIMIZER_OPTIONS_SIZE_V1, _V2) or that struct's sizeof; else 0.
+// its fields (SF_OPTIMIZER_OPTIONS_SIZE_V1 .. _V4) or that struct's sizeof; else 0.
 std::size_t older_options_fields(std::uint32_t struct_size);
 OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& options);  // a full_options() struct
 OptimizerOptions to_options(const char* fn, const sf_optimizer_options* options);  // NULL: the defaults
-// Fills every field of `out` (except struct_size) from C++ options.
+// Fills every field of `out` (except struct_size) from C++ options; state_formats, which
+// must point into a handle, is NULL with num_state_formats 0 (sf_optimizer_get_options
+// sets them from the handle).
 void options_to_c(const OptimizerOptions& options, sf_optimizer_options* out);
 
 // Writes r to the caller's `out` (the argument `name`), checking its size.
@@ -190,7 +202,7 @@ sf_status get_result(const char* fn, const H* handle, const char* handle_name, s
 
 // ---- Handles and text --------------------------------------------------------------
 
-// A new handle owning `opt` (with its state names copied for C).
+// A new handle owning `opt` (with its state names and per-stream state formats copied for C).
 sf_optimizer* make_optimizer(Optimizer&& opt);
 
 // Copies `text` into buf, truncated to cap - 1 bytes and NUL-terminated; nothing when buf

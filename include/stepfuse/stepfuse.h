@@ -229,6 +229,26 @@ typedef enum sf_cpu_backend {
 /* The norm clipping and the reported gradient norm use. */
 typedef enum sf_norm_type { SF_NORM_L2 = 0, SF_NORM_INF = 1 } sf_norm_type;
 
+/* How an optimizer state stream is stored between steps (stepfuse::StateFormat;
+ * docs/low-precision.md). The update always computes in fp32: a stored stream is decoded
+ * when a step loads it and encoded when it stores it, in the same single pass. */
+typedef enum sf_state_format {
+  SF_STATE_F32 = 0,  /* 4 bytes per element, exact */
+  SF_STATE_BF16 = 1, /* 2 bytes per element (bf16 bit patterns), rounded to nearest even */
+  /* Block-wise 8-bit dynamic quantization, as bitsandbytes': per block of
+   * SF_STATE_Q8_BLOCK elements one fp32 absmax and one byte (a code) per element, the
+   * nearest of 256 codes (a signed code, or an unsigned one for non-negative streams). */
+  SF_STATE_Q8 = 2
+} sf_state_format;
+/* The elements per q8 block: a q8 stream of numel elements has ceil(numel / 256) absmaxes. */
+#define SF_STATE_Q8_BLOCK 256
+
+/* One per-stream override of sf_optimizer_options.state_format. */
+typedef struct sf_stream_format {
+  const char* stream;     /* a state stream's name, as sf_optimizer_state_name gives them ("exp_avg") */
+  sf_state_format format;
+} sf_stream_format;
+
 typedef struct sf_optimizer_options {
   uint32_t struct_size; /* sizeof(sf_optimizer_options); set by sf_optimizer_options_init */
   /* Where weights, gradients and state live; with CUDA every sf_param points to
@@ -267,6 +287,24 @@ typedef struct sf_optimizer_options {
    * each bf16 weight, the part of the parameter that rounding it to bf16 lost (2 bytes per
    * parameter instead of an fp32 master's 4; docs/low-precision.md). Default false. */
   bool compensated_weights;
+  /* ---- Since 0.1 with state formats (a struct_size of SF_OPTIMIZER_OPTIONS_SIZE_V4, from
+   * an older stepfuse.h, is read without these: they keep their defaults). */
+  /* How every state stream is stored (docs/low-precision.md), except the streams named in
+   * state_formats. A stream the program keeps in full precision (ASGD's "ax";
+   * SF_STATE_VALUES_FULL_PRECISION) stays f32 under this blanket format, and a blanket
+   * format that no state stream of the optimizer can take is SF_INVALID_ARGUMENT. bf16
+   * and q8 state run on the CPU only in this version (SF_UNSUPPORTED on a GPU). Default
+   * SF_STATE_F32. */
+  sf_state_format state_format;
+  /* Per-stream formats, num_state_formats entries (state_formats may be NULL when it is
+   * 0; copied by create): each names a state stream of the optimizer at most once. An
+   * unknown name, a name given twice, or a full-precision stream asked for bf16 or q8 is
+   * SF_INVALID_ARGUMENT. Default NULL, 0. */
+  const sf_stream_format* state_formats;
+  size_t num_state_formats;
+  /* q8 applies to tensors of at least this many elements; smaller ones keep f32
+   * (bitsandbytes' min_8bit_size). >= 0; default 4096. */
+  int64_t min_q8_numel;
 } sf_optimizer_options;
 /* The fields of the struct of an older stepfuse.h end here; a struct_size of these, or of
  * the older struct's sizeof (these rounded up to the struct's alignment), is read and
@@ -274,6 +312,7 @@ typedef struct sf_optimizer_options {
 #define SF_OPTIMIZER_OPTIONS_SIZE_V1 offsetof(sf_optimizer_options, cpu_backend)
 #define SF_OPTIMIZER_OPTIONS_SIZE_V2 offsetof(sf_optimizer_options, stochastic_rounding)
 #define SF_OPTIMIZER_OPTIONS_SIZE_V3 offsetof(sf_optimizer_options, compensated_weights)
+#define SF_OPTIMIZER_OPTIONS_SIZE_V4 offsetof(sf_optimizer_options, state_format)
 
 /* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
 STEPFUSE_API void sf_optimizer_options_init(sf_optimizer_options* options);
@@ -331,7 +370,9 @@ STEPFUSE_API sf_status sf_optimizer_get_config(const sf_optimizer* opt, sf_optim
  * the kind is SF_INVALID_ARGUMENT: create a new optimizer for that. */
 STEPFUSE_API sf_status sf_optimizer_set_config(sf_optimizer* opt, const sf_optimizer_config* config);
 /* The options the optimizer was created with (out->struct_size must be set, e.g. by
- * sf_optimizer_options_init; every field is overwritten). */
+ * sf_optimizer_options_init; every field is overwritten). state_formats then points
+ * into the optimizer (the names too), valid until it is destroyed; NULL when
+ * num_state_formats is 0. */
 STEPFUSE_API sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options* out);
 /* set_lr sets every param group's lr; get_lr reads group 0's. */
 STEPFUSE_API sf_status sf_optimizer_set_lr(sf_optimizer* opt, double lr);
@@ -390,12 +431,46 @@ STEPFUSE_API sf_status sf_optimizer_state_name(const sf_optimizer* opt, size_t i
 /* The fp32 state tensor `name` of param `param`: *data (host memory, also for a GPU
  * optimizer: a copy fetched from the device, waiting for it) with *numel elements,
  * valid until the next step or destroy. An unknown name or param index is
- * SF_INVALID_ARGUMENT (the message lists the state names). */
+ * SF_INVALID_ARGUMENT (the message lists the state names); a stream stored as bf16 or
+ * q8 (sf_optimizer_options.state_format) is SF_INVALID_STATE: read it with
+ * sf_optimizer_state_values, or as stored with sf_optimizer_state_storage. */
 STEPFUSE_API sf_status sf_optimizer_state(const sf_optimizer* opt, size_t param, const char* name,
                                           const float** data, int64_t* numel);
 /* As sf_optimizer_state, writable; changes take effect at the next step. */
 STEPFUSE_API sf_status sf_optimizer_mutable_state(sf_optimizer* opt, size_t param, const char* name, float** data,
                                                   int64_t* numel);
+/* How state stream `name` of param `param` is stored (the options' choice; q8 falls back
+ * to f32 for tensors below min_q8_numel). Errors as sf_optimizer_state's, without the
+ * format one. */
+STEPFUSE_API sf_status sf_optimizer_state_format(const sf_optimizer* opt, size_t param, const char* name,
+                                                 sf_state_format* format);
+/* Any format: copies the values the next step loads into values[0 .. numel - 1], decoded
+ * to fp32 (exact for f32 and bf16, code * absmax for q8). numel must be the param's
+ * element count, else SF_INVALID_ARGUMENT. */
+STEPFUSE_API sf_status sf_optimizer_state_values(const sf_optimizer* opt, size_t param, const char* name,
+                                                 float* values, int64_t numel);
+/* Any format: writes numel fp32 values (the param's element count) into the stream as a
+ * step stores them (rounded to bf16, or quantized block by block); they take effect at
+ * the next step. On an error nothing is written. */
+STEPFUSE_API sf_status sf_optimizer_set_state_values(sf_optimizer* opt, size_t param, const char* name,
+                                                     const float* values, int64_t numel);
+/* The stream's bytes as stored: fp32 values, bf16 bit patterns (uint16_t) or q8 codes (one
+ * byte per element), *bytes = numel * 4, 2 or 1; host memory, valid as sf_optimizer_state's
+ * pointer. Any format (f32 too). */
+STEPFUSE_API sf_status sf_optimizer_state_storage(const sf_optimizer* opt, size_t param, const char* name,
+                                                  const void** data, size_t* bytes);
+/* As sf_optimizer_state_storage, writable (restoring state saved in its format); changes
+ * take effect at the next step. */
+STEPFUSE_API sf_status sf_optimizer_mutable_state_storage(sf_optimizer* opt, size_t param, const char* name,
+                                                          void** data, size_t* bytes);
+/* A q8 stream's fp32 absmax per block of SF_STATE_Q8_BLOCK elements: *count =
+ * ceil(numel / 256) (the last block may be partial), valid as sf_optimizer_state's pointer.
+ * *data = NULL and *count = 0 for a stream stored as f32 or bf16. */
+STEPFUSE_API sf_status sf_optimizer_state_absmax(const sf_optimizer* opt, size_t param, const char* name,
+                                                 const float** data, size_t* count);
+/* As sf_optimizer_state_absmax, writable; changes take effect at the next step. */
+STEPFUSE_API sf_status sf_optimizer_mutable_state_absmax(sf_optimizer* opt, size_t param, const char* name,
+                                                         float** data, size_t* count);
 /* The fp32 master copy of an f16/bf16 param (host memory, as state); *data = NULL and
  * *numel = 0 when the weights are f32 or masters are off. */
 STEPFUSE_API sf_status sf_optimizer_master(const sf_optimizer* opt, size_t param, const float** data,
@@ -422,6 +497,23 @@ STEPFUSE_API sf_status sf_optimizer_save(const sf_optimizer* opt, const char* pa
  * a scaler's state). A missing, truncated or corrupt file is SF_IO_ERROR, a mismatch
  * SF_INVALID_ARGUMENT; both leave the optimizer and scaler as they were. */
 STEPFUSE_API sf_status sf_optimizer_load(sf_optimizer* opt, const char* path, sf_grad_scaler* scaler);
+
+/* How sf_optimizer_load_ex treats a checkpoint (stepfuse::LoadOptions). */
+typedef struct sf_load_options {
+  uint32_t struct_size; /* sizeof(sf_load_options); set by sf_load_options_init */
+  /* A state stream saved in another format (f32, bf16, q8) than this optimizer stores it
+   * (sf_optimizer_options.state_format differs): converted (decoded to fp32, then encoded
+   * as a step stores it) when true; else SF_INVALID_ARGUMENT naming the param, the stream
+   * and both formats. Streams saved in this optimizer's format load bit for bit either
+   * way. Default false. */
+  bool convert_state;
+} sf_load_options;
+
+/* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
+STEPFUSE_API void sf_load_options_init(sf_load_options* options);
+/* As sf_optimizer_load, with options (NULL: the defaults, which is sf_optimizer_load). */
+STEPFUSE_API sf_status sf_optimizer_load_ex(sf_optimizer* opt, const char* path, sf_grad_scaler* scaler,
+                                            const sf_load_options* options);
 
 /* ---- GradScaler (torch.amp.GradScaler) ------------------------------------------- */
 
@@ -591,6 +683,18 @@ typedef enum sf_stream_role {
   SF_ROLE_STATE = 2  /* optimizer state, fp32, owned by the optimizer, starting at its init */
 } sf_stream_role;
 
+/* What a state stream's values allow in storage (sf_optimizer_options.state_format;
+ * stepfuse::StateValues). Grad and param streams take SF_STATE_VALUES_ANY. */
+typedef enum sf_state_values {
+  SF_STATE_VALUES_ANY = 0,            /* signed values (first moments, momentum buffers) */
+  SF_STATE_VALUES_NONNEGATIVE = 1,    /* never negative (second moments, sums of squares): q8
+                                       * uses an unsigned code, twice the resolution */
+  SF_STATE_VALUES_FULL_PRECISION = 2  /* needs fp32 (a running average of the weights, say):
+                                       * stays f32 under a blanket state_format, and is
+                                       * SF_INVALID_ARGUMENT when state_formats names it
+                                       * with bf16 or q8 */
+} sf_state_values;
+
 /* How a scalar gets its value for applying step t (1-based); gscale is the step's
  * gradient multiplier (clip coefficient / loss scale). Evaluated in double, rounded
  * once to fp32; never compiled into a kernel. */
@@ -641,6 +745,12 @@ STEPFUSE_API void sf_program_builder_destroy(sf_program_builder* builder);
  * writes its index to *stream. */
 STEPFUSE_API sf_status sf_program_builder_stream(sf_program_builder* builder, const char* name, sf_stream_role role,
                                                  float init, int* stream);
+/* As sf_program_builder_stream, saying what the stream's values allow in storage (a grad
+ * or param stream with another than SF_STATE_VALUES_ANY fails at build);
+ * sf_program_builder_stream is this with values = SF_STATE_VALUES_ANY. */
+STEPFUSE_API sf_status sf_program_builder_stream_ex(sf_program_builder* builder, const char* name,
+                                                    sf_stream_role role, float init, sf_state_values values,
+                                                    int* stream);
 /* Declares the scalar `name` with its rule (or, declared before, requires the same
  * rule) and emits its value. */
 STEPFUSE_API sf_status sf_program_builder_scalar(sf_program_builder* builder, const char* name,

@@ -136,6 +136,13 @@ static void test_defaults(void) {
   CHECK(o.device.kind == SF_DEVICE_CPU && o.device.index == 0 && o.cuda_stream == NULL);
   CHECK(!o.has_max_grad_norm && o.norm_type == SF_NORM_L2 && o.master_weights);
   CHECK(o.fusion == SF_FUSION_FUSED && o.num_threads == 0 && !o.track_grad_norm);
+  CHECK(o.state_format == SF_STATE_F32 && o.state_formats == NULL && o.num_state_formats == 0 &&
+        o.min_q8_numel == 4096);
+  sf_load_options lo;
+  memset(&lo, 0xff, sizeof lo);
+  sf_load_options_init(&lo);
+  CHECK(lo.struct_size == sizeof(sf_load_options) && !lo.convert_state);
+  sf_load_options_init(NULL); /* a no-op */
 
   sf_grad_scaler_options s;
   sf_grad_scaler_options_init(&s);
@@ -1819,6 +1826,383 @@ static void test_compensated_weights(void) {
   CHECK(none == NULL);
 }
 
+/* Optimizer state stored as q8 or bf16: the formats per stream, the stored bytes and
+ * absmaxes, decoded values and writing them, the f32-only accessors refusing, the size
+ * threshold, the refusals, an older header's struct, and checkpoints converting formats. */
+static void test_state_formats(void) {
+  enum { kQ = 1000, kT = 3, kBlocks = (kQ + SF_STATE_Q8_BLOCK - 1) / SF_STATE_Q8_BLOCK };
+  static float w[kQ], wt[kT], g[kQ], gt[kT], w2[kQ], wt2[kT];
+  for (int i = 0; i < kQ; ++i) w[i] = w2[i] = (float)uniform(-1, 1), g[i] = (float)uniform(-1, 1);
+  for (int i = 0; i < kT; ++i) wt[i] = wt2[i] = (float)uniform(-1, 1), gt[i] = (float)uniform(-1, 1);
+  g[17] = 0.0f; /* a zero: exactly zero in every format */
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  const sf_param p[2] = {{view_f32(w, kQ), view_f32(g, kQ)}, {view_f32(wt, kT), view_f32(gt, kT)}};
+  /* q8 everywhere (min_q8_numel 0: the 3-element tensor too), but exp_avg_sq in bf16. */
+  char sq_name[16] = "exp_avg_sq"; /* the caller's string: copied by create */
+  sf_stream_format overrides[1] = {{sq_name, SF_STATE_BF16}};
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  o.state_format = SF_STATE_Q8;
+  o.min_q8_numel = 0;
+  o.state_formats = overrides;
+  o.num_state_formats = 1;
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, p, 2, &o, &opt));
+  if (opt == NULL) return;
+  strcpy(sq_name, "changed");
+  overrides[0].format = SF_STATE_F32;
+  sf_state_format f = (sf_state_format)-1;
+  CHECK_OK(sf_optimizer_state_format(opt, 0, "exp_avg", &f));
+  CHECK(f == SF_STATE_Q8);
+  CHECK_OK(sf_optimizer_state_format(opt, 0, "exp_avg_sq", &f));
+  CHECK(f == SF_STATE_BF16);
+  CHECK_OK(sf_optimizer_state_format(opt, 1, "exp_avg", &f));
+  CHECK(f == SF_STATE_Q8);
+  sf_optimizer_options got;
+  sf_optimizer_options_init(&got);
+  CHECK_OK(sf_optimizer_get_options(opt, &got));
+  CHECK(got.state_format == SF_STATE_Q8 && got.min_q8_numel == 0 && got.num_state_formats == 1);
+  CHECK(got.state_formats != NULL && got.state_formats != overrides);
+  if (got.state_formats != NULL)
+    CHECK(strcmp(got.state_formats[0].stream, "exp_avg_sq") == 0 && got.state_formats[0].format == SF_STATE_BF16);
+
+  CHECK_OK(sf_optimizer_step(opt));
+
+  /* As stored: n code bytes and ceil(n / 256) absmaxes for q8; 2n bytes and none for bf16. */
+  const void* bytes = NULL;
+  size_t nbytes = 0, count = 99;
+  const float* absmax = NULL;
+  CHECK_OK(sf_optimizer_state_storage(opt, 0, "exp_avg", &bytes, &nbytes));
+  CHECK(bytes != NULL && nbytes == kQ);
+  CHECK_OK(sf_optimizer_state_absmax(opt, 0, "exp_avg", &absmax, &count));
+  CHECK(absmax != NULL && count == kBlocks);
+  CHECK_OK(sf_optimizer_state_storage(opt, 1, "exp_avg", &bytes, &nbytes));
+  CHECK(nbytes == kT);
+  CHECK_OK(sf_optimizer_state_absmax(opt, 1, "exp_avg", &absmax, &count));
+  CHECK(absmax != NULL && count == 1);
+  const float* none_absmax = (const float*)1;
+  CHECK_OK(sf_optimizer_state_storage(opt, 0, "exp_avg_sq", &bytes, &nbytes));
+  CHECK(nbytes == 2 * kQ);
+  CHECK_OK(sf_optimizer_state_absmax(opt, 0, "exp_avg_sq", &none_absmax, &count));
+  CHECK(none_absmax == NULL && count == 0);
+
+  /* Decoded: exp_avg = (1 - beta1) g after one step, within q8's error of its block's
+   * absmax (the block's largest |value|); exp_avg_sq = (1 - beta2) g^2 rounded to bf16. */
+  static float m[kQ], v[kQ], again[kQ];
+  CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg", m, kQ));
+  CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg_sq", v, kQ));
+  CHECK_OK(sf_optimizer_state_absmax(opt, 0, "exp_avg", &absmax, &count));
+  int bad_m = 0, bad_v = 0, bad_absmax = 0;
+  for (int b = 0; b < kBlocks; ++b) {
+    double want = 0;
+    for (int i = b * SF_STATE_Q8_BLOCK; i < kQ && i < (b + 1) * SF_STATE_Q8_BLOCK; ++i)
+      if (fabs(0.1 * g[i]) > want) want = fabs(0.1 * g[i]);
+    bad_absmax += !close_rel(absmax[b], want, 1e-5);
+  }
+  for (int i = 0; i < kQ; ++i) {
+    bad_m += fabs(m[i] - 0.1 * g[i]) > 0.02 * absmax[i / SF_STATE_Q8_BLOCK];
+    const double sq = 0.001 * g[i] * g[i];
+    bad_v += fabs(v[i] - sq) > sq / 128 + 1e-30;
+  }
+  CHECK(bad_absmax == 0 && bad_m == 0 && bad_v == 0);
+  CHECK(m[17] == 0.0f && v[17] == 0.0f);
+
+  /* The f32-only accessors refuse a stream not stored as f32, with the C++ message. */
+  const float* data = NULL;
+  float* mdata = NULL;
+  int64_t numel = 0;
+  CHECK_FAILS(sf_optimizer_state(opt, 0, "exp_avg", &data, &numel), SF_INVALID_STATE,
+              "state 'exp_avg' of param 0 is stored as q8, not f32");
+  CHECK(strstr(sf_last_error(), "state_values()") != NULL);
+  CHECK_FAILS(sf_optimizer_mutable_state(opt, 0, "exp_avg_sq", &mdata, &numel), SF_INVALID_STATE,
+              "is stored as bf16, not f32");
+  CHECK(data == NULL && mdata == NULL);
+
+  /* The stored bytes are writable: save the step's codes and absmaxes, write other
+   * values, then restore them. */
+  static unsigned char codes[kQ];
+  float saved_absmax[kBlocks];
+  CHECK_OK(sf_optimizer_state_storage(opt, 0, "exp_avg", &bytes, &nbytes));
+  memcpy(codes, bytes, sizeof codes);
+  memcpy(saved_absmax, absmax, sizeof saved_absmax);
+
+  /* Writing values: stored as a step stores them. q8 holds 0 and each block's largest
+   * positive |value| (code 1.0 times the absmax) exactly, anything else within its code
+   * gap; bf16 rounds to nearest even. */
+  static float exact[kQ];
+  for (int i = 0; i < kQ; ++i) exact[i] = i % 2 == 0 ? (float)(i / SF_STATE_Q8_BLOCK + 1) * 0.375f : 0.0f;
+  CHECK_OK(sf_optimizer_set_state_values(opt, 0, "exp_avg", exact, kQ));
+  CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg", again, kQ));
+  CHECK(memcmp(again, exact, sizeof exact) == 0);
+  CHECK_OK(sf_optimizer_state_absmax(opt, 0, "exp_avg", &absmax, &count));
+  CHECK(count == kBlocks && absmax[0] == 0.375f && absmax[kBlocks - 1] == kBlocks * 0.375f);
+  static float requant[kQ]; /* m encoded as a step stores it (and as a converting load does) */
+  CHECK_OK(sf_optimizer_set_state_values(opt, 0, "exp_avg", m, kQ));
+  CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg", requant, kQ));
+  CHECK_OK(sf_optimizer_state_absmax(opt, 0, "exp_avg", &absmax, &count));
+  int far = 0;
+  for (int i = 0; i < kQ; ++i) far += fabs(requant[i] - m[i]) > 0.02 * absmax[i / SF_STATE_Q8_BLOCK];
+  CHECK(far == 0);
+  static float third[kQ];
+  for (int i = 0; i < kQ; ++i) third[i] = (float)(i + 1) / 3.0f;
+  CHECK_OK(sf_optimizer_set_state_values(opt, 0, "exp_avg_sq", third, kQ));
+  CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg_sq", again, kQ));
+  int bad_bf16 = 0;
+  for (int i = 0; i < kQ; ++i) bad_bf16 += again[i] != sf_bf16_to_float(sf_float_to_bf16(third[i]));
+  CHECK(bad_bf16 == 0);
+  CHECK_OK(sf_optimizer_set_state_values(opt, 0, "exp_avg_sq", v, kQ)); /* back (v is bf16-exact) */
+  CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg_sq", again, kQ));
+  CHECK(memcmp(again, v, sizeof v) == 0);
+  void* mbytes = NULL;
+  float* mabsmax = NULL;
+  CHECK_OK(sf_optimizer_mutable_state_storage(opt, 0, "exp_avg", &mbytes, &nbytes));
+  CHECK_OK(sf_optimizer_mutable_state_absmax(opt, 0, "exp_avg", &mabsmax, &count));
+  CHECK(mbytes != NULL && nbytes == kQ && mabsmax != NULL && count == kBlocks);
+  if (mbytes != NULL && mabsmax != NULL) {
+    memcpy(mbytes, codes, sizeof codes);
+    memcpy(mabsmax, saved_absmax, sizeof saved_absmax);
+  }
+  CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg", again, kQ));
+  CHECK(memcmp(again, m, sizeof m) == 0); /* the step's state again */
+
+  /* Bad arguments: the count, NULLs, names. */
+  CHECK_FAILS(sf_optimizer_state_values(opt, 0, "exp_avg", m, kQ - 1), SF_INVALID_ARGUMENT,
+              "numel = 999, but state 'exp_avg' of param 0 has 1000 elements");
+  CHECK_FAILS(sf_optimizer_set_state_values(opt, 0, "exp_avg", m, kQ + 1), SF_INVALID_ARGUMENT, "1001 values");
+  CHECK_FAILS(sf_optimizer_set_state_values(opt, 0, "exp_avg", m, -1), SF_INVALID_ARGUMENT, "numel = -1 is negative");
+  CHECK_FAILS(sf_optimizer_state_values(opt, 0, "exp_avg", NULL, kQ), SF_INVALID_ARGUMENT,
+              "sf_optimizer_state_values: values is NULL");
+  CHECK_FAILS(sf_optimizer_state_format(opt, 0, "momentum_buffer", &f), SF_INVALID_ARGUMENT, "momentum_buffer");
+  CHECK_FAILS(sf_optimizer_state_format(opt, 2, "exp_avg", &f), SF_INVALID_ARGUMENT, "param");
+  CHECK_FAILS(sf_optimizer_state_format(opt, 0, "exp_avg", NULL), SF_INVALID_ARGUMENT,
+              "sf_optimizer_state_format: format is NULL");
+  CHECK_FAILS(sf_optimizer_state_storage(opt, 0, NULL, &bytes, &nbytes), SF_INVALID_ARGUMENT,
+              "sf_optimizer_state_storage: name is NULL");
+  CHECK_FAILS(sf_optimizer_state_absmax(NULL, 0, "exp_avg", &absmax, &count), SF_INVALID_ARGUMENT,
+              "sf_optimizer_state_absmax: opt is NULL");
+
+  /* Checkpoints: an f32 optimizer refuses q8/bf16 state unless asked to convert it; then
+   * it holds the decoded values exactly. */
+  char path[4096];
+  snprintf(path, sizeof path, "%s/c_api_test_state_formats.ckpt", g_tmpdir);
+  CHECK_OK(sf_optimizer_save(opt, path, NULL));
+  const sf_param p2[2] = {{view_f32(w2, kQ), view_f32(g, kQ)}, {view_f32(wt2, kT), view_f32(gt, kT)}};
+  sf_optimizer* f32 = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, p2, 2, NULL, &f32));
+  if (f32 != NULL) {
+    CHECK_OK(sf_optimizer_state_format(f32, 0, "exp_avg", &f));
+    CHECK(f == SF_STATE_F32);
+    CHECK_FAILS(sf_optimizer_load(f32, path, NULL), SF_INVALID_ARGUMENT, "convert_state");
+    CHECK(strstr(sf_last_error(), "exp_avg") != NULL);
+    CHECK_FAILS(sf_optimizer_load_ex(f32, path, NULL, NULL), SF_INVALID_ARGUMENT, "convert_state");
+    sf_load_options lo;
+    sf_load_options_init(&lo);
+    CHECK_FAILS(sf_optimizer_load_ex(f32, path, NULL, &lo), SF_INVALID_ARGUMENT, "convert_state");
+    int64_t steps = -1;
+    CHECK_OK(sf_optimizer_step_count(f32, &steps));
+    CHECK(steps == 0); /* nothing loaded */
+    lo.struct_size = 3;
+    CHECK_FAILS(sf_optimizer_load_ex(f32, path, NULL, &lo), SF_INVALID_ARGUMENT, "sf_load_options_init");
+    sf_load_options_init(&lo);
+    lo.convert_state = true;
+    CHECK_OK(sf_optimizer_load_ex(f32, path, NULL, &lo));
+    CHECK_OK(sf_optimizer_step_count(f32, &steps));
+    CHECK(steps == 1);
+    CHECK_OK(sf_optimizer_state(f32, 0, "exp_avg", &data, &numel));
+    CHECK(data != NULL && numel == kQ && memcmp(data, m, sizeof m) == 0);
+    CHECK_OK(sf_optimizer_state(f32, 0, "exp_avg_sq", &data, &numel));
+    CHECK(data != NULL && numel == kQ && memcmp(data, v, sizeof v) == 0);
+    /* The other way: f32 state into the q8 optimizer, converted: encoded as a step
+     * stores it (as sf_optimizer_set_state_values did). */
+    CHECK_OK(sf_optimizer_save(f32, path, NULL));
+    CHECK_FAILS(sf_optimizer_load(opt, path, NULL), SF_INVALID_ARGUMENT, "convert_state");
+    CHECK_OK(sf_optimizer_load_ex(opt, path, NULL, &lo));
+    CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg", again, kQ));
+    CHECK(memcmp(again, requant, sizeof requant) == 0);
+    CHECK_OK(sf_optimizer_state_values(opt, 0, "exp_avg_sq", again, kQ));
+    CHECK(memcmp(again, v, sizeof v) == 0);
+  }
+  remove(path);
+  sf_optimizer_destroy(f32);
+  sf_optimizer_destroy(opt);
+
+  /* Below min_q8_numel (default 4096) a tensor keeps f32, and sf_optimizer_state reads it. */
+  sf_optimizer_options_init(&o);
+  o.state_format = SF_STATE_Q8;
+  CHECK_OK(sf_optimizer_create(&cfg, p2, 2, &o, &opt));
+  if (opt != NULL) {
+    CHECK_OK(sf_optimizer_state_format(opt, 0, "exp_avg", &f));
+    CHECK(f == SF_STATE_F32);
+    CHECK_OK(sf_optimizer_state(opt, 0, "exp_avg", &data, &numel));
+    CHECK(numel == kQ);
+    CHECK_OK(sf_optimizer_state_absmax(opt, 0, "exp_avg", &absmax, &count));
+    CHECK(absmax == NULL && count == 0);
+    CHECK_OK(sf_optimizer_state_storage(opt, 0, "exp_avg", &bytes, &nbytes));
+    CHECK(nbytes == 4 * kQ && bytes == (const void*)data);
+    sf_optimizer_options_init(&got);
+    CHECK_OK(sf_optimizer_get_options(opt, &got));
+    CHECK(got.state_formats == NULL && got.num_state_formats == 0 && got.min_q8_numel == 4096);
+    sf_optimizer_destroy(opt);
+    opt = NULL;
+  }
+
+  /* The struct of the header before state formats (its fields end at
+   * SF_OPTIMIZER_OPTIONS_SIZE_V4, or its sizeof): what lies beyond is never read, so
+   * the state stays f32; get_options writes its fields only. */
+  const size_t align = _Alignof(sf_optimizer_options);
+  const uint32_t v4_sizeof = (uint32_t)((SF_OPTIMIZER_OPTIONS_SIZE_V4 + align - 1) / align * align);
+  for (int k = 0; k < 2; ++k) {
+    sf_optimizer_options_init(&o);
+    o.struct_size = k == 0 ? (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V4 : v4_sizeof;
+    o.state_format = SF_STATE_Q8; /* beyond its fields: never read */
+    o.state_formats = NULL;
+    o.num_state_formats = 5;
+    o.min_q8_numel = -7;
+    sf_optimizer* old_opt = NULL;
+    CHECK_OK(sf_optimizer_create(&cfg, p2, 2, &o, &old_opt));
+    if (old_opt == NULL) continue;
+    CHECK_OK(sf_optimizer_state_format(old_opt, 0, "exp_avg", &f));
+    CHECK(f == SF_STATE_F32);
+    CHECK_OK(sf_optimizer_state(old_opt, 0, "exp_avg", &data, &numel));
+    sf_optimizer_options old;
+    memset(&old, 0xAB, sizeof old);
+    old.struct_size = k == 0 ? (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V4 : v4_sizeof;
+    CHECK_OK(sf_optimizer_get_options(old_opt, &old));
+    CHECK(old.struct_size == (k == 0 ? (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V4 : v4_sizeof) && old.master_weights);
+    CHECK(*(const unsigned char*)&old.min_q8_numel == 0xAB); /* beyond its fields: untouched */
+    sf_optimizer_destroy(old_opt);
+  }
+
+  /* Refusals: ASGD keeps "ax" in full precision; unknown names, formats, NULLs. */
+  sf_optimizer_config asgd;
+  sf_optimizer_config_init(&asgd, SF_ASGD);
+  sf_optimizer* none = NULL;
+  sf_optimizer_options_init(&o);
+  o.state_format = SF_STATE_Q8;
+  o.min_q8_numel = 0;
+  CHECK_FAILS(sf_optimizer_create(&asgd, p2, 2, &o, &none), SF_INVALID_ARGUMENT, "'ax' full precision");
+  CHECK(strstr(sf_last_error(), "must stay f32") != NULL);
+  sf_stream_format ax = {"ax", SF_STATE_Q8};
+  sf_optimizer_options_init(&o);
+  o.state_formats = &ax;
+  o.num_state_formats = 1;
+  CHECK_FAILS(sf_optimizer_create(&asgd, p2, 2, &o, &none), SF_INVALID_ARGUMENT, "keeps 'ax' in full precision");
+  ax.format = SF_STATE_F32; /* f32 may be named */
+  CHECK_OK(sf_optimizer_create(&asgd, p2, 2, &o, &none));
+  sf_optimizer_destroy(none);
+  none = NULL;
+  sf_stream_format twice[2] = {{"exp_avg", SF_STATE_Q8}, {"nope", SF_STATE_BF16}};
+  sf_optimizer_options_init(&o);
+  o.state_formats = twice;
+  o.num_state_formats = 2;
+  CHECK_FAILS(sf_optimizer_create(&cfg, p2, 2, &o, &none), SF_INVALID_ARGUMENT, "no state stream 'nope'");
+  twice[1].stream = "exp_avg";
+  CHECK_FAILS(sf_optimizer_create(&cfg, p2, 2, &o, &none), SF_INVALID_ARGUMENT, "a second time");
+  twice[1].stream = NULL;
+  CHECK_FAILS(sf_optimizer_create(&cfg, p2, 2, &o, &none), SF_INVALID_ARGUMENT, "options->state_formats[1].stream is NULL");
+  twice[1].stream = "exp_avg_sq";
+  twice[1].format = (sf_state_format)5;
+  CHECK_FAILS(sf_optimizer_create(&cfg, p2, 2, &o, &none), SF_INVALID_ARGUMENT,
+              "options->state_formats[1].format = 5 is not an sf_state_format");
+  o.state_formats = NULL;
+  CHECK_FAILS(sf_optimizer_create(&cfg, p2, 2, &o, &none), SF_INVALID_ARGUMENT,
+              "options->state_formats is NULL with num_state_formats = 2");
+  sf_optimizer_options_init(&o);
+  o.state_format = (sf_state_format)3;
+  CHECK_FAILS(sf_optimizer_create(&cfg, p2, 2, &o, &none), SF_INVALID_ARGUMENT,
+              "options->state_format = 3 is not an sf_state_format");
+  sf_optimizer_options_init(&o);
+  o.min_q8_numel = -1;
+  CHECK_FAILS(sf_optimizer_create(&cfg, p2, 2, &o, &none), SF_INVALID_ARGUMENT, "min_q8_numel = -1");
+  CHECK(none == NULL);
+}
+
+/* A custom program's state streams say what their values allow: a non-negative stream
+ * takes q8 (its unsigned code), a full-precision one stays f32 under a blanket format. */
+static void test_program_state_values(void) {
+  sf_program_builder* b = NULL;
+  CHECK_OK(sf_program_builder_create("adagrad_avg", &b));
+  if (b == NULL) return;
+  int grad, param, sum, avg, bad;
+  CHECK_OK(sf_program_builder_stream_ex(b, "grad", SF_ROLE_GRAD, 0.0f, SF_STATE_VALUES_ANY, &grad));
+  CHECK_OK(sf_program_builder_stream(b, "param", SF_ROLE_PARAM, 0.0f, &param));
+  CHECK_OK(sf_program_builder_stream_ex(b, "sum", SF_ROLE_STATE, 0.0f, SF_STATE_VALUES_NONNEGATIVE, &sum));
+  CHECK_OK(sf_program_builder_stream_ex(b, "avg", SF_ROLE_STATE, 0.0f, SF_STATE_VALUES_FULL_PRECISION, &avg));
+  CHECK_FAILS(sf_program_builder_stream_ex(b, "x", SF_ROLE_STATE, 0.0f, (sf_state_values)3, &bad),
+              SF_INVALID_ARGUMENT, "sf_program_builder_stream_ex: values = 3 is not an sf_state_values");
+  sf_value raw, gs, g, s0, sq, s1, p, a0, a1, lr, upd, p1;
+  CHECK_OK(sf_program_builder_load(b, grad, &raw));
+  CHECK_OK(sf_program_builder_scalar(b, "gscale", SF_SCALAR_GSCALE, 1.0, 0.0, &gs));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, raw, gs, 0, &g));
+  CHECK_OK(sf_program_builder_load(b, sum, &s0));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, g, g, 0, &sq));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_ADD, s0, sq, 0, &s1));
+  CHECK_OK(sf_program_builder_store(b, sum, s1));
+  CHECK_OK(sf_program_builder_load(b, param, &p));
+  CHECK_OK(sf_program_builder_load(b, avg, &a0));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_ADD, a0, p, 0, &a1));
+  CHECK_OK(sf_program_builder_store(b, avg, a1));
+  CHECK_OK(sf_program_builder_scalar(b, "lr", SF_SCALAR_FIXED, 0.01, 0.0, &lr));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, lr, g, 0, &upd));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_SUB, p, upd, 0, &p1));
+  CHECK_OK(sf_program_builder_store(b, param, p1));
+  sf_program* prog = NULL;
+  CHECK_OK(sf_program_builder_build(b, &prog));
+  sf_program_builder_destroy(b);
+  if (prog == NULL) return;
+  char text[4096];
+  CHECK_OK(sf_program_text(prog, text, sizeof text, NULL));
+  CHECK(strstr(text, "stream sum : state (nonnegative)\n") != NULL);
+  CHECK(strstr(text, "stream avg : state (full precision)\n") != NULL);
+
+  enum { kN = 600 };
+  static float w[kN], g0[kN], w0[kN];
+  for (int i = 0; i < kN; ++i) w[i] = w0[i] = (float)uniform(-1, 1), g0[i] = (float)uniform(-1, 1);
+  const sf_param prm = {view_f32(w, kN), view_f32(g0, kN)};
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  o.state_format = SF_STATE_Q8;
+  o.min_q8_numel = 0;
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create_custom(prog, &prm, 1, &o, &opt));
+  sf_program_destroy(prog);
+  if (opt == NULL) return;
+  sf_state_format f;
+  CHECK_OK(sf_optimizer_state_format(opt, 0, "sum", &f));
+  CHECK(f == SF_STATE_Q8);
+  CHECK_OK(sf_optimizer_state_format(opt, 0, "avg", &f));
+  CHECK(f == SF_STATE_F32);
+  CHECK_OK(sf_optimizer_step(opt));
+  static float s[kN];
+  CHECK_OK(sf_optimizer_state_values(opt, 0, "sum", s, kN));
+  const float* a = NULL;
+  int64_t numel = 0;
+  CHECK_OK(sf_optimizer_state(opt, 0, "avg", &a, &numel)); /* f32: readable as such */
+  int neg = 0, far = 0, avg_bad = 0;
+  for (int i = 0; i < kN; ++i) {
+    neg += s[i] < 0.0f;
+    far += fabs(s[i] - (double)g0[i] * g0[i]) > 0.02; /* absmax <= 1 */
+    avg_bad += a == NULL || a[i] != w0[i];
+  }
+  CHECK(neg == 0 && far == 0 && avg_bad == 0 && numel == kN);
+  sf_optimizer_destroy(opt);
+
+  /* A grad stream with other values than any: caught at build, as the C++ builder does. */
+  CHECK_OK(sf_program_builder_create("bad_values", &b));
+  if (b == NULL) return;
+  CHECK_OK(sf_program_builder_stream_ex(b, "grad", SF_ROLE_GRAD, 0.0f, SF_STATE_VALUES_NONNEGATIVE, &grad));
+  CHECK_OK(sf_program_builder_stream(b, "param", SF_ROLE_PARAM, 0.0f, &param));
+  CHECK_OK(sf_program_builder_load(b, grad, &raw));
+  CHECK_OK(sf_program_builder_scalar(b, "gscale", SF_SCALAR_GSCALE, 1.0, 0.0, &gs));
+  CHECK_OK(sf_program_builder_op(b, SF_OP_MUL, raw, gs, 0, &g));
+  CHECK_OK(sf_program_builder_store(b, param, g));
+  prog = NULL;
+  CHECK_FAILS(sf_program_builder_build(b, &prog), SF_INVALID_ARGUMENT, "StateValues");
+  CHECK(prog == NULL);
+  sf_program_builder_destroy(b);
+}
+
 int main(void) {
   g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
   printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
@@ -1842,6 +2226,8 @@ int main(void) {
   test_two_phase_program();
   test_stochastic_rounding();
   test_compensated_weights();
+  test_state_formats();
+  test_program_state_values();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
