@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +33,9 @@ struct PyOptions {
   bool stochastic_rounding = false;
   std::uint64_t seed = 0;
   bool compensated_weights = false;
+  stepfuse::StateFormat state_format = stepfuse::StateFormat::f32;
+  std::vector<std::pair<std::string, stepfuse::StateFormat>> state_formats;
+  std::int64_t min_q8_numel = 4096;
   std::string fusion = "fused";
   int num_threads = 0;
   bool track_grad_norm = false;
@@ -63,6 +67,49 @@ std::uint64_t to_seed(nb::handle seed) {
   return static_cast<std::uint64_t>(v);
 }
 
+// A state format: a StateFormat, or its name ('f32', 'bf16', 'q8'). `what` names the
+// argument in errors: ValueError for an unknown name, TypeError for anything else.
+stepfuse::StateFormat to_state_format(nb::handle v, const std::string& what) {
+  stepfuse::StateFormat f = stepfuse::StateFormat::f32;
+  if (nb::try_cast(v, f, false)) return f;
+  if (nb::isinstance<nb::str>(v)) {
+    const std::string s = nb::cast<std::string>(v);
+    if (s == "f32") return stepfuse::StateFormat::f32;
+    if (s == "bf16") return stepfuse::StateFormat::bf16;
+    if (s == "q8") return stepfuse::StateFormat::q8;
+    throw nb::value_error((what + " '" + s + "' is not one of 'f32', 'bf16', 'q8'").c_str());
+  }
+  throw nb::type_error((what + " must be a StateFormat or one of 'f32', 'bf16', 'q8', not " +
+                        std::string(nb::inst_name(v).c_str()))
+                           .c_str());
+}
+
+// state_formats: None, a dict {stream name: format}, or (name, format) pairs; in order.
+std::vector<std::pair<std::string, stepfuse::StateFormat>> to_state_formats(nb::handle v) {
+  std::vector<std::pair<std::string, stepfuse::StateFormat>> out;
+  if (v.is_none()) return out;
+  nb::object items;
+  if (nb::hasattr(v, "items") && !nb::isinstance<nb::str>(v)) items = v.attr("items")();
+  else if (nb::isinstance<nb::iterable>(v) && !nb::isinstance<nb::str>(v)) items = nb::borrow(v);
+  else
+    throw nb::type_error(("state_formats must be a dict {stream name: format}, not " +
+                          std::string(nb::inst_name(v).c_str()))
+                             .c_str());
+  for (nb::handle item : items) {
+    if (!(nb::isinstance<nb::tuple>(item) || nb::isinstance<nb::list>(item)) || nb::len(item) != 2)
+      throw nb::type_error("state_formats must be a dict {stream name: format} (or (name, format) pairs)");
+    nb::handle key = item[0];
+    if (!nb::isinstance<nb::str>(key))
+      throw nb::type_error(("state_formats: the keys are stream names ('exp_avg', ...), not " +
+                            std::string(nb::inst_name(key).c_str()))
+                               .c_str());
+    std::string name = nb::cast<std::string>(key);
+    const stepfuse::StateFormat f = to_state_format(item[1], "state_formats['" + name + "']");
+    out.emplace_back(std::move(name), f);
+  }
+  return out;
+}
+
 OptimizerOptions to_options(const PyOptions& o) {
   OptimizerOptions opts;
   opts.cuda_stream = reinterpret_cast<void*>(o.cuda_stream);
@@ -72,6 +119,9 @@ OptimizerOptions to_options(const PyOptions& o) {
   opts.stochastic_rounding = o.stochastic_rounding;
   opts.seed = o.seed;
   opts.compensated_weights = o.compensated_weights;
+  opts.state_format = o.state_format;
+  opts.state_formats = o.state_formats;
+  opts.min_q8_numel = o.min_q8_numel;
   if (o.fusion == "fused") opts.fusion = stepfuse::Fusion::fused;
   else if (o.fusion == "unfused") opts.fusion = stepfuse::Fusion::unfused;
   else if (o.fusion == "interpreted") opts.fusion = stepfuse::Fusion::interpreted;
@@ -228,6 +278,16 @@ const char* kOptionsDoc =
     "2 bytes per parameter instead of fp32 masters' 4, with accuracy close to masters (compensation(param) "
     "gives it). Needs at least one bfloat16 weight and no float16 weights (ValueError otherwise, and with "
     "master_weights=True or stochastic_rounding=True); float32 weights are unaffected.\n"
+    "state_format: how every state stream is stored between steps: 'f32' (or StateFormat.f32; 4 bytes per "
+    "element), 'bf16' (2 bytes, rounded to nearest even) or 'q8' (block-wise 8-bit dynamic quantization, as "
+    "bitsandbytes': 1 byte per element and one fp32 absmax per block of 256). The update computes in fp32, decoding "
+    "each stream as it loads it and encoding it as it stores it; every format is bitwise the same on every CPU "
+    "backend and thread count. A stream the program keeps in full precision (ASGD's 'ax') stays f32. CPU only: a "
+    "CUDA optimizer with bf16 or q8 state is a TypeError.\n"
+    "state_formats: a dict {stream name: format} overriding state_format for those streams (e.g. {'exp_avg_sq': "
+    "'bf16'}); an unknown name, or a full-precision stream with another format than f32, is a ValueError.\n"
+    "min_q8_numel: q8 applies to tensors of at least this many elements (4096, as bitsandbytes' min_8bit_size); "
+    "smaller ones keep f32.\n"
     "fusion: 'fused', 'unfused' (the eager baseline) or 'interpreted'.\n"
     "num_threads: CPU threads (0: STEPFUSE_NUM_THREADS, else the machine's cores).\n"
     "track_grad_norm: compute the gradient norm on plain steps too.\n"
@@ -255,6 +315,7 @@ void bind_optimizer(nb::module_& m) {
       "A fused optimizer over a fixed list of caller-owned tensors, updated in place.\n\n"
       "Optimizer(config, params, *, device=None, cuda_stream=0, max_grad_norm=None, norm_type=2.0,\n"
       "          master_weights=True, stochastic_rounding=False, seed=0, compensated_weights=False,\n"
+      "          state_format='f32', state_formats=None, min_q8_numel=4096,\n"
       "          fusion='fused', num_threads=0, track_grad_norm=False, cpu_backend=None, llvm_contract=False,\n"
       "          communicator=None, slices=None)\n\n"
       "config: a config (SGD, Adam, AdamW, ...) or an UpdateProgram. params: (weight, grad) pairs of\n"
@@ -269,14 +330,16 @@ void bind_optimizer(nb::module_& m) {
       "__init__",
       [](PyOptimizer* self, nb::handle config, nb::handle params, std::optional<std::string> device,
          std::uintptr_t cuda_stream, std::optional<double> max_grad_norm, double norm_type, bool master_weights,
-         bool stochastic_rounding, nb::handle seed, bool compensated_weights, std::string fusion, int num_threads,
+         bool stochastic_rounding, nb::handle seed, bool compensated_weights, nb::handle state_format,
+         nb::handle state_formats, std::int64_t min_q8_numel, std::string fusion, int num_threads,
          bool track_grad_norm, std::optional<std::string> cpu_backend, bool llvm_contract,
          std::shared_ptr<stepfuse::Communicator> communicator,
          std::optional<std::vector<stepfuse::TensorSlice>> slices) {
         PyOptions po{device,         cuda_stream,         max_grad_norm,       norm_type,
                      master_weights, stochastic_rounding, to_seed(seed),       compensated_weights,
-                     std::move(fusion), num_threads,      track_grad_norm,     cpu_backend,
-                     llvm_contract,  std::move(communicator), std::move(slices)};
+                     to_state_format(state_format, "state_format"), to_state_formats(state_formats),
+                     min_q8_numel,   std::move(fusion),   num_threads,         track_grad_norm,
+                     cpu_backend,    llvm_contract,       std::move(communicator), std::move(slices)};
         OptimizerOptions opts = to_options(po);
         Gather g;
         std::optional<stepfuse::OptimizerConfig> cfg = try_config(config);
@@ -295,14 +358,17 @@ void bind_optimizer(nb::module_& m) {
       nb::arg("config"), nb::arg("params"), nb::kw_only(), nb::arg("device") = nb::none(),
       nb::arg("cuda_stream") = 0, nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0,
       nb::arg("master_weights") = true, nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0,
-      nb::arg("compensated_weights") = false, nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
+      nb::arg("compensated_weights") = false, nb::arg("state_format") = "f32", nb::arg("state_formats") = nb::none(),
+      nb::arg("min_q8_numel") = 4096, nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
       nb::arg("track_grad_norm") = false, nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
       nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(),
       nb::sig("def __init__(self, config: SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | "
               "Adadelta | Rprop | ASGD | LAMB | UpdateProgram, params: collections.abc.Iterable[tuple[object, "
               "object]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
               "norm_type: float = 2.0, master_weights: bool = True, stochastic_rounding: bool = False, "
-              "seed: int = 0, compensated_weights: bool = False, fusion: str = 'fused', num_threads: int = 0, "
+              "seed: int = 0, compensated_weights: bool = False, state_format: StateFormat | str = 'f32', "
+              "state_formats: collections.abc.Mapping[str, StateFormat | str] | None = None, "
+              "min_q8_numel: int = 4096, fusion: str = 'fused', num_threads: int = 0, "
               "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
               "communicator: Communicator | None = None, slices: collections.abc.Sequence[TensorSlice] | None = None) "
               "-> None"));
@@ -311,14 +377,16 @@ void bind_optimizer(nb::module_& m) {
       "from_groups",
       [](nb::handle groups, std::optional<std::string> device, std::uintptr_t cuda_stream,
          std::optional<double> max_grad_norm, double norm_type, bool master_weights, bool stochastic_rounding,
-         nb::handle seed, bool compensated_weights, std::string fusion, int num_threads, bool track_grad_norm,
+         nb::handle seed, bool compensated_weights, nb::handle state_format, nb::handle state_formats,
+         std::int64_t min_q8_numel, std::string fusion, int num_threads, bool track_grad_norm,
          std::optional<std::string> cpu_backend, bool llvm_contract,
          std::shared_ptr<stepfuse::Communicator> communicator,
          std::optional<std::vector<stepfuse::TensorSlice>> slices) {
         PyOptions po{device,         cuda_stream,         max_grad_norm,       norm_type,
                      master_weights, stochastic_rounding, to_seed(seed),       compensated_weights,
-                     std::move(fusion), num_threads,      track_grad_norm,     cpu_backend,
-                     llvm_contract,  std::move(communicator), std::move(slices)};
+                     to_state_format(state_format, "state_format"), to_state_formats(state_formats),
+                     min_q8_numel,   std::move(fusion),   num_threads,         track_grad_norm,
+                     cpu_backend,    llvm_contract,       std::move(communicator), std::move(slices)};
         OptimizerOptions opts = to_options(po);
         if (!nb::isinstance<nb::iterable>(groups))
           throw nb::type_error(("groups must be a list of (params, config) pairs, not " +
@@ -329,10 +397,15 @@ void bind_optimizer(nb::module_& m) {
         std::size_t k = 0;
         for (nb::handle item : groups) {
           const std::string at = "groups[" + std::to_string(k) + "]";
-          if (!(nb::isinstance<nb::tuple>(item) || nb::isinstance<nb::list>(item)) || nb::len(item) != 2)
-            throw nb::type_error((at + " must be a (params, config) pair").c_str());
+          if (!(nb::isinstance<nb::tuple>(item) || nb::isinstance<nb::list>(item)) ||
+              (nb::len(item) != 2 && nb::len(item) != 3))
+            throw nb::type_error((at + " must be a (params, config) pair or a (params, config, state_format) "
+                                       "triple")
+                                      .c_str());
           stepfuse::OptimizerConfig cfg = need_config(item[1], at + " config");
-          gs.push_back({g.add(item[0], at + "."), cfg});
+          std::optional<stepfuse::StateFormat> format;
+          if (nb::len(item) == 3 && !item[2].is_none()) format = to_state_format(item[2], at + " state_format");
+          gs.push_back({g.add(item[0], at + "."), cfg, format});
           ++k;
         }
         opts.device = resolve_device(po.device, g);
@@ -342,18 +415,25 @@ void bind_optimizer(nb::module_& m) {
       nb::arg("groups"), nb::kw_only(), nb::arg("device") = nb::none(), nb::arg("cuda_stream") = 0,
       nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0, nb::arg("master_weights") = true,
       nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0, nb::arg("compensated_weights") = false,
+      nb::arg("state_format") = "f32", nb::arg("state_formats") = nb::none(), nb::arg("min_q8_numel") = 4096,
       nb::arg("fusion") = "fused",
       nb::arg("num_threads") = 0, nb::arg("track_grad_norm") = false,
       nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
       nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(), nb::rv_policy::take_ownership,
       "Parameter groups, as torch.optim param groups: groups is a list of (params, config) pairs, every config "
-      "of one kind (all AdamW, say). One step still has one reduce pass and one global gradient norm over every "
-      "group. The options are the constructor's.",
+      "of one kind (all AdamW, say), or (params, config, state_format) triples: that group's state stored in "
+      "state_format (None: the options' state_format) instead; streams named in state_formats still take theirs. "
+      "One step still has one reduce pass and one global gradient norm over every group. The options are the "
+      "constructor's.",
       nb::sig("def from_groups(groups: collections.abc.Iterable[tuple[collections.abc.Iterable[tuple[object, "
               "object]], SGD | Adam | AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | "
-              "ASGD | LAMB]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
+              "ASGD | LAMB] | tuple[collections.abc.Iterable[tuple[object, object]], SGD | Adam | AdamW | Adagrad | "
+              "RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | ASGD | LAMB, StateFormat | str | None]], *, "
+              "device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
               "norm_type: float = 2.0, master_weights: bool = True, stochastic_rounding: bool = False, "
-              "seed: int = 0, compensated_weights: bool = False, fusion: str = 'fused', num_threads: int = 0, "
+              "seed: int = 0, compensated_weights: bool = False, state_format: StateFormat | str = 'f32', "
+              "state_formats: collections.abc.Mapping[str, StateFormat | str] | None = None, "
+              "min_q8_numel: int = 4096, fusion: str = 'fused', num_threads: int = 0, "
               "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
               "communicator: Communicator | None = None, slices: collections.abc.Sequence[TensorSlice] | None = None) "
               "-> Optimizer"));
@@ -473,21 +553,25 @@ void bind_optimizer(nb::module_& m) {
   cls.def_prop_ro("num_groups", [](const PyOptimizer& self) { return self.opt->num_groups(); });
   cls.def(
       "add_param_group",
-      [](PyOptimizer& self, nb::handle params, nb::handle config) {
+      [](PyOptimizer& self, nb::handle params, nb::handle config, nb::handle state_format) {
         stepfuse::OptimizerConfig c = need_config(config, "config");
+        std::optional<stepfuse::StateFormat> format;
+        if (!state_format.is_none()) format = to_state_format(state_format, "state_format");
         Gather g;
         std::vector<stepfuse::Param> ps = g.add(params, "");
         check_on(self, g);
-        self.opt->add_param_group({std::move(ps), c});
+        self.opt->add_param_group({std::move(ps), c, format});
         for (auto& t : g.weights) self.weights.push_back(std::move(t));
         for (auto& t : g.grads) self.grads.push_back(std::move(t));
       },
-      nb::arg("params"), nb::arg("config"),
+      nb::arg("params"), nb::arg("config"), nb::arg("state_format") = nb::none(),
       "Appends a parameter group (its params follow the existing ones), with fresh state and its own step "
-      "count. Call it between steps. Views from state(), master() and compensation() taken before it are invalid "
-      "after it.",
+      "count; state_format: the group's state storage (None: the options' state_format). Call it between steps. "
+      "Views from state(), state_storage(), state_absmax(), master() and compensation() taken before it are "
+      "invalid after it.",
       nb::sig("def add_param_group(self, params: collections.abc.Iterable[tuple[object, object]], config: SGD | Adam | "
-              "AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | ASGD | LAMB) -> None"));
+              "AdamW | Adagrad | RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | ASGD | LAMB, "
+              "state_format: StateFormat | str | None = None) -> None"));
   cls.def(
       "group_of", [](const PyOptimizer& self, std::size_t i) { return self.opt->group_of(i); }, nb::arg("param"),
       "The group of params()[param].");
@@ -558,7 +642,82 @@ void bind_optimizer(nb::module_& m) {
       },
       nb::arg("param"), nb::arg("name"),
       "A writable, zero-copy float32 NumPy view of a param's state (the weight's shape). It keeps the optimizer "
-      "alive; it is invalid after add_param_group(). On a GPU it is a host copy, sent back before the next step.");
+      "alive; it is invalid after add_param_group(). On a GPU it is a host copy, sent back before the next step. "
+      "A stream stored as bf16 or q8 (state_format()) is a RuntimeError: read it with state_values(), or as stored "
+      "with state_storage() and state_absmax().");
+  cls.def(
+      "state_format",
+      [](const PyOptimizer& self, std::size_t i, std::string_view name) { return self.opt->state_format(i, name); },
+      nb::arg("param"), nb::arg("name"),
+      "How a param's state stream is stored: StateFormat.f32, bf16 or q8 (the options' state_format, the group's "
+      "or state_formats', f32 for a full-precision stream, and f32 for q8 below min_q8_numel elements).");
+  cls.def(
+      "state_values",
+      [](const PyOptimizer& self, std::size_t i, std::string_view name) {
+        auto* values = new std::vector<float>(self.opt->state_values(i, name));
+        nb::capsule owner(values, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+        std::vector<std::size_t> shape = shape_of(self, i, values->size());
+        return nb::ndarray<nb::numpy, float>(values->data(), shape.size(), shape.data(), owner);
+      },
+      nb::arg("param"), nb::arg("name"),
+      "A float32 NumPy copy of a param's state stream in any format (the weight's shape): the values the next step "
+      "loads (exact for f32 and bf16, code * absmax for q8).");
+  cls.def(
+      "set_state_values",
+      [](PyOptimizer& self, std::size_t i, std::string_view name, nb::handle values) {
+        nb::object v = nb::borrow(values);
+        if (nb::hasattr(v, "detach") && nb::hasattr(v, "requires_grad")) v = v.attr("detach")();  // a torch tensor
+        nb::ndarray<const float, nb::c_contig, nb::device::cpu> a;
+        if (!nb::try_cast(v, a, false)) {
+          nb::object np = nb::module_::import_("numpy");
+          nb::object converted;
+          try {
+            converted = np.attr("ascontiguousarray")(v, np.attr("float32"));
+          } catch (nb::python_error& e) {
+            throw nb::type_error(("set_state_values: values must be an array of numbers on the CPU (NumPy, torch, "
+                                  "a list), not " + std::string(nb::inst_name(values).c_str()) + " (" + e.what() +
+                                  ")")
+                                     .c_str());
+          }
+          a = nb::cast<nb::ndarray<const float, nb::c_contig, nb::device::cpu>>(converted);
+          v = converted;
+        }
+        self.opt->set_state_values(i, name, std::span<const float>(a.data(), a.size()));
+      },
+      nb::arg("param"), nb::arg("name"), nb::arg("values"),
+      "Writes a param's state stream from fp32 values (any shape with the param's number of elements; converted "
+      "to float32), encoded as a step stores them: rounded to nearest even for bf16, quantized block by block for "
+      "q8, exact for f32. ValueError on a size mismatch.",
+      nb::sig("def set_state_values(self, param: int, name: str, values: object) -> None"));
+  cls.def(
+      "state_storage",
+      [](PyOptimizer& self, std::size_t i, std::string_view name) {
+        std::span<std::byte> s = self.opt->mutable_state_storage(i, name);
+        const std::size_t n = s.size();
+        return nb::ndarray<nb::numpy, std::uint8_t>(reinterpret_cast<std::uint8_t*>(s.data()), 1, &n,
+                                                    self_handle(self));
+      },
+      nb::arg("param"), nb::arg("name"),
+      "A writable, zero-copy uint8 NumPy view of a param's state stream as stored, flat: 4 bytes per element for "
+      "f32 (the fp32 values), 2 for bf16 (the bit patterns; .view(numpy.uint16), or torch's .view(torch.bfloat16)) "
+      "and 1 for q8 (the codes). Writing it (and state_absmax()) restores state saved in that format bit for bit. "
+      "Like state(), it keeps the optimizer alive and is invalid after add_param_group().");
+  cls.def(
+      "state_absmax",
+      [](PyOptimizer& self, std::size_t i, std::string_view name) -> nb::object {
+        std::span<float> s = self.opt->mutable_state_absmax(i, name);
+        if (s.empty()) {
+          nb::object np = nb::module_::import_("numpy");
+          return np.attr("zeros")(0, np.attr("float32"));
+        }
+        const std::size_t n = s.size();
+        return nb::cast(nb::ndarray<nb::numpy, float>(s.data(), 1, &n, self_handle(self)));
+      },
+      nb::arg("param"), nb::arg("name"),
+      "A q8 stream's scales: a writable, zero-copy float32 NumPy view of one absmax per block of 256 elements "
+      "(ceil(numel / 256) of them); an empty array for f32 and bf16. Like state_storage(), it keeps the optimizer "
+      "alive and is invalid after add_param_group().",
+      nb::sig("def state_absmax(self, param: int, name: str) -> numpy.typing.NDArray[numpy.float32]"));
   cls.def(
       "master",
       [](PyOptimizer& self, std::size_t i) -> nb::object {
@@ -612,15 +771,34 @@ void bind_optimizer(nb::module_& m) {
       "atomically. The weights are the caller's to save.");
   cls.def(
       "load",
-      [](PyOptimizer& self, const std::filesystem::path& path, stepfuse::GradScaler* scaler) {
+      [](PyOptimizer& self, const std::filesystem::path& path, stepfuse::GradScaler* scaler, bool convert_state) {
         const std::string p = path.string();
+        const stepfuse::LoadOptions options{convert_state};
         nb::gil_scoped_release nogil;
-        if (scaler) self.opt->load(p, *scaler);
-        else self.opt->load(p);
+        if (scaler) self.opt->load(p, *scaler, options);
+        else self.opt->load(p, options);
       },
-      nb::arg("path"), nb::arg("scaler") = nb::none(),
-      "Restores a file written by save() for an optimizer of the same kind, program, sizes and dtypes. On an error "
-      "nothing changes.");
+      nb::arg("path"), nb::arg("scaler") = nb::none(), nb::kw_only(), nb::arg("convert_state") = false,
+      "Restores a file written by save() for an optimizer of the same kind, program, sizes and dtypes. A state "
+      "stream saved in another format (f32, bf16, q8) than this optimizer stores it is a ValueError, unless "
+      "convert_state=True: then it is decoded to fp32 and encoded as a step stores it. Streams saved in this "
+      "optimizer's format load bit for bit. On an error nothing changes.");
+  cls.def(
+      "load_shards",
+      [](PyOptimizer& self, const std::vector<std::filesystem::path>& paths, stepfuse::GradScaler* scaler,
+         bool convert_state) {
+        std::vector<std::string> ps;
+        for (const auto& path : paths) ps.push_back(path.string());
+        const stepfuse::LoadOptions options{convert_state};
+        nb::gil_scoped_release nogil;
+        if (scaler) self.opt->load_shards(ps, *scaler, options);
+        else self.opt->load_shards(ps, options);
+      },
+      nb::arg("paths"), nb::arg("scaler") = nb::none(), nb::kw_only(), nb::arg("convert_state") = false,
+      "Re-sharding: restores a checkpoint saved by any number of ranks (every rank's file, in any order; an "
+      "unsharded save is one file) into this optimizer, whatever its own cut of the model (its params are then "
+      "the model's tensors 0, 1, ... in params() order when it is not sharded). Sharded, the call is collective. "
+      "convert_state as in load(). On an error nothing changes.");
   cls.def("__repr__", &repr);
 }
 

@@ -80,6 +80,26 @@ void bind_program(nb::module_& m) {
       .value("f16", stepfuse::DType::f16)
       .value("bf16", stepfuse::DType::bf16);
 
+  nb::enum_<stepfuse::StateFormat>(
+      m, "StateFormat",
+      "How an optimizer state stream is stored between steps (Optimizer's state_format option); the update "
+      "computes in fp32 either way. Wherever a StateFormat is taken, its name ('f32', 'bf16', 'q8') is too.")
+      .value("f32", stepfuse::StateFormat::f32, "4 bytes per element, exact")
+      .value("bf16", stepfuse::StateFormat::bf16, "2 bytes per element, rounded to nearest even")
+      .value("q8", stepfuse::StateFormat::q8,
+             "block-wise 8-bit dynamic quantization: per block of 256 elements one fp32 absmax, and one byte per "
+             "element (a signed code, or an unsigned one for a non-negative stream)");
+
+  nb::enum_<stepfuse::StateValues>(
+      m, "StateValues",
+      "What a state stream's values allow in storage (ProgramBuilder.stream's values): q8 quantizes a "
+      "non-negative stream with an unsigned code, and a full-precision stream stays f32 whatever the options say.")
+      .value("any", stepfuse::StateValues::any, "signed values (first moments, momentum buffers)")
+      .value("nonnegative", stepfuse::StateValues::nonnegative,
+             "never negative (second moments, sums of squares, step sizes)")
+      .value("full_precision", stepfuse::StateValues::full_precision,
+             "needs fp32 (a running average of the weights, say)");
+
   nb::enum_<stepfuse::StreamRole>(m, "StreamRole", "What a program's stream is.")
       .value("grad", stepfuse::StreamRole::grad, "the gradient: loaded (converted to fp32), never stored")
       .value("param", stepfuse::StreamRole::param, "the parameter's fp32 value (the master copy when masters are kept)")
@@ -164,6 +184,13 @@ void bind_program(nb::module_& m) {
                      for (int i = 0; i < p.program.num_streams; ++i) v.emplace_back(p.program.streams[i].name);
                      return v;
                    })
+      .def_prop_ro("stream_values",
+                   [](const PyProgram& p) {
+                     std::vector<stepfuse::StateValues> v;
+                     for (int i = 0; i < p.program.num_streams; ++i) v.push_back(p.program.streams[i].values);
+                     return v;
+                   },
+                   "Each stream's StateValues, in stream_names' order (StateValues.any for grad and param streams).")
       .def_prop_ro("scalar_names",
                    [](const PyProgram& p) {
                      std::vector<std::string> v;
@@ -189,12 +216,16 @@ void bind_program(nb::module_& m) {
       .def(nb::init<std::string>(), nb::arg("name"))
       .def(
           "stream",
-          [](B& b, std::string name, stepfuse::StreamRole role, float init) {
+          [](B& b, std::string name, stepfuse::StreamRole role, float init, stepfuse::StateValues values) {
             const std::string_view n = b.names->intern(name);
-            return PyStream{b.b.stream(n, role, init).index, b.serial, std::move(name)};
+            return PyStream{b.b.stream(n, role, init, values).index, b.serial, std::move(name)};
           },
           nb::arg("name"), nb::arg("role") = stepfuse::StreamRole::state, nb::arg("init") = 0.0f,
-          "Declares a stream; a state stream starts at `init` for every element.")
+          nb::arg("values") = stepfuse::StateValues::any,
+          "Declares a stream; a state stream starts at `init` for every element. `values` (state streams only) says "
+          "what its values allow in storage: StateValues.nonnegative lets q8 use an unsigned code, "
+          "StateValues.full_precision keeps it f32 under any state_format (build() refuses another value on a grad "
+          "or param stream).")
       .def(
           "scalar", [](B& b, std::string name) { return b.out(b.b.scalar(b.names->intern(std::move(name)))); },
           nb::arg("name"), "Declares (or finds) a per-step scalar and returns its value.")

@@ -227,7 +227,7 @@ def test_torch_optimizer_with_a_stepfuse_communicator():
 # ---- two processes over gloo ---------------------------------------------------------------
 
 
-CASES = ["collectives", "steps", "scalers", "errors", "engine", "rounding", "compensation"]
+CASES = ["collectives", "steps", "scalers", "errors", "engine", "rounding", "compensation", "state_formats"]
 
 
 def _launch(cases, timeout=300.0):
@@ -319,6 +319,14 @@ def test_compensated_weights_sharded(gloo_run):
     """compensated_weights=True: each rank's shard, weights and compensations, bitwise the
     one-process step's, also when one rank's shard holds float32 params alone."""
     _check_case(gloo_run, "compensation")
+
+
+@needs_gloo
+def test_state_formats_sharded(gloo_run):
+    """state_format='q8' with exp_avg_sq in bf16: each rank's shard, weights and state as
+    stored (q8 codes and scales, bf16 values; f32 below min_q8_numel), bitwise the
+    one-process step's; a state dict round trip per rank continues bitwise."""
+    _check_case(gloo_run, "state_formats")
 
 
 # ---- the workers -------------------------------------------------------------------------
@@ -679,6 +687,38 @@ def _case_compensation(rank, world):
                         f"rank {rank}, cut {cut}, step {step}: param {i}'s compensation differs"
                 else:
                     assert "compensation" not in opt.state[p]
+
+
+def _case_state_formats(rank, world):
+    from stepfuse.torch.distributed import ProcessGroupCommunicator
+    comm = ProcessGroupCommunicator()
+    kw = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, num_threads=1, state_format="q8",
+              state_formats={"exp_avg_sq": "bf16"})
+    full = _leaves(_model())
+    ours = _leaves(_mine(rank, _model()))
+    ref = sft.AdamW(full, **kw)
+    opt = sft.AdamW(ours, communicator=comm, **kw)
+    for step in range(4):
+        grads = _grads(step)
+        _set(full, grads)
+        _set(ours, _mine(rank, grads))
+        ref.step()
+        opt.step()
+        _check_equal(rank, f"step {step}", ours, ref, full, opt)
+    big = [p for p in ours if p.numel() >= 4096][0]
+    assert opt.state[big]["exp_avg"].dtype == torch.uint8 and "exp_avg_absmax" in opt.state[big]
+    assert opt.state[big]["exp_avg_sq"].dtype == torch.bfloat16
+    # A state dict round trip per rank continues bitwise.
+    sd = copy.deepcopy(opt.state_dict())
+    again = _leaves([p.detach() for p in ours])
+    resumed = sft.AdamW(again, communicator=comm, **kw)
+    resumed.load_state_dict(sd)
+    grads = _grads(4)
+    for ps, o in ((ours, opt), (again, resumed)):
+        _set(ps, _mine(rank, grads))
+        o.step()
+    for i, (p, q) in enumerate(zip(ours, again)):
+        assert torch.equal(p, q), f"rank {rank}: resumed param {i} differs"
 
 
 if __name__ == "__main__":

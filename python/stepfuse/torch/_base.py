@@ -69,6 +69,41 @@ def _as_seed(seed: Any) -> int:
     return value
 
 
+_FORMAT_NAMES = ("f32", "bf16", "q8")
+
+
+def _as_format(value: Any, what: str, none: Optional[str] = "f32") -> Optional[str]:
+    """A state format's name ('f32', 'bf16', 'q8'), from a name or a stepfuse.StateFormat;
+    None gives `none`."""
+    if value is None:
+        return none
+    if isinstance(value, _sf.StateFormat):
+        return value.name
+    if isinstance(value, str):
+        if value in _FORMAT_NAMES:
+            return value
+        raise ValueError(f"Invalid {what}: {value!r} (use 'f32', 'bf16' or 'q8', or a stepfuse.StateFormat)")
+    raise TypeError(f"Invalid {what}: {value!r} (use 'f32', 'bf16' or 'q8', or a stepfuse.StateFormat)")
+
+
+def _as_formats(value: Any) -> Dict[str, str]:
+    """state_formats: None or a dict {stream name: format}, names normalized."""
+    if value is None:
+        return {}
+    items = value.items() if hasattr(value, "items") else value
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise TypeError(f"Invalid state_formats: {value!r} (use a dict {{stream name: format}}, e.g. "
+                        "{'exp_avg_sq': 'bf16'})") from None
+    out: Dict[str, str] = {}
+    for k, v in pairs:
+        if not isinstance(k, str):
+            raise TypeError(f"Invalid state_formats: the key {k!r} is not a stream name (a str such as 'exp_avg')")
+        out[k] = _as_format(v, f"state_formats[{k!r}]")
+    return out
+
+
 def _as_communicator(communicator: Any) -> Optional[Any]:
     if communicator is None or isinstance(communicator, _sf.Communicator):
         return communicator
@@ -125,6 +160,13 @@ def _copy_into(view: Any, src: torch.Tensor) -> None:
         view.reshape(-1)[:] = src.detach().to(torch.float32).reshape(-1).cpu().numpy()
 
 
+def _copy_bytes_into(view: Any, src: torch.Tensor) -> None:
+    """Copies a saved tensor's bytes as they are (bfloat16 bit patterns, q8 codes) into an engine
+    view of a stream's storage (a flat uint8 NumPy array)."""
+    flat = src.detach().reshape(-1).cpu().contiguous()
+    view[:] = flat.view(torch.uint8).numpy()
+
+
 def _copy_bf16_into(view: Any, src: torch.Tensor) -> None:
     """Copies a saved bfloat16 tensor (a compensation) into an engine view of its bits (a uint16
     NumPy array; None: nothing to fill)."""
@@ -175,6 +217,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: int = 0,
         compensated_weights: bool = False,
+        state_format: Any = None,
+        state_formats: Optional[Dict[str, Any]] = None,
+        min_q8_numel: int = 4096,
         num_threads: Optional[int] = None,
         communicator: Any = None,
     ) -> None:
@@ -198,6 +243,15 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if compensated_weights and stochastic_rounding:
             raise ValueError("stepfuse.torch: compensated_weights=True and stochastic_rounding=True together (the "
                              "compensation keeps what rounding to nearest loses; choose one of the two)")
+        state_format = _as_format(state_format, "state_format")
+        state_formats = _as_formats(state_formats)
+        try:
+            min_q8_numel = operator.index(min_q8_numel)
+        except TypeError:
+            raise TypeError(f"Invalid min_q8_numel: {min_q8_numel!r} (must be an int >= 0)") from None
+        if min_q8_numel < 0:
+            raise ValueError(f"Invalid min_q8_numel: {min_q8_numel} (must be >= 0: q8 applies to tensors of at least "
+                             "that many elements)")
         if num_threads is not None and not (0 <= int(num_threads) <= 1024):
             raise ValueError(f"Invalid num_threads: {num_threads} (use None for torch.get_num_threads(), or 1 to 1024)")
         self.max_grad_norm = max_grad_norm
@@ -210,13 +264,26 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         # bfloat16 params without masters: each with a bfloat16 compensation (the engine's,
         # state[p]["compensation"]), the part of the parameter rounding to bfloat16 lost.
         self.compensated_weights = bool(compensated_weights)
+        # How the engine stores each state stream between steps ('f32', 'bf16', 'q8'): the
+        # blanket format, per-stream overrides, and the size below which q8 keeps f32. A
+        # param group may carry its own "state_format".
+        self.state_format = state_format
+        self.state_formats = state_formats
+        self.min_q8_numel = min_q8_numel
         self.num_threads = num_threads
         # A sharded step (stepfuse.torch.distributed): a stepfuse.Communicator, or a
         # torch.distributed ProcessGroup wrapped in a ProcessGroupCommunicator.
         self.communicator = _as_communicator(communicator)
         self._device: Optional[torch.device] = None
         self._reset_engine()
-        super().__init__(params, defaults)
+        # The state formats are checked once every group is in (a stream named in
+        # state_formats may belong to a later group's program), then at each added group.
+        self.__dict__["_sf_defer_format_check"] = True
+        try:
+            super().__init__(params, defaults)
+        finally:
+            self.__dict__.pop("_sf_defer_format_check", None)
+        self._check_state_formats()
         # (Sharded, a rank's shard may hold float32 params alone: the model's bfloat16 ones
         # are then on other ranks, and this rank's engines are planned without rounding.)
         if (self.stochastic_rounding and self.communicator is None
@@ -247,7 +314,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     # torch pickles (and deep-copies) an optimizer as defaults, state and param_groups:
     # keep the options too; the engine is re-planned from the state at the next step.
     _OPTIONS = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "compensated_weights",
-                "num_threads", "_device")
+                "state_format", "state_formats", "min_q8_numel", "num_threads", "_device")
 
     def __getstate__(self) -> Dict[str, Any]:
         if getattr(self, "communicator", None) is not None:
@@ -264,9 +331,11 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
-        for k, default in zip(self._OPTIONS, (None, 2.0, True, False, 0, False, None, None)):
+        for k, default in zip(self._OPTIONS, (None, 2.0, True, False, 0, False, "f32", None, 4096, None, None)):
             if not hasattr(self, k):
                 setattr(self, k, default)
+        if self.state_formats is None:
+            self.state_formats = {}
         if not hasattr(self, "communicator"):
             self.communicator = None  # never pickled (see __getstate__); torch's load_state_dict keeps it
         self._reset_engine()
@@ -310,11 +379,16 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             self._device = self._device or p.device
         param_group = dict(param_group)
         param_group["params"] = params
+        if "state_format" in param_group:
+            param_group["state_format"] = _as_format(param_group["state_format"], 'param group "state_format"',
+                                                     none=None)
         super().add_param_group(param_group)
-        # The library's own checks of the group's hyperparameters, now rather than at
-        # the first step; a refused group is not kept.
+        # The library's own checks of the group's hyperparameters (and state formats), now
+        # rather than at the first step; a refused group is not kept.
         try:
             _sf.UpdateProgram.from_config(self._config(self.param_groups[-1]))
+            if not self.__dict__.get("_sf_defer_format_check"):
+                self._check_state_formats()
         except Exception:
             self.param_groups.pop()
             raise
@@ -387,19 +461,30 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        # torch casts floating state to the param's dtype; the engine keeps fp32 state
-        # (and fp32 masters for 16-bit params): take the saved tensors at full precision.
-        # A bfloat16 param's compensation is bfloat16: taken as it is.
+        # torch casts every state tensor to a floating param's dtype; the engine keeps fp32
+        # state (and fp32 masters for 16-bit params): take the saved tensors at full
+        # precision. What is saved in a stored form is taken as it is, so that it loads bit
+        # for bit: a bfloat16 compensation, a stream stored as bf16 (a bfloat16 tensor), a
+        # stream stored as q8 (uint8 codes; its "<name>_absmax" scales are float32).
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for sid, p in zip(saved_ids, params):
             saved = state_dict["state"].get(sid)
-            if not saved or p.dtype == torch.float32:
+            if not saved:
                 continue
+            st = self.state[p]
             for k, v in saved.items():
-                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
-                    dtype = torch.bfloat16 if k == "compensation" else torch.float32
-                    self.state[p][k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
+                if k == "step" or not isinstance(v, torch.Tensor):
+                    continue
+                if k == "compensation" or v.dtype == torch.bfloat16:
+                    dtype = torch.bfloat16
+                elif v.is_floating_point():
+                    dtype = torch.float32
+                else:
+                    dtype = v.dtype
+                loaded = st.get(k)
+                if not isinstance(loaded, torch.Tensor) or loaded.dtype != dtype:
+                    st[k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         # torch's load replaced self.state with the loaded tensors: the next step
         # re-plans and copies them into the engine.
         self._engine = None
@@ -445,7 +530,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                     g = self._check_grad(p)
                 ids.append((id(p), p.data_ptr()))
                 ptrs.append(g.data_ptr())
-            key.append((tuple(ids), self._program_key(group)))
+            key.append((tuple(ids), self._program_key(group), group.get("state_format")))
         # CUDA: the step runs on the current stream; another stream is another plan.
         if self._device is not None and self._device.type == "cuda":
             key.append(torch.cuda.current_stream(self._device).cuda_stream)
@@ -570,8 +655,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             self._cpp_groups, self._active, self._grad_ptrs, self._group_values = [], [], [], []
             self._engine_key = key
             return
-        groups = [([(p.detach(), p.grad) for p in g.params], self._config(self.param_groups[g.torch_group]))
-                  for g in cpp_groups]
+        groups = [([(p.detach(), p.grad) for p in g.params], self._config(self.param_groups[g.torch_group]),
+                   self.param_groups[g.torch_group].get("state_format")) for g in cpp_groups]
         device = cpp_groups[0].params[0].device
         # Stochastic rounding needs a bfloat16 param among the engine's: a step whose only
         # gradients are float32 params' rounds nothing (float32 weights are stored exactly).
@@ -583,7 +668,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         options: Dict[str, Any] = dict(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
                                        master_weights=self.master_weights, stochastic_rounding=rounding,
                                        seed=self.seed, compensated_weights=compensated,
-                                       communicator=self.communicator,
+                                       state_format=self.state_format, state_formats=self.state_formats,
+                                       min_q8_numel=self.min_q8_numel, communicator=self.communicator,
                                        num_threads=self.num_threads if self.num_threads is not None
                                        else (torch.get_num_threads() if device.type == "cpu" else 0))
         if device.type == "cuda":
@@ -594,14 +680,13 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         engine.release_grads()
         del old
         active = [p for g in cpp_groups for p in g.params]
+        owners = [self.param_groups[g.torch_group] for g in cpp_groups for _ in g.params]
         # State: what self.state holds (a loaded state dict, or the old engine's), else the engine's initial values.
         for i, p in enumerate(active):
             st = self.state.get(p)
             if st:
                 for name in engine.state_names():
-                    src = st.get(name)
-                    if isinstance(src, torch.Tensor) and src.numel() == p.numel():
-                        _copy_into(self._engine_view(engine, i, name), src)
+                    self._restore_stream(engine, i, p, name, st, owners[i])
                 master = st.get("master_param")
                 if isinstance(master, torch.Tensor) and master.numel() == p.numel():
                     _copy_into(engine.master(i), master)
@@ -634,11 +719,90 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         return int(_as_float(step))
 
     @staticmethod
-    def _engine_view(engine: Any, i: int, name: str) -> Optional[Any]:
+    def _engine_format(engine: Any, i: int, name: str) -> Optional[str]:
+        """How the engine stores param i's stream `name` ('f32', 'bf16', 'q8'), or None when
+        the param's program has no such stream (a group without amsgrad, say)."""
         try:
-            return engine.state(i, name)
+            return engine.state_format(i, name).name
         except ValueError:
-            return None  # this param's program has no such stream (a group without amsgrad, say)
+            return None
+
+    def _restore_stream(self, engine: Any, i: int, p: torch.Tensor, name: str, st: Dict[str, Any],
+                        group: Dict[str, Any]) -> None:
+        """Fills the engine's stream `name` of param i from st[name] (a loaded state dict, or
+        the old engine's views): bit for bit when it is in the engine's stored form (a float
+        tensor for f32, bfloat16 for bf16, uint8 codes with st[name + "_absmax"] for q8);
+        otherwise its values, decoded when stored as q8, encoded as a step stores them."""
+        src = st.get(name)
+        if not isinstance(src, torch.Tensor) or src.numel() != p.numel():
+            return
+        fmt = self._engine_format(engine, i, name)
+        if fmt is None:
+            return
+        if src.dtype == torch.uint8:  # q8 codes
+            absmax = st.get(name + "_absmax")
+            blocks = (p.numel() + 255) // 256
+            if not isinstance(absmax, torch.Tensor) or not absmax.is_floating_point() or absmax.numel() != blocks:
+                raise ValueError(f"stepfuse.torch: state '{name}' of a param of {p.numel()} elements is uint8 (q8 "
+                                 f"codes) without its '{name}_absmax' ({blocks} float32 scales, one per block of "
+                                 "256 elements)")
+            if fmt == "q8":
+                _copy_bytes_into(engine.state_storage(i, name), src)
+                engine.state_absmax(i, name)[:] = absmax.detach().reshape(-1).to(torch.float32).cpu().numpy()
+                return
+            values = self._decode_q8(group, name, src, absmax)
+        elif src.is_floating_point():
+            if fmt == "f32":
+                _copy_into(engine.state(i, name), src)
+                return
+            if fmt == "bf16" and src.dtype == torch.bfloat16:
+                _copy_bytes_into(engine.state_storage(i, name), src)
+                return
+            values = src.detach().to(torch.float32).reshape(-1).cpu().numpy()
+        else:
+            raise TypeError(f"stepfuse.torch: state '{name}' of a param has dtype {src.dtype} (a state tensor is "
+                            "floating point, or uint8 q8 codes with their '_absmax' scales)")
+        engine.set_state_values(i, name, values)
+
+    def _decode_q8(self, group: Dict[str, Any], name: str, codes: torch.Tensor, absmax: torch.Tensor) -> Any:
+        """The fp32 values of a stream stored as q8 (codes and scales, as a q8 engine keeps
+        them), decoded by the library itself: a throwaway engine of the group's program with
+        that stream in q8 takes them as stored and gives its values (the stream's code, signed
+        or unsigned, is the program's)."""
+        n = codes.numel()
+        weight, grad = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
+        decoder = _sf.Optimizer(self._config(group), [(weight, grad)], state_formats={name: "q8"}, min_q8_numel=0,
+                                fusion="unfused", num_threads=1)
+        _copy_bytes_into(decoder.state_storage(0, name), codes)
+        decoder.state_absmax(0, name)[:] = absmax.detach().reshape(-1).to(torch.float32).cpu().numpy()
+        return decoder.state_values(0, name)
+
+    def _uses_state_formats(self) -> bool:
+        return (self.state_format != "f32" or bool(self.state_formats)
+                or any(g.get("state_format") is not None for g in self.param_groups))
+
+    def _check_state_formats(self) -> None:
+        """The library's checks of the state formats, now rather than at the first step: an
+        unknown stream name in state_formats, a format for a stream its program keeps in full
+        precision (ASGD's 'ax'), a blanket format no stream can take (ValueError, from a
+        throwaway engine of one tiny param per group). On CUDA, bf16 or q8 state is a
+        TypeError (the CPU only in this version), as the engine would refuse it."""
+        if not self.param_groups or not self._uses_state_formats():
+            return
+        groups = [([(np.zeros(1, dtype=np.float32), np.zeros(1, dtype=np.float32))], self._config(g),
+                   g.get("state_format")) for g in self.param_groups]
+        # min_q8_numel=0: the formats tensors of any size get.
+        probe = _sf.Optimizer.from_groups(groups, state_format=self.state_format, state_formats=self.state_formats,
+                                          min_q8_numel=0, fusion="unfused", num_threads=1)
+        device = self._device
+        if device is None or device.type != "cuda":
+            return
+        for gi, g in enumerate(self.param_groups):
+            formats = {self._engine_format(probe, gi, name) for name in probe.state_names()}
+            if (g["params"] and "bf16" in formats) or ("q8" in formats and any(
+                    p.numel() >= self.min_q8_numel for p in g["params"])):
+                raise TypeError(f"stepfuse.torch: bf16 and q8 optimizer state run on the CPU only in this version; "
+                                f"these params are on {device} (use state_format='f32' on CUDA)")
 
     def _import_views(self) -> None:
         """Points self.state at the engine's state, in torch's key order: zero-copy
@@ -659,11 +823,19 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             for name in self._state_keys(group):
                 if name not in names:
                     continue
-                view = self._engine_view(engine, i, name)
-                if view is None:
+                fmt = self._engine_format(engine, i, name)
+                if fmt is None:
                     continue
-                t = torch.from_numpy(view).view(p.shape)
-                st[name] = t if p.device.type == "cpu" else t.to(p.device)
+                if fmt == "f32":
+                    t = torch.from_numpy(engine.state(i, name)).view(p.shape)
+                    st[name] = t if p.device.type == "cpu" else t.to(p.device)
+                    continue
+                # Stored as bf16 or q8 (the CPU only): the stored bytes, zero-copy, as torch
+                # tensors: bfloat16 values, or uint8 codes with their float32 scales.
+                raw = torch.from_numpy(engine.state_storage(i, name))
+                st[name] = (raw.view(torch.bfloat16) if fmt == "bf16" else raw).view(p.shape)
+                if fmt == "q8":
+                    st[name + "_absmax"] = torch.from_numpy(engine.state_absmax(i, name))
             master = engine.master(i)
             if master is not None:
                 t = torch.from_numpy(master).view(p.shape)

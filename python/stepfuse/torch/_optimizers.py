@@ -15,7 +15,7 @@ __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adam
            "Lion", "LAMB"]
 
 _EXTRA = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "compensated_weights",
-          "num_threads", "communicator")
+          "state_format", "state_formats", "min_q8_numel", "num_threads", "communicator")
 
 
 def _torch_defaults(torch_class: type, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -49,7 +49,8 @@ def _betas(group: Dict[str, Any]) -> Tuple[float, float]:
 class SGD(_TorchLike):
     """torch.optim.SGD, fused: ``SGD(params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
     maximize=False, max_grad_norm=None, norm_type=2.0, master_weights=True, stochastic_rounding=False, seed=0,
-    compensated_weights=False, num_threads=None, communicator=None)``."""
+    compensated_weights=False, state_format=None, state_formats=None, min_q8_numel=4096, num_threads=None,
+    communicator=None)``."""
 
     _torch_class = torch.optim.SGD
 
