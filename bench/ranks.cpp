@@ -122,6 +122,7 @@ struct RanksCase {
   sf::OptimizerOptions options;          // without communicator and slices
   sf::Fusion fusion = sf::Fusion::fused;
   sf::CpuBackend cpu_backend = sf::CpuBackend::highway;
+  sf::StateFormat state = sf::StateFormat::f32;  // --state: one format
   double loss_scale = 1024;
 
   std::int64_t total() const { return offsets.back(); }
@@ -209,6 +210,14 @@ RanksCase resolve_ranks_case(const Args& a) {
     if (c.cpu_backend == sf::CpuBackend::llvm && !have_llvm())
       throw UsageError("--cpu-backend llvm: this stepfuse was built without LLVM; pass --cpu-backend highway");
   }
+  if (a.state_given) {
+    if (a.state.size() != 1)
+      throw UsageError("--ranks: times one --state format (f32, bf16 or q8), not a list");
+    const std::string& f = a.state[0];
+    if (f != "f32" && f != "bf16" && f != "q8")
+      throw UsageError("--state: unknown state format '" + f + "' (expected f32, bf16 or q8)");
+    c.state = f == "q8" ? sf::StateFormat::q8 : f == "bf16" ? sf::StateFormat::bf16 : sf::StateFormat::f32;
+  }
   c.from_file = !a.shapes_path.empty();
   try {
     c.preset = c.from_file ? sb::load_shapes_file(a.shapes_path) : sb::make_preset(a.preset);
@@ -257,6 +266,7 @@ RanksCase resolve_ranks_case(const Args& a) {
   o.master_weights = !a.no_masters;
   o.fusion = c.fusion;
   o.cpu_backend = c.cpu_backend;  // explicit: STEPFUSE_CPU_BACKEND changes nothing
+  o.state_format = c.state;       // the sharded and the local step alike (min_q8_numel: per param, the library's)
   return c;
 }
 
@@ -514,9 +524,12 @@ void report(const Args& a, const RanksCase& c, const std::vector<RankFigures>& a
                 c.whole       ? "whole tensors (cut at tensor boundaries)"
                 : c.two_phase ? "slices, cut at tensor boundaries only (a two-phase program's tensors are never split)"
                               : "slices (cut at 16,384-element chunk boundaries)");
-  out += format("%s, %s weights, %s grads%s, clip %s (%s norm), loss scale %g, %s step (%s), %d thread%s per rank\n",
+  out += format("%s, %s weights, %s grads%s%s, clip %s (%s norm), loss scale %g, %s step (%s), %d thread%s per rank\n",
                 std::string(sf::optimizer_name(c.config)).c_str(), a.weights.c_str(), a.grads.c_str(),
                 !a.no_masters && c.weights != sf::DType::f32 ? " + fp32 masters" : "",
+                c.state != sf::StateFormat::f32
+                    ? format(", %s state", std::string(sf::state_format_name(c.state)).c_str()).c_str()
+                    : "",
                 a.clip > 0 ? format("%g", a.clip).c_str() : "off", norm_label(a).c_str(), a.loss_scale,
                 mode_name(c.fusion), std::string(sf::cpu_backend_name(c.cpu_backend)).c_str(),
                 static_cast<int>(all[0].threads), all[0].threads == 1 ? "" : "s");
@@ -585,6 +598,7 @@ void report(const Args& a, const RanksCase& c, const std::vector<RankFigures>& a
                  {"weights", a.weights},
                  {"grads", a.grads},
                  {"master_weights", !a.no_masters && c.weights != sf::DType::f32},
+                 {"state", std::string(sf::state_format_name(c.state))},
                  {"clip", a.clip},
                  {"norm_type", a.norm_type == "inf" ? "inf" : "2"},
                  {"loss_scale", c.loss_scale},

@@ -23,6 +23,16 @@ StepBytes step_bytes(DType weights, DType grads, bool masters, int state_streams
 
 StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass,
                      bool compensated) {
+  return step_bytes(program, weights, grads, masters, reduce_pass, compensated, {});
+}
+
+StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass,
+                     bool compensated, const StateWidths& widths) {
+  const auto width = [&](std::string_view name) {
+    for (const auto& [n, w] : widths)
+      if (n == name) return w;
+    return 4.0;
+  };
   const double g = static_cast<double>(dtype_size(grads));
   const double w = static_cast<double>(dtype_size(weights));
   const bool keep_masters = masters && weights != DType::f32;
@@ -45,7 +55,11 @@ StepBytes step_bytes(const Program& program, DType weights, DType grads, bool ma
           bytes += loads[s] ? (keep_masters ? 4.0 : p) : 0.0;
           bytes += stores[s] ? (keep_masters ? 4.0 + w : p) : 0.0;
           break;
-        case StreamRole::state: bytes += (loads[s] ? 4.0 : 0.0) + (stores[s] ? 4.0 : 0.0); break;
+        case StreamRole::state: {
+          const double sw = width(program.streams[s].name);
+          bytes += (loads[s] ? sw : 0.0) + (stores[s] ? sw : 0.0);
+          break;
+        }
       }
     }
     return bytes;
@@ -60,6 +74,21 @@ StepBytes step_bytes(const Program& program, DType weights, DType grads, bool ma
     b.update_passes = 2;
   }
   return b;
+}
+
+double stored_state_bytes(const Optimizer& opt, std::string_view name) {
+  double bytes = 0;
+  for (std::size_t p = 0; p < opt.num_params(); ++p)
+    bytes += static_cast<double>(opt.state_storage(p, name).size() + opt.state_absmax(p, name).size_bytes());
+  return bytes;
+}
+
+StateWidths stored_state_widths(const Optimizer& opt, std::int64_t params) {
+  StateWidths widths;
+  for (std::string_view name : opt.state_names())
+    widths.emplace_back(std::string(name),
+                        params > 0 ? stored_state_bytes(opt, name) / static_cast<double>(params) : 4.0);
+  return widths;
 }
 
 std::string StepBytes::breakdown() const {

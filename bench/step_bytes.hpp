@@ -1,8 +1,13 @@
 // The bytes an optimizer step must move: the figure of merit's numerator (docs/architecture.md §1, §8).
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
+#include "stepfuse/optimizer.hpp"
 #include "stepfuse/program.hpp"
 #include "stepfuse/types.hpp"
 
@@ -42,5 +47,21 @@ StepBytes step_bytes(DType weights, DType grads, bool masters, int state_streams
 // each counted by what its phase loads and stores (phase 2 reads again what it needs).
 StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass,
                      bool compensated = false);
+
+// Each state stream's bytes per parameter as stored (OptimizerOptions::state_format): 4 for
+// f32, 2 for bf16, 1 + 4/256 for q8 (a code per element, an fp32 absmax per block of 256).
+// By stream name; a stream not named is f32.
+using StateWidths = std::vector<std::pair<std::string, double>>;
+// The same as the overload above, each state stream loaded and stored at its width.
+StepBytes step_bytes(const Program& program, DType weights, DType grads, bool masters, bool reduce_pass,
+                     bool compensated, const StateWidths& widths);
+
+// The bytes `opt` stores a state stream in, over every param: state_storage() (fp32 values,
+// bf16 bits or q8 codes) and state_absmax() (q8). Tensors under the q8 threshold
+// (OptimizerOptions::min_q8_numel) count as the f32 they are stored as.
+double stored_state_bytes(const Optimizer& opt, std::string_view name);
+// Every state stream's width in `opt`, over `params` parameters (the model's: stored bytes /
+// params), for step_bytes().
+StateWidths stored_state_widths(const Optimizer& opt, std::int64_t params);
 
 }  // namespace stepfuse::bench

@@ -17,11 +17,13 @@
 //      for bit (compensations too); a fused step that rounds the weights
 //      stochastically (--rounding stochastic) must be the one rounding to nearest except
 //      for which of the two bf16 values around each updated weight it stores, and bitwise
-//      the same on both CPU backends (exit code 2 otherwise) — nothing is timed before this;
+//      the same on both CPU backends; a fused step storing its state as bf16 or q8 (--state)
+//      must be bitwise the unfused step storing it alike, weights and stored state (exit code
+//      2 otherwise) — nothing is timed before this;
 //   3. measure: warm-up, then timed iterations of [bandwidth probes, then each mode of
-//      --fusion in the order fused (once per --cpu-backend and --rounding, with the fused
-//      update pass alone), unfused, interpreted], interleaved so that drift in the machine
-//      affects all of them alike.
+//      --fusion in the order fused (once per --cpu-backend, --rounding and --state, with the
+//      fused update pass alone), unfused, interpreted], interleaved so that drift in the
+//      machine affects all of them alike.
 // --groups on builds every optimizer with two param groups (bench/param_groups.hpp);
 // --groups compare builds each timed mode twice, with one group and with two, verifies
 // both (phase 2 runs once for each) and times them back to back in phase 3, in
@@ -57,6 +59,7 @@
 #include "ranks.hpp"
 #include "rss.hpp"
 #include "stats.hpp"
+#include "step_bytes.hpp"
 #include "stepfuse/stepfuse.hpp"
 #include "verify.hpp"
 
@@ -67,11 +70,15 @@ namespace stepfuse::bench::tool {
 
 bool Case::timed_mode(sf::Fusion f) const { return std::find(modes.begin(), modes.end(), f) != modes.end(); }
 bool Case::timed(Variant v) const { return std::find(variants.begin(), variants.end(), v) != variants.end(); }
+bool Case::timed_state(sf::StateFormat f) const {
+  return std::any_of(variants.begin(), variants.end(), [&](Variant v) { return v.state == f; });
+}
 sf::OptimizerOptions Case::options_for(Variant v) const {
   sf::OptimizerOptions o = options;
   o.fusion = fusion_of(v);
   o.cpu_backend = cpu_backend_of(v);
   if (rounding_of(v) == Rounding::stochastic) o.stochastic_rounding = true, o.seed = kStochasticSeed;
+  o.state_format = state_of(v);  // min_q8_numel: the library's default (4096)
   return o;
 }
 
@@ -104,7 +111,10 @@ sf::Optimizer make_optimizer(const Case& c, bool grouped, std::size_t split, con
     return sf::Optimizer(c.config, buf.params(), opts);
   } catch (const sf::Error& e) {
     if (e.code() == sf::ErrorCode::invalid_argument || e.code() == sf::ErrorCode::unsupported)
-      throw UsageError(std::string("the library rejects this configuration: ") + e.what());
+      throw UsageError((opts.state_format != sf::StateFormat::f32
+                            ? "--state " + std::string(sf::state_format_name(opts.state_format)) + ": "
+                            : std::string()) +
+                       "the library rejects this configuration: " + e.what());
     throw;
   }
 }
@@ -156,18 +166,33 @@ std::vector<Rounding> selected_roundings(const std::vector<std::string>& names) 
   return roundings;
 }
 
-// The variants to time, in kAllVariants order: the fused mode once per CPU backend and
-// rounding.
+// The state formats --state names, each once, in kAllStates order (f32 first).
+std::vector<sf::StateFormat> selected_states(const std::vector<std::string>& names) {
+  for (const auto& n : names)
+    if (n != "f32" && n != "bf16" && n != "q8")
+      throw UsageError("--state: unknown state format '" + n + "' (expected f32, bf16 or q8, comma-separated)");
+  std::vector<sf::StateFormat> states;
+  for (sf::StateFormat f : kAllStates)
+    if (std::find(names.begin(), names.end(), sf::state_format_name(f)) != names.end()) states.push_back(f);
+  if (states.empty()) throw UsageError("--state: name at least one of f32, bf16, q8");
+  return states;
+}
+
+// The variants to time, in kAllVariants order: the fused mode once per CPU backend, rounding
+// and state format; the other modes with f32 state.
 std::vector<Variant> selected_variants(const std::vector<sf::Fusion>& modes,
                                        const std::vector<sf::CpuBackend>& backends,
-                                       const std::vector<Rounding>& roundings) {
+                                       const std::vector<Rounding>& roundings,
+                                       const std::vector<sf::StateFormat>& states) {
   std::vector<Variant> variants;
   for (Variant v : kAllVariants) {
     if (std::find(modes.begin(), modes.end(), fusion_of(v)) == modes.end()) continue;
     if (is_fused(v) &&
         (std::find(backends.begin(), backends.end(), cpu_backend_of(v)) == backends.end() ||
-         std::find(roundings.begin(), roundings.end(), rounding_of(v)) == roundings.end()))
+         std::find(roundings.begin(), roundings.end(), rounding_of(v)) == roundings.end() ||
+         std::find(states.begin(), states.end(), state_of(v)) == states.end()))
       continue;
+    if (!is_fused(v) && state_of(v) != sf::StateFormat::f32) continue;
     variants.push_back(v);
   }
   return variants;
@@ -200,7 +225,8 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
   c.modes = selected_modes(a.fusion);
   c.cpu_backends = selected_cpu_backends(a);
   c.roundings = selected_roundings(a.rounding);
-  c.variants = selected_variants(c.modes, c.cpu_backends, c.roundings);
+  c.states = selected_states(a.state);
+  c.variants = selected_variants(c.modes, c.cpu_backends, c.roundings, c.states);
   c.config = make_config(a.optimizer);
   c.weights = parse_dtype("--weights", a.weights);
   c.grads = parse_dtype("--grads", a.grads);
@@ -235,6 +261,18 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
                        "--masters off");
     if (!c.timed_mode(sf::Fusion::fused))
       throw UsageError("--rounding stochastic: rounds the fused step's weights, and --fusion times no fused step "
+                       "(add fused to --fusion)");
+  }
+  // Optimizer state stored as bf16 or q8: the fused rows only, on the CPU.
+  if (c.states != std::vector<sf::StateFormat>{sf::StateFormat::f32}) {
+    std::string named;  // the formats other than f32, as given
+    for (sf::StateFormat f : c.states)
+      if (f != sf::StateFormat::f32) named += (named.empty() ? "" : ",") + std::string(sf::state_format_name(f));
+    if (a.backend == "cuda")
+      throw UsageError("--state " + named + ": the CUDA path stores f32 state only for now (the library refuses "
+                       "bf16 and q8 state on a GPU: Error unsupported); pass --backend cpu, or leave --state out");
+    if (!c.timed_mode(sf::Fusion::fused))
+      throw UsageError("--state " + named + ": stores the fused step's state, and --fusion times no fused step "
                        "(add fused to --fusion)");
   }
   c.groups = parse_groups(a.groups);
@@ -286,27 +324,34 @@ int run_cuda(const Args& a, const Case& c, std::chrono::steady_clock::time_point
                              .start = t_start});
 }
 
-// Builds every variant's optimizer over 16 elements: what the library rejects (the
-// backend, a hyperparameter, the dtypes) it rejects for 16 elements as for the whole
-// model, so it fails now, before the model is allocated. The LLVM kernels depend on the
-// dtypes, the rounding and the program, not on the sizes: each LLVM optimizer here compiles
-// them (or loads them from the kernel cache), the ones of model size find them linked.
-// Returns the first LLVM optimizer's construction time in ms (0 when no LLVM variant is timed).
+// Builds every variant's optimizer over 16 elements (and, with q8 state, one tensor of 4096,
+// the library's min_q8_numel, so that q8 state is built too): what the library rejects (the
+// backend, a hyperparameter, the dtypes, a state format) it rejects for these as for the
+// whole model, so it fails now, before the model is allocated. The LLVM kernels depend on the
+// dtypes, the rounding, the state formats and the program, not on the sizes: each LLVM
+// optimizer here compiles them (or loads them from the kernel cache), the ones of model size
+// find them linked. Returns the first LLVM optimizer's construction time in ms (0 when no LLVM
+// variant is timed).
 double probe_configuration(const Case& c, Progress& progress) {
   double llvm_first_ms = 0;
   // With --groups, a matrix and a 1-D tensor, so that the two groups are built too.
   const bool groups = c.groups != GroupsMode::off;
-  sb::ModelBuffers tiny(groups ? std::vector<sb::TensorShape>{{"probe", 16, {4, 4}}, {"probe_1d", 16, {16}}}
-                               : std::vector<sb::TensorShape>{{"probe", 16}},
-                        c.weights, c.grads);
+  std::vector<sb::TensorShape> shapes =
+      groups ? std::vector<sb::TensorShape>{{"probe", 16, {4, 4}}, {"probe_1d", 16, {16}}}
+             : std::vector<sb::TensorShape>{{"probe", 16}};
+  if (c.timed_state(sf::StateFormat::q8)) shapes.push_back({"probe_q8", 4096, {4096}});
+  sb::ModelBuffers tiny(shapes, c.weights, c.grads);
   tiny.fill_weights(1);
   tiny.fill_grads(c.loss_scale, 1);
-  // Every variant phase 2 may build: those that round to nearest on Highway always, LLVM's
-  // and the stochastic ones when timed (and fused-sr when fused-llvm-sr is: its reference).
+  // Every variant phase 2 may build: those that round to nearest on Highway always (with a
+  // state format other than f32: fused and unfused when it is timed), LLVM's and the stochastic
+  // ones when timed (and fused-sr when fused-llvm-sr is: its reference).
   for (Variant v : kAllVariants) {
     const bool llvm = cpu_backend_of(v) == sf::CpuBackend::llvm;
     if ((llvm || rounding_of(v) == Rounding::stochastic) && !c.timed(v) &&
-        !(v == Variant::fused_sr && c.timed(Variant::fused_llvm_sr)))
+        !(v.kind == Kind::fused_sr && c.timed(Variant{Kind::fused_llvm_sr, v.state})))
+      continue;
+    if (v.state != sf::StateFormat::f32 && (!c.timed_state(v.state) || v.kind == Kind::interpreted) && !c.timed(v))
       continue;
     if (llvm) progress.say(std::string("compiling (or loading) the LLVM kernels of ") + variant_name(v));
     const auto t0 = std::chrono::steady_clock::now();
@@ -350,8 +395,9 @@ FusedOnly fused_only_phase(const Args& a, const Case& c, Progress& progress) {
     fo.threads = opt0->num_threads();
     for (auto name : opt0->state_names()) state_names.emplace_back(name);
     fo.state_streams = static_cast<int>(state_names.size());
+    // The state as stored (--state: f32, bf16 or q8 codes and their absmaxes).
+    for (const auto& name : state_names) fo.state_bytes += sb::stored_state_bytes(*opt0, name);
     for (std::size_t t = 0; t < opt0->num_params(); ++t) {
-      for (const auto& name : state_names) fo.state_bytes += 4.0 * static_cast<double>(opt0->state(t, name).size());
       fo.master_bytes += 4.0 * static_cast<double>(opt0->master(t).size());
       fo.compensation_bytes += 2.0 * static_cast<double>(opt0->compensation(t).size());
     }
@@ -371,18 +417,25 @@ FusedOnly fused_only_phase(const Args& a, const Case& c, Progress& progress) {
 
 // ---- Phase 2: verify every timed variant before timing anything ----------------------------
 
-// Builds each variant's optimizer in `runs` over buffers with identical contents (fused:
-// the phase-1 buffers, refilled), takes one step with each and compares them; a
-// disagreement is a VerifyError. Against a reference within fp32 rounding: unfused when it
-// is timed, else fused. A mode that is the only one timed is still checked: fused (or
-// unfused) against the other, built for the check alone. The fused step on Highway's code
-// that rounds to nearest ("fused") takes part whenever a fused step is timed, as the
-// reference or checked against it; LLVM's ("fused-llvm") must equal it bit for bit, and so
-// agrees with the reference too. A step that rounds stochastically legitimately stores other
-// weights than the reference: fused-sr is checked against fused instead, as the same step
-// but for the weights' rounding (compare_rounding: everything else bitwise, every weight
-// finite and fused's or its bf16 neighbour), and fused-llvm-sr must equal fused-sr bit for
-// bit (built for that check alone when not timed). What was built for the check alone is
+// Builds each variant's optimizer in `runs` over buffers with identical contents (the first
+// timed fused variant: the phase-1 buffers, refilled), takes one step with each and compares
+// them; a disagreement is a VerifyError. With f32 state, against a reference within fp32
+// rounding: unfused when it is timed, else fused. A mode that is the only one timed is still
+// checked: fused (or unfused) against the other, built for the check alone. The fused step on
+// Highway's code that rounds to nearest ("fused") takes part whenever a fused step with f32
+// state is timed, as the reference or checked against it; LLVM's ("fused-llvm") must equal it
+// bit for bit, and so agrees with the reference too. A step that rounds stochastically
+// legitimately stores other weights than the reference: fused-sr is checked against fused
+// instead, as the same step but for the weights' rounding (compare_rounding: everything else
+// bitwise, every weight finite and fused's or its bf16 neighbour), and fused-llvm-sr must equal
+// fused-sr bit for bit (built for that check alone when not timed).
+// A state format other than f32 (--state bf16, q8), when any variant storing it is timed:
+// every CPU path stores it bitwise alike, so the fused step on Highway's code that rounds to
+// nearest (fused-bf16s, fused-q8; built for the check alone when not timed) must equal the
+// unfused baseline storing its state the same way (unfused-bf16s, unfused-q8, built for this
+// check alone) bit for bit: every weight, master, compensation, and the state as stored (bf16
+// bits; q8 codes and block absmaxes). Its LLVM, "-sr" and LLVM "-sr" twins are then checked
+// against it as the f32-state ones are against fused. What was built for the checks alone is
 // freed before returning.
 // `grouped`: the optimizers have two param groups. `share` (--groups compare's second pass,
 // with two groups): the first pass's runs, whose buffers a variant timed there reuses
@@ -392,29 +445,38 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
   const std::string label = c.groups == GroupsMode::compare ? (grouped ? " (two groups)" : " (one group)") : "";
   const double S = c.loss_scale;
   const int threads = fo.threads;
+  constexpr sf::StateFormat f32 = sf::StateFormat::f32;
   Verification ver;
   Variant& ref = ver.ref;
   ref = c.timed(Variant::unfused) ? Variant::unfused : Variant::fused;
   // Checked against ref: unfused and interpreted when timed, and fused when any fused
-  // variant is (the others are checked against fused, or fused-sr, below).
-  const bool any_fused = std::any_of(c.variants.begin(), c.variants.end(), is_fused);
-  const bool sr = c.timed(Variant::fused_sr) || c.timed(Variant::fused_llvm_sr);
+  // variant with f32 state is (the others are checked against fused, or fused-sr, below).
+  const bool any_fused = std::any_of(c.variants.begin(), c.variants.end(),
+                                     [](Variant v) { return is_fused(v) && v.state == sf::StateFormat::f32; });
   std::vector<Variant> checked;
   for (Variant v : {Variant::fused, Variant::unfused, Variant::interpreted})
     if (v != ref && (v == Variant::fused ? any_fused : c.timed(v))) checked.push_back(v);
-  if (checked.empty()) {  // only fused variants, or only unfused, are timed
+  if (checked.empty() && c.timed_state(f32)) {  // only fused variants, or only unfused, are timed with f32 state
     ref = Variant::unfused;
     checked = {Variant::fused};
   }
+  // Per state format: whether a "-sr" variant storing it is timed (fused-sr, of that state, is
+  // then built as its reference).
+  auto sr = [&](sf::StateFormat f) {
+    return c.timed(Variant{Kind::fused_sr, f}) || c.timed(Variant{Kind::fused_llvm_sr, f});
+  };
   auto built = [&](Variant v) {
-    return v == ref || std::find(checked.begin(), checked.end(), v) != checked.end() || c.timed(v) ||
-           (v == Variant::fused_sr && sr);
+    if (v.state == f32)
+      return (!checked.empty() && v == ref) || std::find(checked.begin(), checked.end(), v) != checked.end() ||
+             c.timed(v) || (v == Variant::fused_sr && sr(f32));
+    return c.timed_state(v.state) && (c.timed(v) || v.kind == Kind::fused || v.kind == Kind::unfused ||
+                                      (v.kind == Kind::fused_sr && sr(v.state)));
   };
   for (Variant v : kAllVariants) {
     if (!built(v)) continue;
     progress.say(std::string("verifying: one ") + variant_name(v) + " step" + label);
     ModeRun& r = runs[idx(v)];
-    if (v == Variant::fused) {
+    if (v == c.first_fused) {
       r.buf = fo.buffers.get();
     } else if (share != nullptr && (*share)[idx(v)].buf != nullptr) {
       r.buf = (*share)[idx(v)].buf;
@@ -432,46 +494,75 @@ Verification verify_variants(const Case& c, FusedOnly& fo, Runs& runs, Progress&
                                std::string(r.opt->backend()) + "' code");
     r.verify_result = r.opt->step_scaled(S);
   }
-  const ModeRun& rr = runs[idx(ref)];
   for (Variant v : checked) {
     progress.say(std::string("verifying ") + variant_name(v) + " against " + variant_name(ref) + label);
-    const ModeRun& r = runs[idx(v)];
+    const ModeRun &r = runs[idx(v)], &rr = runs[idx(ref)];
     sb::VerifyReport vr = sb::compare_one_step(*r.opt, *r.buf, r.verify_result, *rr.opt, *rr.buf, rr.verify_result,
                                                S, threads, variant_name(v), variant_name(ref));
     check_verified(vr, std::string(variant_name(v)) + " and " + variant_name(ref) + " steps" + label + " disagree:",
                    "values outside the tolerance; worst");
     ver.verified.push_back({v, std::move(vr)});
   }
-  // LLVM's fused step against Highway's (`highway`), bit for bit.
-  auto check_llvm = [&](Variant llvm, Variant highway, const std::string& step) {
-    progress.say(std::string("verifying ") + variant_name(llvm) + " against " + variant_name(highway) +
-                 " (Highway), bit for bit" + label);
-    const ModeRun &rl = runs[idx(llvm)], &rh = runs[idx(highway)];
-    sb::VerifyReport vr = sb::compare_bitwise(*rl.opt, *rl.buf, rl.verify_result, *rh.opt, *rh.buf, rh.verify_result,
-                                              S, threads, "llvm", "highway");
-    check_verified(vr, step + label + " on LLVM code is not bitwise the one on Highway's:",
-                   "values differ in their bits; largest difference");
+  // Two steps that must be the same bit for bit: `a` against `b`.
+  auto check_bitwise = [&](Variant a, Variant b, const std::string& what, const std::string& step,
+                           const char* a_label, const char* b_label) {
+    progress.say(std::string("verifying ") + variant_name(a) + " against " + variant_name(b) + what + label);
+    const ModeRun &ra = runs[idx(a)], &rb = runs[idx(b)];
+    sb::VerifyReport vr = sb::compare_bitwise(*ra.opt, *ra.buf, ra.verify_result, *rb.opt, *rb.buf, rb.verify_result,
+                                              S, threads, a_label, b_label);
+    check_verified(vr, step, "values differ in their bits; largest difference");
     return vr;
   };
-  if (c.timed(Variant::fused_llvm)) ver.llvm_check = check_llvm(Variant::fused_llvm, Variant::fused, "the fused step");
-  if (sr) {
-    progress.say("verifying fused-sr against fused: the same step but for the rounding of the weights" + label);
-    const ModeRun &rs = runs[idx(Variant::fused_sr)], &rn = runs[idx(Variant::fused)];
-    sb::VerifyReport vr = sb::compare_rounding(*rs.opt, *rs.buf, rs.verify_result, *rn.opt, *rn.buf, rn.verify_result,
-                                               S, threads, "fused-sr", "fused");
-    check_verified(vr, "the fused step" + label + " rounding stochastically is not the one rounding to nearest but "
-                   "for the rounding:", "values differ; first");
-    ver.rounding_check = std::move(vr);
+  for (sf::StateFormat f : kAllStates) {
+    if (!c.timed_state(f)) continue;
+    const std::size_t k = state_idx(f);
+    const std::string in_state = f == f32 ? "" : format(" (%s state)", std::string(sf::state_format_name(f)).c_str());
+    const Variant fused{Kind::fused, f}, fused_sr{Kind::fused_sr, f}, llvm{Kind::fused_llvm, f},
+        llvm_sr{Kind::fused_llvm_sr, f}, unfused{Kind::unfused, f};
+    // bf16 or q8 state: the fused step against the unfused one storing its state alike.
+    if (f != f32)
+      ver.unfused_check[k] = check_bitwise(fused, unfused, ", bit for bit",
+                                           "the fused step" + in_state + label +
+                                               " is not bitwise the unfused one storing its state alike:",
+                                           variant_name(fused), variant_name(unfused));
+    // LLVM's fused step against Highway's, bit for bit.
+    if (c.timed(llvm))
+      ver.llvm_check[k] = check_bitwise(
+          llvm, fused, " (Highway), bit for bit",
+          "the fused step" + in_state + label + " on LLVM code is not bitwise the one on Highway's:", "llvm",
+          "highway");
+    if (sr(f)) {
+      progress.say(std::string("verifying ") + variant_name(fused_sr) + " against " + variant_name(fused) +
+                   ": the same step but for the rounding of the weights" + label);
+      const ModeRun &rs = runs[idx(fused_sr)], &rn = runs[idx(fused)];
+      sb::VerifyReport vr = sb::compare_rounding(*rs.opt, *rs.buf, rs.verify_result, *rn.opt, *rn.buf, rn.verify_result,
+                                                 S, threads, variant_name(fused_sr), variant_name(fused));
+      check_verified(vr, "the fused step" + in_state + label + " rounding stochastically is not the one rounding to "
+                     "nearest but for the rounding:", "values differ; first");
+      ver.rounding_check[k] = std::move(vr);
+    }
+    if (c.timed(llvm_sr))
+      ver.llvm_sr_check[k] = check_bitwise(
+          llvm_sr, fused_sr, " (Highway), bit for bit",
+          format("the fused step%s rounding stochastically (seed %llu)%s on LLVM code is not bitwise the one on "
+                 "Highway's:",
+                 in_state.c_str(), static_cast<unsigned long long>(kStochasticSeed), label.c_str()),
+          "llvm", "highway");
   }
-  if (c.timed(Variant::fused_llvm_sr))
-    ver.llvm_sr_check = check_llvm(Variant::fused_llvm_sr, Variant::fused_sr,
-                                   format("the fused step rounding stochastically (seed %llu)",
-                                          static_cast<unsigned long long>(kStochasticSeed)));
   // The verification step's norm and clip coefficient, for the report: the reference's, or
-  // another mode's when the reference computed no norm (unfused without clipping).
-  ver.ref_result = rr.verify_result;
-  for (Variant v : checked)
-    if (std::isnan(ver.ref_result.grad_norm)) ver.ref_result = runs[idx(v)].verify_result;
+  // another mode's when the reference computed no norm (unfused without clipping), or, when no
+  // variant with f32 state is timed, the first one built.
+  if (!checked.empty()) {
+    ver.ref_result = runs[idx(ref)].verify_result;
+    for (Variant v : checked)
+      if (std::isnan(ver.ref_result.grad_norm)) ver.ref_result = runs[idx(v)].verify_result;
+  } else {
+    for (Variant v : kAllVariants)
+      if (is_fused(v) && runs[idx(v)].opt) {
+        ver.ref_result = runs[idx(v)].verify_result;
+        break;
+      }
+  }
   for (Variant v : kAllVariants)  // built for the check alone: free them before timing
     if (!c.timed(v)) runs[idx(v)].opt.reset(), runs[idx(v)].own.reset(), runs[idx(v)].buf = nullptr;
   return ver;
@@ -628,9 +719,10 @@ int main(int argc, char** argv) {
   CLI::App app{"stepfuse-bench: the fused optimizer step against the unfused baseline and the memory bandwidth "
                "measured in the same run.\nVerifies every timed mode against the unfused one (or the fused one) "
                "within fp32 rounding, the fused step on LLVM code against Highway's bit for bit, and a fused step "
-               "rounding bf16 weights stochastically against the one rounding to nearest, before timing; times "
+               "rounding bf16 weights stochastically against the one rounding to nearest, and a fused step storing "
+               "its state as bf16 or q8 against the unfused one storing it alike bit for bit, before timing; times "
                "interleaved steps; reports medians, spread, bytes moved, GB/s, % of bandwidth, the speed ratios, "
-               "the cost of stochastic rounding and peak RSS.",
+               "the cost of stochastic rounding, the gain of low-precision state and peak RSS.",
                "stepfuse-bench"};
   std::string presets = "\nPresets (--preset):\n";
   for (const auto& [name, desc] : sb::preset_catalog())
@@ -659,6 +751,19 @@ int main(int argc, char** argv) {
              "weight finite and either fused's or the bf16 value next to it (the count of those is reported);\n"
              "and fused-llvm-sr against fused-sr, bit for bit. The other modes round to nearest. Not with\n"
              "--backend cuda or --ranks (stepfuse-bench does not time it there yet).\n"
+             "\nOptimizer state formats (--state f32,bf16,q8): the fused step is timed once per format of its state\n"
+             "(OptimizerOptions::state_format, every state stream; min_q8_numel left at the library's 4096): f32\n"
+             "(no suffix), bf16 (rows -bf16s: 2 bytes per element, rounded to nearest even) and q8 (rows -q8: a\n"
+             "byte per element and an fp32 absmax per block of 256, bitsandbytes-style blockwise dynamic\n"
+             "quantization; tensors under 4096 elements keep f32). Each combines with --cpu-backend and --rounding:\n"
+             "fused-q8, fused-llvm-q8, fused-sr-q8, fused-llvm-sr-bf16s, ... Each row's bytes, GB/s and %\n"
+             "adam_like count its own state as stored (the q8 absmaxes included; a B/param column appears), and\n"
+             "'state / f32 state' gives each row's step time over that of the same step with f32 state. Before\n"
+             "timing, fused-bf16s (fused-q8) is checked bit for bit against the unfused step storing its state\n"
+             "alike (weights, masters and the stored bits: bf16 values, q8 codes and absmaxes), and its LLVM and\n"
+             "stochastic twins against it as the f32 ones are against fused. The other modes store f32 state. A\n"
+             "format the optimizer cannot take is an error (ASGD keeps its state, 'ax', in full precision). Not\n"
+             "with --backend cuda (the CUDA path stores f32 state only for now); --ranks takes one format.\n"
              "\nCompensated bf16 weights (--masters compensated --weights bf16): no fp32 masters; beside each\n"
              "bf16 weight, a bf16 compensation (OptimizerOptions::compensated_weights): the parameter is\n"
              "weight + compensation, and each step stores the nearest bf16 weight and the nearest bf16 to\n"
@@ -674,12 +779,13 @@ int main(int argc, char** argv) {
              "medians and the slowest rank's, the overhead, and the bytes the step's one collective sends.\n"
              "Also used: --preset/--shapes, --optimizer, --weights, --grads, --masters (on or off), --clip,\n"
              "--norm-type, --loss-scale, --threads (0: the cores divided among the ranks of a node), --steps,\n"
-             "--warmup, --fusion and --cpu-backend (one each), --json, --json-only. Needs a build with MPI.\n"
+             "--warmup, --fusion, --cpu-backend and --state (one each), --json, --json-only. Needs a build with\n"
+             "MPI.\n"
              "\nExit codes: 0 ok, 1 bad arguments (a bad shapes file, a configuration or backend the library "
              "rejects, --cpu-backend llvm without LLVM, --ranks in a build without MPI), 2 verification failed (a "
              "mode disagrees with the reference, the LLVM fused step is not bitwise Highway's, the stochastically "
-             "rounded step is not the round-to-nearest one but for the rounding, or a step was skipped), 3 other "
-             "errors.");
+             "rounded step is not the round-to-nearest one but for the rounding, a fused step storing bf16 or q8 "
+             "state is not bitwise the unfused one, or a step was skipped), 3 other errors.");
   app.set_version_flag("--version", std::string(sf::version()));
   CLI::Option* preset_opt =
       app.add_option("--preset", a.preset, "tensor list: gpt2-124m, resnet50, llama7b-layer, many-small or flat:N")
@@ -739,6 +845,14 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"nearest", "stochastic"}))
       ->type_name("LIST")
       ->default_str("nearest");
+  app.add_option("--state", a.state,
+                 "how the fused step stores the optimizer state, each timed as its own fused row, comma-separated: "
+                 "f32, bf16 (rows -bf16s), q8 (8-bit blockwise quantization, tensors of at least 4096 elements: "
+                 "rows -q8); each row counts its own bytes (see below; not with --backend cuda)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"f32", "bf16", "q8"}))
+      ->type_name("LIST")
+      ->default_str("f32");
   app.add_flag("!--no-breakdown", a.breakdown,
                "skip timing the fused update pass alone (saves a third optimizer's state)");
   app.add_option("--clip", a.clip, "max gradient norm for clipping, on the unscaled gradients (0 = off)")
@@ -778,6 +892,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     a.fusion_given = app.get_option("--fusion")->count() > 0;
     a.cpu_backend_given = app.get_option("--cpu-backend")->count() > 0;
+    a.state_given = app.get_option("--state")->count() > 0;
     if (masters_opt->count() > 0) a.no_masters = masters != "on", a.compensated = masters == "compensated";
     a.shard_given = app.get_option("--shard")->count() > 0;
   } catch (const CLI::ParseError& e) {

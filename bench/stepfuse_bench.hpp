@@ -34,6 +34,7 @@ struct Args {
   bool no_masters = false;  // --masters off or compensated, or --no-masters (a synonym of --masters off)
   bool compensated = false;  // --masters compensated: bf16 compensations instead of fp32 masters
   std::vector<std::string> rounding = {"nearest"};  // --rounding: nearest, stochastic
+  std::vector<std::string> state = {"f32"};  // --state: f32, bf16, q8 (how the fused rows store the optimizer state)
   bool breakdown = true;
   double clip = 1.0;
   std::string norm_type = "2";
@@ -47,6 +48,7 @@ struct Args {
   std::string groups = "off";      // --groups: off, on or compare (GroupsMode)
   bool fusion_given = false;       // --fusion was on the command line
   bool cpu_backend_given = false;  // --cpu-backend was on the command line
+  bool state_given = false;        // --state was on the command line
   int ranks = 0;                   // --ranks N: the sharded step across N MPI processes (bench/ranks.hpp); 0: off
   std::string shard = "slices";    // --shard: how --ranks cuts the model (slices or whole)
   bool shard_given = false;        // --shard was on the command line
@@ -59,29 +61,71 @@ inline const char* mode_name(Fusion f) {
   return f == Fusion::fused ? "fused" : f == Fusion::unfused ? "unfused" : "interpreted";
 }
 
-// What is timed: a mode of --fusion and, for fused, the CPU code that runs it (--cpu-backend)
-// and how it stores bf16 weights (--rounding; "-sr": rounded stochastically). In the order they
-// are verified, timed and reported; indexed by value. Each fused variant that rounds to nearest
-// is followed by the same step rounding stochastically, so that the two run back to back.
+// What is timed: a mode of --fusion and, for fused, the CPU code that runs it (--cpu-backend),
+// how it stores bf16 weights (--rounding; "-sr": rounded stochastically) and how it stores the
+// optimizer state (--state; "-bf16s": bf16 state, "-q8": 8-bit blockwise-quantized state, no
+// suffix: f32). In the order they are verified, timed and reported: for each CPU backend, each
+// rounding, each state format; indexed by idx(). Each fused variant that rounds to nearest is
+// followed by the same step storing its state as bf16, then as q8, then rounding
+// stochastically (the same three), so that a step and its twins run close together. The
+// unfused and interpreted modes are timed with f32 state only; unfused-bf16s and unfused-q8
+// exist for phase 2, as the reference of the fused steps storing their state so.
 // Every variant runs its CPU backend explicitly, so that STEPFUSE_CPU_BACKEND changes nothing.
-enum class Variant : std::uint8_t { fused, fused_sr, fused_llvm, fused_llvm_sr, unfused, interpreted };
-inline constexpr std::array<Variant, 6> kAllVariants = {Variant::fused,         Variant::fused_sr,
-                                                        Variant::fused_llvm,    Variant::fused_llvm_sr,
-                                                        Variant::unfused,       Variant::interpreted};
-constexpr std::size_t idx(Variant v) { return static_cast<std::size_t>(v); }
-// The name in the table, the progress line and messages.
-inline const char* variant_name(Variant v) {
-  switch (v) {
-    case Variant::fused: return "fused";
-    case Variant::fused_sr: return "fused-sr";
-    case Variant::fused_llvm: return "fused-llvm";
-    case Variant::fused_llvm_sr: return "fused-llvm-sr";
-    case Variant::unfused: return "unfused";
-    case Variant::interpreted: return "interpreted";
+enum class Kind : std::uint8_t { fused, fused_sr, fused_llvm, fused_llvm_sr, unfused, interpreted };
+inline constexpr std::array<StateFormat, 3> kAllStates = {StateFormat::f32, StateFormat::bf16, StateFormat::q8};
+struct Variant {
+  Kind kind = Kind::fused;
+  StateFormat state = StateFormat::f32;
+  // The variants with f32 state, by their names before --state: Variant::fused, ...
+  static const Variant fused, fused_sr, fused_llvm, fused_llvm_sr, unfused, interpreted;
+  constexpr bool operator==(const Variant&) const = default;
+  // The same step, storing its state as `f`.
+  constexpr Variant with_state(StateFormat f) const { return {kind, f}; }
+};
+inline constexpr Variant Variant::fused{Kind::fused, StateFormat::f32};
+inline constexpr Variant Variant::fused_sr{Kind::fused_sr, StateFormat::f32};
+inline constexpr Variant Variant::fused_llvm{Kind::fused_llvm, StateFormat::f32};
+inline constexpr Variant Variant::fused_llvm_sr{Kind::fused_llvm_sr, StateFormat::f32};
+inline constexpr Variant Variant::unfused{Kind::unfused, StateFormat::f32};
+inline constexpr Variant Variant::interpreted{Kind::interpreted, StateFormat::f32};
+constexpr std::size_t idx(Variant v) {
+  return static_cast<std::size_t>(v.kind) * kAllStates.size() + static_cast<std::size_t>(v.state);
+}
+inline constexpr std::array<Variant, 6 * kAllStates.size()> kAllVariants = [] {
+  std::array<Variant, 6 * kAllStates.size()> all{};
+  for (std::size_t k = 0; k < 6; ++k)
+    for (StateFormat f : kAllStates) {
+      const Variant v{static_cast<Kind>(k), f};
+      all[idx(v)] = v;
+    }
+  return all;
+}();
+// The state suffix of a row name: "" (f32), "-bf16s", "-q8".
+inline const char* state_suffix(StateFormat f) {
+  return f == StateFormat::f32 ? "" : f == StateFormat::bf16 ? "-bf16s" : "-q8";
+}
+inline const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::fused: return "fused";
+    case Kind::fused_sr: return "fused-sr";
+    case Kind::fused_llvm: return "fused-llvm";
+    case Kind::fused_llvm_sr: return "fused-llvm-sr";
+    case Kind::unfused: return "unfused";
+    case Kind::interpreted: return "interpreted";
   }
   return "?";
 }
-// The name in JSON keys ("fused_llvm", "fused_llvm_over_fused_speed", "fused_sr_over_fused_time").
+// The name in the table, the progress line and messages: "fused", "fused-llvm-sr-q8", ...
+inline const char* variant_name(Variant v) {
+  static const std::array<std::string, kAllVariants.size()> names = [] {
+    std::array<std::string, kAllVariants.size()> n;
+    for (Variant x : kAllVariants) n[idx(x)] = std::string(kind_name(x.kind)) + state_suffix(x.state);
+    return n;
+  }();
+  return names[idx(v)].c_str();
+}
+// The name in JSON keys ("fused_llvm", "fused_llvm_over_fused_speed", "fused_sr_over_fused_time",
+// "fused_q8_over_fused_time").
 inline std::string variant_key(Variant v) {
   std::string k = variant_name(v);
   for (char& ch : k)
@@ -89,11 +133,11 @@ inline std::string variant_key(Variant v) {
   return k;
 }
 inline Fusion fusion_of(Variant v) {
-  return v == Variant::unfused ? Fusion::unfused : v == Variant::interpreted ? Fusion::interpreted : Fusion::fused;
+  return v.kind == Kind::unfused ? Fusion::unfused : v.kind == Kind::interpreted ? Fusion::interpreted : Fusion::fused;
 }
 inline bool is_fused(Variant v) { return fusion_of(v) == Fusion::fused; }
 inline CpuBackend cpu_backend_of(Variant v) {
-  return v == Variant::fused_llvm || v == Variant::fused_llvm_sr ? CpuBackend::llvm : CpuBackend::highway;
+  return v.kind == Kind::fused_llvm || v.kind == Kind::fused_llvm_sr ? CpuBackend::llvm : CpuBackend::highway;
 }
 // --rounding: how the step stores updated bf16 weights kept without fp32 masters. The fused
 // "-sr" variants round stochastically (OptimizerOptions::stochastic_rounding, seed
@@ -102,8 +146,12 @@ enum class Rounding : std::uint8_t { nearest, stochastic };
 inline constexpr std::uint64_t kStochasticSeed = 1;
 inline const char* rounding_name(Rounding r) { return r == Rounding::nearest ? "nearest" : "stochastic"; }
 inline Rounding rounding_of(Variant v) {
-  return v == Variant::fused_sr || v == Variant::fused_llvm_sr ? Rounding::stochastic : Rounding::nearest;
+  return v.kind == Kind::fused_sr || v.kind == Kind::fused_llvm_sr ? Rounding::stochastic : Rounding::nearest;
 }
+// --state: how the step stores the optimizer state (OptimizerOptions::state_format, with the
+// library's min_q8_numel: q8 only for tensors of at least 4096 elements).
+inline StateFormat state_of(Variant v) { return v.state; }
+inline std::size_t state_idx(StateFormat f) { return static_cast<std::size_t>(f); }
 inline bool have_llvm() { return llvm_version()[0] != '\0'; }
 
 // --groups: one param group; two (a decay group of matrices and a no-decay group of 1-D
@@ -125,6 +173,7 @@ struct Case {
   std::vector<Fusion> modes;               // --fusion, in kAllModes order
   std::vector<CpuBackend> cpu_backends;    // --cpu-backend, highway first
   std::vector<Rounding> roundings;         // --rounding, nearest first
+  std::vector<StateFormat> states;         // --state, in kAllStates order (f32 first)
   std::vector<Variant> variants;           // what is timed, in kAllVariants order
   OptimizerConfig config;
   DType weights = DType::f32, grads = DType::f32;
@@ -146,6 +195,8 @@ struct Case {
 
   bool timed_mode(Fusion f) const;
   bool timed(Variant v) const;
+  // Whether any timed variant stores its state as `f`.
+  bool timed_state(StateFormat f) const;
   OptimizerOptions options_for(Variant v) const;
 };
 
@@ -180,14 +231,21 @@ struct Verified {
   Variant mode;
   VerifyReport report;
 };
+// The bitwise checks of phase 2, per state format (indexed by state_idx()).
+using PerState = std::array<std::optional<VerifyReport>, kAllStates.size()>;
 struct Verification {
-  Variant ref = Variant::unfused;           // the reference the others are compared with
+  Variant ref = Variant::unfused;           // the reference the others are compared with (f32 state)
   std::vector<Verified> verified;           // each variant checked against ref, in kAllVariants order
-  std::optional<VerifyReport> llvm_check;   // fused-llvm against fused, bit for bit
+  PerState llvm_check;                      // fused-llvm[-bf16s|-q8] against fused[...], bit for bit
   // When a "-sr" variant is timed: fused-sr against fused, the same step but for the rounding
-  // of the weights (compare_rounding), and fused-llvm-sr against fused-sr, bit for bit.
-  std::optional<VerifyReport> rounding_check;
-  std::optional<VerifyReport> llvm_sr_check;
+  // of the weights (compare_rounding), and fused-llvm-sr against fused-sr, bit for bit (each
+  // with its state format).
+  PerState rounding_check;
+  PerState llvm_sr_check;
+  // --state bf16 or q8: fused-bf16s (fused-q8) against unfused-bf16s (unfused-q8), bit for bit:
+  // the weights and the state as stored (bf16 bits; q8 codes and absmaxes). [0] is empty: f32
+  // state is checked against `ref` within fp32 rounding, as before.
+  PerState unfused_check;
   StepResult ref_result;                    // the verification step's norm and clip coefficient
 };
 

@@ -26,10 +26,18 @@
 #                   model's, the JSON's figures (and the bitwise LLVM check with -DHAVE_LLVM=ON); --help names it;
 #                   --backend cuda as the cuda_backend case (no GPU: exit 1 saying why; else a run); the usage
 #                   errors (f32 and f16 weights, --rounding stochastic, --ranks, with --no-masters)
+#   state           --state f32,bf16,q8 with --weights bf16 --masters off --rounding nearest,stochastic on a
+#                   tiny list: exit 0, each state's bytes (q8: codes and absmaxes, AdamW 12.0625 B/param), the
+#                   bitwise checks against unfused-bf16s / unfused-q8 (and the -sr and, with -DHAVE_LLVM=ON,
+#                   -llvm twins), the -bf16s and -q8 rows with their B/param, the "state / f32 state" ratios, the
+#                   JSON's figures; q8 alone on a list with a tensor under min_q8_numel (4096: f32 state) and
+#                   --groups compare; --help names it; the usage errors (a bad format, --backend cuda, no fused
+#                   mode, ASGD, --ranks with a list)
 #   ranks           -DHAVE_MPI=ON (-DMPIEXEC=<mpiexec>): --ranks 2 (stepfuse-bench starts mpiexec itself) with
 #                   slices and with whole tensors: exit 0, the table, one all_gather per step of the bytes the
 #                   layout gives, the JSON's figures; --ranks 1 --json-only; under mpiexec -n 1 with --ranks 2,
-#                   and too many ranks for the model: exit 1 saying why. OFF: --ranks exits 1 saying the build
+#                   and too many ranks for the model: exit 1 saying why; --state q8 (one format) on 2 ranks.
+#                   OFF: --ranks exits 1 saying the build
 #                   has no MPI and how to get it. Both: --shard without --ranks is a usage error
 cmake_minimum_required(VERSION 3.20)
 foreach(var BENCH DIR CASE)
@@ -424,6 +432,103 @@ elseif(CASE STREQUAL "compensated")
   expect_rc(1 "compensated (with --no-masters)")
   expect_in("${err}" "excludes" "compensated (with --no-masters)")
 
+elseif(CASE STREQUAL "state")
+  file(REMOVE "${DIR}/state.json")
+  # 102,400 elements: 400 q8 blocks of 256, each with an fp32 absmax.
+  set(tiny --preset flat:102400 --steps 3 --warmup 1 --rss-steps 1 --optimizer adamw --weights bf16 --grads bf16
+           --masters off)
+  bench(${tiny} --rounding nearest,stochastic --state f32,bf16,q8 --json "${DIR}/state.json")
+  expect_rc(0 "state")
+  expect_in("${out}" "AdamW · weights bf16 · grads bf16 · state f32, bf16, q8 · clip" "state stdout (config)")
+  # AdamW, bf16 weights and grads, no masters: reduce 2; update: read g 2 + w 2, write w 2, and m and v read and
+  # written at 4 (f32), 2 (bf16) or 1 + 4/256 (q8) bytes each.
+  expect_in("${out}" "bytes the step must move: reduce 2 + update 22 = 24 B/param (2 state streams, f32)"
+            "state stdout (f32 bytes)")
+  expect_in("${out}" "  with bf16 state (the -bf16s rows): reduce 2 + update 14 = 16 B/param"
+            "state stdout (bf16 bytes)")
+  expect_in("${out}" "  with q8 state (the -q8 rows): reduce 2 + update 10.0625 = 12.0625 B/param"
+            "state stdout (q8 bytes)")
+  expect_in("${out}" "100.0% of the parameters, absmaxes counted" "state stdout (q8 share)")
+  expect_in("${out}" "one fused-bf16s and one unfused-bf16s step are bitwise equal" "state stdout (bf16 check)")
+  expect_in("${out}" "one fused-q8 and one unfused-q8 step are bitwise equal: 308,000 values" "state stdout (q8 check)")
+  expect_in("${out}" "one fused-sr-q8 step (stochastic rounding, seed 1) is the fused-q8 step but for the rounding"
+            "state stdout (q8 rounding check)")
+  expect_in("${out}" "B/param     GB/s  % adam_like" "state stdout (B/param column)")
+  foreach(row fused fused-bf16s fused-q8 fused-sr fused-sr-bf16s fused-sr-q8 unfused)
+    expect_in("${out}" "\n  ${row} " "state stdout (row ${row})")
+  endforeach()
+  expect_in("${out}" "  state / f32 state, step time (median of per-iteration ratios" "state stdout (ratios)")
+  expect_in("${out}" "\n    fused-q8 / fused " "state stdout (q8 ratio)")
+  expect_in("${out}" "bytes 12.06 / 24 = 0.503x" "state stdout (q8 ratio bytes)")
+  expect_in("${out}" "\n    fused-sr-q8 / fused-q8 " "state stdout (stochastic / nearest, q8)")
+  file(READ "${DIR}/state.json" j)
+  string(JSON nstates LENGTH "${j}" config state)
+  string(JSON q8_bytes GET "${j}" fused_q8 bytes_per_param)
+  string(JSON q8_state GET "${j}" fused_q8 state)
+  string(JSON bf16_bytes GET "${j}" fused_sr_bf16s bytes_per_param)
+  string(JSON f32_bytes GET "${j}" fused bytes_per_param)
+  string(JSON by_state GET "${j}" step_bytes_by_state q8 per_param)
+  string(JSON share GET "${j}" step_bytes_by_state q8 stored_fraction)
+  string(JSON ratio GET "${j}" fused_q8_over_fused_time)
+  string(JSON per_it GET "${j}" per_iteration fused_q8_over_fused_time median)
+  string(JSON q8_checked GET "${j}" verification state_q8 unfused bitwise_equal)
+  string(JSON q8_apart GET "${j}" verification state_q8 stochastic_vs_nearest weights_rounded_apart)
+  string(JSON bf16_checked GET "${j}" verification state_bf16 unfused bitwise_equal)
+  if(NOT nstates EQUAL 3 OR NOT q8_bytes EQUAL 12.0625 OR NOT q8_state STREQUAL "q8" OR NOT bf16_bytes EQUAL 16
+     OR NOT f32_bytes EQUAL 24 OR NOT by_state EQUAL 12.0625 OR NOT share EQUAL 1 OR NOT ratio GREATER 0
+     OR NOT per_it GREATER 0 OR NOT q8_checked OR NOT q8_apart GREATER 0 OR NOT bf16_checked)
+    message(FATAL_ERROR "state: the JSON is wrong: states=${nstates} fused_q8 bytes/param=${q8_bytes} "
+                        "state=${q8_state} fused_sr_bf16s bytes/param=${bf16_bytes} fused bytes/param=${f32_bytes} "
+                        "step_bytes_by_state q8=${by_state} (share ${share}) ratio=${ratio} per-iteration=${per_it} "
+                        "q8 checked=${q8_checked} (rounded apart ${q8_apart}) bf16 checked=${bf16_checked}")
+  endif()
+  if(HAVE_LLVM)  # the default --cpu-backend: highway,llvm
+    expect_in("${out}" "one fused-llvm-q8 and one fused-q8 (Highway) step are bitwise equal" "state (llvm)")
+    expect_in("${out}" "one fused-llvm-sr-bf16s and one fused-sr-bf16s (Highway) step are bitwise equal"
+              "state (llvm, stochastic)")
+    expect_in("${out}" "\n  fused-llvm-sr-q8 " "state stdout (llvm table row)")
+    string(JSON bitwise GET "${j}" verification state_q8 llvm_vs_highway bitwise_equal)
+    string(JSON llvm_ratio GET "${j}" fused_llvm_q8_over_fused_llvm_time)
+    if(NOT bitwise OR NOT llvm_ratio GREATER 0)
+      message(FATAL_ERROR "state (llvm): the JSON is wrong: bitwise=${bitwise} ratio=${llvm_ratio}")
+    endif()
+  endif()
+  # q8 alone, with a tensor under min_q8_numel (4096: its state stays f32) and two param groups.
+  file(WRITE "${DIR}/mixed.shapes" "big 64x128\nsmall 1000\n")
+  bench(--shapes "${DIR}/mixed.shapes" --steps 2 --warmup 0 --rss-steps 1 --state q8 --fusion fused
+        --cpu-backend highway --groups compare)
+  expect_rc(0 "state (q8 alone)")
+  # AdamW, f32: reduce 4; update 4 + 4 + 4, and m and v: (8192 + 32 * 4 + 1000 * 4) / 9192 bytes each way.
+  expect_in("${out}" "  with q8 state (the -q8 rows): reduce 4 + update 17.3612 = 21.3612 B/param"
+            "state (q8 alone: bytes)")
+  expect_in("${out}" "89.1% of the parameters" "state (q8 alone: share)")
+  expect_in("${out}" "one fused-q8 and one unfused-q8 step are bitwise equal" "state (q8 alone: check)")
+  expect_in("${out}" "\n  fused-q8-2g " "state (q8 alone: two-group row)")
+  expect_in("${out}" "GiB weights+grads+q8 state = " "state (q8 alone: peak RSS)")
+  bench(--help)
+  expect_rc(0 "state (--help)")
+  expect_in("${out}" "Optimizer state formats (--state f32,bf16,q8)" "state (--help)")
+  # Usage errors.
+  bench(--preset flat:1000 --state q4)
+  expect_rc(1 "state (bad format)")
+  expect_in("${err}" "--state: q4 not in {f32,bf16,q8}" "state (bad format)")
+  bench(--preset flat:1000 --state f32,q8 --backend cuda)
+  expect_rc(1 "state (--backend cuda)")
+  expect_in("${err}" "stepfuse-bench: --state q8: the CUDA path stores f32 state only for now" "state (--backend cuda)")
+  bench(--preset flat:1000 --state bf16 --fusion unfused)
+  expect_rc(1 "state (no fused mode)")
+  expect_in("${err}" "--state bf16: stores the fused step's state, and --fusion times no fused step"
+            "state (no fused mode)")
+  bench(--preset flat:1000 --state q8 --optimizer asgd)
+  expect_rc(1 "state (asgd)")
+  expect_in("${err}" "stepfuse-bench: --state q8: the library rejects this configuration: " "state (asgd)")
+  expect_in("${err}" "full precision" "state (asgd)")
+  bench(--preset flat:100000 --state f32,q8 --ranks 2)
+  expect_rc(1 "state (--ranks)")
+  if(NOT err MATCHES "--ranks: times one --state format|built without MPI")
+    message(FATAL_ERROR "state (--ranks): not the expected message:\n${err}")
+  endif()
+
 elseif(CASE STREQUAL "ranks")
   bench(--preset flat:100000 --shard whole)
   expect_rc(1 "ranks (--shard without --ranks)")
@@ -482,6 +587,13 @@ elseif(CASE STREQUAL "ranks")
   string(JSON received GET "${out}" collective bytes_received_per_rank)
   if(NOT ranks EQUAL 1 OR NOT received EQUAL 0)
     message(FATAL_ERROR "ranks (one rank): the JSON is wrong: ranks=${ranks} received=${received}")
+  endif()
+  # One --state format: the sharded and the local step both store q8 state.
+  bench(--preset flat:100000 --ranks 2 --state q8 --steps 1 --warmup 0 --threads 1 --json-only)
+  expect_rc(0 "ranks (--state q8)")
+  string(JSON state GET "${out}" config state)
+  if(NOT state STREQUAL "q8")
+    message(FATAL_ERROR "ranks (--state q8): the JSON is wrong: state=${state}")
   endif()
   # Usage errors: more ranks than the model has chunks (before mpiexec), a world of another size.
   bench(--preset flat:20000 --ranks 3)

@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string_view>
@@ -102,15 +103,56 @@ struct Tally {
   }
 };
 
+// A state stream of one tensor as stored (OptimizerOptions::state_format): fp32 values, bf16
+// bits, or q8 codes with an fp32 absmax per block of 256 elements.
+struct Stored {
+  StateFormat format = StateFormat::f32;
+  std::span<const float> f32;             // format f32: the values (state())
+  std::span<const std::byte> bytes;       // bf16 and q8: state_storage()
+  std::span<const float> absmax;          // q8: state_absmax()
+  static constexpr std::int64_t kBlock = 256;
+
+  // Element i as a double whose bits differ exactly when the stored bits do: the fp32 value,
+  // the bf16 value widened, or the q8 code.
+  double bits_value(std::int64_t i) const {
+    switch (format) {
+      case StateFormat::f32: return f32[static_cast<std::size_t>(i)];
+      case StateFormat::bf16: {
+        std::uint16_t h;
+        std::memcpy(&h, bytes.data() + 2 * i, sizeof h);
+        return bf16_to_f32(h);
+      }
+      case StateFormat::q8:
+        return static_cast<double>(std::to_integer<std::uint8_t>(bytes[static_cast<std::size_t>(i)]));
+    }
+    return 0;
+  }
+};
+Stored stored_state(const Optimizer& opt, std::size_t t, std::string_view name) {
+  Stored s;
+  s.format = opt.state_format(t, name);
+  if (s.format == StateFormat::f32) s.f32 = opt.state(t, name);
+  else s.bytes = opt.state_storage(t, name), s.absmax = opt.state_absmax(t, name);
+  return s;
+}
+std::size_t stored_size(const Stored& s) {
+  return s.format == StateFormat::f32    ? s.f32.size()
+         : s.format == StateFormat::bf16 ? s.bytes.size() / 2
+                                         : s.bytes.size();
+}
+
 // The masters, compensations and state streams of two optimizers over the same tensor
 // list, gathered up front so that the parallel loops only read plain memory.
 struct Spans {
   std::vector<std::span<const float>> am, bm;               // masters, per tensor
   std::vector<std::span<const std::uint16_t>> ac, bc;       // bf16 compensations (bits), per tensor
-  std::vector<std::vector<std::span<const float>>> as, bs;  // state, per stream, per tensor
+  std::vector<std::vector<std::span<const float>>> as, bs;  // f32 state, per stream, per tensor (else empty)
+  std::vector<std::vector<Stored>> ast, bst;                // the state as stored, per stream, per tensor
+  bool all_f32 = true;                                      // every stream of every tensor stored as f32
+  std::vector<std::string> code_names, absmax_names;        // "<stream> (q8 code)", ..., per stream
 };
 
-// Fills `sp` for `names`; returns "" or what does not match in size.
+// Fills `sp` for `names`; returns "" or what does not match in size or format.
 std::string gather_spans(const Optimizer& a, const Optimizer& b, const ModelBuffers& buf,
                          const std::vector<std::string_view>& names, Spans& sp) {
   const std::size_t nt = buf.num_tensors();
@@ -120,6 +162,14 @@ std::string gather_spans(const Optimizer& a, const Optimizer& b, const ModelBuff
   sp.bc.resize(nt);
   sp.as.assign(names.size(), {});
   sp.bs.assign(names.size(), {});
+  sp.ast.assign(names.size(), {});
+  sp.bst.assign(names.size(), {});
+  sp.code_names.clear();
+  sp.absmax_names.clear();
+  for (std::string_view n : names) {
+    sp.code_names.push_back(std::string(n) + " (q8 code)");
+    sp.absmax_names.push_back(std::string(n) + " (q8 absmax of its block)");
+  }
   for (std::size_t t = 0; t < nt; ++t) {
     sp.am[t] = a.master(t);
     sp.bm[t] = b.master(t);
@@ -128,13 +178,45 @@ std::string gather_spans(const Optimizer& a, const Optimizer& b, const ModelBuff
     sp.bc[t] = b.compensation(t);
     if (sp.ac[t].size() != sp.bc[t].size()) return "compensations differ in size";
     for (std::size_t s = 0; s < names.size(); ++s) {
-      sp.as[s].push_back(a.state(t, names[s]));
-      sp.bs[s].push_back(b.state(t, names[s]));
-      if (sp.as[s][t].size() != sp.bs[s][t].size() || sp.as[s][t].size() != static_cast<std::size_t>(buf.numel(t)))
+      sp.ast[s].push_back(stored_state(a, t, names[s]));
+      sp.bst[s].push_back(stored_state(b, t, names[s]));
+      const Stored &x = sp.ast[s][t], &y = sp.bst[s][t];
+      if (x.format != y.format)
+        return "state '" + std::string(names[s]) + "' of " + buf.name(t) + " is stored as " +
+               std::string(state_format_name(x.format)) + " by one optimizer and as " +
+               std::string(state_format_name(y.format)) + " by the other";
+      sp.all_f32 = sp.all_f32 && x.format == StateFormat::f32;
+      sp.as[s].push_back(x.f32);
+      sp.bs[s].push_back(y.f32);
+      if (stored_size(x) != stored_size(y) || stored_size(x) != static_cast<std::size_t>(buf.numel(t)) ||
+          x.absmax.size() != y.absmax.size())
         return "state '" + std::string(names[s]) + "' has the wrong size";
     }
   }
   return "";
+}
+
+// Element i of tensor t of every state stream, bit for bit as stored: the fp32 value, the bf16
+// bits, or the q8 code, and at the first element of each q8 block its absmax.
+void check_state_bits(Tally& tl, const Spans& sp, const std::vector<std::string_view>& names, const ModelBuffers& buf,
+                      std::size_t t, std::int64_t i) {
+  for (std::size_t s = 0; s < names.size(); ++s) {
+    const Stored &x = sp.ast[s][t], &y = sp.bst[s][t];
+    switch (x.format) {
+      case StateFormat::f32:
+        tl.check_bits(x.f32[static_cast<std::size_t>(i)], y.f32[static_cast<std::size_t>(i)], buf, t, i, names[s], 0.0);
+        break;
+      case StateFormat::bf16: tl.check_bits(x.bits_value(i), y.bits_value(i), buf, t, i, names[s], 0.0); break;
+      case StateFormat::q8: {
+        tl.check_bits(x.bits_value(i), y.bits_value(i), buf, t, i, sp.code_names[s], 0.0);
+        if (i % Stored::kBlock == 0) {
+          const auto b = static_cast<std::size_t>(i / Stored::kBlock);
+          tl.check_bits(x.absmax[b], y.absmax[b], buf, t, i, sp.absmax_names[s], 0.0);
+        }
+        break;
+      }
+    }
+  }
 }
 
 // The per-thread tallies added into `rep` (worst: the largest worst_ratio); returns the
@@ -264,6 +346,10 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
 
   Spans sp;
   if (std::string p = gather_spans(fused, unfused, fb, names, sp); !p.empty()) return problem(p), rep;
+  if (!sp.all_f32)
+    return problem("the state is stored as bf16 or q8 (OptimizerOptions::state_format): compare such steps bit for "
+                   "bit (compare_bitwise), not within fp32 rounding"),
+           rep;
   const auto &fm = sp.am, &um = sp.bm;
   const auto &fc = sp.ac, &uc = sp.bc;
   const auto &fs = sp.as, &us = sp.bs;
@@ -318,7 +404,7 @@ VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const S
     if (!sp.am[t].empty()) tl.check_bits(sp.am[t][i], sp.bm[t][i], ab, t, i, "master", p0);
     if (!sp.ac[t].empty())
       tl.check_bits(bf16_to_f32(sp.ac[t][i]), bf16_to_f32(sp.bc[t][i]), ab, t, i, "compensation", p0);
-    for (std::size_t s = 0; s < names.size(); ++s) tl.check_bits(sp.as[s][t][i], sp.bs[s][t][i], ab, t, i, names[s], 0.0);
+    check_state_bits(tl, sp, names, ab, t, i);
   };
   compare_elements(ab, loss_scale, threads, a_name, b_name, rep, check);
   rep.worst_ratio = 0;  // the largest |difference| is in `worst`; there is no tolerance to be a fraction of
@@ -340,8 +426,7 @@ VerifyReport compare_rounding(const Optimizer& sr, const ModelBuffers& sr_buf, c
   const auto check = [&](Tally& tl, std::size_t t, std::int64_t i, double p0) {
     tl.check_rounded(static_cast<const std::uint16_t*>(sr_buf.weight(t).data)[i],
                      static_cast<const std::uint16_t*>(rn_buf.weight(t).data)[i], sr_buf, t, i, p0);
-    for (std::size_t s = 0; s < names.size(); ++s)
-      tl.check_bits(sp.as[s][t][i], sp.bs[s][t][i], sr_buf, t, i, names[s], 0.0);
+    check_state_bits(tl, sp, names, sr_buf, t, i);
   };
   compare_elements(sr_buf, loss_scale, threads, sr_name, rn_name, rep, check);
   rep.worst_ratio = 0;  // `worst` describes a value that differs; there is no tolerance to be a fraction of

@@ -31,7 +31,8 @@ struct VerifyReport {
 // mode checked against the reference `unfused` (interpreted against unfused, say); the
 // names only label the messages. Values agree when
 //   |fused - unfused| <= rel * |unfused - initial| + k ulp(max(|fused|, |unfused|))
-// (k = 4 in fp32, 1 in a 16-bit weight format; states use 2 * rel * |value|), where rel is
+// (k = 4 in fp32, 1 in a 16-bit weight format; states use 2 * rel * |value|; f32 state only:
+// state stored as bf16 or q8 is a problem, compare such steps with compare_bitwise), where rel is
 // 1e-5 for fp32 gradients (docs/architecture.md §8) and the gradient format's rounding for 16-bit ones:
 // the unfused baseline writes the unscaled, clipped gradients back in their own dtype, as
 // eager PyTorch does. Reads everything with `threads` threads; allocates nothing large.
@@ -41,12 +42,14 @@ VerifyReport compare_one_step(const Optimizer& fused, const ModelBuffers& fb, co
                               std::string_view unfused_name = "unfused");
 
 // Compares two optimizers that must compute the same step bit for bit (one fused step on
-// two CPU backends), each after exactly one step_scaled(loss_scale) from identical inputs:
-// the step results (grad norm and clip coefficient as bits), the per-tensor gradient norms,
-// every weight (as stored), master, compensation and state value, and that `a` left its
-// gradients untouched. rel_tol and worst_ratio are 0; mismatches counts values whose bits
-// differ and worst describes the one that differs most. Reads with `threads` threads;
-// allocates nothing large.
+// two CPU backends, or a fused and an unfused step storing bf16 or q8 state), each after
+// exactly one step_scaled(loss_scale) from identical inputs: the step results (grad norm and
+// clip coefficient as bits), the per-tensor gradient norms, every weight (as stored), master,
+// compensation and state value as stored (OptimizerOptions::state_format: fp32 values, bf16
+// bits, or q8 codes and each block's absmax, which then count as values too; both optimizers
+// must store each stream alike), and that `a` left its gradients untouched. rel_tol and
+// worst_ratio are 0; mismatches counts values whose bits differ and worst describes the one
+// that differs most. Reads with `threads` threads; allocates nothing large.
 VerifyReport compare_bitwise(const Optimizer& a, const ModelBuffers& ab, const StepResult& ra, const Optimizer& b,
                              const ModelBuffers& bb, const StepResult& rb, double loss_scale, int threads,
                              std::string_view a_name, std::string_view b_name);

@@ -3,13 +3,17 @@
 // loop of torch.amp, on the CPU, in one file.
 //
 //   stepfuse-train-mlp [--steps N] [--threads N] [--lr X] [--weights f16|bf16]
-//                      [--masters on|off|compensated] [--rounding nearest|stochastic] [--help]
+//                      [--masters on|off|compensated] [--rounding nearest|stochastic]
+//                      [--state f32|bf16|q8] [--help]
 //
 // The weight options compare ways of keeping low-precision weights: with fp32 masters
 // (the default), without them (each update rounded to the weights' format), bf16
 // without masters rounded stochastically (OptimizerOptions::stochastic_rounding), and
 // bf16 with a bf16 compensation beside each weight instead of a master
-// (OptimizerOptions::compensated_weights: 2 bytes per parameter instead of 4).
+// (OptimizerOptions::compensated_weights: 2 bytes per parameter instead of 4). --state
+// stores AdamW's two moments as bf16 or as 8-bit blockwise-quantized codes
+// (OptimizerOptions::state_format; q8 only for tensors of at least min_q8_numel = 4096
+// elements, here the first layer's 64x256 weights: the rest keep f32 state).
 //
 // The task: classify 64-dimensional Gaussian inputs into the 10 classes that a fixed,
 // random "teacher" network assigns them. Every number comes from a fixed seed, so two
@@ -272,6 +276,7 @@ struct Args {
   std::string weights = "f16";      // f16 or bf16
   std::string masters = "on";       // fp32 masters: on, off, or compensated (bf16 compensations instead)
   std::string rounding = "nearest";  // nearest or stochastic (bf16 weights without masters)
+  std::string state = "f32";         // the optimizer state's storage: f32, bf16 or q8
 };
 
 // A whole decimal number >= min_value, handed on to CLI11 in plain digits (CLI11 alone
@@ -313,6 +318,12 @@ int parse_args(int argc, char** argv, Args& args) {
                  "how updated weights are stored without masters: nearest (even) or stochastic (bf16 weights, "
                  "--masters off; OptimizerOptions::stochastic_rounding, seed 1)")
       ->check(CLI::IsMember({"nearest", "stochastic"}))
+      ->capture_default_str();
+  app.add_option("--state", args.state,
+                 "how AdamW's moments are stored between steps: f32, bf16 (2 bytes each) or q8 (8-bit blockwise "
+                 "quantization, 1 byte each + 4 per 256, for tensors of at least 4096 elements; smaller ones keep "
+                 "f32); OptimizerOptions::state_format")
+      ->check(CLI::IsMember({"f32", "bf16", "q8"}))
       ->capture_default_str();
   try {
     app.parse(argc, argv);
@@ -360,6 +371,9 @@ int train(const Args& args) {
   options.compensated_weights = args.masters == "compensated";
   options.stochastic_rounding = args.rounding == "stochastic";
   options.seed = 1;
+  options.state_format = args.state == "q8"     ? stepfuse::StateFormat::q8
+                         : args.state == "bf16" ? stepfuse::StateFormat::bf16
+                                                : stepfuse::StateFormat::f32;
   const stepfuse::optim::AdamW adamw{.lr = args.lr};  // PyTorch's defaults otherwise
   stepfuse::Optimizer opt(adamw, net.params(), options);
 
@@ -373,6 +387,17 @@ int train(const Args& args) {
               : options.compensated_weights ? "no masters: a bf16 compensation per weight in the optimizer"
               : options.stochastic_rounding ? "no masters: updates rounded stochastically"
                                             : "no masters: updates rounded to nearest");
+  // The state as stored: the bytes of every stream (and q8's absmaxes) over every tensor.
+  double state_bytes = 0;
+  std::int64_t numel = 0;
+  for (std::size_t p = 0; p < opt.num_params(); ++p) {
+    numel += opt.params()[p].weight.numel;
+    for (std::string_view s : opt.state_names())
+      state_bytes += static_cast<double>(opt.state_storage(p, s).size() + opt.state_absmax(p, s).size_bytes());
+  }
+  std::printf("  AdamW state %s: %.2f bytes per parameter (f32: 8)%s\n", args.state.c_str(),
+              numel > 0 ? state_bytes / static_cast<double>(numel) : 0.0,
+              args.state == "q8" ? "; q8 for tensors of at least 4096 elements, f32 for the others" : "");
   std::printf("  AdamW lr %g, weight decay %g, clip grad norm %g; GradScaler init scale %.0f, growth interval %lld\n",
               adamw.lr, adamw.weight_decay, kMaxGradNorm, kInitScale, static_cast<long long>(kGrowthInterval));
   std::printf("  %d steps; optimizer step on %d threads, forward/backward on 1\n\n", args.steps, opt.num_threads());
