@@ -42,6 +42,18 @@ struct DtypeCombo {
 };
 inline constexpr int kNumComboIndices = 24;
 
+// The combos whose Highway kernels also come with state streams stored as bf16
+// (read and written in registers; the others stage it, runtime/cpu/host_buffers.hpp):
+// their index among those, or -1. Kernel tables put them after the kNumComboIndices.
+inline constexpr int kNumBf16StateCombos = 7;
+constexpr int bf16_state_index(const DtypeCombo& c) {
+  if (c.weight == DType::f32) return c.grad == DType::f32 ? 0 : c.grad == DType::bf16 ? 1 : -1;
+  if (c.weight != DType::bf16 || c.grad == DType::f16) return -1;
+  if (c.master) return c.grad == DType::f32 ? 2 : 3;
+  if (c.grad != DType::bf16) return -1;
+  return c.stochastic ? 5 : c.compensated ? 6 : 4;
+}
+
 // The combo of a tensor with these dtypes under OptimizerOptions::master_weights,
 // ::stochastic_rounding and ::compensated_weights: masters for f16/bf16 weights
 // when kept; stochastic rounding or a compensation for bf16 weights without them.

@@ -211,6 +211,18 @@ TEST(StateFormats, BitwiseIdenticalAcrossTargetsThreadsAndModes) {
   test::expect_same_on_every_cpu_path(
       sr, [&](const OptimizerOptions& o) { return train(optim::AdamW{.lr = 1e-2}, o, 3, kNoF16); },
       "AdamW q8, stochastic rounding");
+  // bf16 state beside bf16 weights without masters: Highway's kernels read and write it in
+  // registers (the other paths stage it).
+  sr.state_format = StateFormat::bf16;
+  test::expect_same_on_every_cpu_path(
+      sr, [&](const OptimizerOptions& o) { return train(optim::AdamW{.lr = 1e-2}, o, 3, kNoF16); },
+      "AdamW bf16 state, stochastic rounding");
+  OptimizerOptions comp = format_options(StateFormat::bf16);
+  comp.master_weights = false;
+  comp.compensated_weights = true;
+  test::expect_same_on_every_cpu_path(
+      comp, [&](const OptimizerOptions& o) { return train(optim::LAMB{}, o, 3, kNoF16); },
+      "LAMB bf16 state, compensated weights");
 }
 
 TEST(StateFormats, CustomProgramsAsBuiltIns) {

@@ -35,6 +35,15 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
     }
     k.update = fused_update_kernel(*group.fused, c);
     k.phase1 = fused_phase1_kernel(*group.fused, c);  // two-phase programs
+    if (all_bf16_state(i)) {  // the kernels that read and write the bf16 state in registers, where there are
+      const UpdateFn u = fused_update_kernel(*group.fused, c, /*bf16_state=*/true);
+      const Phase1Fn p1 = fused_phase1_kernel(*group.fused, c, /*bf16_state=*/true);
+      if (u != nullptr && (k.phase1 == nullptr || p1 != nullptr)) {
+        k.update = u;
+        k.phase1 = p1;
+        k.bf16_state = true;
+      }
+    }
     if (k.update == nullptr)
       throw Error(ErrorCode::unsupported, "no fused CPU kernel for " + std::string(group.program->name) + " with " +
                                               std::string(dtype_name(c.weight)) + " weights and " +
@@ -54,9 +63,29 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
   if (options_.fusion == Fusion::fused) setup_llvm(std::move(program_owner));
 }
 
+// Whether every state stream of tensor t's program that may be stored otherwise
+// (not full precision) is stored as bf16: then the Highway kernels with bf16 state
+// read and write all of them in registers.
+bool FusedBackend::all_bf16_state(std::size_t t) const {
+  if (!host_.staged(t)) return false;
+  const std::uint32_t g = programs_.tensor_group[t];
+  const Program& p = *programs_.groups[g].program;
+  for (int s = 0; s < p.num_streams; ++s) {
+    if (p.streams[s].role != StreamRole::state || p.streams[s].values == StateValues::full_precision) continue;
+    const int b = programs_.state_slot[g][static_cast<std::size_t>(s)];
+    if (programs_.formats[t][static_cast<std::size_t>(b)] != StateFormat::bf16) return false;
+  }
+  for (const HostBuffers::StagedStream& s : host_.staged_streams(t))
+    if (s.slot.format != StateFormat::bf16) return false;
+  return true;
+}
+
 void FusedBackend::setup_llvm(std::shared_ptr<const void> program_owner) {
   const CpuBackend choice = resolve_cpu_backend(options_.cpu_backend);
   if (choice == CpuBackend::highway || (choice == CpuBackend::automatic && !jit::llvm_built())) return;
+  // Stored state: LLVM's kernels read fp32 state, so they run on staged copies of it,
+  // where Highway's read bf16 state in registers; automatic stays on Highway.
+  if (choice == CpuBackend::automatic && programs_.compressed()) return;
   for (ProgramJit& j : jits_) {
     j.spec.program = *j.program;
     j.spec.inf_norm = options_.norm_type == INFINITY;
@@ -91,6 +120,7 @@ void FusedBackend::install_llvm(std::size_t j, const jit::CpuKernels& k) {
     const auto gi = static_cast<std::size_t>(l.tensor_reduce[i]);
     TensorKernels& t = kernels_[i];
     t.update = reinterpret_cast<UpdateFn>(k.update[ci]);
+    t.bf16_state = false;  // (fp32 state: staged)
     if (!k.phase1.empty()) t.phase1 = reinterpret_cast<Phase1Fn>(k.phase1[ci]);  // two-phase programs
     if (jits_[j].spec.inf_norm) t.llvm_inf = reinterpret_cast<JitInfFn>(k.reduce[gi]);
     else t.llvm_l2 = reinterpret_cast<JitL2Fn>(k.reduce[gi]);
@@ -175,7 +205,7 @@ StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<do
   // runs of its elements on fp32 copies of those streams, advanced args, begin 0.
   const auto staged = [&](std::size_t t, const UpdateArgs& a, std::size_t begin, std::size_t len, std::size_t run,
                           unsigned stored, int thread, const auto& body) {
-    if (!host_.staged(t)) return body(a, begin, len);
+    if (!host_.staged(t) || (!interpreters_ && kernels_[t].bf16_state)) return body(a, begin, len);
     host_.stage(a, t, begin, len, run, stored, dtype_size(params_[t].grad.dtype), thread,
                 [&](const UpdateArgs& r, std::size_t n) { body(r, 0, n); });
   };

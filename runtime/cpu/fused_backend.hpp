@@ -38,7 +38,9 @@ class FusedBackend final : public HostBackend {
     JitL2Fn llvm_l2 = nullptr;           // LLVM reduce (then `reduce` is its rare path)
     JitInfFn llvm_inf = nullptr;
     Phase1Fn phase1 = nullptr;           // a two-phase program's phase 1 (Highway or LLVM)
+    bool bf16_state = false;             // update and phase1 read and write the bf16 state themselves
   };
+  bool all_bf16_state(std::size_t t) const;
   static ReducePartial reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n);
   // The LLVM kernels of one distinct program of the groups.
   struct ProgramJit {
@@ -64,7 +66,7 @@ class FusedBackend final : public HostBackend {
   std::vector<bool> stochastic_;
   // bf16 and q8 state (HostBuffers::stage()): elements per staged run of an update,
   // and per tensor the streams its phases store.
-  static constexpr std::size_t kStageRun = 2048;
+  static constexpr std::size_t kStageRun = 16384;
   std::vector<StoredStreams> stores_;
   std::vector<std::uint16_t> rounding_bits_;
   TwoPhase two_phase_;                            // two-phase programs' chunk sums and norms

@@ -41,9 +41,21 @@ inline constexpr int kPlainWeights = 0;       // the weights themselves, rounded
 inline constexpr int kMasterWeights = 1;      // fp32 masters; the weights are their copies, rounded to nearest
 inline constexpr int kStochasticWeights = 2;  // bf16 weights, rounded stochastically (jit/stochastic_round.h)
 inline constexpr int kCompensatedWeights = 3; // bf16 weights + bf16 compensations in the master slot
+// Added to a weight mode: the program's state streams are stored as bf16 (all but
+// those it keeps in full precision), loaded and stored in registers. The mode's
+// weight part is M & 3.
+inline constexpr int kBf16State = 4;
+template <int M>
+inline constexpr int kWeightMode = M & 3;
+// Whether stream k of P is stored as bf16 in mode M.
+template <const Program& P, int M>
+constexpr bool Bf16Stream(int k) {
+  return (M & kBf16State) != 0 && P.streams[k].role == StreamRole::state &&
+         P.streams[k].values != StateValues::full_precision;
+}
 // Bytes per element of the master slot in mode M (none: 0).
 template <int M>
-inline constexpr std::size_t kMasterBytes = M == kMasterWeights ? 4 : M == kCompensatedWeights ? 2 : 0;
+inline constexpr std::size_t kMasterBytes = kWeightMode<M> == kMasterWeights ? 4 : kWeightMode<M> == kCompensatedWeights ? 2 : 0;
 
 // Streams of a tensor's args, for a call over elements begin, begin + 1, ...
 HWY_INLINE Streams StreamsOf(const UpdateArgs& a, std::size_t begin) {
@@ -59,20 +71,24 @@ template <const Program& P, int I, DType W, DType G, int M, bool kTail = false, 
 HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i, V* acc = nullptr,
                      std::size_t live = 0) {
   constexpr Instr in = P.code[I];
+  constexpr int WM = kWeightMode<M>;
   if constexpr (in.op == Op::load) {
     constexpr StreamRole role = P.streams[in.attr].role;
     if constexpr (role == StreamRole::grad) v[I] = LoadAs<G>(d, st.grad, i);
-    else if constexpr (role == StreamRole::param && M == kMasterWeights) v[I] = hn::LoadU(d, st.master + i);
-    else if constexpr (role == StreamRole::param && M == kCompensatedWeights) v[I] = LoadCompensated(d, st.weight, st.master, i);
+    else if constexpr (role == StreamRole::param && WM == kMasterWeights) v[I] = hn::LoadU(d, st.master + i);
+    else if constexpr (role == StreamRole::param && WM == kCompensatedWeights) v[I] = LoadCompensated(d, st.weight, st.master, i);
     else if constexpr (role == StreamRole::param) v[I] = LoadAs<W>(d, st.weight, i);
+    else if constexpr (Bf16Stream<P, M>(in.attr)) v[I] = LoadAs<DType::bf16>(d, st.state[in.attr], i);
     else v[I] = hn::LoadU(d, st.state[in.attr] + i);
   } else if constexpr (in.op == Op::store) {
     constexpr StreamRole role = P.streams[in.attr].role;
     if constexpr (role == StreamRole::param) {
-      if constexpr (M == kMasterWeights) hn::StoreU(v[in.a], d, st.master + i);
-      if constexpr (M == kCompensatedWeights) StoreCompensated(d, v[in.a], st.weight, st.master, i);
-      else if constexpr (M == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.sr_bits + (i - st.sr_begin));
+      if constexpr (WM == kMasterWeights) hn::StoreU(v[in.a], d, st.master + i);
+      if constexpr (WM == kCompensatedWeights) StoreCompensated(d, v[in.a], st.weight, st.master, i);
+      else if constexpr (WM == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.sr_bits + (i - st.sr_begin));
       else StoreAs<W>(d, v[in.a], st.weight, i);
+    } else if constexpr (Bf16Stream<P, M>(in.attr)) {
+      StoreAs<DType::bf16>(d, v[in.a], st.state[in.attr], i);
     } else {
       hn::StoreU(v[in.a], d, st.state[in.attr] + i);
     }
@@ -147,11 +163,12 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   constexpr std::size_t kMB = kMasterBytes<M>;
   if constexpr (kMB > 0) std::memcpy(master_buf, reinterpret_cast<const char*>(a.master) + i * kMB, rem * kMB);
   alignas(64) std::uint16_t bits_buf[kMax] = {};  // the buffers' element 0 is the tensor's element i
-  if constexpr (M == kStochasticWeights) std::memcpy(bits_buf, a.sr_bits + (i - begin), rem * sizeof(std::uint16_t));
+  if constexpr (kWeightMode<M> == kStochasticWeights) std::memcpy(bits_buf, a.sr_bits + (i - begin), rem * sizeof(std::uint16_t));
   Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, bits_buf, 0};
   for (int k = 0; k < P.num_streams; ++k) {
     if (P.streams[k].role != StreamRole::state) continue;
-    std::memcpy(state_buf[k], a.state[k] + i, rem * sizeof(float));
+    const std::size_t es = Bf16Stream<P, M>(k) ? 2 : 4;
+    std::memcpy(state_buf[k], reinterpret_cast<const char*>(a.state[k]) + i * es, rem * es);
     tail.state[k] = state_buf[k];
   }
   Body<P, W, G, M>(d, s, tail, 0, kSeq);
@@ -162,7 +179,8 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
       std::memcpy(static_cast<char*>(a.weight) + i * wsize, weight_buf, rem * wsize);
       if constexpr (kMB > 0) std::memcpy(reinterpret_cast<char*>(a.master) + i * kMB, master_buf, rem * kMB);
     } else {
-      std::memcpy(a.state[k] + i, state_buf[k], rem * sizeof(float));
+      const std::size_t es = Bf16Stream<P, M>(k) ? 2 : 4;
+      std::memcpy(reinterpret_cast<char*>(a.state[k]) + i * es, state_buf[k], rem * es);
     }
   }
 }
@@ -207,7 +225,8 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
     Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, nullptr, 0};  // (no param store in phase 1)
     for (int k = 0; k < P.num_streams; ++k) {
       if (P.streams[k].role != StreamRole::state) continue;
-      std::memcpy(state_buf[k], a.state[k] + i, rem * sizeof(float));
+      const std::size_t es = Bf16Stream<P, M>(k) ? 2 : 4;
+      std::memcpy(state_buf[k], reinterpret_cast<const char*>(a.state[k]) + i * es, rem * es);
       tail.state[k] = state_buf[k];
     }
     for (std::size_t k = 0; k < kVecs; ++k) {
@@ -221,7 +240,8 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
         std::memcpy(static_cast<char*>(a.weight) + i * wsize, weight_buf, rem * wsize);
         if constexpr (kMB > 0) std::memcpy(reinterpret_cast<char*>(a.master) + i * kMB, master_buf, rem * kMB);
       } else {
-        std::memcpy(a.state[k] + i, state_buf[k], rem * sizeof(float));
+        const std::size_t es = Bf16Stream<P, M>(k) ? 2 : 4;
+        std::memcpy(reinterpret_cast<char*>(a.state[k]) + i * es, state_buf[k], rem * es);
       }
     }
   }
@@ -267,7 +287,8 @@ struct FusedTable {
   template <class Fn, template <const Program&, DType, DType, int> class Entry, const Program& P>
   static constexpr Fn Row(int combo) {
     constexpr int kP = kPlainWeights, kM = kMasterWeights, kS = kStochasticWeights, kC = kCompensatedWeights;
-    constexpr Fn fns[jit::kNumComboIndices] = {
+    constexpr int kB = kBf16State;
+    constexpr Fn fns[jit::kNumComboIndices + jit::kNumBf16StateCombos] = {
         Entry<P, DType::f32, DType::f32, kP>::get(),   nullptr,
         Entry<P, DType::f32, DType::f16, kP>::get(),   nullptr,
         Entry<P, DType::f32, DType::bf16, kP>::get(),  nullptr,
@@ -281,6 +302,11 @@ struct FusedTable {
         Entry<P, DType::bf16, DType::bf16, kS>::get(),
         Entry<P, DType::bf16, DType::f32, kC>::get(),  Entry<P, DType::bf16, DType::f16, kC>::get(),
         Entry<P, DType::bf16, DType::bf16, kC>::get(),
+        // bf16 state (jit::bf16_state_index's order)
+        Entry<P, DType::f32, DType::f32, kP | kB>::get(),   Entry<P, DType::f32, DType::bf16, kP | kB>::get(),
+        Entry<P, DType::bf16, DType::f32, kM | kB>::get(),  Entry<P, DType::bf16, DType::bf16, kM | kB>::get(),
+        Entry<P, DType::bf16, DType::bf16, kP | kB>::get(), Entry<P, DType::bf16, DType::bf16, kS | kB>::get(),
+        Entry<P, DType::bf16, DType::bf16, kC | kB>::get(),
     };
     return fns[combo];
   }
@@ -296,7 +322,7 @@ struct FusedTable {
   static Fn Lookup(int program, int combo) {
     constexpr Fn (*rows[])(int) = {&Row<Fn, Entry, Ps>...};
     if (program < 0 || program >= static_cast<int>(sizeof...(Ps))) return nullptr;
-    if (combo < 0 || combo >= jit::kNumComboIndices) return nullptr;
+    if (combo < 0 || combo >= jit::kNumComboIndices + jit::kNumBf16StateCombos) return nullptr;
     return rows[program](combo);
   }
   // The update kernel (a two-phase program's phase 2).

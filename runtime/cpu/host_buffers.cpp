@@ -74,8 +74,14 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
       const int b = programs.state_slot[g][static_cast<std::size_t>(s)];
       if (b < 0) continue;
       const detail::StateSlot& slot = slots_[static_cast<std::size_t>(b)][i];
-      if (slot.format == StateFormat::f32) a.state[s] = static_cast<float*>(slot.data);
-      else staged_[i].push_back({s, slot});  // (its args keep null: stage() decodes it)
+      if (slot.format == StateFormat::f32) {
+        a.state[s] = static_cast<float*>(slot.data);
+        continue;
+      }
+      staged_[i].push_back({s, slot});
+      // A bf16 stream's bit patterns, for the kernels that read them in registers
+      // (fused_update_kernel's bf16_state); q8 ones only through stage().
+      if (slot.format == StateFormat::bf16) a.state[s] = static_cast<float*>(slot.data);
     }
     a.scalars = scalars[g];
   }
@@ -172,6 +178,7 @@ void HostBuffers::encode(const float* src, const detail::StateSlot& s, std::size
 UpdateArgs HostBuffers::advanced(const UpdateArgs& a, std::size_t t, std::size_t at, std::size_t grad_size) const {
   const jit::DtypeCombo& c = layout_.combos[static_cast<std::size_t>(layout_.tensor_combo[t])];
   UpdateArgs r = a;
+  for (const StagedStream& s : staged_[t]) r.state[s.stream] = nullptr;  // (stage() points them at its copies)
   r.grad = static_cast<const char*>(a.grad) + at * grad_size;
   r.weight = static_cast<char*>(a.weight) + at * dtype_size(c.weight);
   if (a.master != nullptr)

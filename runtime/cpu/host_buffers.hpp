@@ -55,8 +55,9 @@ class HostBuffers {
   }
 
   // ---- state stored as bf16 or q8 ----
-  // Whether tensor t keeps some state stream as bf16 or q8. Its args then have a
-  // null pointer for those streams, and its updates run through stage().
+  // Whether tensor t keeps some state stream as bf16 or q8. Its args then point at
+  // the bf16 streams' bit patterns and have null for the q8 ones, and its updates run
+  // through stage() unless a kernel reads that storage itself.
   bool staged(std::size_t t) const { return !staged_[t].empty(); }
   struct StagedStream {
     int stream = 0;  // the program's stream index

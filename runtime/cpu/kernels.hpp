@@ -63,9 +63,12 @@ using Phase1Fn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t
 
 // The fused loop generated at compile time for a built-in program, or null (a
 // two-phase program's: its phase 2).
-UpdateFn fused_update_kernel(jit::Builtin program, const jit::DtypeCombo& combo);
+// bf16_state: the variant that loads and stores the program's state streams (but
+// those it keeps in full precision) as bf16, in registers; null for the combos
+// without one (jit::bf16_state_index).
+UpdateFn fused_update_kernel(jit::Builtin program, const jit::DtypeCombo& combo, bool bf16_state = false);
 // A two-phase built-in's phase-1 loop; null for a one-phase program.
-Phase1Fn fused_phase1_kernel(jit::Builtin program, const jit::DtypeCombo& combo);
+Phase1Fn fused_phase1_kernel(jit::Builtin program, const jit::DtypeCombo& combo, bool bf16_state = false);
 // The fused kernels are compiled in this many translation units, each a slice of
 // the built-in programs (runtime/cpu/update_kernels_<k>.cpp).
 inline constexpr int kUpdateSlices = 5;
