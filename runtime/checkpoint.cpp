@@ -243,8 +243,19 @@ std::string first_difference(const std::string& saved, const std::string& here) 
   }
 }
 
+// The listing without the marks of stream values ("(nonnegative)", "(full precision)"),
+// which files written before state formats existed do not have.
+std::string without_stream_values(std::string text) {
+  for (const std::string_view mark : {" (nonnegative)", " (full precision)"})
+    for (std::size_t at; (at = text.find(mark)) != std::string::npos;) text.erase(at, mark.size());
+  return text;
+}
+
 void check_program_text(const std::string& path, const std::string& saved, const UpdateProgram& current) {
-  const std::string here = to_string(current.program());
+  std::string here = to_string(current.program());
+  // A file from before the marks held f32 state only, where they change no bits.
+  if (saved.find(" (nonnegative)") == std::string::npos && saved.find(" (full precision)") == std::string::npos)
+    here = without_stream_values(here);
   if (saved != here)
     mismatch(path, "it was saved from a different custom update program than '" + std::string(current.name()) +
                        "' (first difference at " + first_difference(saved, here) + ")");
@@ -592,7 +603,8 @@ void take_state(ParsedOptimizer& out, const detail::StepEngine& e, std::size_t p
   if (!convert)
     mismatch(path, at + "state '" + std::string(s) + "' was saved as " + std::string(state_format_name(from)) +
                        ", this optimizer stores it as " + std::string(state_format_name(here.format)) +
-                       " (OptimizerOptions::state_format differs; load with LoadOptions::convert_state to convert it)");
+                       " (OptimizerOptions::state_format, state_formats, min_q8_numel or the group's state_format differ; load "
+                       "with LoadOptions::convert_state to convert it)");
   out.conversions.push_back({here, 0, static_cast<std::size_t>(numel), from, data.data(), absmax.data(), nonnegative(e, s)});
 }
 
@@ -1238,7 +1250,8 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
         if (from != here.format && !convert)
           mismatch(path, saved + "state '" + std::string(s) + "' was saved as " + std::string(state_format_name(from)) +
                              ", this optimizer stores it as " + std::string(state_format_name(here.format)) +
-                             " (OptimizerOptions::state_format differs; load with LoadOptions::convert_state to convert it)");
+                             " (OptimizerOptions::state_format, state_formats, min_q8_numel or the group's state_format differ; load "
+                       "with LoadOptions::convert_state to convert it)");
         const unsigned char* blocks = absmax.empty() ? nullptr : absmax.data() + src / cpu::kQ8Block * sizeof(float);
         if (from != here.format) {
           out.conversions.push_back({here, dst, n, from, data.data() + src * size, blocks, nonnegative(e, s)});

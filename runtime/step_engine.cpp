@@ -378,7 +378,9 @@ void StepEngine::resolve_state_formats() {
       if (programs_.state_values[b] == StateValues::full_precision) f = StateFormat::f32;
       for (const auto& [name, format] : options_.state_formats)
         if (name == programs_.state_names[b]) f = format;
-      if (f == StateFormat::q8 && params_[t].weight.numel < options_.min_q8_numel) f = StateFormat::f32;
+      // (sharded: the size of the model tensor the param is a slice of, as one process sees it)
+      const std::int64_t numel = shard_ ? shard_->tensor_of(t).numel : params_[t].weight.numel;
+      if (f == StateFormat::q8 && numel < options_.min_q8_numel) f = StateFormat::f32;
       programs_.formats[t][b] = f;
     }
   }
@@ -532,6 +534,12 @@ void StepEngine::connect_shard() {
   std::vector<bool> two_phase;
   for (std::size_t i = 0; i < params_.size(); ++i) two_phase.push_back(jit::is_two_phase(programs_.program_of(i)));
   shard_ = std::make_unique<Shard>(options_, params_, two_phase);
+  // q8 applies by the size of the model's tensor, known now: a slice smaller than
+  // min_q8_numel of a larger tensor stores q8 as the one-process step does. (Nothing
+  // has stepped yet: a backend planned for other formats is planned again.)
+  const std::vector<std::vector<StateFormat>> planned = programs_.formats;
+  resolve_state_formats();
+  if (programs_.formats != planned) setup();
   backend_->set_shard(shard_.get());
 }
 

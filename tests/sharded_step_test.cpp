@@ -35,13 +35,15 @@ struct RankRecord {
 // and expects every rank's results, the weights, state and masters bitwise equal.
 void expect_sharded_equals_one_process(const OptimizerConfig& config, const DtypeSetup& setup, const Norm& norm,
                                        const Partition& parts, const GradSource& src, int steps, const std::string& what,
-                                       Fusion fusion = Fusion::fused, bool stochastic_rounding = false) {
+                                       Fusion fusion = Fusion::fused, bool stochastic_rounding = false,
+                                       StateFormat state = StateFormat::f32) {
   const int ranks = static_cast<int>(parts.size());
   Model one(setup.weight, setup.grad), sharded(setup.weight, setup.grad);
   OptimizerOptions oo = base_options(norm, fusion);
   oo.master_weights = setup.masters;
   oo.stochastic_rounding = stochastic_rounding;
   oo.seed = 0x5EED;
+  oo.state_format = state;
   std::vector<Param> all;
   for (std::size_t t = 0; t < kSizes.size(); ++t) all.push_back({one.w[t], one.g[t]});
   Optimizer reference(config, all, oo);
@@ -154,6 +156,27 @@ TEST(ShardedStep, StochasticRoundingCountsElementsInTheWholeModel) {
                                         what + ", slices", f, /*stochastic_rounding=*/true);
       expect_sharded_equals_one_process(optim::SGD{.lr = 0.1, .momentum = 0.9}, bf16_no_masters, norm,
                                         whole_tensors(2), src, 3, what + ", whole tensors", f, true);
+    }
+}
+
+// bf16 and q8 state: blocks start at the model tensor's element 0 and slices on chunk
+// boundaries, and q8's size threshold is the model tensor's, so a slice of 232
+// elements of a 33000-element tensor stores q8 as the one process does.
+TEST(ShardedStep, StoredStateIsTheOneProcessStateBitwise) {
+  GradSource src;
+  Partition tail(3);
+  for (std::size_t t = 0; t < kSizes.size(); ++t)
+    if (t != 5) tail[t % 3].push_back({t, 0, kSizes[t]});
+  tail[0].push_back({5, 0, 16384});
+  tail[1].push_back({5, 16384, 16384});
+  tail[2].push_back({5, 32768, 33000 - 32768});
+  for (const StateFormat f : {StateFormat::bf16, StateFormat::q8})
+    for (const Fusion fusion : {Fusion::fused, Fusion::unfused}) {
+      const std::string what = std::string(state_format_name(f)) + (fusion == Fusion::fused ? " fused" : " unfused");
+      expect_sharded_equals_one_process(optim::AdamW{.lr = 1e-2}, kSetups[0], kNorms[1], tail, src, 3, what + ", tail slice",
+                                        fusion, false, f);
+      expect_sharded_equals_one_process(optim::AdamW{.lr = 1e-2}, kSetups[1], kNorms[1], sliced(3), src, 3,
+                                        what + ", slices", fusion, false, f);
     }
 }
 

@@ -136,9 +136,9 @@ inline void expect_same_result(const StepResult& a, const StepResult& b, const s
 
 inline std::vector<float> state_of(const Optimizer& o, std::size_t param, std::int64_t offset, std::int64_t numel) {
   std::vector<float> out;
-  for (std::string_view name : o.state_names()) {
-    const std::span<const float> s = o.state(param, name).subspan(static_cast<std::size_t>(offset), static_cast<std::size_t>(numel));
-    out.insert(out.end(), s.begin(), s.end());
+  for (std::string_view name : o.state_names()) {  // (decoded: any state format)
+    const std::vector<float> v = o.state_values(param, name);
+    out.insert(out.end(), v.begin() + offset, v.begin() + offset + numel);
   }
   return out;
 }

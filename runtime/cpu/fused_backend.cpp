@@ -84,8 +84,9 @@ void FusedBackend::setup_llvm(std::shared_ptr<const void> program_owner) {
   const CpuBackend choice = resolve_cpu_backend(options_.cpu_backend);
   if (choice == CpuBackend::highway || (choice == CpuBackend::automatic && !jit::llvm_built())) return;
   // Stored state: LLVM's kernels read fp32 state, so they run on staged copies of it,
-  // where Highway's read bf16 state in registers; automatic stays on Highway.
-  if (choice == CpuBackend::automatic && programs_.compressed()) return;
+  // where Highway's read bf16 state in registers; automatic stays on Highway (but a
+  // custom program, which Highway would interpret, still gets LLVM's kernels).
+  if (choice == CpuBackend::automatic && programs_.compressed() && !interpreters_) return;
   for (ProgramJit& j : jits_) {
     j.spec.program = *j.program;
     j.spec.inf_norm = options_.norm_type == INFINITY;
