@@ -107,7 +107,7 @@ std::string tensor_name(std::size_t g, std::size_t i, std::string_view what) {
 
 // A q8 stream's absmaxes: "<stream>.absmax", one F32 per block of kQ8Block elements.
 std::string absmax_name(std::string_view stream) { return std::string(stream) + ".absmax"; }
-std::size_t q8_blocks(std::size_t numel) { return (numel + cpu::kQ8Block - 1) / cpu::kQ8Block; }
+using cpu::q8_blocks;
 
 // The state streams of a program, in stream order: a param's tensors.
 std::vector<std::string_view> state_streams(const Program& p) {
@@ -584,20 +584,38 @@ StateFormat saved_format(const std::map<std::string, StateFormat, std::less<>>& 
   return it == formats.end() ? StateFormat::f32 : it->second;
 }
 
-// One saved state stream of param p, saved in format `from`: copied as stored when
-// this optimizer stores it so, converted when asked (LoadOptions::convert_state),
-// else a mismatch. find(what, dtype, numel) checks and returns a saved tensor's bytes.
+// The safetensors dtype a state stream is saved as.
+std::string_view saved_dtype(StateFormat f) { return f == StateFormat::f32 ? "F32" : f == StateFormat::bf16 ? "BF16" : "U8"; }
+
+// Which elements of a saved stream go where: saved elements [src, src + n) to this
+// param's elements [dst, dst + n) (src and dst multiples of kQ8Block); none when
+// the saved piece does not overlap the param (its tensors are still checked).
+struct StateRange {
+  std::size_t src = 0, dst = 0, n = 0;
+  bool overlaps = true;
+};
+
+// One saved state stream of param p, `saved_numel` elements saved in format `from`:
+// `range` of it copied as stored when this optimizer stores it so, converted when
+// asked (LoadOptions::convert_state), else a mismatch (`at` says where). find(what,
+// dtype, numel) checks and returns a saved tensor's bytes.
 template <class Find>
 void take_state(ParsedOptimizer& out, const detail::StepEngine& e, std::size_t p, std::string_view s, StateFormat from,
-                std::uint64_t numel, bool convert, const std::string& path, const std::string& at, const Find& find) {
-  const detail::StateSlot here = e.state_slot(p, e.state_stream(s));
-  const std::string_view dtype = from == StateFormat::f32 ? "F32" : from == StateFormat::bf16 ? "BF16" : "U8";
-  const std::span<const unsigned char> data = find(s, dtype, numel);
+                std::uint64_t saved_numel, const StateRange& range, bool convert, const std::string& path,
+                const std::string& at, const Find& find) {
+  const std::span<const unsigned char> data = find(s, saved_dtype(from), saved_numel);
   const std::span<const unsigned char> absmax =
-      from == StateFormat::q8 ? find(absmax_name(s), "F32", q8_blocks(numel)) : std::span<const unsigned char>{};
+      from == StateFormat::q8 ? find(absmax_name(s), "F32", q8_blocks(saved_numel)) : std::span<const unsigned char>{};
+  if (!range.overlaps) return;
+  const detail::StateSlot here = e.state_slot(p, e.state_stream(s));
+  const std::size_t size = state_format_size(from);
+  const unsigned char* blocks = absmax.empty() ? nullptr : absmax.data() + range.src / cpu::kQ8Block * sizeof(float);
   if (from == here.format) {
-    out.copies.emplace_back(here.data, data);
-    if (from == StateFormat::q8) out.copies.emplace_back(here.absmax, absmax);
+    out.copies.emplace_back(static_cast<unsigned char*>(here.data) + range.dst * size,
+                            data.subspan(range.src * size, range.n * size));
+    if (from == StateFormat::q8)
+      out.copies.emplace_back(here.absmax + range.dst / cpu::kQ8Block,
+                              std::span<const unsigned char>(blocks, q8_blocks(range.n) * sizeof(float)));
     return;
   }
   if (!convert)
@@ -605,7 +623,7 @@ void take_state(ParsedOptimizer& out, const detail::StepEngine& e, std::size_t p
                        ", this optimizer stores it as " + std::string(state_format_name(here.format)) +
                        " (OptimizerOptions::state_format, state_formats, min_q8_numel or the group's state_format differ; load "
                        "with LoadOptions::convert_state to convert it)");
-  out.conversions.push_back({here, 0, static_cast<std::size_t>(numel), from, data.data(), absmax.data(), nonnegative(e, s)});
+  out.conversions.push_back({here, range.dst, range.n, from, data.data() + range.src * size, blocks, nonnegative(e, s)});
 }
 
 ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEngine& e, bool convert) {
@@ -714,7 +732,9 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
         out.copies.emplace_back(dst, find(what, dtype, numel));
       };
       const auto saved_formats = read_state_formats(entry, path, at);
-      for (std::string_view s : streams) take_state(out, e, p, s, saved_format(saved_formats, s), numel, convert, path, at, find);
+      const StateRange whole{0, 0, static_cast<std::size_t>(numel)};
+      for (std::string_view s : streams)
+        take_state(out, e, p, s, saved_format(saved_formats, s), numel, whole, convert, path, at, find);
       if (float* m = e.master_data(p)) take("master", m, "F32");
       if (std::uint16_t* c = e.compensation_data(p)) take("compensation", c, "BF16");
     }
@@ -833,7 +853,8 @@ ParsedOptimizer parse_container(const detail::CheckpointFile& file, const detail
     const std::string at = "params[" + std::to_string(i) + "]: ";
     for (std::string_view s : streams) {
       const std::span<const unsigned char> saved = r.bytes(bytes);
-      take_state(out, e, i, s, StateFormat::f32, static_cast<std::uint64_t>(params[i].weight.numel), convert, path, at,
+      const auto n = static_cast<std::uint64_t>(params[i].weight.numel);
+      take_state(out, e, i, s, StateFormat::f32, n, StateRange{0, 0, static_cast<std::size_t>(n)}, convert, path, at,
                  [&](std::string_view, std::string_view, std::uint64_t) { return saved; });
     }
     if (has_master[i]) out.copies.emplace_back(e.master_data(i), r.bytes(bytes));
@@ -1228,10 +1249,6 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
       // A state stream: elements [first, last) as saved (bf16: 2 bytes, q8: 1 byte and the absmaxes of
       // its blocks, which the slices' chunk-aligned cuts keep whole), copied or converted.
       const auto take_stream = [&](std::string_view s) {
-        const StateFormat from = saved_format(q.formats, s);
-        const detail::StateSlot here = e.state_slot(p, e.state_stream(s));
-        const std::string_view dtype = from == StateFormat::f32 ? "F32" : from == StateFormat::bf16 ? "BF16" : "U8";
-        const std::size_t size = from == StateFormat::f32 ? 4 : from == StateFormat::bf16 ? 2 : 1;
         const auto bytes = [&](std::string_view what, std::string_view type, std::uint64_t n) {
           const std::string name = tensor_name(q.group, q.index, what);
           const detail::SafetensorsTensor* t = f.c.file->find(name);
@@ -1240,26 +1257,11 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
             corrupt(path, "tensor '" + name + "' is not " + std::string(type) + " of shape [" + std::to_string(n) + "]");
           return f.c.file->data(*t);
         };
-        const std::span<const unsigned char> data = bytes(s, dtype, static_cast<std::uint64_t>(q.numel));
-        const std::span<const unsigned char> absmax =
-            from == StateFormat::q8 ? bytes(absmax_name(s), "F32", q8_blocks(static_cast<std::size_t>(q.numel)))
-                                    : std::span<const unsigned char>{};
-        if (last <= first) return;
-        const auto src = static_cast<std::size_t>(first - q.at.offset), dst = static_cast<std::size_t>(first - at.offset);
-        const auto n = static_cast<std::size_t>(last - first);
-        if (from != here.format && !convert)
-          mismatch(path, saved + "state '" + std::string(s) + "' was saved as " + std::string(state_format_name(from)) +
-                             ", this optimizer stores it as " + std::string(state_format_name(here.format)) +
-                             " (OptimizerOptions::state_format, state_formats, min_q8_numel or the group's state_format differ; load "
-                       "with LoadOptions::convert_state to convert it)");
-        const unsigned char* blocks = absmax.empty() ? nullptr : absmax.data() + src / cpu::kQ8Block * sizeof(float);
-        if (from != here.format) {
-          out.conversions.push_back({here, dst, n, from, data.data() + src * size, blocks, nonnegative(e, s)});
-          return;
-        }
-        out.copies.emplace_back(static_cast<unsigned char*>(here.data) + dst * size, data.subspan(src * size, n * size));
-        if (from == StateFormat::q8)
-          out.copies.emplace_back(here.absmax + dst / cpu::kQ8Block, std::span<const unsigned char>(blocks, q8_blocks(n) * sizeof(float)));
+        const StateRange range{static_cast<std::size_t>(std::max<std::int64_t>(first - q.at.offset, 0)),
+                               static_cast<std::size_t>(std::max<std::int64_t>(first - at.offset, 0)),
+                               static_cast<std::size_t>(std::max<std::int64_t>(last - first, 0)), last > first};
+        take_state(out, e, p, s, saved_format(q.formats, s), static_cast<std::uint64_t>(q.numel), range, convert, path,
+                   saved, bytes);
       };
       for (std::string_view s : state_streams(e.program(g))) take_stream(s);
       if (float* m = e.master_data(p)) take("master", m, "F32");

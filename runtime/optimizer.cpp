@@ -16,8 +16,6 @@
 namespace stepfuse {
 
 namespace {
-// Bytes per element of a stored state format.
-std::size_t format_bytes(StateFormat f) { return f == StateFormat::f32 ? 4 : f == StateFormat::bf16 ? 2 : 1; }
 
 // Builds the engine. Sharded, construction is collective (runtime/shard.hpp): a
 // rank whose own construction throws tells the others before rethrowing, so
@@ -116,8 +114,8 @@ void Optimizer::add_param_group(ParamGroup group) {
       // (the same stream of the same tensor: the same format, copied as stored)
       const detail::StateSlot src = old.state_slot(i, b);
       const detail::StateSlot dst = next->state_slot(i, next->state_stream(from.state_names[static_cast<std::size_t>(b)]));
-      std::memcpy(dst.data, src.data, n * format_bytes(src.format));
-      if (src.format == StateFormat::q8) std::copy_n(src.absmax, (n + cpu::kQ8Block - 1) / cpu::kQ8Block, dst.absmax);
+      std::memcpy(dst.data, src.data, n * state_format_size(src.format));
+      if (src.format == StateFormat::q8) std::copy_n(src.absmax, cpu::q8_blocks(n), dst.absmax);
     }
     if (const float* m = old.master_data(i)) std::copy(m, m + n, next->master_data(i));
     if (const std::uint16_t* c = old.compensation_data(i)) std::copy(c, c + n, next->compensation_data(i));
@@ -278,7 +276,7 @@ StateFormat Optimizer::state_format(std::size_t param, std::string_view name) co
 std::span<std::byte> Optimizer::mutable_state_storage(std::size_t param, std::string_view name) {
   const detail::StateSlot slot = engine_->state_slot(param, state_buffer(param, name));
   return {static_cast<std::byte*>(slot.data),
-          static_cast<std::size_t>(engine_->params()[param].weight.numel) * format_bytes(slot.format)};
+          static_cast<std::size_t>(engine_->params()[param].weight.numel) * state_format_size(slot.format)};
 }
 std::span<const std::byte> Optimizer::state_storage(std::size_t param, std::string_view name) const {
   return const_cast<Optimizer*>(this)->mutable_state_storage(param, name);
@@ -287,7 +285,7 @@ std::span<float> Optimizer::mutable_state_absmax(std::size_t param, std::string_
   const detail::StateSlot slot = engine_->state_slot(param, state_buffer(param, name));
   if (slot.format != StateFormat::q8) return {};
   const auto n = static_cast<std::size_t>(engine_->params()[param].weight.numel);
-  return {slot.absmax, (n + cpu::kQ8Block - 1) / cpu::kQ8Block};
+  return {slot.absmax, cpu::q8_blocks(n)};
 }
 std::span<const float> Optimizer::state_absmax(std::size_t param, std::string_view name) const {
   return const_cast<Optimizer*>(this)->mutable_state_absmax(param, name);

@@ -25,6 +25,8 @@ enum class StateFormat : std::uint8_t {
          // elements one fp32 absmax and one byte per element, the nearest of 256
          // codes (a signed code, or an unsigned one for non-negative streams)
 };
+// Bytes per element as stored (q8 also keeps one fp32 absmax per 256 elements).
+constexpr std::size_t state_format_size(StateFormat f) { return f == StateFormat::f32 ? 4 : f == StateFormat::bf16 ? 2 : 1; }
 constexpr std::string_view state_format_name(StateFormat f) {
   return f == StateFormat::f32 ? "f32" : f == StateFormat::bf16 ? "bf16" : "q8";
 }

@@ -113,9 +113,9 @@ void HostBuffers::allocate_state(const detail::StepPrograms& programs, const std
       const StateFormat f = programs.formats[t][b];
       const std::int64_t n = params[t].weight.numel;
       at[t] = bytes;
-      bytes += round64(n * (f == StateFormat::f32 ? 4 : f == StateFormat::bf16 ? 2 : 1));
+      bytes += round64(n * static_cast<std::int64_t>(state_format_size(f)));
       block_at[t] = blocks;
-      if (f == StateFormat::q8) blocks += round64((n + static_cast<std::int64_t>(kQ8Block) - 1) / static_cast<std::int64_t>(kQ8Block) * 4) / 4;
+      if (f == StateFormat::q8) blocks += round64(static_cast<std::int64_t>(q8_blocks(static_cast<std::size_t>(n))) * 4) / 4;
     }
     state_[b] = detail::AlignedBuffer(static_cast<std::size_t>(bytes / 4));
     if (blocks > 0) absmax_[b] = detail::AlignedBuffer(static_cast<std::size_t>(blocks));

@@ -11,6 +11,8 @@
 namespace stepfuse::cpu {
 
 inline constexpr std::size_t kQ8Block = 256;  // elements per block, one fp32 absmax each
+// The blocks (absmaxes) of n elements.
+constexpr std::size_t q8_blocks(std::size_t n) { return (n + kQ8Block - 1) / kQ8Block; }
 
 // signed_dynamic: bitsandbytes' create_dynamic_map(signed=True), for signed state
 // (Adam's first moment); unsigned_dynamic: create_dynamic_map(signed=False), for
