@@ -216,6 +216,32 @@ void expect_encodes_as_defined(const std::vector<float>& xs, Q8Map map) {
   }
 }
 
+// The values of xs in [-1, 1] through q8_quantize's path for finite blocks on every
+// target: blocks of 1.0 and 255 of the values, so that 1 / absmax is 1 and the
+// normalized values are the values; each must take the code `want` gives it.
+void expect_block_codes_as_encoded(const std::vector<float>& xs, const std::vector<std::uint8_t>& want, Q8Map map) {
+  std::vector<float> blocked;
+  std::vector<std::uint8_t> blocked_want;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    if (blocked.size() % kQ8Block == 0) {
+      blocked.push_back(1.0f);
+      blocked_want.push_back(255);
+    }
+    if (std::fabs(xs[i]) > 1.0f) continue;
+    blocked.push_back(xs[i]);
+    blocked_want.push_back(want[i]);
+  }
+  for (std::int64_t target : targets()) {
+    PerTarget scope(target);
+    std::vector<std::uint8_t> codes(blocked.size());
+    std::vector<float> absmax(blocks(blocked.size()));
+    cpu::q8_quantize(blocked.data(), codes.data(), absmax.data(), blocked.size(), map);
+    for (std::size_t i = 0; i < blocked.size(); ++i)
+      ASSERT_EQ(codes[i], blocked_want[i]) << hwy::TargetName(target) << " " << name(map) << " x = " << std::hexfloat
+                                           << blocked[i];
+  }
+}
+
 TEST(Q8Encode, EveryCodeRoundTrips) {
   for (Q8Map map : kMaps) {
     const float* code = cpu::q8_code(map);
@@ -242,6 +268,14 @@ TEST(Q8Encode, ThresholdsTakeTheLowerCode) {
       }
     }
     expect_encodes_as_defined(xs, map);
+    // The same, negated, and through the blocks' path: the values nearest the thresholds
+    // are where the encoders' shortcuts (the AVX-512 one's line through each decade)
+    // could go wrong.
+    for (std::size_t i = 0, n = xs.size(); i < n; ++i) xs.push_back(-xs[i]);
+    std::vector<std::uint8_t> want(xs.size());
+    for (std::size_t i = 0; i < xs.size(); ++i) want[i] = static_cast<std::uint8_t>(count_below(xs[i], map));
+    expect_encodes_as_defined(xs, map);
+    expect_block_codes_as_encoded(xs, want, map);
   }
 }
 
@@ -276,32 +310,14 @@ TEST(Q8Encode, SteppedThroughTheBitPatterns) {
     const float* t = cpu::q8_thresholds(map);
     for (std::size_t i = 0; i < xs.size(); ++i)
       ASSERT_EQ(want[i], std::lower_bound(t, t + 255, xs[i]) - t) << name(map) << " x = " << std::hexfloat << xs[i];
-    // The same values through q8_quantize's path for finite blocks: blocks of 1.0 and 255
-    // of the values, so that 1 / absmax is 1 and the normalized values are the values.
-    std::vector<float> blocked;
-    std::vector<std::uint8_t> blocked_want;
-    for (std::size_t i = 0; i < xs.size(); ++i) {
-      if (blocked.size() % kQ8Block == 0) {
-        blocked.push_back(1.0f);
-        blocked_want.push_back(255);
-      }
-      if (std::fabs(xs[i]) > 1.0f) continue;
-      blocked.push_back(xs[i]);
-      blocked_want.push_back(want[i]);
-    }
     for (std::int64_t target : targets()) {
       PerTarget scope(target);
       std::vector<std::uint8_t> got(xs.size());
       cpu::q8_encode(xs.data(), got.data(), xs.size(), map);
       for (std::size_t i = 0; i < xs.size(); ++i)
         ASSERT_EQ(got[i], want[i]) << hwy::TargetName(target) << " " << name(map) << " x = " << std::hexfloat << xs[i];
-      std::vector<std::uint8_t> codes(blocked.size());
-      std::vector<float> absmax(blocks(blocked.size()));
-      cpu::q8_quantize(blocked.data(), codes.data(), absmax.data(), blocked.size(), map);
-      for (std::size_t i = 0; i < blocked.size(); ++i)
-        ASSERT_EQ(codes[i], blocked_want[i]) << hwy::TargetName(target) << " " << name(map) << " x = " << std::hexfloat
-                                             << blocked[i];
     }
+    expect_block_codes_as_encoded(xs, want, map);
   }
 }
 
@@ -524,7 +540,9 @@ TEST(Q8Blocks, SubnormalAbsmax) {
     for (std::size_t i = 0; i < tiny.size(); ++i) {
       ASSERT_EQ(q.absmax[i / kQ8Block], 0x1.0p-128f);
       ASSERT_TRUE(std::isfinite(y[i]));
-      if (tiny[i] == 0.0f) ASSERT_EQ(y[i], 0.0f) << name(map) << " element " << i;
+      if (tiny[i] == 0.0f) {
+        ASSERT_EQ(y[i], 0.0f) << name(map) << " element " << i;
+      }
       ASSERT_LE(std::fabs(static_cast<double>(y[i]) - tiny[i]), q.absmax[i / kQ8Block])
           << name(map) << " element " << i;
     }

@@ -9,6 +9,17 @@
 // below the bucket and the low key bits of the threshold inside it, if any: the code
 // is that count plus one exact integer compare of the keys.
 //
+// On AVX-512 the encoder does without the gather, which is slow on some CPUs
+// and reads a 12 KB table: a value's segment of the map (one per decade of codes) comes
+// from two 32-entry tables held in registers, indexed by its binade, and the count inside
+// the segment from a line through the segment's evenly spaced codes; the few values too
+// near a threshold for the line to be trusted take the bucket table (Q8Arith says why no
+// other value can be off). The decoder there looks the 256 code values up in 16
+// registers instead of gathering them. Measured on an AMD EPYC core with AVX-512: encoding
+// 1.5x, decoding 2.5x faster than with the gathers; every one of the 2^32 floats encodes
+// as the scalar reference does (checked once, exhaustively; the tests check the values
+// nearest every threshold on every target).
+//
 // A block whose values are all finite (found by an integer max of their magnitude bits,
 // which also gives the absmax) takes the fast path: no
 // sanitizing, no NaN lanes, no clamping of the buckets. Other blocks take the general one.
@@ -139,6 +150,27 @@ std::int32_t order_key(float x) {
 // where n is the number of thresholds below bucket b. For a key in bucket b, its low bits
 // shifted the same way compare (unsigned) above the entry exactly when the key is above
 // b's threshold, and the code is the entry's low byte plus that comparison.
+//
+// The arithmetic encoder's tables (AVX-512, where 16- and 32-entry tables are a
+// register or two). The positive thresholds fall into segments: below the first one,
+// one segment per decade of the map (its codes evenly spaced, so the thresholds inside
+// it nearly so), and above the last. A value's segment is found exactly from its binade
+// (binade_segment: the segments below the binade; binade_bound: the one boundary inside
+// it, if any; no binade holds two); inside a decade the count is floor(a * scale + offset),
+// clamped to the decade. That line misses the fp32 thresholds by at most a few ulps,
+// so a value whose y lies within `band` of an integer is encoded by the bucket table
+// instead; no other value can be off (y is monotone in a). build_tables measures the
+// miss and checks every assumption here.
+struct Q8Arith {
+  int positive = 0;                     // thresholds above 0: code[first] is 0, first = 255 - positive
+  std::int32_t binade_base = 0;         // biased exponent of binade 1 of binade_* minus 1
+  alignas(64) std::int32_t binade_segment[32] = {};
+  alignas(64) std::int32_t binade_bound[32] = {};  // bits of the boundary inside, 0x7FFFFFFF if none
+  alignas(64) float scale[16] = {}, offset[16] = {};
+  alignas(64) std::int32_t base_limit[16] = {};  // thresholds below the segment | (its thresholds inside) << 16
+  float band = 0.0f;
+};
+
 struct Q8Tables {
   float code[256];
   float thresholds[255];
@@ -146,7 +178,68 @@ struct Q8Tables {
   std::int32_t lo = 0, hi = 0, mid_lo = 0, mid_hi = 0;
   std::vector<std::int32_t> entries;
   const std::int32_t* entry_base = nullptr;  // entry of bucket b: entry_base[b - clamp(b, mid_lo, mid_hi)]
+  Q8Arith arith;
 };
+
+float from_bits(std::uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// Q8Arith for thresholds t whose positive part is `first`..254 and whose map has 7
+// decades of 2^i (signed) or 2^(i+1) (unsigned) codes, decade i spanning
+// [0.1, 1] * 10^(i-6), as create_dynamic_map builds them.
+Q8Arith build_arith(const float* t, bool is_signed) {
+  Q8Arith q;
+  const int first = is_signed ? 127 : 0;
+  q.positive = 255 - first;
+  const float* T = t + first;  // T[0] lies between 0 and the first positive code
+  // A negative value is encoded through the positive thresholds: the signed map's
+  // negative ones must be exactly those negated (all but the last, below 1.0).
+  if (is_signed)
+    for (int k = 0; k < 127; ++k)
+      if (float_bits(t[k]) != (float_bits(t[253 - k]) ^ 0x80000000u)) std::abort();
+  std::vector<float> bounds;   // segment boundaries: a value above j of them is in segment j
+  int below = 1;               // positive thresholds below the decade's first code
+  double band = 0;
+  for (int i = 0; i < 7; ++i) {
+    const int n = is_signed ? 1 << i : 2 << i, s = i + 1;
+    bounds.push_back(T[below - 1]);
+    q.base_limit[s] = below | (n - 1) << 16;
+    const double decade = std::pow(10.0, i - 6);
+    q.scale[s] = n == 1 ? 0.0f : static_cast<float>(n / (0.9 * decade));
+    q.offset[s] = n == 1 ? 0.5f : static_cast<float>(-0.1 * n / 0.9);
+    for (int j = 1; j < n; ++j) {  // the j-th threshold inside: y should cross j between it and the next float up
+      const float u = T[below - 1 + j], up = from_bits(float_bits(u) + 1);
+      for (float a : {u, up}) band = std::max(band, std::fabs(static_cast<double>(a * q.scale[s] + q.offset[s]) - j));
+    }
+    below += n;
+  }
+  if (below != q.positive) std::abort();
+  bounds.push_back(T[q.positive - 1]);
+  q.offset[0] = q.offset[8] = 0.5f;
+  q.base_limit[8] = q.positive;
+  q.band = static_cast<float>(2 * band + 1e-6);
+  if (!(q.band < 0.25f)) std::abort();
+  q.binade_base = static_cast<std::int32_t>(float_bits(T[0]) >> 23) - 1;
+  for (int k = 0; k < 32; ++k) {
+    const std::uint32_t lo = static_cast<std::uint32_t>(q.binade_base + k) << 23, hi = lo + (1u << 23);
+    q.binade_bound[k] = 0x7FFFFFFF;
+    for (float b : bounds) {
+      const std::uint32_t u = float_bits(b);
+      if (u < lo) {
+        ++q.binade_segment[k];
+      } else if (u < hi || k == 31) {
+        // Binade 0 stands for everything below T[0]'s binade, 31 for everything from
+        // its own up: neither may hold a boundary, nor any binade two.
+        if (k == 0 || k == 31 || q.binade_bound[k] != 0x7FFFFFFF) std::abort();
+        q.binade_bound[k] = static_cast<std::int32_t>(u);
+      }
+    }
+  }
+  return q;
+}
 
 Q8Tables build_tables(const float* code) {
   Q8Tables q;
@@ -185,6 +278,7 @@ Q8Tables build_tables(const float* code) {
   }
   if (below != 255) std::abort();
   q.entry_base = q.entries.data() + (q.mid_lo - q.lo);
+  q.arith = build_arith(q.thresholds, code[0] < 0.0f);
   return q;
 }
 
@@ -218,6 +312,21 @@ HWY_BEFORE_NAMESPACE();
 namespace stepfuse::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// AVX-512 keeps whole tables in registers: 16 entries in one, 32 in two, 256 in 16.
+#undef STEPFUSE_Q8_REGISTER_TABLES
+#if HWY_TARGET <= HWY_AVX3
+#define STEPFUSE_Q8_REGISTER_TABLES 1
+using V16i = hn::Vec512<std::int32_t>;
+using V16f = hn::Vec512<float>;
+HWY_INLINE V16i Lookup32(V16i lo, V16i hi, V16i index) {
+  return V16i{_mm512_permutex2var_epi32(lo.raw, index.raw, hi.raw)};
+}
+HWY_INLINE V16f Lookup16(V16f table, V16i index) { return V16f{_mm512_permutexvar_ps(index.raw, table.raw)}; }
+HWY_INLINE V16i Lookup16(V16i table, V16i index) { return V16i{_mm512_permutexvar_epi32(index.raw, table.raw)}; }
+#else
+#define STEPFUSE_Q8_REGISTER_TABLES 0
+#endif
+
 // One map's encoder constants, broadcast once per call (D: the float lanes' tag).
 template <class D>
 struct Encoder {
@@ -225,10 +334,25 @@ struct Encoder {
   using V = hn::Vec<DI>;
   Encoder(DI di, const Q8Tables& q)
       : entries(q.entry_base), shift(q.shift), lo(hn::Set(di, q.lo)), hi(hn::Set(di, q.hi)),
-        mid_lo(hn::Set(di, q.mid_lo)), mid_hi(hn::Set(di, q.mid_hi)) {}
+        mid_lo(hn::Set(di, q.mid_lo)), mid_hi(hn::Set(di, q.mid_hi)) {
+#if STEPFUSE_Q8_REGISTER_TABLES
+    const Q8Arith& a = q.arith;
+    is_signed = a.positive == 128;
+    binade_base = hn::Set(di, a.binade_base);
+    segment_lo = hn::Load(di, a.binade_segment), segment_hi = hn::Load(di, a.binade_segment + 16);
+    bound_lo = hn::Load(di, a.binade_bound), bound_hi = hn::Load(di, a.binade_bound + 16);
+    scale = hn::Load(D(), a.scale), offset = hn::Load(D(), a.offset), band = hn::Set(D(), a.band);
+    base_limit = hn::Load(di, a.base_limit);
+#endif
+  }
   const std::int32_t* entries;
   int shift;
   V lo, hi, mid_lo, mid_hi;
+#if STEPFUSE_Q8_REGISTER_TABLES
+  bool is_signed = false;
+  V binade_base, segment_lo, segment_hi, bound_lo, bound_hi, base_limit;
+  hn::Vec<D> scale, offset, band;
+#endif
 };
 
 // q8_encode_scalar of each lane, for lanes in [-2, 2] (no NaN); the code in each u32
@@ -248,12 +372,54 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFinite(const Encoder<D>& e, hn
   return hn::Sub(entry, hn::VecFromMask(du, above));
 }
 
+#if STEPFUSE_Q8_REGISTER_TABLES
+// EncodeFinite by arithmetic (Q8Arith), no memory access: the count of positive
+// thresholds below a = |x| is its segment's base plus floor(a * scale + offset), clamped
+// to the segment. A negative x counts the positive thresholds at or below |x|, those
+// below the next float up, mirrored (the signed map's negative thresholds are its
+// positive ones negated, all but the last); the unsigned map has none below 0. A vector
+// with a lane too near a threshold to trust the line takes EncodeFinite.
+template <bool kClamp, class D>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFast(const Encoder<D>& e, hn::Vec<D> x) {
+  const D d;
+  const hn::RebindToSigned<D> di;
+  const hn::RebindToUnsigned<D> du;
+  const auto u = hn::BitCast(di, x);
+  const auto negative = hn::Lt(u, hn::Zero(di));
+  auto a = hn::And(u, hn::Set(di, 0x7FFFFFFF));
+  if (e.is_signed) a = hn::Sub(a, hn::VecFromMask(di, negative));  // (a true mask is -1)
+  if constexpr (kClamp) a = hn::Min(a, hn::Set(di, 0x40000000));   // 2.0: above every threshold, still finite
+  const auto binade = hn::Min(hn::Max(hn::Sub(hn::ShiftRight<23>(a), e.binade_base), hn::Zero(di)), hn::Set(di, 31));
+  auto segment = Lookup32(e.segment_lo, e.segment_hi, binade);
+  segment = hn::Sub(segment, hn::VecFromMask(di, hn::Gt(a, Lookup32(e.bound_lo, e.bound_hi, binade))));
+  const auto y = hn::Add(hn::Mul(hn::BitCast(d, a), Lookup16(e.scale, segment)), Lookup16(e.offset, segment));
+  const auto near = hn::Lt(hn::Abs(hn::Sub(y, hn::Round(y))), e.band);
+  const auto base_limit = Lookup16(e.base_limit, segment);
+  const auto inside = hn::Min(hn::Max(V16i{_mm512_cvttps_epi32(y.raw)}, hn::Zero(di)), hn::ShiftRight<16>(base_limit));
+  const auto count = hn::Add(hn::And(base_limit, hn::Set(di, 0xFFFF)), inside);
+  if (HWY_UNLIKELY(!hn::AllFalse(d, near))) return EncodeFinite<kClamp>(e, x);
+  if (!e.is_signed) return hn::BitCast(du, hn::IfThenZeroElse(negative, count));
+  const auto mid = hn::Set(di, 127);
+  return hn::BitCast(du, hn::IfThenElse(negative, hn::Sub(mid, hn::Min(count, mid)), hn::Add(mid, count)));
+}
+#endif
+
+// q8_encode_scalar of each lane, for lanes in [-2, 2] (no NaN); with `kClamp`, any non-NaN value.
+template <bool kClamp, class D>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeNumber(const Encoder<D>& e, hn::Vec<D> x) {
+#if STEPFUSE_Q8_REGISTER_TABLES
+  return EncodeFast<kClamp>(e, x);
+#else
+  return EncodeFinite<kClamp>(e, x);
+#endif
+}
+
 // q8_encode_scalar of each lane, any value.
 template <class D>
 HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> Encode(const Encoder<D>& e, hn::Vec<D> x) {
   const hn::RebindToUnsigned<D> du;
   // Positive NaNs order above +inf, so their bucket is hi; NaN is above no threshold.
-  return hn::IfThenZeroElse(hn::RebindMask(du, hn::IsNaN(x)), EncodeFinite<true>(e, x));
+  return hn::IfThenZeroElse(hn::RebindMask(du, hn::IsNaN(x)), EncodeNumber<true>(e, x));
 }
 
 template <class D>
@@ -338,22 +504,48 @@ void Quantize(const float* in, std::uint8_t* codes, float* absmax, std::size_t n
     // absmax * inv is 1 within a few roundings, even where inv is subnormal).
     const auto vinv = hn::Set(d, inv);
     for (std::size_t i = 0; i < full; i += N)
-      StoreCodes(d, EncodeFinite<false>(e, hn::Mul(hn::LoadU(d, x + i), vinv)), c + i);
+      StoreCodes(d, EncodeNumber<false>(e, hn::Mul(hn::LoadU(d, x + i), vinv)), c + i);
     if (full == len) continue;
     alignas(64) float tail[hn::MaxLanes(d)] = {};
     alignas(64) std::uint8_t out[hn::MaxLanes(d)];
     std::memcpy(tail, x + full, (len - full) * sizeof(float));
-    StoreCodes(d, EncodeFinite<false>(e, hn::Mul(hn::Load(d, tail), vinv)), out);
+    StoreCodes(d, EncodeNumber<false>(e, hn::Mul(hn::Load(d, tail), vinv)), out);
     std::memcpy(c + full, out, len - full);
   }
 }
+
+// The code values of each lane's code (0..255).
+template <class D>
+struct Decoder {
+#if STEPFUSE_Q8_REGISTER_TABLES
+  explicit Decoder(const float* code) {
+    for (int j = 0; j < 16; ++j) table[j] = hn::Load(D(), code + 16 * j);
+  }
+  HWY_INLINE hn::Vec<D> operator()(hn::Vec<hn::RebindToSigned<D>> index) const {
+    const hn::RebindToSigned<D> di;
+    hn::Vec<D> pair[8];  // pair[j]: from codes 32j..32j+31, by the index's low 5 bits
+    for (int j = 0; j < 8; ++j) pair[j] = V16f{_mm512_permutex2var_ps(table[2 * j].raw, index.raw, table[2 * j + 1].raw)};
+    const auto bit5 = hn::RebindMask(D(), hn::TestBit(index, hn::Set(di, 32)));
+    const auto bit6 = hn::RebindMask(D(), hn::TestBit(index, hn::Set(di, 64)));
+    const auto bit7 = hn::RebindMask(D(), hn::TestBit(index, hn::Set(di, 128)));
+    for (int j = 0; j < 4; ++j) pair[j] = hn::IfThenElse(bit5, pair[2 * j + 1], pair[2 * j]);
+    for (int j = 0; j < 2; ++j) pair[j] = hn::IfThenElse(bit6, pair[2 * j + 1], pair[2 * j]);
+    return hn::IfThenElse(bit7, pair[1], pair[0]);
+  }
+  hn::Vec<D> table[16];
+#else
+  explicit Decoder(const float* code) : code(code) {}
+  HWY_INLINE hn::Vec<D> operator()(hn::Vec<hn::RebindToSigned<D>> index) const { return hn::GatherIndex(D(), code, index); }
+  const float* code;
+#endif
+};
 
 void Dequantize(const std::uint8_t* codes, const float* absmax, float* out, std::size_t n, int map) {
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   const hn::Rebind<std::uint8_t, decltype(d)> d8;
   const std::size_t N = hn::Lanes(d);
-  const float* code = tables(static_cast<Q8Map>(map)).code;
+  const Decoder<decltype(d)> code(tables(static_cast<Q8Map>(map)).code);
   for (std::size_t start = 0, block = 0; start < n; start += kQ8Block, ++block) {
     const std::uint8_t* c = codes + start;
     float* o = out + start;
@@ -361,14 +553,14 @@ void Dequantize(const std::uint8_t* codes, const float* absmax, float* out, std:
     const std::size_t full = len - len % N;
     const auto scale = hn::Set(d, absmax[block]);
     for (std::size_t i = 0; i < full; i += N) {
-      const auto value = hn::GatherIndex(d, code, hn::PromoteTo(di, hn::LoadU(d8, c + i)));
+      const auto value = code(hn::PromoteTo(di, hn::LoadU(d8, c + i)));
       hn::StoreU(hn::Mul(value, scale), d, o + i);
     }
     if (full == len) continue;
     alignas(64) std::uint8_t tail[hn::MaxLanes(d)] = {};
     alignas(64) float result[hn::MaxLanes(d)];
     std::memcpy(tail, c + full, len - full);
-    hn::Store(hn::Mul(hn::GatherIndex(d, code, hn::PromoteTo(di, hn::Load(d8, tail))), scale), d, result);
+    hn::Store(hn::Mul(code(hn::PromoteTo(di, hn::Load(d8, tail))), scale), d, result);
     std::memcpy(o + full, result, (len - full) * sizeof(float));
   }
 }
