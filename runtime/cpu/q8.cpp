@@ -327,8 +327,9 @@ HWY_INLINE V16i Lookup16(V16i table, V16i index) { return V16i{_mm512_permutexva
 #define STEPFUSE_Q8_REGISTER_TABLES 0
 #endif
 
-// One map's encoder constants, broadcast once per call (D: the float lanes' tag).
-template <class D>
+// One map's encoder constants, broadcast once per call (D: the float lanes' tag;
+// kSigned: the map is signed_dynamic).
+template <class D, bool kSigned>
 struct Encoder {
   using DI = hn::RebindToSigned<D>;
   using V = hn::Vec<DI>;
@@ -337,7 +338,6 @@ struct Encoder {
         mid_lo(hn::Set(di, q.mid_lo)), mid_hi(hn::Set(di, q.mid_hi)) {
 #if STEPFUSE_Q8_REGISTER_TABLES
     const Q8Arith& a = q.arith;
-    is_signed = a.positive == 128;
     binade_base = hn::Set(di, a.binade_base);
     segment_lo = hn::Load(di, a.binade_segment), segment_hi = hn::Load(di, a.binade_segment + 16);
     bound_lo = hn::Load(di, a.binade_bound), bound_hi = hn::Load(di, a.binade_bound + 16);
@@ -349,7 +349,6 @@ struct Encoder {
   int shift;
   V lo, hi, mid_lo, mid_hi;
 #if STEPFUSE_Q8_REGISTER_TABLES
-  bool is_signed = false;
   V binade_base, segment_lo, segment_hi, bound_lo, bound_hi, base_limit;
   hn::Vec<D> scale, offset, band;
 #endif
@@ -357,8 +356,8 @@ struct Encoder {
 
 // q8_encode_scalar of each lane, for lanes in [-2, 2] (no NaN); the code in each u32
 // lane's low byte. With `kClamp`, any non-NaN value.
-template <bool kClamp, class D>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFinite(const Encoder<D>& e, hn::Vec<D> x) {
+template <bool kClamp, class D, bool kSigned>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFinite(const Encoder<D, kSigned>& e, hn::Vec<D> x) {
   const hn::RebindToSigned<D> di;
   const hn::RebindToUnsigned<D> du;
   const auto u = hn::BitCast(di, x);
@@ -379,15 +378,15 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFinite(const Encoder<D>& e, hn
 // below the next float up, mirrored (the signed map's negative thresholds are its
 // positive ones negated, all but the last); the unsigned map has none below 0. A vector
 // with a lane too near a threshold to trust the line takes EncodeFinite.
-template <bool kClamp, class D>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFast(const Encoder<D>& e, hn::Vec<D> x) {
+template <bool kClamp, class D, bool kSigned>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFast(const Encoder<D, kSigned>& e, hn::Vec<D> x) {
   const D d;
   const hn::RebindToSigned<D> di;
   const hn::RebindToUnsigned<D> du;
   const auto u = hn::BitCast(di, x);
   const auto negative = hn::Lt(u, hn::Zero(di));
   auto a = hn::And(u, hn::Set(di, 0x7FFFFFFF));
-  if (e.is_signed) a = hn::Sub(a, hn::VecFromMask(di, negative));  // (a true mask is -1)
+  if constexpr (kSigned) a = hn::Sub(a, hn::VecFromMask(di, negative));  // (a true mask is -1)
   if constexpr (kClamp) a = hn::Min(a, hn::Set(di, 0x40000000));   // 2.0: above every threshold, still finite
   const auto binade = hn::Min(hn::Max(hn::Sub(hn::ShiftRight<23>(a), e.binade_base), hn::Zero(di)), hn::Set(di, 31));
   auto segment = Lookup32(e.segment_lo, e.segment_hi, binade);
@@ -398,15 +397,15 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeFast(const Encoder<D>& e, hn::
   const auto inside = hn::Min(hn::Max(V16i{_mm512_cvttps_epi32(y.raw)}, hn::Zero(di)), hn::ShiftRight<16>(base_limit));
   const auto count = hn::Add(hn::And(base_limit, hn::Set(di, 0xFFFF)), inside);
   if (HWY_UNLIKELY(!hn::AllFalse(d, near))) return EncodeFinite<kClamp>(e, x);
-  if (!e.is_signed) return hn::BitCast(du, hn::IfThenZeroElse(negative, count));
+  if constexpr (!kSigned) return hn::BitCast(du, hn::IfThenZeroElse(negative, count));
   const auto mid = hn::Set(di, 127);
   return hn::BitCast(du, hn::IfThenElse(negative, hn::Sub(mid, hn::Min(count, mid)), hn::Add(mid, count)));
 }
 #endif
 
 // q8_encode_scalar of each lane, for lanes in [-2, 2] (no NaN); with `kClamp`, any non-NaN value.
-template <bool kClamp, class D>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeNumber(const Encoder<D>& e, hn::Vec<D> x) {
+template <bool kClamp, class D, bool kSigned>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeNumber(const Encoder<D, kSigned>& e, hn::Vec<D> x) {
 #if STEPFUSE_Q8_REGISTER_TABLES
   return EncodeFast<kClamp>(e, x);
 #else
@@ -415,8 +414,8 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> EncodeNumber(const Encoder<D>& e, hn
 }
 
 // q8_encode_scalar of each lane, any value.
-template <class D>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> Encode(const Encoder<D>& e, hn::Vec<D> x) {
+template <class D, bool kSigned>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> Encode(const Encoder<D, kSigned>& e, hn::Vec<D> x) {
   const hn::RebindToUnsigned<D> du;
   // Positive NaNs order above +inf, so their bucket is hi; NaN is above no threshold.
   return hn::IfThenZeroElse(hn::RebindMask(du, hn::IsNaN(x)), EncodeNumber<true>(e, x));
@@ -434,11 +433,12 @@ HWY_INLINE hn::Vec<D> Sanitize(D d, hn::Vec<D> x) {
   return hn::Min(hn::Max(finite, hn::Set(d, -FLT_MAX)), hn::Set(d, FLT_MAX));
 }
 
-void EncodeArray(const float* x, std::uint8_t* codes, std::size_t n, int map) {
+template <bool kSigned>
+void EncodeArrayWith(const float* x, std::uint8_t* codes, std::size_t n) {
   using D = hn::ScalableTag<float>;
   const D d;
   const std::size_t N = hn::Lanes(d);
-  const Encoder<D> e(hn::RebindToSigned<D>(), tables(static_cast<Q8Map>(map)));
+  const Encoder<D, kSigned> e(hn::RebindToSigned<D>(), tables(kSigned ? Q8Map::signed_dynamic : Q8Map::unsigned_dynamic));
   std::size_t i = 0;
   for (; i + N <= n; i += N) StoreCodes(d, Encode(e, hn::LoadU(d, x + i)), codes + i);
   if (i == n) return;
@@ -451,8 +451,8 @@ void EncodeArray(const float* x, std::uint8_t* codes, std::size_t n, int map) {
 
 // One block of len <= kQ8Block elements, any values: sanitized, then encoded with NaN
 // handling.
-template <class D>
-float QuantizeBlockSlow(D d, const Encoder<D>& e, const float* x, std::uint8_t* c, std::size_t len) {
+template <class D, bool kSigned>
+float QuantizeBlockSlow(D d, const Encoder<D, kSigned>& e, const float* x, std::uint8_t* c, std::size_t len) {
   const std::size_t N = hn::Lanes(d);
   const std::size_t full = len - len % N;
   alignas(64) float tail[hn::MaxLanes(d)] = {};  // zero padding changes no max
@@ -471,12 +471,13 @@ float QuantizeBlockSlow(D d, const Encoder<D>& e, const float* x, std::uint8_t* 
   return absmax;
 }
 
-void Quantize(const float* in, std::uint8_t* codes, float* absmax, std::size_t n, int map) {
+template <bool kSigned>
+void QuantizeWith(const float* in, std::uint8_t* codes, float* absmax, std::size_t n) {
   using D = hn::ScalableTag<float>;
   const D d;
   const hn::RebindToSigned<D> di;
   const std::size_t N = hn::Lanes(d);
-  const Encoder<D> e(di, tables(static_cast<Q8Map>(map)));
+  const Encoder<D, kSigned> e(di, tables(kSigned ? Q8Map::signed_dynamic : Q8Map::unsigned_dynamic));
   const auto magnitude = hn::Set(di, 0x7FFFFFFF);
   for (std::size_t start = 0, block = 0; start < n; start += kQ8Block, ++block) {
     const float* x = in + start;
@@ -512,6 +513,16 @@ void Quantize(const float* in, std::uint8_t* codes, float* absmax, std::size_t n
     StoreCodes(d, EncodeNumber<false>(e, hn::Mul(hn::Load(d, tail), vinv)), out);
     std::memcpy(c + full, out, len - full);
   }
+}
+
+void EncodeArray(const float* x, std::uint8_t* codes, std::size_t n, int map) {
+  if (static_cast<Q8Map>(map) == Q8Map::signed_dynamic) return EncodeArrayWith<true>(x, codes, n);
+  EncodeArrayWith<false>(x, codes, n);
+}
+
+void Quantize(const float* in, std::uint8_t* codes, float* absmax, std::size_t n, int map) {
+  if (static_cast<Q8Map>(map) == Q8Map::signed_dynamic) return QuantizeWith<true>(in, codes, absmax, n);
+  QuantizeWith<false>(in, codes, absmax, n);
 }
 
 // The code values of each lane's code (0..255).
