@@ -3,8 +3,9 @@
 # GradScaler, torch.compile) and JAX/optax, in one process: bench/peers/peers.py. stepfuse
 # is timed through its Python package: the C++ API's binding and stepfuse.torch. With
 # --dtype bf16, the low-precision peers instead: bf16 weights and gradients, stepfuse.torch
-# with fp32 masters, stochastic rounding and compensated weights beside torchao's AdamW
-# (bf16_stochastic_round) and AdamW8bit and bitsandbytes' AdamW8bit on the CPU.
+# with fp32 masters, stochastic rounding and compensated weights, and with its state stored
+# compressed (stochastic rounding with q8 or bf16 state, masters with q8 state), beside
+# torchao's AdamW (bf16_stochastic_round) and AdamW8bit and bitsandbytes' AdamW8bit on the CPU.
 #
 # Creates (once) a virtual environment with torch, numpy, jax, optax and jmp from PyPI
 # (build/peers-venv, or $STEPFUSE_PEERS_VENV: an existing venv that already has them is

@@ -33,32 +33,47 @@ ALL_PEERS = ["stepfuse", "stepfuse.torch", "stepfuse.torch-fresh", "torch-fused"
              "jax-optax"]
 
 # --dtype bf16: the low-precision peers (lowp_peers.py), bf16 weights and bf16 gradients. The
-# first is the ratios' denominator and always runs; the three stepfuse rows are stepfuse itself
-# (their failing is exit code 2).
-LOWP_PEERS = ["stepfuse.torch-masters", "stepfuse.torch-sr", "stepfuse.torch-compensated", "torchao-adamw-sr",
-              "torchao-adamw8bit-sr", "bnb-adamw8bit"]
+# first is the ratios' denominator and always runs; the stepfuse rows are stepfuse itself (their
+# failing is exit code 2): its three ways of keeping bf16 weights with fp32 state, then with
+# compressed state (state_format: -q8 block-wise 8-bit, -bf16s bf16).
+LOWP_PEERS = ["stepfuse.torch-masters", "stepfuse.torch-sr", "stepfuse.torch-compensated", "stepfuse.torch-sr-q8",
+              "stepfuse.torch-sr-bf16s", "stepfuse.torch-masters-q8", "torchao-adamw-sr", "torchao-adamw8bit-sr",
+              "bnb-adamw8bit"]
 LOWP_REF = LOWP_PEERS[0]
 
 # Verification of each low-precision peer (lowp_verify.py) against a reference step computed in
 # fp64 from the same bf16 weights and gradients (kept as fp32: 2^-16 of a bf16 ulp):
 #  - applied: every peer must apply the step (the gradients are finite), and its clip
 #    coefficient, fitted from exp_avg as in the fp32 mode, must be within NORM_TOL of the
-#    reference's: the norm and skip decision.
+#    reference's: the norm and skip decision. The fit is over the tensors whose exp_avg the row
+#    stores in fp32 or bf16, where it has any (rounding to the nearest 8-bit code biases it by
+#    ~1e-4, which dividing by it would carry into the fp32 tensors' figures).
 #  - exp_avg / r, exp_avg_sq / r^2 against the reference, the worst element: relative to
 #    max(|ref_i|, VERIFY_FLOOR * max|ref|) where the state is fp32 or bf16; relative to the
 #    absmax of the reference's 256-element block where it is 8-bit (each block is stored as
 #    codes into a 256-entry code book times the block's absmax). The tolerance is the row's:
 #      stepfuse rows: VERIFY_TOL (fp32 state, computed in fp32 from the stored bf16 gradients);
+#        with bf16 state (-bf16s): LOWP_BF16_STATE_TOL, VERIFY_TOL + 3 * 2^-8. The fp32 state of
+#        the step is rounded once to the nearest bf16 (8 significant bits: within half an ulp, 2^-8
+#        of the value); the clip factor r is then fitted from those rounded exp_avg values, a
+#        weighted mean of their roundings, so it is off by up to 2^-8 too (2.9e-4 on gpt2-124m,
+#        seed 0), and dividing exp_avg_sq by r^2 carries that twice: 2^-8 + 2 * 2^-8. A step
+#        computes the update from the fp32 values before storing them, so the weights' tolerance
+#        stays VERIFY_TOL's. q8 state (-q8) is 8-bit state, below;
 #      torch-path rows: LOWP_GRAD_TOL, a relative error of 2^-6. A bf16 value is within 2^-8
 #        of what it rounds; the clipped gradient that torch's in-place unscale_ and
 #        clip_grad_norm_ write back into the bf16 .grad, squared for exp_avg_sq, and a
 #        bf16-stored state add up to at most three such roundings;
-#      8-bit state: LOWP_GRAD_TOL plus the largest step between two codes of the peer's code
-#        books (read from its state; the dynamic map of bitsandbytes and torchao: 0.9/64 of
-#        the absmax in its top decade, twice the worst rounding to the nearest code).
+#      8-bit state: the row's tolerance (LOWP_GRAD_TOL for the torch-path rows, VERIFY_TOL for
+#        stepfuse's q8) plus the largest step between two codes of the peer's code books (read
+#        from its state, or for stepfuse decoded by the library from the codes 0..255; the
+#        dynamic map of bitsandbytes, torchao and stepfuse's q8: 0.9/64 of the absmax in its top
+#        decade, twice the worst rounding to the nearest code). Tensors a row keeps in fp32 or
+#        bf16 below its 8-bit threshold (4096 elements) have the row's fp32 or bf16 tolerance.
 #  - weights w1 (bf16) against the reference's w1, elementwise: |w1 - ref| <= one bf16 ulp of
 #    ref for a row that rounds stochastically (it lands on either neighbour of the exact value),
-#    half of one for a row that rounds to nearest, + lr * the row's state tolerance (the first
+#    half of one for a row that rounds to nearest, + lr * the row's gradient tolerance (its
+#    state tolerance but for stepfuse's bf16 state, which is rounded after the update; the first
 #    AdamW update, lr * g / (|g| + eps), moves by at most the gradient's relative error where |g|
 #    is near eps). The figure reported is the worst element's |w1 - ref| over that bound.
 #  - the update's fit: sum(dw * dt) / sum(dt^2) - 1 over every element, dw = w1 - w0 and dt =
@@ -79,6 +94,7 @@ LOWP_REF = LOWP_PEERS[0]
 #    is 2^-10 ulp at most; where the update cancels the weight, the fp32 arithmetic's error is
 #    the operands', not the small result's).
 LOWP_GRAD_TOL = 2.0 ** -6
+LOWP_BF16_STATE_TOL = VERIFY_TOL + 3 * 2.0 ** -8
 LOWP_FIT_TOL = 1e-2
 LOWP_FIT_SIGMAS = 5.0
 LOWP_DECAY_TOL = 0.5
@@ -94,18 +110,34 @@ RATIOS = [
 ]
 
 # --dtype bf16's comparisons, as RATIOS: each stepfuse way of keeping bf16 weights against fp32
-# masters, and each other peer against the stepfuse row that stores its weights alike (the bf16
-# weight alone: stochastic rounding; bitsandbytes rounds to nearest, which stepfuse does only with
-# masters or compensations).
+# masters; stepfuse's compressed state against its fp32 state with the same weights; and each other
+# peer against the stepfuse rows that store its weights alike (the bf16 weight alone: stochastic
+# rounding; bitsandbytes rounds to nearest, which stepfuse does only with masters or compensations),
+# with fp32 state and with state stored as the peer stores it (bf16; 8-bit in 256-element blocks:
+# stepfuse.torch-sr-q8, the fewest bytes).
 LOWP_RATIOS = [
     ("stepfuse.torch-sr", "stepfuse.torch-masters", "stepfuse.torch: no masters, stochastic rounding vs fp32 masters"),
     ("stepfuse.torch-compensated", "stepfuse.torch-masters",
      "stepfuse.torch: no masters, bf16 compensations vs fp32 masters"),
+    ("stepfuse.torch-sr-q8", "stepfuse.torch-sr",
+     "stepfuse.torch: q8 state vs fp32 state, both stochastic rounding, no masters"),
+    ("stepfuse.torch-sr-bf16s", "stepfuse.torch-sr",
+     "stepfuse.torch: bf16 state vs fp32 state, both stochastic rounding, no masters"),
+    ("stepfuse.torch-masters-q8", "stepfuse.torch-masters",
+     "stepfuse.torch: q8 state vs fp32 state, both fp32 masters"),
     ("torchao-adamw-sr", "stepfuse.torch-sr",
      "torchao AdamW (bf16 state) vs stepfuse.torch (fp32 state), both stochastic rounding, no masters"),
+    ("torchao-adamw-sr", "stepfuse.torch-sr-bf16s",
+     "torchao AdamW vs stepfuse.torch, both bf16 state, stochastic rounding, no masters"),
     ("torchao-adamw8bit-sr", "stepfuse.torch-sr",
      "torchao AdamW8bit vs stepfuse.torch (fp32 state), both stochastic rounding, no masters"),
+    ("torchao-adamw8bit-sr", "stepfuse.torch-sr-q8",
+     "torchao AdamW8bit vs stepfuse.torch (q8 state), both 8-bit state in 256-element blocks, stochastic rounding, "
+     "no masters"),
     ("bnb-adamw8bit", "stepfuse.torch-sr", "bitsandbytes AdamW8bit vs stepfuse.torch (fp32 state), both no masters"),
+    ("bnb-adamw8bit", "stepfuse.torch-sr-q8",
+     "bitsandbytes AdamW8bit vs stepfuse.torch (q8 state), both 8-bit state in 256-element blocks, no masters "
+     "(bitsandbytes rounds to nearest, stepfuse stochastically)"),
 ]
 
 
@@ -114,8 +146,9 @@ def lowp_step_bytes(grad_bytes, param_read, param_write, state_bytes):
     pass reads the gradient; the update pass reads the gradient, reads and writes the parameter as
     stored (bf16 weight; weight + bf16 compensation; or read the fp32 master and write it and the
     bf16 weight), and reads and writes each state stream as stored (fp32, bf16, or 8-bit codes +
-    one fp32 absmax per 256). The stepfuse rows give bench/step_bytes.cpp's figures (24, 28, 30
-    B/param with bf16 gradients)."""
+    one fp32 absmax per 256). The stepfuse rows with fp32 state give bench/step_bytes.cpp's figures (24,
+    28, 30 B/param with bf16 gradients); with q8 state about 12 (stochastic rounding) and 18 (masters),
+    with bf16 state 16 (stochastic rounding)."""
     return grad_bytes, grad_bytes + param_read + param_write + 2 * state_bytes
 
 

@@ -9,7 +9,16 @@ and the AdamW state its own way:
                               weight is the only copy, rounded stochastically;
   stepfuse.torch-compensated  master_weights=False, compensated_weights=True: a bf16 compensation
                               per weight (Kahan), rounded to nearest;
-    (each with stepfuse.torch.GradScaler('cpu'), step(opt), update(), as the stepfuse.torch peer);
+  stepfuse.torch-sr-q8        stepfuse.torch-sr with state_format="q8": exp_avg and exp_avg_sq stored as
+                              8-bit codes in 256-element blocks with an fp32 absmax each (the dynamic map
+                              of bitsandbytes: signed for exp_avg, unsigned for exp_avg_sq), fp32 state for
+                              tensors under min_q8_numel=4096 elements: the fewest bytes (about 12 B/param),
+                              the row to set beside torchao's AdamW8bit and bitsandbytes' AdamW8bit;
+  stepfuse.torch-sr-bf16s     stepfuse.torch-sr with state_format="bf16": bf16 state (as torchao's AdamW);
+  stepfuse.torch-masters-q8   stepfuse.torch-masters with state_format="q8";
+    (each with stepfuse.torch.GradScaler('cpu'), step(opt), update(), as the stepfuse.torch peer; a step
+    decodes stored state to fp32, updates it and stores it encoded again; lowp_result() reads q8 state
+    back decoded by the library, stepfuse.Optimizer.state_values);
   torchao-adamw-sr            torchao's AdamW with bf16_stochastic_round=True (torchao.optim._AdamW;
                               its state is allocated like the param: bf16);
   torchao-adamw8bit-sr        torchao.optim.AdamW8bit(bf16_stochastic_round=True): 8-bit block-wise
@@ -22,15 +31,16 @@ and the AdamW state its own way:
 
 Every peer also gives lowp_result() (its weights, its state as fp32, the block size of 8-bit state,
 the parameter it keeps beside the weight) for lowp_verify.py, storage() (the bytes per parameter it
-stores, for the byte model), grad_tol (the relative error its gradients may carry: config.py) and
-rounding (how it rounds the bf16 weight: "stochastic" or "nearest")."""
+stores, for the byte model), grad_tol (the relative error its gradients may carry: config.py), the
+stepfuse rows state_tol (that of their fp32 or bf16 state, where it is not grad_tol) and rounding (how
+it rounds the bf16 weight: "stochastic" or "nearest")."""
 
 import logging
 import time
 
-from .config import HYPER, LOWP_GRAD_TOL, VERIFY_TOL
+from .config import HYPER, LOWP_BF16_STATE_TOL, LOWP_GRAD_TOL, VERIFY_TOL
 from .peer import SkipPeer
-from .stepfuse_peer import StepfuseTorchPeer
+from .stepfuse_peer import StepfuseTorchPeer, adamw_config
 from .torch_peers import TorchEagerPeer
 
 
@@ -43,8 +53,10 @@ def nbytes(t):
 
 
 class StepfuseTorchLowpPeer(StepfuseTorchPeer):
-    """stepfuse.torch.AdamW on the bf16 params with one of its three ways to keep them: fp32 masters,
-    stochastic rounding, or compensated weights."""
+    """stepfuse.torch.AdamW on the bf16 params with one of its three ways to keep them (VARIANTS: fp32
+    masters, stochastic rounding, or compensated weights) and one of its state formats (STATES: fp32,
+    bf16 or q8). The peer's name is stepfuse.torch-VARIANT, or stepfuse.torch-VARIANT-STATE for stored
+    state other than fp32."""
 
     required = True
     grad_tol = VERIFY_TOL  # the gradients are read as stored and unscaled and clipped in fp32
@@ -58,21 +70,62 @@ class StepfuseTorchLowpPeer(StepfuseTorchPeer):
                         "master_weights=False, compensated_weights=True: no masters, a bf16 compensation per weight "
                         "(what rounding it to nearest lost, Kahan)"),
     }
+    # How the AdamW state is stored between steps (the name's suffix: its state_format and what it is).
+    # A step decodes it to fp32, updates it in fp32 and stores it encoded again, so the weights of the
+    # first step are those of fp32 state; only the stored state differs (its tolerance: state_tol).
+    STATES = {
+        "": ("f32", "fp32 state"),
+        "bf16s": ("bf16", "state_format='bf16': exp_avg and exp_avg_sq stored as bf16 (rounded to nearest even)"),
+        "q8": ("q8", "state_format='q8': exp_avg and exp_avg_sq stored as 8-bit codes in 256-element blocks with "
+                     "an fp32 absmax each (bitsandbytes' dynamic map: signed for exp_avg, unsigned for exp_avg_sq), "
+                     "fp32 for tensors under min_q8_numel=4096 elements"),
+    }
 
-    def __init__(self, ctx, variant):
+    def __init__(self, ctx, name):
         super().__init__(ctx)
-        self.variant = variant
-        self.name = "stepfuse.torch-" + variant
+        variant, _, state = name.partition("-")
+        self.variant, self.state = variant, state
+        self.state_format = self.STATES[state][0]
+        self.name = "stepfuse.torch-" + name
         self.rounding = "stochastic" if variant == "sr" else "nearest"  # of the bf16 weight
+        # fp32 and q8 state: the fp32 step's tolerance (q8's blocks get + its code books' step, in
+        # lowp_verify.py); bf16 state: + one rounding to bf16, which the clip coef fitted from it carries
+        # too (config.py).
+        self.state_tol = LOWP_BF16_STATE_TOL if self.state_format == "bf16" else VERIFY_TOL
         self.what = ("stepfuse.torch.GradScaler('cpu'): step(opt), update(), with stepfuse.torch.AdamW(params, lr, "
                      "betas, eps, weight_decay, max_grad_norm=1.0, " +
-                     self.VARIANTS[variant][1].replace("SEED", str(ctx.args.seed)) + "); fp32 state")
+                     self.VARIANTS[variant][1].replace("SEED", str(ctx.args.seed)) + "); " + self.STATES[state][1])
 
     def options(self):
         kw = dict(self.VARIANTS[self.variant][0])
         if kw.get("stochastic_rounding"):
             kw["seed"] = self.ctx.args.seed
+        if self.state_format != "f32":
+            kw["state_format"] = self.state_format
         return kw
+
+    def stored_state(self, w):
+        """Param w's AdamW state tensors as stored in opt.state: exp_avg and exp_avg_sq (fp32, bfloat16, or
+        uint8 q8 codes), and the fp32 absmax scales of those stored as q8."""
+        st = self.opt.state[w]
+        return [st[k] for k in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax") if k in st]
+
+    def q8_code_step(self):
+        """The largest step between two neighbouring codes of the q8 code books (exp_avg's signed map and
+        exp_avg_sq's unsigned one), read from the library: a 256-element stream stored as q8 with the codes
+        0..255 and an absmax of 1, decoded by the library (stepfuse.Optimizer.state_values)."""
+        import numpy as np
+        sf = self.ctx.sf
+        n = 256
+        dec = sf.Optimizer(adamw_config(sf), [(np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32))],
+                           state_format="q8", min_q8_numel=0, num_threads=1)
+        step = 0.0
+        for name in ("exp_avg", "exp_avg_sq"):
+            dec.state_storage(0, name)[:] = np.arange(n, dtype=np.uint8)
+            dec.state_absmax(0, name)[:] = 1.0
+            book = np.sort(dec.state_values(0, name).astype(np.float64))
+            step = max(step, float(np.diff(book).max()))
+        return step
 
     def lowp_result(self):
         ws = self.ctx.weights
@@ -83,13 +136,25 @@ class StepfuseTorchLowpPeer(StepfuseTorchPeer):
         elif self.variant == "compensated":
             # weight + compensation, exactly (in fp64): the parameter the step continues from.
             param = [w.detach().double() + s["compensation"].double() for w, s in zip(ws, st)]
-        return dict(weights=[w.detach().clone() for w in ws], exp_avg=[s["exp_avg"].clone() for s in st],
-                    exp_avg_sq=[s["exp_avg_sq"].clone() for s in st], blocks=[None] * len(ws), param=param,
-                    code_step=None)
+        torch, engine = self.ctx.torch, self.opt._engine
+        index = {id(p): i for i, p in enumerate(self.opt._active)}  # the engine's param order
+        state = dict(exp_avg=[], exp_avg_sq=[])
+        blocks = []
+        for w, s in zip(ws, st):
+            for key, out in state.items():
+                if s[key].dtype == torch.uint8:  # q8: decoded to fp32 by the library
+                    out.append(torch.from_numpy(engine.state_values(index[id(w)], key).copy()))
+                else:  # fp32, or bf16 widened exactly
+                    out.append(s[key].detach().float().reshape(-1).clone())
+            blocks.append(256 if "exp_avg_absmax" in s else None)  # q8's blocks (fp32 below min_q8_numel)
+        code_step = self.q8_code_step() if any(blocks) else None
+        return dict(weights=[w.detach().clone() for w in ws], exp_avg=state["exp_avg"],
+                    exp_avg_sq=state["exp_avg_sq"], blocks=blocks, param=param, code_step=code_step)
 
     def storage(self):
-        st = [self.opt.state[w] for w in self.ctx.weights]
-        state = sum(nbytes(s["exp_avg"]) + nbytes(s["exp_avg_sq"]) for s in st) / numel(self.ctx)
+        # The state's real bytes: fp32 4 B, bf16 2 B, or q8's 1 B codes + a 4 B absmax per 256 elements
+        # (fp32 for tensors under min_q8_numel), both streams.
+        state = sum(nbytes(t) for w in self.ctx.weights for t in self.stored_state(w)) / numel(self.ctx)
         if self.variant == "masters":
             return dict(param_read=4.0, param_write=4.0 + 2.0, state=state)  # read the master; write it and the weight
         if self.variant == "compensated":

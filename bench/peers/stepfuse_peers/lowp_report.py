@@ -7,9 +7,9 @@ import os
 import sys
 import time
 
-from .config import (BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, HYPER, LOWP_DECAY_TOL, LOWP_FIT_SIGMAS,
-                     LOWP_FIT_TOL, LOWP_GRAD_TOL, LOWP_PARAM_TOL, LOWP_RATIOS, LOWP_REF, MAX_NORM, NORM_TOL,
-                     VERIFY_FLOOR, VERIFY_TOL, lowp_step_bytes)
+from .config import (BACKOFF_FACTOR, GROWTH_FACTOR, GROWTH_INTERVAL, HYPER, LOWP_BF16_STATE_TOL, LOWP_DECAY_TOL,
+                     LOWP_FIT_SIGMAS, LOWP_FIT_TOL, LOWP_GRAD_TOL, LOWP_PARAM_TOL, LOWP_RATIOS, LOWP_REF, MAX_NORM,
+                     NORM_TOL, VERIFY_FLOOR, VERIFY_TOL, lowp_step_bytes)
 from .console import commas
 from .report import (W, cpu_model, machine_info, peer_ratios, print_peers_ratios, print_peers_steps,
                      print_timing_preamble, write_json)
@@ -59,9 +59,11 @@ def report_lowp(args, sf, shapes, shapes_source, ctx, peers, status, samples, t_
                  verify=dict(reference="one AdamW step computed in fp64 from the same bf16 weights and gradients",
                              reference_step=getattr(ctx, "lowp_reference", None),
                              clip_coef_tolerance=NORM_TOL, state_floor=VERIFY_FLOOR,
-                             state_tolerance_stepfuse=VERIFY_TOL, state_tolerance_torch_path=LOWP_GRAD_TOL,
+                             state_tolerance_stepfuse=VERIFY_TOL,
+                             state_tolerance_stepfuse_bf16_state=LOWP_BF16_STATE_TOL,
+                             state_tolerance_torch_path=LOWP_GRAD_TOL,
                              state_tolerance_8bit="the row's tolerance + the largest step of its code books",
-                             weights="max |w1 - ref| / (k bf16 ulp(ref) + lr * the row's state tolerance) <= 1, "
+                             weights="max |w1 - ref| / (k bf16 ulp(ref) + lr * the row's gradient tolerance) <= 1, "
                                      "k = 1 stochastic rounding, 1/2 to nearest",
                              update_fit="sum(dw dt) / sum(dt^2) - 1, dt = exact update (stochastic) or exact weight "
                                         "rounded to nearest - w0",
@@ -113,18 +115,21 @@ def print_lowp_verification(ctx, peers, status, width):
     print(f"  clip coef: peer's / reference's - 1, fitted from exp_avg (tolerance {NORM_TOL:g}); exp_avg, exp_avg_sq: "
           f"with that factor divided out, max_i |peer_i - ref_i| / max(|ref_i|, {VERIFY_FLOOR:g} max|ref|); for 8-bit")
     print("  state (8b: m, v) / the absmax of ref_i's 256-element block instead. tol: the row's state tolerance, "
-          f"{VERIFY_TOL:g} for stepfuse (fp32 state from the stored gradients), {pow2(LOWP_GRAD_TOL)} for the "
-          "torch-path rows")
-    print("  (bf16 roundings of the clipped .grad and of bf16 state); 8b tol: + the largest step of the row's code "
-          "books. weights: max_i |w1_i - ref_i| / (k bf16 ulp(ref_i) + lr tol), k = 1 for stochastic rounding (either")
-    print("  neighbour), 1/2 for rounding to nearest; must be <= 1. w fit: sum(dw dt) / sum(dt^2) - 1, dt: the exact "
-          "update (stochastic) or the exact weight rounded to nearest - w0; within")
-    print(f"  {LOWP_FIT_TOL:g} + {LOWP_FIT_SIGMAS:g} sigma of stochastic rounding's own spread. decay: the row's "
-          f"weight decay / the reference's - 1, fitted from w1 - (that target) against w0 (tolerance "
-          f"{LOWP_DECAY_TOL:g} + {LOWP_FIT_SIGMAS:g} sigma:")
-    print("  one step decays by 1/40 of a bf16 ulp, seen only on average). param: the fp32 master, or weight + "
-          "compensation: max_i |p_i - ref_i| in bf16 ulps of max(|ref_i|, |w0_i|) (tolerance "
-          f"{pow2(LOWP_PARAM_TOL)})")
+          f"{VERIFY_TOL:g} for stepfuse (fp32 state from the stored gradients; {VERIFY_TOL:g} + 3 2^-8 = "
+          f"{LOWP_BF16_STATE_TOL:.2e} with")
+    print("  bf16 state, -bf16s: one rounding to bf16, and the clip coef fitted from it, once in exp_avg, twice in "
+          f"exp_avg_sq), {pow2(LOWP_GRAD_TOL)} for the torch-path rows (bf16 roundings of the clipped .grad")
+    print(f"  and of bf16 state); 8b tol: the row's gradient tolerance (stepfuse {VERIFY_TOL:g}, torch path "
+          f"{pow2(LOWP_GRAD_TOL)}) + the largest step of the row's code books (stepfuse's q8: read back")
+    print("  from the library). weights: max_i |w1_i - ref_i| / (k bf16 ulp(ref_i) + lr tol'), tol' the row's gradient "
+          "tolerance, k = 1 for stochastic rounding (either neighbour), 1/2")
+    print("  for rounding to nearest; must be <= 1. w fit: sum(dw dt) / sum(dt^2) - 1, dt: the exact update "
+          "(stochastic) or the exact weight rounded to nearest - w0;")
+    print(f"  within {LOWP_FIT_TOL:g} + {LOWP_FIT_SIGMAS:g} sigma of stochastic rounding's own spread. decay: the "
+          f"row's weight decay / the reference's - 1, fitted from w1 - (that target) against w0 (tolerance")
+    print(f"  {LOWP_DECAY_TOL:g} + {LOWP_FIT_SIGMAS:g} sigma: one step decays by 1/40 of a bf16 ulp, seen only on "
+          "average). param: the fp32 master, or weight + compensation: max_i |p_i - ref_i| in bf16 ulps of")
+    print(f"  max(|ref_i|, |w0_i|) (tolerance {pow2(LOWP_PARAM_TOL)})")
     print(f"  {'peer':<{width}} {'clip coef':>10} {'exp_avg':>9} {'exp_avg_sq':>10} {'tol':>8} {'8b: m':>8} "
           f"{'8b: v':>8} {'8b tol':>8} {'weights':>8} {'w fit':>9} {'decay':>8} {'param':>8}")
     for p in peers:

@@ -71,17 +71,25 @@ def state_figure(peer_t, ref_t, block):
     return float(((a - b).abs() / den.clamp(min=1e-30)).max())
 
 
-def compare_lowp(res, ref, weights0, grad_tol, rounding):
-    """The verification figures of one peer (res: its lowp_result(); rounding: how it rounds its bf16
-    weights, "stochastic" or "nearest") against the reference; see config.py."""
+def compare_lowp(res, ref, weights0, grad_tol, rounding, state_tol=None):
+    """The verification figures of one peer (res: its lowp_result(); grad_tol: the relative error its
+    gradients may carry; rounding: how it rounds its bf16 weights, "stochastic" or "nearest"; state_tol:
+    the tolerance of its fp32 or bf16 state, grad_tol unless given) against the reference; see config.py."""
     dot = lambda a, b: float(a.double().reshape(-1).dot(b.double().reshape(-1)))  # noqa: E731
-    num = sum(dot(a, b) for a, b in zip(res["exp_avg"], ref["m"]))
-    den = sum(dot(b, b) for b in ref["m"])
+    # The clip coefficient is fitted from the tensors whose exp_avg the row stores in fp32 or bf16 where it has
+    # any: rounding to the nearest 8-bit code is not unbiased, it moves the fit by ~1e-4 (more than stepfuse's
+    # fp32 tolerance for the small tensors divided by it); from the 8-bit ones only where there is nothing else.
+    pairs = ([(a, b) for a, b, block in zip(res["exp_avg"], ref["m"], res["blocks"]) if not block]
+             or list(zip(res["exp_avg"], ref["m"])))
+    num = sum(dot(a, b) for a, b in pairs)
+    den = sum(dot(b, b) for _, b in pairs)
     r = num / den if den > 0 else 1.0
     code_step = res.get("code_step") or 0.0
     tol8 = grad_tol + code_step
+    if state_tol is None:
+        state_tol = grad_tol
     d = dict(clip_coef=r - 1.0, exp_avg=0.0, exp_avg_sq=0.0, exp_avg_8bit=None, exp_avg_sq_8bit=None,
-             state_tol=grad_tol, state_tol_8bit=tol8 if code_step else None, rounding=rounding, weights=0.0,
+             state_tol=state_tol, state_tol_8bit=tol8 if code_step else None, rounding=rounding, weights=0.0,
              update_fit=None, update_fit_tol=None, decay=None, decay_tol=None, param=None)
     for key, rk, k in (("exp_avg", "m", 1), ("exp_avg_sq", "v", 2)):
         for a, b, block in zip(res[key], ref[rk], res["blocks"]):
@@ -129,7 +137,7 @@ def compare_lowp(res, ref, weights0, grad_tol, rounding):
             p, r1, w0 = p.reshape(-1).double(), r1.reshape(-1).double(), w0.reshape(-1).double()
             if p.numel():
                 d["param"] = max(d["param"], float(((p - r1).abs() / bf16_ulp(r1.abs().maximum(w0.abs()))).max()))
-    d["ok"] = (abs(d["clip_coef"]) <= NORM_TOL and d["exp_avg"] <= grad_tol and d["exp_avg_sq"] <= grad_tol
+    d["ok"] = (abs(d["clip_coef"]) <= NORM_TOL and d["exp_avg"] <= state_tol and d["exp_avg_sq"] <= state_tol
                and (d["exp_avg_8bit"] or 0.0) <= tol8 and (d["exp_avg_sq_8bit"] or 0.0) <= tol8
                and d["weights"] <= 1.0 and (d["update_fit"] is None or abs(d["update_fit"]) <= d["update_fit_tol"])
                and (d["decay"] is None or abs(d["decay"]) <= d["decay_tol"])
@@ -157,7 +165,7 @@ def verify_lowp_peers(ctx, peers, status):
             p.finish()
             p.check_applied()
             res = p.lowp_result()
-            d = compare_lowp(res, ref, ctx.weights0, p.grad_tol, p.rounding)
+            d = compare_lowp(res, ref, ctx.weights0, p.grad_tol, p.rounding, getattr(p, "state_tol", None))
             del res
             status[p.name]["verify"] = d
             status[p.name]["storage"] = p.storage()
