@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Train a small character-level GPT on the CPU twice, once with stepfuse and once with
-PyTorch's own fused AdamW, and compare the optimizer step.
+PyTorch's own fused AdamW (or torchao's 8-bit AdamW), and compare the losses and the
+optimizer step.
 
 Both runs start from the same initial weights and see the same batches in the same order.
 They train under ``torch.autocast("cpu", dtype=torch.bfloat16)`` with two parameter groups
@@ -18,17 +19,33 @@ B (PyTorch)
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``, ``scaler.step(opt)``,
     ``scaler.update()``.
 
+``--state {f32,bf16,q8}`` sets run A's ``state_format``: the optimizer state (``exp_avg``,
+``exp_avg_sq``) kept in fp32 (the default), bf16, or q8 (block-wise 8-bit: one fp32 absmax
+per 256 elements, bitsandbytes' dynamic maps; tensors under 4096 elements stay fp32).
+``--baseline torchao-adamw8bit`` makes run B ``torchao.optim.AdamW8bit`` (8-bit block-wise
+state, block 256) with the same groups, lr, betas, eps and weight decay, behind the same
+``torch.amp.GradScaler`` + ``unscale_`` + ``clip_grad_norm_`` as above (``pip install
+torchao``). With either option the labels say which state and baseline ran, the script
+prints and writes the bytes of optimizer state per parameter of each run (counted from the
+state tensors, step counters left out), and the plot and summary go to their own names
+(``train_gpt_q8_torchao.png`` / ``.md`` for ``--state q8 --baseline torchao-adamw8bit``,
+say), so the default ``train_gpt.png`` and ``train_gpt.md`` stay as they are.
+
 The two runs are interleaved step by step (which one goes first alternates), so a busy
 moment on the machine costs both. The optimizer-step time is everything after
 ``backward()``: ``step`` + ``update`` for A, ``unscale_`` + clip + ``step`` + ``update``
 for B. The script prints the medians and writes a plot of the losses and a markdown
 summary (``train_gpt.png`` and ``train_gpt.md`` in ``--out-dir``, ``docs/`` by default).
+When it rewrites a summary that holds the line ``<!-- train_gpt.py keeps what follows -->``,
+that line and what follows it are kept (hand-written sections about other runs).
 
 Run ``pip install .`` at the repository root first, then::
 
     python examples/python/train_gpt.py            # the full comparison, a few minutes
     python examples/python/train_gpt.py --quick    # a smoke test: a few steps, tiny model
     python examples/python/train_gpt.py --only torch   # run B only, stepfuse not needed
+    python examples/python/train_gpt.py --state q8 --baseline torchao-adamw8bit
+                                                       # 8-bit state, against torchao's
 """
 
 from __future__ import annotations
@@ -57,6 +74,9 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
 DEFAULT_DATA = HERE / "data" / "tinyshakespeare.txt"
 DEFAULT_OUT = REPO_ROOT / "docs"
+STATE_FORMATS = ("f32", "bf16", "q8")
+BASELINES = ("torch", "torchao-adamw8bit")
+KEEP_MARKER = "<!-- train_gpt.py keeps what follows -->"
 
 
 # --------------------------------------------------------------------------------------
@@ -68,9 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=(
             "Train a small character-level GPT on the CPU (bf16 autocast, loss scaler, "
             "clipping at 1.0) with stepfuse.torch.AdamW + stepfuse.torch.GradScaler (run A) "
-            "and with torch.optim.AdamW(fused=True) + torch.amp.GradScaler + "
-            "clip_grad_norm_ (run B), from the same initial weights and on the same "
-            "batches, and compare the losses and the optimizer-step time."),
+            "and with torch.optim.AdamW(fused=True) (or torchao.optim.AdamW8bit, see "
+            "--baseline) + torch.amp.GradScaler + clip_grad_norm_ (run B), from the same "
+            "initial weights and on the same batches, and compare the losses and the "
+            "optimizer-step time."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=None,
                    help="training steps per run (default: 800, or 20 with --quick)")
@@ -102,8 +123,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seed of the initial weights and of the batch order")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="a text file; the first 90%% trains, the last 10%% is held out")
+    p.add_argument("--state", choices=STATE_FORMATS, default="f32",
+                   help="run A's state_format: the AdamW state (exp_avg, exp_avg_sq) in fp32, "
+                        "bf16, or q8 (block-wise 8-bit, 256-element blocks with an fp32 "
+                        "absmax; tensors under 4096 elements stay fp32)")
+    p.add_argument("--baseline", choices=BASELINES, default="torch",
+                   help="run B's optimizer: torch.optim.AdamW(fused=True), or "
+                        "torchao.optim.AdamW8bit (8-bit block-wise state, block 256; needs "
+                        "pip install torchao); either behind torch.amp.GradScaler + unscale_ "
+                        "+ clip_grad_norm_")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT,
-                   help="where train_gpt.png and train_gpt.md go")
+                   help="where the plot and the summary go: train_gpt.png and train_gpt.md, "
+                        "or train_gpt[_<state>][_torchao].png / .md with a --state or "
+                        "--baseline other than the default")
     p.add_argument("--write", action=argparse.BooleanOptionalAction, default=None,
                    help="write the plot and the summary (default: yes, but no with --quick)")
     p.add_argument("--note", action="append", default=[],
@@ -144,7 +176,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--threads must be at least 1")
     if args.stand_in and args.only == "torch":
         p.error("--stand-in replaces run A, which --only torch does not run")
+    if args.stand_in and args.state != "f32":
+        p.error("--stand-in (torch's AdamW) keeps its state in fp32: no --state "
+                f"{args.state}")
+    if args.state != "f32" and args.only == "torch":
+        p.error("--state sets run A's state format; --only torch does not run A")
+    if args.baseline != "torch" and args.only == "stepfuse":
+        p.error("--baseline chooses run B; --only stepfuse does not run B")
     return args
+
+
+def variant_suffix(args) -> str:
+    """'' for the default comparison, else '_<state>' and/or '_torchao' (file names)."""
+    suffix = "" if args.state == "f32" else f"_{args.state}"
+    if args.baseline == "torchao-adamw8bit":
+        suffix += "_torchao"
+    return suffix
+
+
+def import_torchao_optim():
+    """torchao.optim, or a clear message and exit status 2."""
+    try:
+        import torchao.optim as tao
+    except ImportError as e:
+        if getattr(e, "name", None) not in (None, "torchao", "torchao.optim"):
+            traceback.print_exc()
+        sys.stderr.write(
+            "train_gpt.py: --baseline torchao-adamw8bit needs the Python package 'torchao'.\n"
+            "Install it with\n\n"
+            "    pip install torchao\n\n"
+            "then run this script again (or use --baseline torch).\n")
+        sys.exit(2)
+    if not hasattr(tao, "AdamW8bit"):
+        version = getattr(sys.modules.get("torchao"), "__version__", "?")
+        sys.exit(f"train_gpt.py: this torchao ({version}) has no torchao.optim.AdamW8bit; "
+                 "pip install -U torchao")
+    return tao
 
 
 def import_stepfuse_torch():
@@ -282,6 +349,7 @@ class Run:
     eval_steps: list[int] = field(default_factory=list)
     eval_loss: list[float] = field(default_factory=list)
     skipped: int = 0
+    state_bytes: int = 0  # optimizer state at the end (see state_bytes())
 
 
 def make_run_a(model, args, sft=None) -> Run:
@@ -293,9 +361,11 @@ def make_run_a(model, args, sft=None) -> Run:
         label = "A: stand-in (torch AdamW foreach, clip in step)"
     else:
         opt = sft.AdamW(groups, lr=args.lr, betas=(0.9, 0.95),
-                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm)
+                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                        state_format=args.state)
         scaler = sft.GradScaler("cpu")
-        label = "A: stepfuse.torch AdamW + GradScaler (fused clip)"
+        state = "" if args.state == "f32" else f" ({args.state} state)"
+        label = f"A: stepfuse.torch AdamW{state} + GradScaler (fused clip)"
 
     def step(run: Run) -> None:
         run.scaler.step(run.opt)
@@ -317,10 +387,16 @@ class _StandInAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def make_run_b(model, args) -> Run:
+def make_run_b(model, args, tao=None) -> Run:
     groups = param_groups(model, args.weight_decay)
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=args.weight_decay, fused=True)
+    if tao is None:
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95),
+                                weight_decay=args.weight_decay, fused=True)
+        label = "B: torch AdamW(fused=True) + GradScaler + clip_grad_norm_"
+    else:  # --baseline torchao-adamw8bit; eps is torch's default 1e-8, as for A and fused AdamW
+        opt = tao.AdamW8bit(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=args.weight_decay)
+        label = "B: torchao AdamW8bit + GradScaler + clip_grad_norm_"
     scaler = torch.amp.GradScaler("cpu")
 
     def step(run: Run) -> None:
@@ -329,8 +405,7 @@ def make_run_b(model, args) -> Run:
         run.scaler.step(run.opt)
         run.scaler.update()
 
-    return Run("B", "B: torch AdamW(fused=True) + GradScaler + clip_grad_norm_",
-               model, opt, scaler, step)
+    return Run("B", label, model, opt, scaler, step)
 
 
 def lr_at(step: int, args) -> float:
@@ -341,6 +416,33 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
+def state_bytes(opt) -> int:
+    """Bytes of optimizer state, counted from the state tensors (the step counters left out):
+    plain tensors by their size; a tensor subclass such as torchao's OptimState8bit by the
+    tensors it holds (codes, block scales, its 256-entry map). Shared storage counts once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is not None and type(t) is not torch.Tensor:
+            for name in flatten()[0]:
+                add(getattr(t, name))
+            return
+        nbytes = t.numel() * t.element_size()
+        key = (t.data_ptr(), nbytes)
+        if nbytes and key not in seen:
+            seen.add(key)
+            total += nbytes
+
+    for st in opt.state.values():
+        for name, value in st.items():
+            if name != "step" and isinstance(value, torch.Tensor):
+                add(value)
+    return total
+
+
 def scale_of(scaler) -> float:
     s = scaler.get_scale()
     return float(s.item() if isinstance(s, torch.Tensor) else s)
@@ -348,7 +450,10 @@ def scale_of(scaler) -> float:
 
 def train_step(run: Run, x, y, lr: float) -> None:
     for g in run.opt.param_groups:
-        g["lr"] = lr
+        if isinstance(g["lr"], torch.Tensor):  # torchao's optimizers keep lr as a tensor
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
     run.opt.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = run.model(x, y)
@@ -463,7 +568,14 @@ def write_summary(path: Path, png_name: str | None, runs: list[Run], args, n_par
                   corpus: Corpus, argv: list[str], wall_s: float, versions: str,
                   loads: list[float]) -> None:
     by = {r.key: r for r in runs}
-    lines = ["# Training a small GPT: stepfuse.torch vs PyTorch's fused AdamW", ""]
+    variant = bool(variant_suffix(args))
+    if not variant:
+        lines = ["# Training a small GPT: stepfuse.torch vs PyTorch's fused AdamW", ""]
+    else:
+        a_name = "stepfuse.torch" + ("" if args.state == "f32" else f" ({args.state} state)")
+        b_name = ("torchao's AdamW8bit" if args.baseline == "torchao-adamw8bit"
+                  else "PyTorch's fused AdamW")
+        lines = [f"# Training a small GPT: {a_name} vs {b_name}", ""]
     lines += [
         "`examples/python/train_gpt.py` trains a character-level GPT on Tiny Shakespeare "
         "on the CPU, twice from the same initial weights and on the same batches, "
@@ -474,6 +586,20 @@ def write_summary(path: Path, png_name: str | None, runs: list[Run], args, n_par
     for r in runs:
         lines.append(f"- **{r.label}**")
     lines.append("")
+    if variant and "A" in by and args.state != "f32":
+        lines += [f"Run A keeps its AdamW state (`exp_avg`, `exp_avg_sq`) as {args.state} "
+                  "between steps (`state_format=\"" + args.state + "\"`)" + (
+                      ": block-wise 8-bit, one fp32 absmax per 256 elements and "
+                      "bitsandbytes' dynamic maps (signed for `exp_avg`, unsigned for "
+                      "`exp_avg_sq`); tensors under 4096 elements stay fp32"
+                      if args.state == "q8" else "") + ".", ""]
+    if "B" in by and args.baseline == "torchao-adamw8bit":
+        lines += ["Run B is `torchao.optim.AdamW8bit` with the same groups, lr, betas, eps "
+                  "(1e-8) and weight decay: 8-bit block-wise state (block 256, dynamic maps); "
+                  "torchao keeps fp32 state for tensors under 4096 elements and for those "
+                  "whose size is not a multiple of 256. The weights are fp32, so its "
+                  "`bf16_stochastic_round` does not apply. Its step is `torch.compile`d, "
+                  "which the first step pays for.", ""]
     if "A" in by and args.stand_in:
         lines += ["> Run A here is the `--stand-in` (torch's own AdamW), not stepfuse: its "
                   "figures say nothing about stepfuse.", ""]
@@ -500,15 +626,18 @@ def write_summary(path: Path, png_name: str | None, runs: list[Run], args, n_par
         f"| software | {versions} |",
         f"| wall time | {wall_s:.0f} s for the whole script |", ""]
     lines += ["| run | final train loss (mean of last 20 steps) | final held-out loss | "
-              "skipped steps | final scale | median optimizer step | p10 / p90 | first step |",
-              "|---|---|---|---|---|---|---|---|"]
+              "skipped steps | final scale | median optimizer step | p10 / p90 | first step |"
+              + (" optimizer state |" if variant else ""),
+              "|---|---|---|---|---|---|---|---|" + ("---|" if variant else "")]
     for r in runs:
         tail = r.train_loss[-20:]
         lines.append(
             f"| {r.label} | {sum(tail) / len(tail):.4f} | {r.eval_loss[-1]:.4f} | "
             f"{r.skipped} | {scale_of(r.scaler):g} | {median_ms(r.step_s):.3f} ms | "
             f"{quantile_ms(r.step_s, 0.1):.3f} / {quantile_ms(r.step_s, 0.9):.3f} ms | "
-            f"{1e3 * r.step_s[0]:.1f} ms |")
+            f"{1e3 * r.step_s[0]:.1f} ms |"
+            + (f" {r.state_bytes / n_params:.2f} bytes / parameter ({r.state_bytes:,} "
+               "bytes) |" if variant else ""))
     lines.append("")
     if "A" in by and "B" in by:
         a, b = by["A"], by["B"]
@@ -523,7 +652,11 @@ def write_summary(path: Path, png_name: str | None, runs: list[Run], args, n_par
     lines += ["Produced by", "", "```sh", command_line(argv), "```", ""]
     for note in args.note:
         lines += [note, ""]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    text = "\n".join(lines)
+    kept = path.read_text(encoding="utf-8") if path.exists() else ""
+    if KEEP_MARKER in kept:  # hand-written sections about other runs
+        text += "\n" + kept[kept.index(KEEP_MARKER):]
+    path.write_text(text, encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------
@@ -537,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     sft = None
     if args.only in ("both", "stepfuse") and not args.stand_in:
         sft = import_stepfuse_torch()
+    tao = None
+    if args.only in ("both", "torch") and args.baseline == "torchao-adamw8bit":
+        tao = import_torchao_optim()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -557,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in ("both", "stepfuse"):
         runs.append(make_run_a(copy.deepcopy(base), args, sft))
     if args.only in ("both", "torch"):
-        runs.append(make_run_b(copy.deepcopy(base), args))
+        runs.append(make_run_b(copy.deepcopy(base), args, tao))
     for r in runs:
         r.model.train()
         print(f"  {r.label}")
@@ -599,6 +735,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"step {median_ms(r.step_s):.3f} ms")
             print(f"step {done:5d}  " + "  |  ".join(parts), flush=True)
     wall_s = time.perf_counter() - t_start
+    variant = bool(variant_suffix(args))
+    for r in runs:
+        r.state_bytes = state_bytes(r.opt)
 
     for r in runs:
         if not all(math.isfinite(v) for v in r.train_loss):
@@ -612,6 +751,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  optimizer step: median {median_ms(r.step_s):.3f} ms (p10 "
               f"{quantile_ms(r.step_s, 0.1):.3f}, p90 {quantile_ms(r.step_s, 0.9):.3f}, first "
               f"{1e3 * r.step_s[0]:.1f} ms)")
+        if variant:
+            print(f"  optimizer state: {r.state_bytes / n_params:.2f} bytes / parameter "
+                  f"({r.state_bytes:,} bytes, step counters left out)")
     by = {r.key: r for r in runs}
     if "A" in by and "B" in by:
         ratio = statistics.median(by["B"].step_s) / statistics.median(by["A"].step_s)
@@ -621,8 +763,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.write:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        png = args.out_dir / "train_gpt.png"
-        md = args.out_dir / "train_gpt.md"
+        png = args.out_dir / f"train_gpt{variant_suffix(args)}.png"
+        md = args.out_dir / f"train_gpt{variant_suffix(args)}.md"
         title = (f"char-level GPT, {args.layers}x{args.d_model}, {n_params / 1e6:.2f}M params, "
                  f"Tiny Shakespeare, bf16 autocast, clip {args.max_grad_norm}")
         write_plot(png, runs, title)
@@ -630,6 +772,9 @@ def main(argv: list[str] | None = None) -> int:
         if sft is not None:
             import stepfuse
             versions += f", stepfuse {getattr(stepfuse, '__version__', '(no __version__)')}"
+        if tao is not None:
+            import torchao
+            versions += f", torchao {getattr(torchao, '__version__', '(no __version__)')}"
         write_summary(md, png.name, runs, args, n_params, corpus, argv, wall_s, versions, loads)
         print(f"wrote {png} and {md}")
 
