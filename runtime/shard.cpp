@@ -42,9 +42,11 @@ struct Header {
   std::int32_t stochastic_rounding = 0;  // 0: off; 1: on; 2: on, and this rank has a bf16 weight
   std::uint64_t seed = 0;
   std::int32_t compensated_weights = 0;  // 0: off; 1: on; 2: on, and this rank has a bf16 weight
-  std::int32_t reserved = 0;
+  std::int32_t state_format = 0;
+  std::int64_t min_q8_numel = 0;
+  std::uint64_t state_formats = 0;  // a hash of OptimizerOptions::state_formats, in its order
 };
-static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16 + 16 + 8, "no padding: every byte sent is set");
+static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16 + 16 + 8 + 16, "no padding: every byte sent is set");
 
 // Round 2: one param.
 struct Entry {
@@ -93,6 +95,15 @@ void check_same_options(const std::vector<Header>& all) {
     else if (a.seed != b.seed)
       what = "seed (rank 0: " + std::to_string(a.seed) + ", rank " + std::to_string(r) + ": " + std::to_string(b.seed) +
              "; stochastic rounding draws every rank's bits from one seed)";
+    else if (a.state_format != b.state_format)
+      what = "state_format (rank 0: " + std::string(state_format_name(static_cast<StateFormat>(a.state_format))) +
+             ", rank " + std::to_string(r) + ": " + std::string(state_format_name(static_cast<StateFormat>(b.state_format))) +
+             ")";
+    else if (a.state_formats != b.state_formats)
+      what = "state_formats (the per-stream formats: the same names and formats, in the same order, on every rank)";
+    else if (a.min_q8_numel != b.min_q8_numel)
+      what = "min_q8_numel (rank 0: " + std::to_string(a.min_q8_numel) + ", rank " + std::to_string(r) + ": " +
+             std::to_string(b.min_q8_numel) + ")";
     else if (a.slices != b.slices)
       what = "slices (given on rank " + std::to_string(a.slices ? 0 : r) + ", empty on rank " +
              std::to_string(a.slices ? r : 0) + ")";
@@ -126,6 +137,16 @@ Header local_header(const OptimizerOptions& o) {
   h.stochastic_rounding = o.stochastic_rounding ? 1 : 0;
   h.seed = o.stochastic_rounding ? o.seed : 0;
   h.compensated_weights = o.compensated_weights ? 1 : 0;
+  h.state_format = static_cast<std::int32_t>(o.state_format);
+  h.min_q8_numel = o.min_q8_numel;
+  std::uint64_t hash = 14695981039346656037ull;  // FNV-1a over each name, its terminator and its format
+  const auto mix = [&hash](unsigned char byte) { hash = (hash ^ byte) * 1099511628211ull; };
+  for (const auto& [name, format] : o.state_formats) {
+    for (char c : name) mix(static_cast<unsigned char>(c));
+    mix(0);
+    mix(static_cast<unsigned char>(format));
+  }
+  h.state_formats = hash;
   return h;
 }
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -303,6 +304,34 @@ TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
   };
   compensated_on(Model(DType::bf16, DType::bf16), {true, false}, "OptimizerOptions::compensated_weights differs between ranks");
   compensated_on(m, {true, true}, "compensated_weights is set but no rank has a bf16 weight");
+  // Stored state: the blanket format, the per-stream formats and q8's size threshold.
+  const auto state_on = [&](const std::function<void(int, OptimizerOptions&)>& set, const char* message) {
+    expect_every_rank_throws(
+        2,
+        [&](int r, const std::shared_ptr<Communicator>& comm) {
+          OptimizerOptions o = base_options(kNorms[0]);
+          o.communicator = comm;
+          set(r, o);
+          Optimizer opt(optim::AdamW{}, rank_params(m, parts[static_cast<std::size_t>(r)]), o);
+        },
+        ErrorCode::invalid_argument, message);
+  };
+  state_on([](int r, OptimizerOptions& o) { o.state_format = r == 0 ? StateFormat::q8 : StateFormat::bf16; },
+           "OptimizerOptions::state_format (rank 0: q8, rank 1: bf16) differs between ranks");
+  state_on(
+      [](int r, OptimizerOptions& o) {
+        o.state_formats = {{"exp_avg", StateFormat::q8}};
+        if (r == 1) o.state_formats.push_back({"exp_avg_sq", StateFormat::bf16});
+      },
+      "OptimizerOptions::state_formats (the per-stream formats");
+  state_on([](int r, OptimizerOptions& o) { o.state_formats = {{r == 0 ? "exp_avg" : "exp_avg_sq", StateFormat::q8}}; },
+           "OptimizerOptions::state_formats (the per-stream formats");
+  state_on(
+      [](int r, OptimizerOptions& o) {
+        o.state_format = StateFormat::q8;
+        o.min_q8_numel = r == 0 ? 4096 : 1024;
+      },
+      "OptimizerOptions::min_q8_numel (rank 0: 4096, rank 1: 1024) differs between ranks");
 }
 
 // Builds Adam (or `config`) on each rank over `parts` with slices.
