@@ -1412,10 +1412,12 @@ void LossScaleOptimizer::save(const std::string& path) const {
   save_checkpoint(detail_access::engine(*inner_), path, {{kLossScaleKey, LossScaleCheckpoint::to_json(*this)}});
 }
 
-void LossScaleOptimizer::load(const std::string& path) {
+void LossScaleOptimizer::load(const std::string& path) { load(path, LoadOptions{}); }
+
+void LossScaleOptimizer::load(const std::string& path, const LoadOptions& options) {
   const OpenedCheckpoint c = open_checkpoint(path);
   detail::StepEngine& engine = detail_access::engine(*inner_);
-  const ParsedOptimizer parsed = parse_optimizer(c, engine);
+  const ParsedOptimizer parsed = parse_optimizer(c, engine, options.convert_state);
   const auto absent = [&] {
     throw Error(ErrorCode::invalid_argument,
                 "checkpoint '" + path + "' has no LossScaleOptimizer state (it was saved by Optimizer::save)");

@@ -427,5 +427,35 @@ TEST(StateFormats, CheckpointsLoadBitForBitAndConvertWhenAsked) {
   std::filesystem::remove_all(dir);
 }
 
+// A LossScaleOptimizer's checkpoint: the inner optimizer's stored state converts on
+// load as Optimizer::load's does, and the loss scale comes back either way.
+TEST(StateFormats, LossScaleOptimizerCheckpointsConvertWhenAsked) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "stepfuse_state_format_lso_test";
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "lso.safetensors").string();
+  Model m(kTensors);
+  Optimizer saved_inner(optim::AdamW{.lr = 1e-2}, m.params, format_options(StateFormat::q8));
+  LossScaleOptimizer saved(saved_inner, true, 512.0, 2);
+  for (int i = 1; i <= 3; ++i) {
+    m.regrad(i);
+    saved.apply_gradients();
+  }
+  saved.save(path);
+
+  Model m2(kTensors);
+  Optimizer inner(optim::AdamW{.lr = 1e-2}, m2.params, format_options(StateFormat::f32));
+  LossScaleOptimizer loaded(inner, true, 8.0, 2);
+  EXPECT_THROW(loaded.load(path), Error);
+  EXPECT_EQ(loaded.loss_scale(), 8.0);  // nothing changed on the Error
+  loaded.load(path, LoadOptions{.convert_state = true});
+  EXPECT_EQ(loaded.loss_scale(), saved.loss_scale());
+  EXPECT_EQ(saved_inner.step_count(), 3);
+  EXPECT_EQ(inner.step_count(), saved_inner.step_count());
+  for (std::size_t p = 0; p < saved_inner.num_params(); ++p)
+    for (std::string_view s : saved_inner.state_names())
+      EXPECT_TRUE(std::ranges::equal(inner.state(p, s), saved_inner.state_values(p, s))) << p << " " << s;
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace stepfuse

@@ -85,9 +85,11 @@ class LossScaleOptimizer {
   std::int64_t iterations() const { return inner_->step_count(); }
 
   // Checkpoint of the inner optimizer together with the loss-scale state
-  // (see Optimizer::save for the format and its guarantees).
+  // (see Optimizer::save for the format and its guarantees; LoadOptions as for
+  // Optimizer::load: convert_state loads state saved in another format).
   void save(const std::string& path) const;
   void load(const std::string& path);
+  void load(const std::string& path, const LoadOptions& options);
 
  private:
   friend struct LossScaleCheckpoint;
