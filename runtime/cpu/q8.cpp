@@ -162,7 +162,6 @@ std::int32_t order_key(float x) {
 // instead; no other value can be off (y is monotone in a). build_tables measures the
 // miss and checks every assumption here.
 struct Q8Arith {
-  int positive = 0;                     // thresholds above 0: code[first] is 0, first = 255 - positive
   std::int32_t binade_base = 0;         // biased exponent of binade 1 of binade_* minus 1
   alignas(64) std::int32_t binade_segment[32] = {};
   alignas(64) std::int32_t binade_bound[32] = {};  // bits of the boundary inside, 0x7FFFFFFF if none
@@ -193,7 +192,7 @@ float from_bits(std::uint32_t u) {
 Q8Arith build_arith(const float* t, bool is_signed) {
   Q8Arith q;
   const int first = is_signed ? 127 : 0;
-  q.positive = 255 - first;
+  const int positive = 255 - first;  // thresholds above 0
   const float* T = t + first;  // T[0] lies between 0 and the first positive code
   // A negative value is encoded through the positive thresholds: the signed map's
   // negative ones must be exactly those negated (all but the last, below 1.0).
@@ -216,10 +215,10 @@ Q8Arith build_arith(const float* t, bool is_signed) {
     }
     below += n;
   }
-  if (below != q.positive) std::abort();
-  bounds.push_back(T[q.positive - 1]);
+  if (below != positive) std::abort();
+  bounds.push_back(T[positive - 1]);
   q.offset[0] = q.offset[8] = 0.5f;
-  q.base_limit[8] = q.positive;
+  q.base_limit[8] = positive;
   q.band = static_cast<float>(2 * band + 1e-6);
   if (!(q.band < 0.25f)) std::abort();
   q.binade_base = static_cast<std::int32_t>(float_bits(T[0]) >> 23) - 1;
