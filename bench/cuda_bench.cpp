@@ -234,6 +234,7 @@ int run_cuda_bench(const CudaBenchArgs& a) {
   const int host_threads = a.threads > 0 ? a.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const bool masters = a.options.master_weights && a.weights != DType::f32;
   const bool compensations = a.options.compensated_weights && a.weights == DType::bf16;  // --masters compensated
+  const bool compressed = a.options.state_format != StateFormat::f32 || !a.options.state_formats.empty();
   OptimizerOptions cpu_options = a.options;
   cpu_options.device = Device::cpu();
   cpu_options.cuda_stream = nullptr;
@@ -312,10 +313,13 @@ int run_cuda_bench(const CudaBenchArgs& a) {
     cpu_result = cpu_opt.step_scaled(S);
     ModelBuffers after(a.preset.tensors, a.weights, a.grads);
     model.download_to(after);
-    vr = compare_one_step(*opt, after, gpu_result, cpu_opt, *host, cpu_result, S, host_threads, "cuda", "cpu");
+    // State stored as bf16 or q8 is compared as stored: the GPU's codes are the CPU's, bit for bit.
+    vr = compressed ? compare_bitwise(*opt, after, gpu_result, cpu_opt, *host, cpu_result, S, host_threads, "cuda", "cpu")
+                    : compare_one_step(*opt, after, gpu_result, cpu_opt, *host, cpu_result, S, host_threads, "cuda", "cpu");
   }
   host.reset();
-  check_verified(vr, "cuda and cpu steps disagree:", "values outside the tolerance; worst");
+  check_verified(vr, "cuda and cpu steps disagree:",
+                 compressed ? "values differ in their bits; largest difference" : "values outside the tolerance; worst");
 
   // One more step, untimed: it uploads the host copy of the state the check read. Then the
   // work of one step, counted in a captured graph (which is not run).
@@ -374,10 +378,11 @@ int run_cuda_bench(const CudaBenchArgs& a) {
 
   // ---- Report --------------------------------------------------------------------------------
   const UpdateProgram update_program = UpdateProgram::from_config(a.config);  // a two-phase program: two passes
+  const StateWidths widths = stored_state_widths(*opt, n);  // (each stream's bytes as stored: bf16, q8)
   const StepBytes bytes =
-      step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, true, compensations);
+      step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, true, compensations, widths);
   const StepBytes plain_bytes =
-      step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, false, compensations);
+      step_bytes(update_program.program(), a.weights, a.grads, a.options.master_weights, false, compensations, widths);
   const double step_bytes_total = bytes.per_param() * static_cast<double>(n);
   const double copy_moved = 2.0 * static_cast<double>(kCopyBytes);  // read + write, STREAM's convention
   const Summary cs = summarize(copy_s), ss = summarize(step_s), us = summarize(update_s);
@@ -402,12 +407,12 @@ int run_cuda_bench(const CudaBenchArgs& a) {
                 status.driver_version % 1000 / 10, status.nvrtc_major, status.nvrtc_minor);
   out += format("%s %s: %zu tensor%s, %s parameters\n", a.from_file ? "shapes file" : "preset", a.preset.name.c_str(),
                 a.preset.tensors.size(), a.preset.tensors.size() == 1 ? "" : "s", with_commas(n).c_str());
-  out += format("%s · weights %s%s · grads %s · clip %s · loss scale %g\n", std::string(optimizer_name(a.config)).c_str(),
-                a.weights_name.c_str(),
+  out += format("%s · weights %s%s · grads %s · state %s · clip %s · loss scale %g\n",
+                std::string(optimizer_name(a.config)).c_str(), a.weights_name.c_str(),
                 masters         ? " + fp32 masters"
                 : compensations ? " + bf16 compensations (--masters compensated)"
                                 : "",
-                a.grads_name.c_str(), clip.c_str(), S);
+                a.grads_name.c_str(), std::string(state_format_name(a.options.state_format)).c_str(), clip.c_str(), S);
   out += format("bytes the step must move: %s (%d state stream%s) = %.3f GB per step\n", bytes.breakdown().c_str(),
                 state_streams, state_streams == 1 ? "" : "s", step_bytes_total * 1e-9);
   out += format("verified before timing: one cuda and one cpu step agree on %s values (%.1f%% bitwise, worst %.2f "
@@ -467,6 +472,7 @@ int run_cuda_bench(const CudaBenchArgs& a) {
                    {"grads", a.grads_name},
                    {"master_weights", masters},
                    {"compensated_weights", compensations},
+                   {"state_format", std::string(state_format_name(a.options.state_format))},
                    {"clip", a.clip},
                    {"norm_type", a.norm_name},
                    {"loss_scale", S},

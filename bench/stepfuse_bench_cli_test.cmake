@@ -514,7 +514,17 @@ elseif(CASE STREQUAL "state")
   expect_in("${err}" "--state: q4 not in {f32,bf16,q8}" "state (bad format)")
   bench(--preset flat:1000 --state f32,q8 --backend cuda)
   expect_rc(1 "state (--backend cuda)")
-  expect_in("${err}" "stepfuse-bench: --state q8: the CUDA path stores f32 state only for now" "state (--backend cuda)")
+  expect_in("${err}" "stepfuse-bench: --state f32,q8: --backend cuda times one state format per run"
+            "state (--backend cuda)")
+  # One format with --backend cuda: timed there, verified bit for bit against the CPU.
+  bench(--preset flat:100000 --steps 2 --warmup 1 --state q8 --backend cuda)
+  if(rc STREQUAL "1")  # no GPU here: the reason, not the state format
+    expect_in("${err}" "stepfuse-bench: --backend cuda: the CUDA backend cannot run here: " "state (cuda)")
+  else()
+    expect_rc(0 "state (--backend cuda)")
+    expect_in("${out}" " · state q8 · " "state (cuda) stdout")
+    expect_in("${out}" "100.0% bitwise" "state (cuda) stdout (verified)")
+  endif()
   bench(--preset flat:1000 --state bf16 --fusion unfused)
   expect_rc(1 "state (no fused mode)")
   expect_in("${err}" "--state bf16: stores the fused step's state, and --fusion times no fused step"

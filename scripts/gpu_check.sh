@@ -20,7 +20,8 @@
 #       stepfuse-bench's smoke tests, then stepfuse-bench --backend cuda on gpt2-124m and
 #       llama7b-layer (AdamW, clipping to 1.0, bf16 weights and gradients, fp32 masters) and,
 #       when torch sees the GPU, PyTorch's step on the same tensor lists
-#       (bench/peers/torch_cuda_step.py), and prints the table: ms per step, GB/s for the
+#       (bench/peers/torch_cuda_step.py), gpt2-124m again with the optimizer state stored as
+#       bf16 and as q8 (--state), and prints the table: ms per step, GB/s for the
 #       bytes the step must move, the device-to-device copy's GB/s measured in the same run
 #       and the ratio, kernel launches per step, torch's ms per step and the speedup; and the
 #       kernel cache's cold-compile, disk-hit and memory-hit times; when torch sees the GPU,
@@ -398,6 +399,20 @@ for p in "${presets[@]}"; do
     fi
   fi
 done
+# Optimizer state stored as bf16 and as q8 (the moments in 2 bytes, or 1 byte and an absmax
+# per 256): each run verified bit for bit against the CPU before timing; its fraction of the
+# device-to-device copy counts the bytes its own state format moves.
+if [[ -z $no_gpu_reason ]]; then
+  for st in bf16 q8; do
+    set +e
+    timeout 240 "$bench_bin" --backend cuda --preset gpt2-124m "${bench_args[@]}" --state "$st" \
+      --json "$results/stepfuse-gpt2-124m-$st.json" >"$results/stepfuse-gpt2-124m-$st.log" 2>&1
+    rc=$?
+    set -e
+    cat "$results/stepfuse-gpt2-124m-$st.log"
+    ((rc == 0)) || failed+=("stepfuse-bench gpt2-124m --state $st (exit $rc)")
+  done
+fi
 end benchmarks
 
 # The Python package's CUDA tests (python/tests/test_torch_cuda.py: stepfuse.torch against

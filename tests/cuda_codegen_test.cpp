@@ -348,6 +348,37 @@ TEST(CudaCodegenCompile, EveryBuiltinInEveryLayoutForCubinAndPtx) {
     updates.push_back(make_job("lamb unaligned compensated update sm_90", jit::emit_cuda_update(two_phase),
                                "lamb_compensated_update.cu", {90, CudaOutput::cubin}, {"sf_update"}, false));
   }
+  // State stored as bf16 or q8 (per-combination formats, sf_tensor.state): Adam's table
+  // aligned as CUBIN (three combinations: f32 state, q8 with bf16 weights rounded
+  // stochastically, q8 + bf16) and unaligned as PTX, and LAMB's two phases with bf16 state.
+  {
+    const auto formats = [](const Program& p, StateFormat first, StateFormat second) {
+      std::array<StateFormat, kMaxStreams> f;
+      f.fill(StateFormat::f32);
+      int k = 0;
+      for (int s = 0; s < p.num_streams; ++s)
+        if (p.streams[s].role == StreamRole::state) f[static_cast<std::size_t>(s)] = k++ == 0 ? first : second;
+      return f;
+    };
+    const Program& adam_program = program_of(adam);
+    for (const Layout l : {Layout::table, Layout::unaligned}) {
+      CudaSpec packed = make_spec(adam, l);
+      packed.combos.resize(3);  // (each q8 combination compiles in ~1 s)
+      packed.combos[1] = {DType::bf16, DType::bf16, false, true};
+      packed.combo_formats.assign(packed.combos.size(), formats(adam_program, StateFormat::q8, StateFormat::q8));
+      packed.combo_formats[0] = formats(adam_program, StateFormat::f32, StateFormat::f32);
+      packed.combo_formats.back() = formats(adam_program, StateFormat::q8, StateFormat::bf16);
+      const CudaTarget t = l == Layout::table ? CudaTarget{90, CudaOutput::cubin} : CudaTarget{90, CudaOutput::ptx};
+      updates.push_back(make_job(std::string("adam ") + layout_name(l) + " q8 state update " + jit::arch_name(t),
+                                 jit::emit_cuda_update(packed), "adam_q8_update.cu", t, {"sf_update"}, false));
+    }
+    const int lamb = static_cast<int>(jit::builtin_named("lamb"));
+    CudaSpec two_phase = make_spec(lamb, Layout::unaligned);
+    two_phase.combo_formats.assign(two_phase.combos.size(), formats(program_of(lamb), StateFormat::bf16, StateFormat::bf16));
+    updates.push_back(make_job("lamb unaligned bf16 state update sm_90", jit::emit_cuda_update(two_phase),
+                               "lamb_bf16_state_update.cu", {90, CudaOutput::cubin}, jit::cuda_update_kernel_names(program_of(lamb)),
+                               false));
+  }
   // The sharded step's reduce module (sf_reduce_shard, sf_shard_finalize beside sf_reduce),
   // L2 as CUBIN and the inf-norm as PTX.
   for (const Layout l : {Layout::unaligned, Layout::inf_norm}) {
@@ -487,6 +518,19 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
   variant("one combo less", [](CudaSpec& s) { s.combos.pop_back(); });
   variant("no combos", [](CudaSpec& s) { s.combos.clear(); });
   variant("norm inf", [](CudaSpec& s) { s.norm = CudaNorm::inf; });
+  // Compressed state: Adam's exp_avg (stream 2) and exp_avg_sq (3), per combination.
+  const auto state = [](StateFormat first, StateFormat second) {
+    std::array<StateFormat, kMaxStreams> f;
+    f.fill(StateFormat::f32);
+    f[2] = first, f[3] = second;
+    return f;
+  };
+  variant("state bf16", [&](CudaSpec& s) { s.combo_formats.assign(2, state(StateFormat::bf16, StateFormat::bf16)); });
+  variant("state q8", [&](CudaSpec& s) { s.combo_formats.assign(2, state(StateFormat::q8, StateFormat::q8)); });
+  variant("state q8 + bf16", [&](CudaSpec& s) { s.combo_formats.assign(2, state(StateFormat::q8, StateFormat::bf16)); });
+  variant("state q8 in one combo", [&](CudaSpec& s) {
+    s.combo_formats = {state(StateFormat::f32, StateFormat::f32), state(StateFormat::q8, StateFormat::q8)};
+  });
   variant("flat", [](CudaSpec& s) { s.flat = true; });
   variant("aligned16", [](CudaSpec& s) { s.aligned16 = true; });
   variant("flat + aligned16", [](CudaSpec& s) { s.flat = s.aligned16 = true; });
@@ -559,6 +603,41 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
     for (std::size_t k = 0; same_grads && k < s.combos.size(); ++k) same_grads = s.combos[k].grad == base.combos[k].grad;
     EXPECT_EQ(jit::reduce_canonical_text(s) == r, same_grads) << what;
   }
+}
+
+// Compressed state's specs the emitter refuses: formats for another number of
+// combinations, the flat layout (packed state is per tensor), q8 in a two-phase program
+// (bf16 is fine there).
+TEST(CudaCodegenSpec, PackedStateSpecsItRefuses) {
+  std::array<StateFormat, kMaxStreams> q8, bf16;
+  q8.fill(StateFormat::f32), bf16.fill(StateFormat::f32);
+  q8[2] = q8[3] = StateFormat::q8;
+  bf16[2] = bf16[3] = StateFormat::bf16;
+  CudaSpec adam;
+  adam.program = jit::builtin_program(jit::builtin_named("adam"));
+  adam.combos = {{DType::f32, DType::f32, false}, {DType::bf16, DType::bf16, true}};
+  adam.combo_formats = {q8};
+  const auto code = [](const CudaSpec& spec) {
+    try {
+      static_cast<void>(jit::emit_cuda_update(spec));
+    } catch (const Error& e) {
+      return std::pair{e.code(), std::string(e.what())};
+    }
+    return std::pair{static_cast<ErrorCode>(-1), std::string("no error")};
+  };
+  EXPECT_EQ(code(adam).first, ErrorCode::invalid_argument) << code(adam).second;
+  adam.combo_formats = {q8, q8};
+  adam.flat = true;
+  EXPECT_EQ(code(adam).first, ErrorCode::invalid_argument) << code(adam).second;
+  adam.flat = false;
+  EXPECT_NE(jit::emit_cuda_update(adam).find("sf_q8_store8"), std::string::npos);
+  CudaSpec lamb = adam;
+  lamb.program = jit::builtin_program(jit::builtin_named("lamb"));
+  const auto [c, what] = code(lamb);
+  EXPECT_EQ(c, ErrorCode::unsupported) << what;
+  EXPECT_NE(what.find("bf16"), std::string::npos) << what;
+  lamb.combo_formats = {bf16, bf16};
+  EXPECT_NE(jit::emit_cuda_update(lamb).find("sf_load_bf16(t->state->data[2]"), std::string::npos);
 }
 
 TEST(CudaCodegenSpec, EqualSpecsHaveEqualTextAndTheEmitterIsDeterministic) {

@@ -32,6 +32,8 @@
 #include "jit/cuda/cuda_layout.hpp"
 #include "jit/program_analysis.hpp"
 #include "jit/update_program_rules.hpp"
+#include "runtime/cpu/kernels.hpp"
+#include "runtime/cpu/q8.hpp"
 #include "runtime/scale_tensors.hpp"
 #include "runtime/shard.hpp"
 #include "runtime/thread_pool.hpp"
@@ -233,9 +235,16 @@ class EmulatedOptimizer {
     std::vector<std::uint32_t> group_of;
     for (std::size_t g = 0; g < group_sizes.size(); ++g)
       group_of.insert(group_of.end(), group_sizes[g], static_cast<std::uint32_t>(g));
-    layout_ = jit::plan_cuda_layout(*program_, params_, options_, /*allow_flat=*/num_groups == 1);
+    // State stored as bf16 or q8: packed, the table layout (as CudaBackend).
+    std::vector<std::array<StateFormat, kMaxStreams>> formats;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      formats.push_back(sf_emu::state_formats_of(*group_programs_[group_of[i]], params_[i].weight.numel, options_));
+      for (const StateFormat f : formats.back()) packed_ = packed_ || f != StateFormat::f32;
+    }
+    layout_ = jit::plan_cuda_layout(*program_, params_, options_, /*allow_flat=*/num_groups == 1 && !packed_);
     layout_.spec.sharded = options_.communicator != nullptr;  // as CudaBackend
     group_variant_ = jit::assign_groups(layout_, group_programs_, group_of);
+    jit::assign_state_formats(layout_, formats);
     slots_ = jit::cuda_stream_slots(layout_.spec);
     // Group g's initial value of state buffer b (0 when its variant has no such stream).
     const auto init = [&](int b, std::size_t g) {
@@ -258,8 +267,9 @@ class EmulatedOptimizer {
     const sf_emu::UtilityKernels& util = sf_emu::utility_kernels();
 
     // State (sf_fill) and masters (sf_widen), on poisoned memory.
+    if (packed_) init_packed_state(group_of, init);
     const long long total = layout_.layout.state_elems;
-    for (int s = 0; s < kMaxStreams; ++s) {  // s: a buffer (an sf_streams slot)
+    for (int s = 0; s < (packed_ ? 0 : kMaxStreams); ++s) {  // s: a buffer (an sf_streams slot)
       bool used = false;
       for (std::size_t g = 0; g < num_groups; ++g) used = used || stream_of(g, s) >= 0;
       if (!used) continue;
@@ -301,6 +311,49 @@ class EmulatedOptimizer {
       norms_.assign(std::max<std::size_t>(params_.size(), 1) * SF_MAX_NORM_SLOTS, kPoison);
     }
     if (options_.communicator) connect_shard();
+  }
+
+  // CudaBackend::init_packed_state: each tensor's state in its own format, where
+  // sf_tensor.state says; bf16 and q8 initial values encoded as the CPU encodes them.
+  template <class Init>
+  void init_packed_state(const std::vector<std::uint32_t>& group_of, const Init& init) {
+    const jit::PackedState& plan = packed_state_ = jit::plan_packed_state(layout_);
+    for (std::size_t b = 0; b < kMaxStreams; ++b) {
+      if (plan.bytes[b] > 0) state_[b].assign(static_cast<std::size_t>(plan.bytes[b]) / sizeof(float) + kSlack, kPoison);
+      if (plan.absmaxes[b] > 0) absmax_[b].assign(static_cast<std::size_t>(plan.absmaxes[b]) + kSlack, kPoison);
+    }
+    tensor_state_.assign(params_.size(), sf_tensor_state{});
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto k = static_cast<std::size_t>(layout_.tensors[i].combo);
+      const long long n = params_[i].weight.numel;
+      for (std::size_t s = 0; s < kMaxStreams; ++s) {
+        const int b = plan.buffer[i][s];
+        if (b < 0) continue;
+        const StateFormat f = layout_.spec.combo_formats[k][s];
+        auto* data = reinterpret_cast<char*>(state_[static_cast<std::size_t>(b)].data()) + plan.at[i][s];
+        tensor_state_[i].data[s] = data;
+        float* absmax = f == StateFormat::q8 ? absmax_[static_cast<std::size_t>(b)].data() + plan.absmax_at[i][s] : nullptr;
+        tensor_state_[i].absmax[s] = absmax;
+        const float value = init(b, group_of[i]);
+        if (n == 0) continue;
+        if (f == StateFormat::f32) {
+          run(sf_emu::utility_kernels().fill, launch(grid_for(n, 256), 256, true), reinterpret_cast<float*>(data), n, value);
+          continue;
+        }
+        const std::vector<float> values(static_cast<std::size_t>(n), value);
+        if (f == StateFormat::bf16) {
+          cpu::narrow(values.data(), DType::bf16, data, values.size());
+        } else {
+          const bool nonnegative = group_programs_[group_of[i]]->streams[s].values == StateValues::nonnegative;
+          cpu::q8_quantize(values.data(), reinterpret_cast<std::uint8_t*>(data), absmax, values.size(),
+                           nonnegative ? cpu::Q8Map::unsigned_dynamic : cpu::Q8Map::signed_dynamic);
+        }
+      }
+      layout_.tensors[i].state = &tensor_state_[i];
+    }
+    q8_maps_.resize(4 * SF_Q8_BLOCK);
+    cpu::q8_device_maps(q8_maps_.data());
+    hyper_.q8_maps = q8_maps_.data();
   }
 
   // StepEngine::connect_shard (collective: every rank builds its optimizer at once),
@@ -370,7 +423,22 @@ class EmulatedOptimizer {
   bool has_state(std::size_t t, std::string_view name) const {
     return group_programs_[static_cast<std::size_t>(layout_.tensors[t].group)]->find_stream(name) >= 0;
   }
+  // Packed state: tensor t's stream as stored (values, bit patterns or codes) and its absmaxes.
+  StateFormat state_format(std::size_t t, std::string_view name) const {
+    if (!packed_) return StateFormat::f32;
+    const int s = group_programs_[static_cast<std::size_t>(layout_.tensors[t].group)]->find_stream(name);
+    return layout_.spec.combo_formats[static_cast<std::size_t>(layout_.tensors[t].combo)][static_cast<std::size_t>(s)];
+  }
+  const std::byte* state_storage(std::size_t t, std::string_view name) const {
+    const int s = group_programs_[static_cast<std::size_t>(layout_.tensors[t].group)]->find_stream(name);
+    return static_cast<const std::byte*>(tensor_state_[t].data[s]);
+  }
+  const float* state_absmax(std::size_t t, std::string_view name) const {
+    const int s = group_programs_[static_cast<std::size_t>(layout_.tensors[t].group)]->find_stream(name);
+    return tensor_state_[t].absmax[s];
+  }
   const float* state(std::size_t t, std::string_view name) const {
+    if (packed_) return reinterpret_cast<const float*>(state_storage(t, name));
     const std::size_t g = static_cast<std::size_t>(layout_.tensors[t].group);
     const int s = group_programs_[g]->find_stream(name);
     return state_[slots_[static_cast<std::size_t>(group_variant_[g])][static_cast<std::size_t>(s)]].data() +
@@ -391,6 +459,7 @@ class EmulatedOptimizer {
       return b.empty() || std::all_of(b.end() - kSlack, b.end(), poison);
     };
     for (const std::vector<float>& b : state_) EXPECT_TRUE(untouched(b)) << "a kernel wrote past the end of a state buffer";
+    for (const std::vector<float>& b : absmax_) EXPECT_TRUE(untouched(b)) << "a kernel wrote past the end of an absmax buffer";
     EXPECT_TRUE(untouched(masters_)) << "a kernel wrote past the end of the master buffer";
   }
 
@@ -486,6 +555,11 @@ class EmulatedOptimizer {
   jit::CudaLayout layout_;
   const sf_emu::StepKernels* kernels_ = nullptr;
   std::vector<float> state_[kMaxStreams], masters_;
+  // Packed state (bf16 or q8): the plan, each buffer's absmaxes, the tensors' sf_tensor_state, the q8 maps.
+  bool packed_ = false;
+  jit::PackedState packed_state_;
+  std::vector<float> absmax_[kMaxStreams], q8_maps_;
+  std::vector<sf_tensor_state> tensor_state_;
   std::optional<UpdateProgram> custom_;       // a custom program (program_ points into it)
   std::vector<float> norm_sums_, norms_;      // a two-phase program's
   std::vector<sf_partial> partials_;
@@ -564,6 +638,18 @@ struct Pair {
       for (std::string_view state : cpu.state_names()) {
         if (!dev.has_state(t, state)) {  // a stream of another group's variant only: refused on both
           EXPECT_THROW(static_cast<void>(cpu.state(t, state)), Error) << name << " " << state;
+          continue;
+        }
+        const StateFormat format = cpu.state_format(t, state);
+        EXPECT_EQ(format, dev.state_format(t, state)) << name << " " << state;
+        if (format != StateFormat::f32) {  // as stored: bit patterns or codes, and absmaxes
+          const std::span<const std::byte> cb = cpu.state_storage(t, state);
+          EXPECT_EQ(0, std::memcmp(cb.data(), dev.state_storage(t, state), cb.size())) << name << " " << state << " as stored";
+          const std::span<const float> ca = cpu.state_absmax(t, state);
+          const float* da = dev.state_absmax(t, state);
+          expect_same_values(static_cast<std::int64_t>(ca.size()),
+                             [&](std::int64_t i) { return std::pair{ca[static_cast<std::size_t>(i)], da[i]}; },
+                             name + " " + std::string(state) + " absmax");
           continue;
         }
         const std::span<const float> cs = cpu.state(t, state);
@@ -1086,6 +1172,129 @@ TEST_F(EmulatedStep, StochasticRounding) {
       p->step_at(scales[k]);
       p->expect_same("step " + std::to_string(k + 1));
     }
+  }
+}
+
+// ---- state stored as bf16 or q8 (OptimizerOptions::state_format) ----
+
+// Every snapshot of a packed state: each tensor's streams as stored and their absmaxes.
+std::vector<std::vector<std::byte>> packed_snapshot(const Optimizer& cpu) {
+  std::vector<std::vector<std::byte>> out;
+  for (std::size_t t = 0; t < cpu.num_params(); ++t)
+    for (std::string_view name : cpu.state_names()) {
+      const std::span<const std::byte> bytes = cpu.state_storage(t, name);
+      const std::span<const float> absmax = cpu.state_absmax(t, name);
+      out.emplace_back(bytes.begin(), bytes.end());
+      const auto* a = reinterpret_cast<const std::byte*>(absmax.data());
+      out.back().insert(out.back().end(), a, a + absmax.size_bytes());
+    }
+  return out;
+}
+
+std::vector<ProgramCase> q8_program_cases() {
+  std::vector<ProgramCase> out;
+  const std::vector<jit::Builtin> q8 = sf_emu::q8_builtins();
+  for (const ProgramCase& c : program_cases())
+    if (std::find(q8.begin(), q8.end(), jit::select_builtin(c.config)) != q8.end()) out.push_back(c);
+  return out;
+}
+class EveryProgramQ8 : public Seeded, public ::testing::WithParamInterface<ProgramCase> {};
+
+// Every one-phase built-in with q8 state: the tensors of at least min_q8_numel (4096)
+// elements keep their state as 8-bit codes and block absmaxes (the others f32), with
+// masters, mixed dtypes, blocks in shuffled order; the first state as encoded at
+// construction, and after each step the codes and absmaxes bitwise the CPU's.
+TEST_P(EveryProgramQ8, StepsMatchTheCpuBitwise) {
+  Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, GetParam().config, sf_emu::state_options(StateFormat::q8), seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), std::string(jit::builtin_program(jit::select_builtin(GetParam().config)).name) + "_q8");
+  p.expect_same("after construction", false);
+  const double scales[] = {1024.0, 1.0, 3000.5, 1.0, 0.25};
+  const int steps = std::holds_alternative<optim::RAdam>(GetParam().config) ? 7 : 5;
+  for (int k = 0; k < steps; ++k) {
+    draw_step_compare(model, rng, p, 0.5, scales[k % 5], "step " + std::to_string(k + 1));
+    EXPECT_TRUE(p.dev.step_state().applied);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Emulated, EveryProgramQ8, ::testing::ValuesIn(q8_program_cases()),
+                         [](const ::testing::TestParamInfo<ProgramCase>& info) { return std::string(info.param.name); });
+
+// bf16 state (round to nearest even): Adam with clipping, and LAMB, whose two phases
+// read and write their state one element a lane.
+TEST_F(EmulatedStep, Bf16State) {
+  const double scales[] = {512.0, 1.0, 40.0, 1.0};
+  {
+    Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedMasters), false, 0, rng);
+    OptimizerOptions options = sf_emu::state_options(StateFormat::bf16);
+    options.max_grad_norm = 3.0;
+    Pair p(model, kAdamW, options, seed | 1);
+    EXPECT_EQ(p.dev.spec_name(), "adam_bf16_state");
+    p.expect_same("after construction", false);
+    for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "adam step " + std::to_string(k + 1));
+  }
+  {
+    Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedMasters), false, 0, rng);
+    Pair p(model, optim::LAMB{.lr = 1e-3, .weight_decay = 0.05}, sf_emu::state_options(StateFormat::bf16), seed | 2);
+    EXPECT_EQ(p.dev.spec_name(), "lamb_bf16_state");
+    for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "lamb step " + std::to_string(k + 1));
+  }
+}
+
+// The fewest bytes per parameter: bf16 weights rounded stochastically (no masters) with
+// q8 state, clipped. A step with an inf gradient is skipped: weights, codes and absmaxes
+// bitwise untouched, and the next step goes on as the CPU's.
+TEST_F(EmulatedStep, Q8StateWithStochasticRoundingSkipsNonFiniteSteps) {
+  OptimizerOptions options = sf_emu::state_options(StateFormat::q8);
+  options.max_grad_norm = 1.0;
+  options.master_weights = false;
+  options.stochastic_rounding = true;
+  options.seed = 0xBEEF;
+  Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedStochastic), false, 0, rng);
+  Pair p(model, kAdamW, options, seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), "adam_q8_stochastic");
+  for (int k = 0; k < 3; ++k) draw_step_compare(model, rng, p, 0.5, 1024.0, "step " + std::to_string(k + 1));
+  const std::vector<std::vector<std::byte>> before = packed_snapshot(p.cpu);
+  model.draw_grads(rng, 512.0f);
+  model.set_grad(5, 39999, -INFINITY);
+  p.step_scaled(1024.0);
+  p.expect_same("a skipped step");
+  EXPECT_FALSE(p.dev.step_state().applied);
+  EXPECT_TRUE(packed_snapshot(p.cpu) == before) << "a skipped step changed the compressed state";
+  draw_step_compare(model, rng, p, 0.5, 1024.0, "the step after");
+  EXPECT_EQ(p.dev.step_count(), 4);
+}
+
+// Unaligned weights and gradients (every access one element; the codes' 8-byte stores
+// still whole), and a plain step.
+TEST_F(EmulatedStep, Q8StateUnaligned) {
+  Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedMasters), false, 1, rng);
+  Pair p(model, kAdamW, sf_emu::state_options(StateFormat::q8), seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), "adam_q8_unaligned");
+  const double scales[] = {64.0, 1.0, 2.0};
+  for (int k = 0; k < 3; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "step " + std::to_string(k + 1));
+}
+
+// Formats per stream (OptimizerOptions::state_formats: the second moment bf16, the first
+// q8), and param groups running different variants of Adam (amsgrad's third stream q8 too).
+TEST_F(EmulatedStep, Q8StatePerStreamFormatsAndGroups) {
+  const double scales[] = {1024.0, 1.0, 3000.5, 1.0};
+  {
+    Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedMasters), false, 0, rng);
+    OptimizerOptions options = sf_emu::state_options(StateFormat::q8, {{"exp_avg_sq", StateFormat::bf16}});
+    options.max_grad_norm = 2.0;
+    Pair p(model, kAdamW, options, seed | 1);
+    EXPECT_EQ(p.dev.spec_name(), "adam_q8_bf16_second_moment");
+    for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "step " + std::to_string(k + 1));
+  }
+  {
+    Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedMasters), false, 0, rng);
+    Pair p(model,
+           {optim::Adam{.lr = 1e-3}, optim::Adam{.lr = 2e-3, .weight_decay = 0.01, .amsgrad = true},
+            optim::Adam{.lr = 5e-4, .beta1 = 0.8}},
+           {4, 4, 4}, sf_emu::state_options(StateFormat::q8), seed | 2);
+    EXPECT_EQ(p.dev.spec_name(), "adam_groups_q8");
+    for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "groups step " + std::to_string(k + 1));
   }
 }
 

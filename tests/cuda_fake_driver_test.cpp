@@ -11,12 +11,14 @@
 #include <gmock/gmock-matchers.h>  // header-only matchers: HasSubstr
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -466,6 +468,42 @@ TEST_F(FakeDriver, ParamGroupsOnTheGpu) {
   EXPECT_NE(exp_avg, exp_avg_sq);
   EXPECT_NE(exp_avg, max_exp_avg_sq);
   EXPECT_NE(exp_avg_sq, max_exp_avg_sq);
+}
+
+// State stored as bf16 or q8 on the GPU: each tensor's state packed in its own format, the
+// initial values encoded as the CPU encodes them (read back through the host copy), the
+// kernels' tensor table pointing at them, and a write to the host copy (what a checkpoint
+// load does) copied to the device before the next step. (The fake driver runs no kernel: the
+// "device" memory keeps what was copied into it.)
+TEST_F(FakeDriver, CompressedStateIsPackedAndItsHostCopyGoesBackBeforeAStep) {
+  if (!have_nvrtc()) GTEST_SKIP() << "NVRTC is not available: the step kernels cannot be compiled";
+  DeviceModel m, h;
+  OptimizerOptions o = on_cuda();
+  o.state_format = StateFormat::q8;
+  o.min_q8_numel = 1000;  // the 77-element tensor keeps f32
+  OptimizerOptions cpu_options = o;
+  cpu_options.device = Device::cpu();
+  const OptimizerConfig config = optim::Adagrad{.lr = 0.1, .initial_accumulator_value = 0.25};
+  Optimizer gpu(config, m.params(), o), cpu(config, h.params(), cpu_options);
+  for (std::size_t i = 0; i < 2; ++i) {  // (param 2's f32 state is filled by a kernel, which the fake does not run)
+    EXPECT_EQ(gpu.state_format(i, "sum"), cpu.state_format(i, "sum")) << i;
+    const std::span<const std::byte> gs = gpu.state_storage(i, "sum"), cs = cpu.state_storage(i, "sum");
+    ASSERT_EQ(gs.size(), cs.size()) << i;
+    EXPECT_TRUE(std::equal(gs.begin(), gs.end(), cs.begin())) << "param " << i << ": the initial codes";
+    const std::span<const float> ga = gpu.state_absmax(i, "sum"), ca = cpu.state_absmax(i, "sum");
+    EXPECT_TRUE(std::equal(ga.begin(), ga.end(), ca.begin(), ca.end())) << "param " << i << ": the initial absmaxes";
+    for (const float v : gpu.state_values(i, "sum")) ASSERT_EQ(v, 0.25f) << i;
+  }
+  EXPECT_EQ(gpu.state_format(1, "sum"), StateFormat::q8);
+  EXPECT_EQ(gpu.state_format(2, "sum"), StateFormat::f32);
+  gpu.mutable_state_storage(1, "sum")[5] = std::byte{7};
+  gpu.mutable_state_absmax(1, "sum")[2] = 3.0f;
+  gpu.mutable_state(2, "sum")[76] = -1.5f;
+  gpu.step();  // copies the host copy to the device first; the fake runs no kernel
+  EXPECT_EQ(gpu.state_storage(1, "sum")[5], std::byte{7});  // read back from the device
+  EXPECT_EQ(gpu.state_absmax(1, "sum")[2], 3.0f);
+  EXPECT_EQ(gpu.state(2, "sum")[76], -1.5f);
+  EXPECT_EQ(gpu.state_storage(1, "sum")[4], cpu.state_storage(1, "sum")[4]);
 }
 
 // ---- GradScaler transactions ----------------------------------------------------------------

@@ -338,6 +338,7 @@ struct DtypeSet {
   bool masters;
   bool stochastic = false;  // bf16 weights without masters, rounded stochastically
   bool compensated = false; // bf16 weights without masters, with bf16 compensations
+  StateFormat state = StateFormat::f32;  // OptimizerOptions::state_format
 };
 const std::vector<DtypeSet>& dtype_sets() {
   static const std::vector<DtypeSet> all = {
@@ -349,6 +350,13 @@ const std::vector<DtypeSet>& dtype_sets() {
       {"mixed", {{DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::f32, DType::bf16}}, true},
       {"bf16_stochastic", {{DType::bf16, DType::bf16}, {DType::f32, DType::f32}, {DType::bf16, DType::f32}}, false, true},
       {"bf16_compensated", {{DType::bf16, DType::bf16}, {DType::f32, DType::f32}, {DType::bf16, DType::f16}}, false, false, true},
+      // Compressed state (tensors below min_q8_numel keep f32).
+      {"f32_q8", {{DType::f32, DType::f32}}, true, false, false, StateFormat::q8},
+      {"mixed_q8", {{DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::f16, DType::f16}}, true, false, false,
+       StateFormat::q8},
+      {"bf16_stochastic_q8", {{DType::bf16, DType::bf16}, {DType::f32, DType::f32}, {DType::bf16, DType::f32}}, false, true,
+       false, StateFormat::q8},
+      {"bf16_masters_bf16_state", {{DType::bf16, DType::bf16}}, true, false, false, StateFormat::bf16},
   };
   return all;
 }
@@ -371,9 +379,11 @@ constexpr double kMaxNormInf = 0.02;   // below their largest |g| (about 0.05)
 // chunk, tiny ones and an empty one.
 const std::vector<std::int64_t> kSizes = {32771, 4097, 0, 3, 16384, 12289, 1};
 
-OptimizerOptions options_for(StepKind k, bool masters, Device d, bool stochastic = false, bool compensated = false) {
+OptimizerOptions options_for(StepKind k, bool masters, Device d, bool stochastic = false, bool compensated = false,
+                             StateFormat state = StateFormat::f32) {
   OptimizerOptions o;
   o.device = d;
+  o.state_format = state;
   o.master_weights = masters;
   o.compensated_weights = compensated;
   o.stochastic_rounding = stochastic;
@@ -418,9 +428,11 @@ Snapshot snapshot(const Optimizer& o, std::vector<std::byte> weights, std::vecto
     s.state_names.emplace_back(name);
     auto& per_tensor = s.state.emplace_back();
     for (std::size_t t = 0; t < o.num_params(); ++t) {
-      try {
-        const std::span<const float> v = o.state(t, name);
-        per_tensor.emplace_back(v.begin(), v.end());
+      try {  // (the values, decoded when stored as bf16 or q8, then a q8 stream's absmaxes)
+        std::vector<float> v = o.state_values(t, name);
+        const std::span<const float> absmax = o.state_absmax(t, name);
+        v.insert(v.end(), absmax.begin(), absmax.end());
+        per_tensor.push_back(std::move(v));
       } catch (const Error&) {  // a state of other groups' program variants only: none here
         per_tensor.emplace_back();
       }
@@ -559,8 +571,8 @@ struct SideBySide {
     dev.set_weights(w0);
     const OptimizerConfig& config = config_named(c.config);
     const DtypeSet& set = dtype_set(c.dtypes);
-    ho.emplace(config, host.params, options_for(kind, set.masters, Device::cpu(), set.stochastic, set.compensated));
-    go.emplace(config, dev.params, options_for(kind, set.masters, test_device(), set.stochastic, set.compensated));
+    ho.emplace(config, host.params, options_for(kind, set.masters, Device::cpu(), set.stochastic, set.compensated, set.state));
+    go.emplace(config, dev.params, options_for(kind, set.masters, test_device(), set.stochastic, set.compensated, set.state));
   }
   // The same gradients on both sides, then a step of each.
   void step(const std::vector<std::byte>& g) {
@@ -608,6 +620,15 @@ std::vector<Case> layout_cases() {
     for (Layout l : {Layout::separate, Layout::misaligned})
       for (StepKind k : {StepKind::plain, StepKind::scaled, StepKind::clipped}) cases.push_back({c, "bf16_compensated", l, k});
   cases.push_back({"AdamW", "bf16_compensated", Layout::flat, StepKind::scaled_clipped_inf});
+  // State stored as q8 (a warp per block of 256, codes and absmaxes as the CPU's) and bf16
+  // (LAMB's two phases too).
+  for (const char* c : {"AdamW", "SGD_momentum", "Lion", "Adagrad", "RMSprop_centered_momentum"})
+    for (const char* d : {"f32_q8", "bf16_stochastic_q8"})
+      for (Layout l : {Layout::separate, Layout::misaligned})
+        for (StepKind k : {StepKind::plain, StepKind::scaled, StepKind::clipped}) cases.push_back({c, d, l, k});
+  for (StepKind k : {StepKind::scaled, StepKind::scaled_clipped_inf}) cases.push_back({"AdamW", "mixed_q8", Layout::separate, k});
+  for (const char* c : {"AdamW", "LAMB"})
+    for (StepKind k : {StepKind::plain, StepKind::clipped}) cases.push_back({c, "bf16_masters_bf16_state", Layout::separate, k});
   return cases;
 }
 std::vector<Case> non_finite_cases() {
@@ -615,6 +636,8 @@ std::vector<Case> non_finite_cases() {
   for (const char* c : {"AdamW", "SGD_momentum", "Lion"})
     for (const char* d : {"f32", "bf16_masters", "f16_masters"})
       for (StepKind k : {StepKind::scaled, StepKind::clipped, StepKind::scaled_clipped_inf}) cases.push_back({c, d, Layout::separate, k});
+  for (const char* c : {"AdamW", "Lion"})  // a skipped step leaves the codes and absmaxes as they were
+    cases.push_back({c, "bf16_stochastic_q8", Layout::separate, StepKind::scaled});
   return cases;
 }
 
@@ -636,7 +659,7 @@ void prewarm_kernel_cache(int sm) {
     const OptimizerConfig& config = config_named(c.config);
     const ListLayout L = case_layout(c);
     const DtypeSet& set = dtype_set(c.dtypes);
-    const OptimizerOptions o = options_for(c.kind, set.masters, Device::cuda(0), set.stochastic, set.compensated);
+    const OptimizerOptions o = options_for(c.kind, set.masters, Device::cuda(0), set.stochastic, set.compensated, set.state);
     const jit::CudaLayout layout =
         jit::plan_cuda_layout(jit::builtin_program(jit::select_builtin(config)), L.params(w, g), o);
     specs.emplace(jit::canonical_text(layout.spec), layout.spec);

@@ -48,7 +48,7 @@ struct OptimizerOptions {
   // the default stream. Steps never wait for the device, so they can be captured
   // in a CUDA graph; reading results (last_result(), step_count(), state()) waits.
   void* cuda_stream = nullptr;
-  std::optional<double> max_grad_norm;  // clip_grad_norm_ on the unscaled grads, inside the step
+  std::optional<double> max_grad_norm = std::nullopt;  // clip_grad_norm_ on the unscaled grads, inside the step
   double norm_type = 2.0;               // 2.0 or INFINITY
   bool master_weights = true;           // fp32 masters for f16/bf16 weights
   // bf16 weights without masters (master_weights = false): round each updated
@@ -77,9 +77,10 @@ struct OptimizerOptions {
   // (StateValues::full_precision, e.g. ASGD's "ax") keeps f32 under the blanket
   // formats and is an Error when named. q8 applies to tensors of at least
   // min_q8_numel elements; smaller ones keep f32 (bitsandbytes' min_8bit_size).
-  // Every format is bitwise the same on every CPU backend and thread count.
+  // Every format is bitwise the same on every CPU backend, thread count and on
+  // CUDA, where a two-phase program (LAMB) takes bf16 state but not q8.
   StateFormat state_format = StateFormat::f32;
-  std::vector<std::pair<std::string, StateFormat>> state_formats;
+  std::vector<std::pair<std::string, StateFormat>> state_formats = {};
   std::int64_t min_q8_numel = 4096;
   Fusion fusion = Fusion::fused;
   // Threads for the CPU backend; 0 = STEPFUSE_NUM_THREADS, else the machine's cores,
@@ -91,7 +92,7 @@ struct OptimizerOptions {
   bool track_grad_norm = false;
   // CPU, Fusion::fused: which code runs the step. Unset: the environment variable
   // STEPFUSE_CPU_BACKEND (auto, highway or llvm), else CpuBackend::automatic.
-  std::optional<CpuBackend> cpu_backend;
+  std::optional<CpuBackend> cpu_backend = std::nullopt;
   // LLVM backend: let LLVM fuse the update's multiply-add pairs into FMAs where the
   // CPU has them. Faster for some programs; results then equal Highway's within
   // fp32 rounding instead of bit for bit (the gradient norm is unaffected).
@@ -111,13 +112,13 @@ struct OptimizerOptions {
   // on the optimizer's cuda_stream): the step's collective is enqueued on the stream
   // between the reduce and update kernels, and a rank that refused the step makes the
   // others throw when they read its result.
-  std::shared_ptr<Communicator> communicator;
+  std::shared_ptr<Communicator> communicator = nullptr;
   // Sharded steps: where each param (params() order) lies in the model. Empty:
   // every param is a whole tensor, and the model's tensors are rank 0's params, then
   // rank 1's, and so on. Otherwise one TensorSlice per param; the model's tensors are
   // ordered by TensorSlice::tensor, and a tensor's slices (on any ranks) must tile
   // it, each starting at a multiple of kShardAlign elements.
-  std::vector<TensorSlice> slices;
+  std::vector<TensorSlice> slices = {};
 };
 
 // What one step did.

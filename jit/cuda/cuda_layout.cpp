@@ -131,4 +131,63 @@ std::vector<int> assign_groups(CudaLayout& l, const std::vector<const Program*>&
   return group_variant;
 }
 
+void assign_state_formats(CudaLayout& l, const std::vector<std::array<StateFormat, kMaxStreams>>& formats) {
+  bool any = false;
+  for (const auto& f : formats)
+    for (const StateFormat x : f) any = any || x != StateFormat::f32;
+  if (!any) return;
+  // (combination, formats) pairs, in the tensors' order.
+  const std::vector<DtypeCombo> combos = l.spec.combos;
+  const std::vector<int> variants = l.spec.combo_variant;
+  std::vector<std::pair<int, std::array<StateFormat, kMaxStreams>>> keys;
+  l.spec.combos.clear();
+  l.spec.combo_variant.clear();
+  l.spec.combo_formats.clear();
+  for (std::size_t i = 0; i < l.tensors.size(); ++i) {
+    sf_tensor& t = l.tensors[i];
+    const std::pair<int, std::array<StateFormat, kMaxStreams>> key{t.combo, formats[i]};
+    auto it = std::find(keys.begin(), keys.end(), key);
+    if (it == keys.end()) {
+      keys.push_back(key);
+      l.spec.combos.push_back(combos[static_cast<std::size_t>(key.first)]);
+      if (!variants.empty()) l.spec.combo_variant.push_back(variants[static_cast<std::size_t>(key.first)]);
+      l.spec.combo_formats.push_back(key.second);
+      it = keys.end() - 1;
+    }
+    t.combo = static_cast<int>(it - keys.begin());
+  }
+}
+
+PackedState plan_packed_state(const CudaLayout& l) {
+  PackedState p;
+  const std::vector<std::array<int, kMaxStreams>> slots = cuda_stream_slots(l.spec);
+  const std::vector<const Program*> programs = spec_programs(l.spec);
+  const auto round = [](std::int64_t n, std::int64_t to) { return (n + to - 1) / to * to; };
+  p.at.assign(l.tensors.size(), {});
+  p.absmax_at.assign(l.tensors.size(), {});
+  p.buffer.assign(l.tensors.size(), {});
+  for (std::size_t i = 0; i < l.tensors.size(); ++i) {
+    p.buffer[i].fill(-1);
+    p.at[i].fill(-1);
+    p.absmax_at[i].fill(-1);
+    const auto k = static_cast<std::size_t>(l.tensors[i].combo);
+    const std::size_t v = l.spec.combo_variant.empty() ? 0 : static_cast<std::size_t>(l.spec.combo_variant[k]);
+    const Program& prog = *programs[v];
+    const std::int64_t n = l.tensors[i].numel;
+    for (int s = 0; s < prog.num_streams; ++s) {
+      if (prog.streams[s].role != StreamRole::state) continue;
+      const auto b = static_cast<std::size_t>(slots[v][static_cast<std::size_t>(s)]);
+      const StateFormat f = l.spec.combo_formats.empty() ? StateFormat::f32 : l.spec.combo_formats[k][static_cast<std::size_t>(s)];
+      p.buffer[i][static_cast<std::size_t>(s)] = static_cast<int>(b);
+      p.at[i][static_cast<std::size_t>(s)] = p.bytes[b];
+      p.bytes[b] += round(n * static_cast<std::int64_t>(state_format_size(f)), 256);
+      if (f == StateFormat::q8) {
+        p.absmax_at[i][static_cast<std::size_t>(s)] = p.absmaxes[b];
+        p.absmaxes[b] += q8_blocks(n);
+      }
+    }
+  }
+  return p;
+}
+
 }  // namespace stepfuse::jit

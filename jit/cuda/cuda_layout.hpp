@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -57,5 +58,26 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<TensorShap
 // becomes group 0's).
 std::vector<int> assign_groups(CudaLayout& l, const std::vector<const Program*>& group_programs,
                                const std::vector<std::uint32_t>& tensor_group);
+
+// State stored as bf16 or q8 (OptimizerOptions::state_format): formats[i][s] is how
+// tensor i stores stream s of its group's program. Splits the spec's combinations by
+// those formats (CudaSpec::combo_formats, after assign_groups: a combination is then
+// dtypes, variant and formats) and renumbers the tensors' combos. Nothing changes when
+// every format is f32. The layout must be the table layout (flat = false).
+void assign_state_formats(CudaLayout& l, const std::vector<std::array<StateFormat, kMaxStreams>>& formats);
+
+// Where packed state lives (a spec with combo_formats): every state buffer (sf_streams
+// slot) holds each tensor's values in the tensor's format, 256-byte aligned, and a q8
+// buffer's absmaxes are in a buffer of their own. Per buffer its bytes and absmaxes; per
+// tensor, per program stream of its combination, the stream's buffer, its byte offset
+// there and its first absmax (-1 where it has no such stream, or it is not q8).
+struct PackedState {
+  std::array<std::int64_t, kMaxStreams> bytes{}, absmaxes{};
+  std::vector<std::array<int, kMaxStreams>> buffer;
+  std::vector<std::array<std::int64_t, kMaxStreams>> at, absmax_at;
+};
+PackedState plan_packed_state(const CudaLayout& l);
+// The q8 blocks of n elements.
+constexpr std::int64_t q8_blocks(std::int64_t n) { return (n + SF_Q8_BLOCK - 1) / SF_Q8_BLOCK; }
 
 }  // namespace stepfuse::jit

@@ -32,6 +32,16 @@
 #define SF_MAX_SCALARS 16
 #define SF_MAX_STREAMS 8
 #define SF_MAX_NORM_SLOTS 4 /* per-tensor reduction slots of a two-phase program */
+#define SF_Q8_BLOCK 256      /* q8 state: elements per block, one fp32 absmax each (from element 0 of a tensor) */
+
+/* Where one tensor keeps its state when some tensor of the list stores a state
+ * stream as bf16 or q8 (OptimizerOptions::state_format): per program stream (the
+ * tensor's combination's), the device address of its element 0's value (f32),
+ * bit pattern (bf16) or code (q8), and for q8 its blocks' absmaxes. */
+typedef struct sf_tensor_state {
+  void* data[SF_MAX_STREAMS];
+  float* absmax[SF_MAX_STREAMS];
+} sf_tensor_state;
 
 /* One parameter tensor. Pointers are device addresses. */
 typedef struct sf_tensor {
@@ -46,6 +56,8 @@ typedef struct sf_tensor {
   int group;           /* its param group: the index of its rules in sf_hyper.groups */
   int pad_;
   long long model_index; /* its element 0's index in the model: stochastic rounding's counter (jit/stochastic_round.h) */
+  const sf_tensor_state* state; /* compressed state (some combo stores bf16 or q8): its state's addresses; else null,
+                                   and the state is at state_offset in the buffers of sf_streams */
 } sf_tensor;
 
 /* A span of one tensor: a reduce chunk or an update block. */
@@ -87,6 +99,9 @@ typedef struct sf_hyper {
   int num_groups;
   int pad_;
   unsigned long long seed;      /* stochastic rounding of bf16 weights: the Philox key */
+  const float* q8_maps;         /* q8 state (combos with it): 4 x 256 floats, device memory: the signed map's code
+                                   values, its 255 thresholds and +inf, the unsigned map's values, its thresholds and
+                                   +inf (runtime/cpu/q8.hpp); else null */
 } sf_hyper;
 
 /* Per-optimizer state on the device, owned by the kernels; the host reads it

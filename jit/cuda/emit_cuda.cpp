@@ -19,7 +19,7 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 11;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 12;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
                                     //    one element function per spec; 5: two-phase programs (sf_phase1,
                                     //    sf_phase_combine, sf_update's norms); 6: param groups (sf_tensor.group,
@@ -29,6 +29,7 @@ constexpr int kEmitterVersion = 11;  // 2: sf_reduce takes the loss scale as a d
                                     // 9, 10: stochastic rounding of bf16 weights (jit/stochastic_round.h,
                                     //    sf_tensor.model_index, sf_hyper.seed, the group's step);
                                     // 11: compensated bf16 weights (sf_tensor.master holds the compensations)
+                                    // 12: bf16 and q8 state (sf_tensor.state, sf_hyper.q8_maps, update_span_q8.cuh)
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -126,6 +127,7 @@ constexpr std::string_view kReduceKernel = embedded_file("jit/cuda/kernels/reduc
 constexpr std::string_view kShardAbi = embedded_file("jit/cuda/shard_abi.h");
 constexpr std::string_view kShardKernel = embedded_file("jit/cuda/kernels/shard_kernel.cuh");
 constexpr std::string_view kUpdateSpan = embedded_file("jit/cuda/kernels/update_span.cuh");
+constexpr std::string_view kUpdateSpanQ8 = embedded_file("jit/cuda/kernels/update_span_q8.cuh");
 constexpr std::string_view kUpdateKernel = embedded_file("jit/cuda/kernels/update_kernel.cuh");
 constexpr std::string_view kPhase1Chunk = embedded_file("jit/cuda/kernels/phase1_chunk.cuh");
 constexpr std::string_view kPhase1Kernel = embedded_file("jit/cuda/kernels/phase1_kernel.cuh");
@@ -145,68 +147,120 @@ std::string body_name(int v) { return v == 0 ? "sf_body" : "sf_body_v" + std::to
 
 int variant_of(const CudaSpec& spec, std::size_t k) { return spec.combo_variant.empty() ? 0 : spec.combo_variant[k]; }
 
+// How combination k stores its program's stream s (CudaSpec::combo_formats).
+StateFormat format_of(const CudaSpec& spec, std::size_t k, int s) {
+  return spec.combo_formats.empty() ? StateFormat::f32 : spec.combo_formats[k][static_cast<std::size_t>(s)];
+}
+bool combo_has_q8(const CudaSpec& spec, std::size_t k) {
+  if (spec.combo_formats.empty()) return false;
+  const auto& f = spec.combo_formats[k];
+  return std::find(f.begin(), f.end(), StateFormat::q8) != f.end();
+}
+bool spec_has_q8(const CudaSpec& spec) {
+  for (std::size_t k = 0; k < spec.combo_formats.size(); ++k)
+    if (combo_has_q8(spec, k)) return true;
+  return false;
+}
+// Where stream s's state lives: a buffer of sf_streams (index `slot`), or the tensor's own (packed).
+std::string state_base(const CudaSpec& spec, int s, int slot) {
+  return spec.combo_formats.empty() ? "ss->s[" + std::to_string(slot) + "]" : "t->state->data[" + std::to_string(s) + "]";
+}
+// A q8 stream's map in the update kernel's shared copy (q8s): the unsigned one for nonnegative values.
+std::string q8_map(const Program& prog, int s) {
+  return prog.streams[s].values == StateValues::nonnegative ? "q8s + 2 * SF_Q8_BLOCK" : "q8s";
+}
+
 // `prog`: the combination's program (its variant's), or the phase-2 part of a two-phase
-// one (two_phase); `slots`: its streams' buffers (cuda_stream_slots).
+// one (two_phase); `slots`: its streams' buffers (cuda_stream_slots). A combination with
+// q8 state runs a warp per q8 block (update_span_q8.cuh), 8 elements a lane: its vector
+// accesses are two 4-element ones.
 std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool two_phase,
                         const std::array<int, kMaxStreams>& slots) {
-  const DtypeCombo& c = spec.combos[static_cast<std::size_t>(k)];
+  const auto ku = static_cast<std::size_t>(k);
+  const DtypeCombo& c = spec.combos[ku];
   const StreamUse use = stream_use(prog);
+  const bool q8 = combo_has_q8(spec, ku);
   const std::string G(dtype_tag(c.grad)), W(dtype_tag(c.weight));
   const int gs = prog.grad_stream(), ps = prog.param_stream();
-  std::string load4, load1, gather, scatter, store4, store1;
-  if (use.loads[gs]) {
-    load4 += "sf_load4_" + G + "(t->grad, begin + i, g);\n";
-    load1 += "g[j] = sf_load_" + G + "(t->grad, begin + i + j);\n";
-  }
-  if (use.loads[ps]) {
-    if (c.compensated) {  // the master slot holds the bf16 compensations
-      load4 += "sf_load4_bf16_comp(t->weight, t->master, begin + i, p);\n";
-      load1 += "p[j] = sf_load_bf16_comp(t->weight, t->master, begin + i + j);\n";
-    } else {
-      load4 += c.master ? "sf_load4_f32(t->master, begin + i, p);\n" : "sf_load4_" + W + "(t->weight, begin + i, p);\n";
-      load1 += c.master ? "p[j] = sf_load_f32(t->master, begin + i + j);\n"
-                        : "p[j] = sf_load_" + W + "(t->weight, begin + i + j);\n";
+  std::string loadv, load1, gather, scatter, storev, store1, absmax, encode;
+  // The 4-element accesses of elements at .. at + 3, into the arrays from `lane` on (the
+  // vector path), and the one-element ones of element j.
+  const auto vector_accesses = [&](const std::string& at, const std::string& off) {
+    if (use.loads[gs]) loadv += "sf_load4_" + G + "(t->grad, begin + " + at + ", g" + off + ");\n";
+    if (use.loads[ps])
+      loadv += c.compensated ? "sf_load4_bf16_comp(t->weight, t->master, begin + " + at + ", p" + off + ");\n"
+               : c.master    ? "sf_load4_f32(t->master, begin + " + at + ", p" + off + ");\n"
+                             : "sf_load4_" + W + "(t->weight, begin + " + at + ", p" + off + ");\n";
+    if (c.master) storev += "sf_store4_f32(t->master, begin + " + at + ", p" + off + ");\n";
+    if (c.compensated)
+      storev += "sf_store4_bf16_comp(t->weight, t->master, begin + " + at + ", p" + off + ");\n";
+    else if (c.stochastic)  // the model index of element begin + i is t->model_index + begin + i
+      storev += "sf_store4_bf16_sr(t->weight, begin + " + at + ", p" + off + ", t->model_index + begin + " + at +
+                ", sr_seed, sr_step);\n";
+    else
+      storev += "sf_store4_" + W + "(t->weight, begin + " + at + ", p" + off + ");\n";
+    for (int s = 0; s < prog.num_streams; ++s) {
+      if (prog.streams[s].role != StreamRole::state) continue;
+      const StateFormat f = format_of(spec, ku, s);
+      if (f == StateFormat::q8) continue;
+      const std::string S = std::to_string(s), F = f == StateFormat::bf16 ? "bf16" : "f32";
+      const std::string base = state_base(spec, s, slots[static_cast<std::size_t>(s)]);
+      if (use.loads[s]) loadv += "sf_load4_" + F + "(" + base + ", so + " + at + ", st[" + S + "]" + off + ");\n";
+      if (use.stores[s]) storev += "sf_store4_" + F + "(" + base + ", so + " + at + ", st[" + S + "]" + off + ");\n";
     }
-  }
-  if (c.master) {
-    store4 += "sf_store4_f32(t->master, begin + i, p);\n";
-    store1 += "sf_store_f32(t->master, begin + i + j, p[j]);\n";
-  }
-  if (c.compensated) {
-    store4 += "sf_store4_bf16_comp(t->weight, t->master, begin + i, p);\n";
+  };
+  vector_accesses("i", "");
+  if (q8) vector_accesses("i + 4", " + 4");
+  if (use.loads[gs]) load1 += "g[j] = sf_load_" + G + "(t->grad, begin + i + j);\n";
+  if (use.loads[ps])
+    load1 += c.compensated ? "p[j] = sf_load_bf16_comp(t->weight, t->master, begin + i + j);\n"
+             : c.master    ? "p[j] = sf_load_f32(t->master, begin + i + j);\n"
+                           : "p[j] = sf_load_" + W + "(t->weight, begin + i + j);\n";
+  if (c.master) store1 += "sf_store_f32(t->master, begin + i + j, p[j]);\n";
+  if (c.compensated)
     store1 += "sf_store_bf16_comp(t->weight, t->master, begin + i + j, p[j]);\n";
-  } else if (c.stochastic) {  // the model index of element begin + i is t->model_index + begin + i
-    store4 += "sf_store4_bf16_sr(t->weight, begin + i, p, t->model_index + begin + i, sr_seed, sr_step);\n";
+  else if (c.stochastic)
     store1 += "sf_store_bf16_sr(t->weight, begin + i + j, p[j], t->model_index + begin + i + j, sr_seed, sr_step);\n";
-  } else {
-    store4 += "sf_store4_" + W + "(t->weight, begin + i, p);\n";
+  else
     store1 += "sf_store_" + W + "(t->weight, begin + i + j, p[j]);\n";
-  }
   for (int s = 0; s < prog.num_streams; ++s) {
     if (prog.streams[s].role != StreamRole::state) continue;
-    const std::string S = std::to_string(s), B = std::to_string(slots[static_cast<std::size_t>(s)]);
-    if (use.loads[s]) {
-      load4 += "sf_load4_f32(ss->s[" + B + "], so + i, st[" + S + "]);\n";
-      load1 += "st[" + S + "][j] = sf_load_f32(ss->s[" + B + "], so + i + j);\n";
-      gather += "s[" + S + "] = st[" + S + "][j];\n";
+    const StateFormat f = format_of(spec, ku, s);
+    const std::string S = std::to_string(s), base = state_base(spec, s, slots[static_cast<std::size_t>(s)]);
+    if (use.loads[s]) gather += "s[" + S + "] = st[" + S + "][j];\n";
+    if (use.stores[s]) scatter += "st[" + S + "][j] = s[" + S + "];\n";
+    if (f == StateFormat::q8) {
+      const std::string map = q8_map(prog, s);
+      if (use.loads[s]) {
+        absmax += "const float absmax" + S + " = t->state->absmax[" + S + "][block];\n";
+        loadv += "sf_q8_load8(" + base + ", so + i, absmax" + S + ", " + map + ", st[" + S + "]);\n";
+        load1 += "st[" + S + "][j] = sf_q8_load(" + base + ", so + i + j, absmax" + S + ", " + map + ");\n";
+      }
+      if (use.stores[s])
+        encode += "sf_q8_store8(" + base + ", t->state->absmax[" + S + "], block, so + i, st[" + S + "], n, " + map + ");\n";
+      continue;
     }
-    if (use.stores[s]) {
-      scatter += "st[" + S + "][j] = s[" + S + "];\n";
-      store4 += "sf_store4_f32(ss->s[" + B + "], so + i, st[" + S + "]);\n";
-      store1 += "sf_store_f32(ss->s[" + B + "], so + i + j, st[" + S + "][j]);\n";
-    }
+    const std::string F = f == StateFormat::bf16 ? "bf16" : "f32";
+    if (use.loads[s]) load1 += "st[" + S + "][j] = sf_load_" + F + "(" + base + ", so + i + j);\n";
+    if (use.stores[s]) store1 += "sf_store_" + F + "(" + base + ", so + i + j, st[" + S + "][j]);\n";
   }
-  return fill(std::string(kUpdateSpan), {{"K", std::to_string(k)},
-                                         {"BODY", body_name(variant_of(spec, static_cast<std::size_t>(k)))},
-                                         {"VECTOR", spec.aligned16 ? "1" : "0"},
-                                         {"LOAD4", indent(load4, 6)},
-                                         {"LOAD1", indent(load1, 8)},
-                                         {"GATHER", indent(gather, 6)},
-                                         {"SCATTER", indent(scatter, 6)},
-                                         {"STORE4", indent(store4, 6)},
-                                         {"STORE1", indent(store1, 8)},
-                                         {"NORMS_PARAM", two_phase ? ",\n                                         const float* SF_RESTRICT nm" : ""},
-                                         {"NORMS_ARG", two_phase ? ", nm" : ""}});
+  return fill(std::string(q8 ? kUpdateSpanQ8 : kUpdateSpan),
+              {{"K", std::to_string(k)},
+               {"BODY", body_name(variant_of(spec, ku))},
+               {"VECTOR", spec.aligned16 ? "1" : "0"},
+               {"STATE_BASE", spec.combo_formats.empty() ? "t->state_offset + begin" : "begin"},
+               {"ABSMAX", indent(absmax, 4)},
+               {"LOAD4", indent(loadv, 6)},
+               {"LOAD8", indent(loadv, 6)},
+               {"LOAD1", indent(load1, 8)},
+               {"GATHER", indent(gather, 6)},
+               {"SCATTER", indent(scatter, 6)},
+               {"ENCODE", indent(encode, 4)},
+               {"STORE4", indent(storev, 6)},
+               {"STORE8", indent(storev, 6)},
+               {"STORE1", indent(store1, 8)},
+               {"NORMS_PARAM", two_phase ? ",\n                                         const float* SF_RESTRICT nm" : ""},
+               {"NORMS_ARG", two_phase ? ", nm" : ""}});
 }
 
 // Phase 1 of a two-phase program over one chunk, for combination k (`prog`: phase 1's part).
@@ -221,11 +275,12 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
     load += c.compensated ? "p = sf_load_bf16_comp(t->weight, t->master, begin + i);\n"
             : c.master    ? "p = sf_load_f32(t->master, begin + i);\n"
                           : "p = sf_load_" + W + "(t->weight, begin + i);\n";
-  for (int s = 0; s < prog.num_streams; ++s) {
+  for (int s = 0; s < prog.num_streams; ++s) {  // (two-phase programs have no variants: slot s is stream s)
     if (prog.streams[s].role != StreamRole::state) continue;
-    const std::string S = std::to_string(s);
-    if (use.loads[s]) load += "s[" + S + "] = sf_load_f32(ss->s[" + S + "], so + i);\n";
-    if (use.stores[s]) store += "sf_store_f32(ss->s[" + S + "], so + i, s[" + S + "]);\n";
+    const std::string S = std::to_string(s), base = state_base(spec, s, s);
+    const std::string F = format_of(spec, static_cast<std::size_t>(k), s) == StateFormat::bf16 ? "bf16" : "f32";
+    if (use.loads[s]) load += "s[" + S + "] = sf_load_" + F + "(" + base + ", so + i);\n";
+    if (use.stores[s]) store += "sf_store_" + F + "(" + base + ", so + i, s[" + S + "]);\n";
   }
   const unsigned slots = reduced_slots(prog);
   for (int r = 0; r < kMaxNormSlots; ++r)
@@ -234,6 +289,7 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
       accumulate += "acc[" + R + "] = acc[" + R + "] + red[" + R + "] * red[" + R + "];\n";
     }
   return fill(std::string(kPhase1Chunk), {{"K", std::to_string(k)},
+                                          {"STATE_BASE", spec.combo_formats.empty() ? "t->state_offset + begin" : "begin"},
                                           {"LOAD1", indent(load, 4)},
                                           {"STORE1", indent(store, 4)},
                                           {"ACCUMULATE", indent(accumulate, 4)}});
@@ -258,6 +314,17 @@ void check_spec(const CudaSpec& spec) {
     throw Error(ErrorCode::invalid_argument,
                 "CUDA emitter: program '" + std::string(spec.program.name) +
                     "' has two phases (per-tensor norms), which need the table layout: flat = false");
+  if (!spec.combo_formats.empty()) {
+    if (spec.combo_formats.size() != spec.combos.size())
+      throw Error(ErrorCode::invalid_argument, "CUDA emitter: combo_formats has " + std::to_string(spec.combo_formats.size()) +
+                                                   " entries for " + std::to_string(spec.combos.size()) + " combinations");
+    if (spec.flat)
+      throw Error(ErrorCode::invalid_argument,
+                  "CUDA emitter: state stored as bf16 or q8 is each tensor's own (sf_tensor.state): flat = false");
+    if (is_two_phase(spec.program) && spec_has_q8(spec))
+      throw Error(ErrorCode::unsupported, "CUDA emitter: program '" + std::string(spec.program.name) +
+                                              "' has two phases; its state can be stored as bf16 on the GPU, not as q8");
+  }
   if (spec.variants.empty() && spec.combo_variant.empty()) return;
   if (spec.combo_variant.size() != spec.combos.size())
     throw Error(ErrorCode::invalid_argument, "CUDA emitter: combo_variant has " + std::to_string(spec.combo_variant.size()) +
@@ -301,6 +368,14 @@ std::string canonical_text(const CudaSpec& spec) {
     o << "variant " << v + 1 << "\nscalars " << static_cast<int>(p.num_scalars) << "\nstreams";
     for (int s = 0; s < p.num_streams; ++s) o << " " << p.streams[s].name << ":" << static_cast<int>(p.streams[s].role);
     o << "\nprogram\n" << to_string(p);
+  }
+  if (!spec.combo_formats.empty()) {
+    o << "combo state formats";
+    for (const auto& f : spec.combo_formats) {
+      o << " ";
+      for (const StateFormat x : f) o << state_format_name(x)[0];  // f, b, q
+    }
+    o << "\n";
   }
   if (!spec.combo_variant.empty()) {
     o << "combo variants";
@@ -451,10 +526,16 @@ std::string update_part(const CudaSpec& spec, bool with_reduce_common) {
     dispatch = "  const sf_span b = blocks[blockIdx.x];\n  const sf_tensor* t = &tensors[b.tensor];\n  switch (t->combo) {\n";
     for (std::size_t k = 0; k < spec.combos.size(); ++k)
       dispatch += "    case " + std::to_string(k) + ": sf_update_span_" + std::to_string(k) + "(t, b.begin, b.len, &streams, sc, hyper.seed, sr_step" +
+                  (combo_has_q8(spec, k) ? ", q8s" : "") +
                   (two_phase ? ", norms + (long long)b.tensor * SF_MAX_NORM_SLOTS" : "") + "); break;\n";
     dispatch += "    default: break;\n  }";
   }
-  out += fill(std::string(kUpdateKernel), {{"NUM_SCALARS", std::to_string(max_scalars(spec))},
+  const std::string q8_maps =
+      spec_has_q8(spec) ? "  __shared__ float q8s[4 * SF_Q8_BLOCK];  // the q8 maps (sf_hyper.q8_maps)\n"
+                          "  for (int k = (int)threadIdx.x; k < 4 * SF_Q8_BLOCK; k += SF_UPDATE_THREADS) q8s[k] = hyper.q8_maps[k];"
+                        : "";
+  out += fill(std::string(kUpdateKernel), {{"Q8_MAPS", q8_maps},
+                                           {"NUM_SCALARS", std::to_string(max_scalars(spec))},
                                            {"DISPATCH", dispatch},
                                            {"EXTRA_PARAMS", two_phase ? ", const float* SF_RESTRICT norms" : ""}});
   return out;

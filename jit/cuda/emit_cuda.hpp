@@ -34,6 +34,13 @@ struct CudaSpec {
   // one of its own after them (cuda_stream_slots). One-phase programs only.
   std::vector<Program> variants;
   std::vector<int> combo_variant;
+  // State stored as bf16 or q8 (OptimizerOptions::state_format): combo_formats[k][s] is
+  // how combination k stores its program's (variant's) stream s, so a kernel combination
+  // is then also a choice of formats. Empty: every stream f32, at sf_tensor.state_offset
+  // in the buffers of sf_streams; else each tensor's state is where sf_tensor.state says
+  // (the table layout only). q8 streams use the map their StateValues pick (unsigned for
+  // nonnegative); a two-phase program takes bf16 only.
+  std::vector<std::array<StateFormat, kMaxStreams>> combo_formats;
   CudaNorm norm = CudaNorm::l2;
   bool flat = false;       // every stream is one contiguous buffer, one combo: no span table
   bool aligned16 = false;  // every stream base 16-byte aligned, state offsets multiples of 4:

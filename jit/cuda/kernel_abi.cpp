@@ -33,7 +33,9 @@ void write_types(JsonWriter& j) {
               SF_FIELD(sf_tensor, pad_, "int", "0"),
               SF_FIELD(sf_tensor, model_index, "long long",
                        "the model index of its element 0 (the params' elements counted in order): the counter of "
-                       "stochastic rounding for combos with it")});
+                       "stochastic rounding for combos with it"),
+              SF_FIELD(sf_tensor, state, "const sf_tensor_state*",
+                       "null: the spec stores every state stream as f32 (the emit API's specs do)")});
   write_type(j, "sf_span", sizeof(sf_span), alignof(sf_span), "a reduce chunk or an update block of one tensor",
              {SF_FIELD(sf_span, begin, "long long", "first element, within the tensor"),
               SF_FIELD(sf_span, tensor, "int", "index into the tensor table"),
@@ -68,7 +70,9 @@ void write_types(JsonWriter& j) {
               SF_FIELD(sf_hyper, max_grad_norm, "double", "> 0: clip the global norm to it (clip_grad_norm_); 0: no clipping"),
               SF_FIELD(sf_hyper, num_groups, "int", ">= 1"), SF_FIELD(sf_hyper, pad_, "int", "0"),
               SF_FIELD(sf_hyper, seed, "unsigned long long",
-                       "stochastic rounding of bf16 weights (combos with it): the Philox key; else unused")});
+                       "stochastic rounding of bf16 weights (combos with it): the Philox key; else unused"),
+              SF_FIELD(sf_hyper, q8_maps, "const float*",
+                       "q8 state (combos with it): the code maps in device memory; null otherwise (the emit API's specs)")});
   write_type(j, "sf_step_state", sizeof(sf_step_state), alignof(sf_step_state),
              "per-optimizer device state owned by the kernels: zero it once before the first step, then leave it",
              {SF_FIELD(sf_step_state, step, "long long", "steps applied so far (skipped steps do not count)"),

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -608,6 +609,15 @@ void q8_quantize_scalar(const float* in, std::uint8_t* codes, float* absmax, std
     absmax[block] = m;
     const float inv = q8_inverse_scale(m);
     for (std::size_t i = start; i < end; ++i) codes[i] = encode_below(t, sanitize(in[i]) * inv);
+  }
+}
+
+void q8_device_maps(float* out) {
+  for (const Q8Map map : {Q8Map::signed_dynamic, Q8Map::unsigned_dynamic}) {
+    std::copy_n(q8_code(map), kQ8Block, out);
+    std::copy_n(q8_thresholds(map), kQ8Block - 1, out + kQ8Block);
+    out[2 * kQ8Block - 1] = std::numeric_limits<float>::infinity();
+    out += 2 * kQ8Block;
   }
 }
 

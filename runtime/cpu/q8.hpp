@@ -56,6 +56,11 @@ void q8_quantize(const float* in, std::uint8_t* codes, float* absmax, std::size_
 void q8_dequantize_scalar(const std::uint8_t* codes, const float* absmax, float* out, std::size_t n, Q8Map map);
 void q8_quantize_scalar(const float* in, std::uint8_t* codes, float* absmax, std::size_t n, Q8Map map);
 
+// The maps as the CUDA kernels read them (sf_hyper.q8_maps, jit/cuda/device_abi.h):
+// 4 * 256 floats, the signed map's code values, its 255 thresholds and +inf, then the
+// unsigned map's.
+void q8_device_maps(float* out);
+
 // The reciprocal q8_quantize scales a block by: 1 / absmax in fp32, at most FLT_MAX,
 // 0 for an all-zero block.
 inline float q8_inverse_scale(float absmax) {

@@ -12,6 +12,8 @@
 #include "jit/cuda/cuda_kernels.hpp"
 #include "jit/cuda/cuda_layout.hpp"
 #include "jit/program_analysis.hpp"
+#include "runtime/cpu/kernels.hpp"
+#include "runtime/cpu/q8.hpp"
 #include "runtime/cuda/cuda_scaler.hpp"
 #include "runtime/shard.hpp"
 #include "stepfuse/error.hpp"
@@ -180,11 +182,25 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   check_device_pointers(params_, options.device.index, /*grads_only=*/false);
   // Several groups: per-tensor blocks (a block's scalars are its tensor's group's), never the flat layout.
   // Groups whose flags pick other variants of the program run them in the same kernels.
-  jit::CudaLayout layout = jit::plan_cuda_layout(program, params_, options, /*allow_flat=*/num_groups_ == 1);
+  // State stored as bf16 or q8 is packed, each tensor's own (never the flat layout).
+  packed_ = programs.compressed();
+  jit::CudaLayout layout = jit::plan_cuda_layout(program, params_, options, /*allow_flat=*/num_groups_ == 1 && !packed_);
   layout.spec.sharded = options.communicator != nullptr;
   std::vector<const Program*> group_programs;
   for (const StepPrograms::Group& g : programs.groups) group_programs.push_back(g.program);
   const std::vector<int> group_variant = jit::assign_groups(layout, group_programs, programs.tensor_group);
+  if (packed_) {
+    // Each tensor's format per stream of its group's program.
+    std::vector<std::array<StateFormat, kMaxStreams>> formats(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      formats[i].fill(StateFormat::f32);
+      const auto& slot = programs.state_slot[programs.tensor_group[i]];
+      for (std::size_t s = 0; s < kMaxStreams; ++s)
+        if (slot[s] >= 0) formats[i][s] = programs.formats[i][static_cast<std::size_t>(slot[s])];
+    }
+    jit::assign_state_formats(layout, formats);
+    packed_state_ = jit::plan_packed_state(layout);
+  }
   spec_ = layout.spec;
   // The state buffers: sf_streams slots, shared by name between the variants.
   const std::vector<const Program*> variants = jit::spec_programs(spec_);
@@ -233,7 +249,8 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   ctx_->make_current();
 
   // State and masters.
-  for (const int s : stream_of_buffer_) {
+  if (packed_) init_packed_state(programs, tensors);
+  for (const int s : packed_ ? std::vector<int>{} : stream_of_buffer_) {
     state_[s] = DeviceBuffer(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)) * sizeof(float));
     // Each tensor starts at its group's initial value (Adagrad's initial_accumulator_value,
     // Rprop's lr, ... may differ between groups): one fill, or one per tensor when they differ.
@@ -287,6 +304,79 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
   synchronize();
 }
 
+static_assert(SF_Q8_BLOCK == cpu::kQ8Block, "the kernels' q8 blocks are the CPU's");
+
+void CudaBackend::init_packed_state(const StepPrograms& programs, std::vector<sf_tensor>& tensors) {
+  const CudaUtilities& util = cuda_utilities(*ctx_);
+  ctx_->make_current();
+  const jit::PackedState& plan = packed_state_;
+  for (int b = 0; b < kMaxStreams; ++b) {
+    if (plan.bytes[static_cast<std::size_t>(b)] == 0) continue;
+    state_[b] = DeviceBuffer(static_cast<std::size_t>(plan.bytes[static_cast<std::size_t>(b)]));
+    if (plan.absmaxes[static_cast<std::size_t>(b)] > 0)
+      absmax_[b] = DeviceBuffer(static_cast<std::size_t>(plan.absmaxes[static_cast<std::size_t>(b)]) * sizeof(float));
+    tensor_format_[b].assign(params_.size(), StateFormat::f32);
+  }
+  // Every tensor's addresses, and its state's initial values: f32 filled on the device,
+  // bf16 and q8 encoded here as the CPU encodes them (a constant encodes to one code) and copied.
+  std::vector<sf_tensor_state> table(params_.size());
+  bool q8 = false;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto k = static_cast<std::size_t>(tensors[i].combo);
+    const Program& prog = *programs.groups[programs.tensor_group[i]].program;
+    const long long n = tensors[i].numel;
+    for (int s = 0; s < kMaxStreams; ++s) {
+      const int b = plan.buffer[i][static_cast<std::size_t>(s)];
+      if (b < 0) continue;
+      const StateFormat f = spec_.combo_formats[k][static_cast<std::size_t>(s)];
+      const bool nonnegative = prog.streams[s].values == StateValues::nonnegative;
+      tensor_format_[b][i] = f;
+      nonnegative_[b] = nonnegative;
+      cuda::CUdeviceptr data = state_[b].get() + static_cast<std::size_t>(plan.at[i][static_cast<std::size_t>(s)]);
+      table[i].data[s] = reinterpret_cast<void*>(data);
+      cuda::CUdeviceptr absmax = 0;
+      if (f == StateFormat::q8) {
+        q8 = true;
+        absmax = absmax_[b].get() + static_cast<std::size_t>(plan.absmax_at[i][static_cast<std::size_t>(s)]) * sizeof(float);
+        table[i].absmax[s] = reinterpret_cast<float*>(absmax);
+      }
+      float value = programs.groups[programs.tensor_group[i]].state_init[s];
+      if (n == 0) continue;
+      if (f == StateFormat::f32) {
+        long long count = n;
+        void* args[] = {&data, &count, &value};
+        launch(util.fill, "sf_fill", grid_for(n, 256), 256, stream_, args);
+        continue;
+      }
+      const std::vector<float> values(static_cast<std::size_t>(n), value);
+      std::vector<std::uint8_t> bytes(static_cast<std::size_t>(n) * state_format_size(f));
+      std::vector<float> absmaxes(static_cast<std::size_t>(jit::q8_blocks(n)));
+      if (f == StateFormat::bf16)
+        cpu::narrow(values.data(), DType::bf16, bytes.data(), values.size());
+      else
+        cpu::q8_quantize(values.data(), bytes.data(), absmaxes.data(), values.size(),
+                         nonnegative ? cpu::Q8Map::unsigned_dynamic : cpu::Q8Map::signed_dynamic);
+      // (synchronous: the host vectors go at the end of the iteration)
+      cuda::check(api().cuMemcpyHtoD(data, bytes.data(), bytes.size()), "cuMemcpyHtoD");
+      if (f == StateFormat::q8)
+        cuda::check(api().cuMemcpyHtoD(absmax, absmaxes.data(), absmaxes.size() * sizeof(float)), "cuMemcpyHtoD");
+    }
+  }
+  tensor_state_ = upload_table(table, stream_);
+  for (std::size_t i = 0; i < params_.size(); ++i) tensors[i].state = tensor_state_.as<const sf_tensor_state>() + i;
+  if (q8) {  // the maps, as sf_hyper.q8_maps holds them
+    std::vector<float> maps(4 * SF_Q8_BLOCK);
+    cpu::q8_device_maps(maps.data());
+    q8_maps_ = upload_table(maps, stream_);
+  }
+  synchronize();  // the host tables above may go
+}
+
+std::size_t CudaBackend::state_bytes(int slot) const {
+  return packed_ ? static_cast<std::size_t>(packed_state_.bytes[static_cast<std::size_t>(slot)])
+                 : static_cast<std::size_t>(layout_.state_elems) * sizeof(float);
+}
+
 void CudaBackend::set_grads(const std::vector<Param>& params) {
   check_device_pointers(params, options_.device.index, /*grads_only=*/true);
   // The kernels were specialized for the old pointers' layout class: a flat spec reads
@@ -332,11 +422,14 @@ void CudaBackend::synchronize() const {
 StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
   ctx_->make_current();
   if (host_touched_) {  // a host copy handed out since the last step may have changed: copy it back
-    for (int s = 0; s < kMaxStreams; ++s)
+    for (int s = 0; s < kMaxStreams; ++s) {
       if (state_[s].get() != 0 && host_state_[s].size() > 0)
-        cuda::check(api().cuMemcpyHtoDAsync(state_[s].get(), host_state_[s].data(),
-                                            static_cast<std::size_t>(layout_.state_elems) * sizeof(float), stream_),
+        cuda::check(api().cuMemcpyHtoDAsync(state_[s].get(), host_state_[s].data(), state_bytes(s), stream_),
                     "cuMemcpyHtoDAsync");
+      if (absmax_[s].get() != 0 && host_absmax_[s].size() > 0)
+        cuda::check(api().cuMemcpyHtoDAsync(absmax_[s].get(), host_absmax_[s].data(), absmax_[s].bytes(), stream_),
+                    "cuMemcpyHtoDAsync");
+    }
     if (layout_.master_elems > 0)
       cuda::check(api().cuMemcpyHtoDAsync(masters_.get(), host_masters_.data(),
                                           static_cast<std::size_t>(layout_.master_bytes()), stream_),
@@ -351,6 +444,7 @@ StepResult CudaBackend::step(const StepRequest& request, std::vector<double>&) {
   hyper.num_groups = num_groups_;
   hyper.max_grad_norm = options_.max_grad_norm ? *options_.max_grad_norm : 0.0;
   hyper.seed = options_.seed;
+  hyper.q8_maps = q8_maps_.as<const float>();
   const bool clip = options_.max_grad_norm.has_value();
   const bool reduce = request.scaled || clip || options_.track_grad_norm || request.device_scale != nullptr;
   cuda::CUdeviceptr tensors = tensors_.get(), chunks = chunks_.get(), blocks = blocks_.get();
@@ -491,12 +585,12 @@ void CudaBackend::host_view() const {
     synchronize();
     for (int s = 0; s < kMaxStreams; ++s) {
       if (state_[s].get() == 0) continue;
-      if (host_state_[s].size() == 0)
-        host_state_[s] = AlignedBuffer(static_cast<std::size_t>(std::max<std::int64_t>(layout_.state_elems, 1)));
-      if (layout_.state_elems > 0)
-        cuda::check(api().cuMemcpyDtoH(host_state_[s].data(), state_[s].get(),
-                                       static_cast<std::size_t>(layout_.state_elems) * sizeof(float)),
-                    "cuMemcpyDtoH");
+      const std::size_t bytes = state_bytes(s);
+      if (host_state_[s].size() == 0) host_state_[s] = AlignedBuffer(std::max<std::size_t>((bytes + 3) / 4, 1));
+      if (bytes > 0) cuda::check(api().cuMemcpyDtoH(host_state_[s].data(), state_[s].get(), bytes), "cuMemcpyDtoH");
+      if (absmax_[s].get() == 0) continue;
+      if (host_absmax_[s].size() == 0) host_absmax_[s] = AlignedBuffer(absmax_[s].bytes() / sizeof(float));
+      cuda::check(api().cuMemcpyDtoH(host_absmax_[s].data(), absmax_[s].get(), absmax_[s].bytes()), "cuMemcpyDtoH");
     }
     if (layout_.master_elems > 0) {
       if (host_masters_.size() == 0) host_masters_ = AlignedBuffer(static_cast<std::size_t>((layout_.master_bytes() + 3) / 4));
@@ -512,6 +606,22 @@ void CudaBackend::host_view() const {
 float* CudaBackend::state_data(int buffer) const {
   host_view();
   return host_state_[stream_of_buffer_[static_cast<std::size_t>(buffer)]].data();
+}
+
+StateSlot CudaBackend::state_slot(int buffer, std::size_t tensor) const {
+  if (!packed_) return Backend::state_slot(buffer, tensor);
+  host_view();
+  const int b = stream_of_buffer_[static_cast<std::size_t>(buffer)];
+  // (the tensor's program stream that is buffer b: its offsets are by program stream)
+  const auto& buffers = packed_state_.buffer[tensor];
+  const auto s = static_cast<std::size_t>(std::find(buffers.begin(), buffers.end(), b) - buffers.begin());
+  if (s == buffers.size()) return {};  // the tensor's program has no such stream (the engine never asks)
+  StateSlot slot;
+  slot.format = tensor_format_[b][tensor];
+  slot.data = reinterpret_cast<char*>(host_state_[b].data()) + packed_state_.at[tensor][s];
+  if (slot.format == StateFormat::q8) slot.absmax = host_absmax_[b].data() + packed_state_.absmax_at[tensor][s];
+  slot.nonnegative = nonnegative_[b];
+  return slot;
 }
 
 float* CudaBackend::masters_data() const {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "jit/cuda/cuda_layout.hpp"
 #include "jit/cuda/emit_cuda.hpp"
 #include "jit/layout.hpp"
 #include "runtime/aligned_buffer.hpp"
@@ -103,6 +104,9 @@ class CudaBackend final : public Backend {
   const jit::Layout& layout() const override { return layout_; }
   float* state_data(int buffer) const override;
   float* masters_data() const override;
+  // Packed state (some tensor stores some stream as bf16 or q8): where the host copy
+  // keeps the tensor's values, codes and absmaxes.
+  StateSlot state_slot(int buffer, std::size_t tensor) const override;
   std::string_view name() const override { return "cuda"; }
   int threads() const override { return 1; }
   // Checks the new gradients are device memory of this GPU and fit the kernels
@@ -140,8 +144,18 @@ class CudaBackend final : public Backend {
   cuda::CUfunction reduce_ = nullptr, update_ = nullptr;
   jit::Layout layout_;
   std::vector<sf_tensor> host_tensors_;  // the tensor table as uploaded (set_grads changes its grads)
+  // Packed state (jit::CudaSpec::combo_formats): each state buffer holds every tensor's
+  // values in its own format, q8 absmaxes in absmax_; the tensors' addresses in tensor_state_.
+  bool packed_ = false;
+  jit::PackedState packed_state_;
+  std::vector<StateFormat> tensor_format_[kMaxStreams];  // packed: per buffer slot, per tensor (f32 where it has none)
+  bool nonnegative_[kMaxStreams] = {};                     // per buffer slot: q8 uses the unsigned map
+  std::size_t state_bytes(int slot) const;                 // of a state buffer
+  // Allocates the packed buffers, points the tensors' sf_tensor.state at their
+  // addresses (uploaded) and writes their initial values.
+  void init_packed_state(const StepPrograms& programs, std::vector<sf_tensor>& tensors);
   // The host copy of the state and masters, allocated on first use.
-  mutable AlignedBuffer host_state_[kMaxStreams], host_masters_;
+  mutable AlignedBuffer host_state_[kMaxStreams], host_absmax_[kMaxStreams], host_masters_;
   mutable bool host_current_ = false;  // the host copy equals the device's
   mutable bool host_touched_ = false;  // the host copy was handed out since the last step
   void host_view() const;              // makes the host copy current and marks it handed out
@@ -149,6 +163,7 @@ class CudaBackend final : public Backend {
   DeviceBuffer factor_;  // scale_tensors()' factor
   DeviceBuffer group_rules_, group_scalars_;  // sf_hyper.groups and .scalars (device_abi.h)
   DeviceBuffer state_[kMaxStreams], masters_, step_state_, tensors_, chunks_, blocks_, partials_, tensor_sums_;
+  DeviceBuffer absmax_[kMaxStreams], tensor_state_, q8_maps_;  // packed state (q8_maps_: sf_hyper.q8_maps)
   // A two-phase program (jit/cuda/kernels/phase1_kernel.cuh): its phase-1 and combine
   // kernels, each chunk's sums and each tensor's norms (SF_MAX_NORM_SLOTS floats apiece).
   cuda::CUfunction phase1_ = nullptr, combine_ = nullptr;

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstddef>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -13,6 +15,8 @@
 #include "jit/builtins.hpp"
 #include "jit/cuda/cuda_layout.hpp"
 #include "jit/cuda/emit_cuda.hpp"
+#include "jit/program_analysis.hpp"
+#include "stepfuse/optimizer.hpp"
 #include "tests/reference/lars_program.hpp"
 
 namespace sf_emu {
@@ -84,6 +88,84 @@ inline stepfuse::jit::CudaSpec groups_spec(const std::vector<stepfuse::jit::Buil
   return l.spec;
 }
 
+// ---- state stored as bf16 or q8 (OptimizerOptions::state_format) ----
+
+// The suite's model for compressed state: tensors of these sizes, some at least
+// min_q8_numel (4096) elements (q8), some smaller (f32 whatever the options say), over
+// several reduce chunks and update blocks, with short q8 blocks at their ends.
+inline const std::vector<std::int64_t> kPackedSizes = {1, 4097, 3, 16385, 0, 40000, 33, 5, 4096, 17, 2, 8200};
+
+// How a tensor of n elements stores each stream of program p (as StepEngine resolves
+// the options: the blanket format, full-precision streams f32, state_formats by name,
+// q8 below min_q8_numel f32).
+inline std::array<stepfuse::StateFormat, stepfuse::kMaxStreams> state_formats_of(const stepfuse::Program& p, std::int64_t n,
+                                                                                  const stepfuse::OptimizerOptions& o) {
+  using stepfuse::StateFormat;
+  std::array<StateFormat, stepfuse::kMaxStreams> out;
+  out.fill(StateFormat::f32);
+  for (int s = 0; s < p.num_streams; ++s) {
+    if (p.streams[s].role != stepfuse::StreamRole::state) continue;
+    StateFormat f = p.streams[s].values == stepfuse::StateValues::full_precision ? StateFormat::f32 : o.state_format;
+    for (const auto& [name, format] : o.state_formats)
+      if (name == p.streams[s].name) f = format;
+    if (f == StateFormat::q8 && n < o.min_q8_numel) f = StateFormat::f32;
+    out[static_cast<std::size_t>(s)] = f;
+  }
+  return out;
+}
+
+// Options storing state as `format`, some streams otherwise (state_formats).
+inline stepfuse::OptimizerOptions state_options(stepfuse::StateFormat format,
+                                                std::vector<std::pair<std::string, stepfuse::StateFormat>> streams = {}) {
+  stepfuse::OptimizerOptions o;
+  o.state_format = format;
+  o.state_formats = std::move(streams);
+  return o;
+}
+
+// The spec CudaBackend makes for the suite's model of kPackedSizes (tensor i: combos[i %
+// size]) in groups of `group_sizes` consecutive tensors running `programs`, with options o.
+inline stepfuse::jit::CudaSpec packed_spec(const std::vector<const stepfuse::Program*>& programs,
+                                           const std::vector<std::size_t>& group_sizes,
+                                           const std::vector<DtypeCombo>& combos, const stepfuse::OptimizerOptions& o,
+                                           bool aligned16 = true) {
+  std::vector<stepfuse::jit::TensorShape> shapes;
+  std::vector<std::uint32_t> tensor_group;
+  std::vector<std::array<stepfuse::StateFormat, stepfuse::kMaxStreams>> formats;
+  for (std::size_t g = 0; g < group_sizes.size(); ++g)
+    for (std::size_t j = 0; j < group_sizes[g]; ++j) {
+      const std::int64_t n = kPackedSizes[shapes.size()];
+      shapes.push_back({n, combos[shapes.size() % combos.size()]});
+      tensor_group.push_back(static_cast<std::uint32_t>(g));
+      formats.push_back(state_formats_of(*programs[g], n, o));
+    }
+  stepfuse::jit::CudaLayout l = stepfuse::jit::plan_cuda_layout(
+      *programs[0], shapes, o.norm_type == INFINITY ? stepfuse::jit::CudaNorm::inf : stepfuse::jit::CudaNorm::l2, false,
+      aligned16);
+  stepfuse::jit::assign_groups(l, programs, tensor_group);
+  stepfuse::jit::assign_state_formats(l, formats);
+  return l.spec;
+}
+inline stepfuse::jit::CudaSpec packed_spec(stepfuse::jit::Builtin b, const std::vector<DtypeCombo>& combos,
+                                           const stepfuse::OptimizerOptions& o, bool aligned16 = true) {
+  return packed_spec({&stepfuse::jit::builtin_program(b)}, {kPackedSizes.size()}, combos, o, aligned16);
+}
+
+// The built-ins with one phase and state that may be compressed: each runs with q8
+// state in EmulatedQ8.
+inline std::vector<stepfuse::jit::Builtin> q8_builtins() {
+  std::vector<stepfuse::jit::Builtin> out;
+  for (int b = 0; b < stepfuse::jit::kNumBuiltins; ++b) {
+    const stepfuse::Program& p = stepfuse::jit::builtin_program(static_cast<stepfuse::jit::Builtin>(b));
+    bool state = false;
+    for (int s = 0; s < p.num_streams; ++s)
+      state = state || (p.streams[s].role == stepfuse::StreamRole::state &&
+                        p.streams[s].values != stepfuse::StateValues::full_precision);
+    if (state && !stepfuse::jit::is_two_phase(p)) out.push_back(static_cast<stepfuse::jit::Builtin>(b));
+  }
+  return out;
+}
+
 // Every built-in program with the mixed combinations (table layout, aligned, L2),
 // then the layout and norm variants, on Adam; then two-phase variants.
 inline std::vector<EmulatedSpec> emulated_specs() {
@@ -132,6 +214,23 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   out.push_back({"adam_inf_sharded", sharded(make_spec(kAdam, kShardCombos, false, true, CudaNorm::inf))});
   out.push_back({"lamb_sharded", sharded(make_spec(kLamb, kShardCombos, false, true))});
   out.push_back({"adam_sharded_stochastic", sharded(make_spec(kAdam, kShardStochastic, false, true))});
+  // Compressed state: every one-phase built-in with q8 state; bf16 state (Adam, and LAMB's
+  // two phases); the q8 step with bf16 weights rounded stochastically; unaligned; per-stream
+  // formats; groups running variants.
+  using stepfuse::StateFormat;
+  const stepfuse::OptimizerOptions q8 = state_options(StateFormat::q8);
+  for (const Builtin b : q8_builtins())
+    out.push_back({std::string(stepfuse::jit::builtin_program(b).name) + "_q8", packed_spec(b, kMixedMasters, q8)});
+  out.push_back({"adam_bf16_state", packed_spec(kAdam, kMixedMasters, state_options(StateFormat::bf16))});
+  out.push_back({"lamb_bf16_state", packed_spec(kLamb, kMixedMasters, state_options(StateFormat::bf16))});
+  out.push_back({"adam_q8_stochastic", packed_spec(kAdam, kMixedStochastic, q8)});
+  out.push_back({"adam_q8_unaligned", packed_spec(kAdam, kMixedMasters, q8, false)});
+  out.push_back({"adam_q8_bf16_second_moment",
+                 packed_spec(kAdam, kMixedMasters, state_options(StateFormat::q8, {{"exp_avg_sq", StateFormat::bf16}}))});
+  out.push_back({"adam_groups_q8", packed_spec({&stepfuse::jit::builtin_program(builtin_named("adam")),
+                                                &stepfuse::jit::builtin_program(builtin_named("adam_amsgrad")),
+                                                &stepfuse::jit::builtin_program(builtin_named("adam"))},
+                                               {4, 4, 4}, kMixedMasters, q8)});
   return out;
 }
 

@@ -1,6 +1,7 @@
 /* The update pass (sf_update). {NUM_SCALARS}: the program's scalars; {DISPATCH}:
  * the call of the block's span function (by combination, or one flat range);
- * {EXTRA_PARAMS}: a two-phase program's (phase 2) table of the tensors' norms. */
+ * {EXTRA_PARAMS}: a two-phase program's (phase 2) table of the tensors' norms. When some
+ * combination stores q8 state, its maps are copied to shared memory (q8s) before the barrier. */
 /* With plain = 0 it follows a reduce: it returns at once when
  * that step was skipped and reads the scalars the reduce's finalize wrote. With
  * plain = 1 (no loss scale, no clipping, no norm) it is the whole step: every
@@ -18,6 +19,7 @@ sf_update(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT block
     sc[threadIdx.x] = plain ? (float)sf_eval_rule(&hyper.groups[g].rules[threadIdx.x],
                                                   stage.step - hyper.groups[g].step_base, stage.gscale)
                             : hyper.scalars[(long long)g * SF_MAX_SCALARS + threadIdx.x];
+{Q8_MAPS}
   __syncthreads();
   /* Stochastic rounding's step: the group's step this update applies (the reduce's finalize counted the
      optimizer's already, a plain step counts it at the end), the t its scalars see. */

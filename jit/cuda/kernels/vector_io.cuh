@@ -70,3 +70,59 @@ SF_DEV SF_INLINE void sf_store4_bf16_comp(void* w, void* c, long long i, const f
 }
 
 #define SF_FULL_MASK 0xFFFFFFFFu
+
+/* q8 state (runtime/cpu/q8.hpp, bit for bit): a map m (sf_hyper.q8_maps + 512 * map, in
+ * shared memory) holds its 256 code values at m[0..255] and its 255 thresholds then +inf
+ * at m[256..511]. A value is its code's value times its block's absmax (one multiply). */
+SF_DEV SF_INLINE float sf_q8_load(const void* codes, long long i, float absmax, const float* m) {
+  return m[((const unsigned char*)codes)[i]] * absmax;
+}
+SF_DEV SF_INLINE void sf_q8_load8(const void* codes, long long i, float absmax, const float* m, float* v) {
+  const uint2 c = *(const uint2*)((const unsigned char*)codes + i);
+  for (int j = 0; j < 4; ++j) {
+    v[j] = m[(c.x >> (8 * j)) & 0xFFu] * absmax;
+    v[4 + j] = m[(c.y >> (8 * j)) & 0xFFu] * absmax;
+  }
+}
+/* The code of a normalized value: how many thresholds lie below it (a branchless binary
+ * search over the 256 entries; NaN compares false everywhere and takes code 0). */
+SF_DEV SF_INLINE unsigned sf_q8_code(float x, const float* thresholds) {
+  unsigned k = 0;
+  for (unsigned step = 128; step > 0; step >>= 1)
+    if (thresholds[k + step - 1] < x) k += step;
+  return k;
+}
+/* inf and NaN are never stored: NaN -> 0, +-inf -> +-FLT_MAX. */
+SF_DEV SF_INLINE float sf_q8_sanitize(float x) {
+  if (sf_isnan(x)) return 0.0f;
+  return sf_isfinite(x) ? x : sf_float((sf_bits(x) & 0x80000000u) | 0x7F7FFFFFu);
+}
+/* Requantizes one block of SF_Q8_BLOCK elements held by a warp, lane l elements 8l ..
+ * 8l + 7 (the first n of them in the tensor, 0 <= n <= 8; i: the lane's first element):
+ * the block's absmax is the max |value| over the warp (sanitized values; max is exact in
+ * any order), the scale 1 / absmax (at most FLT_MAX, 0 for an all-zero block), each code
+ * the count of thresholds below value * scale. Every lane of the warp must call it. */
+SF_DEV SF_INLINE void sf_q8_store8(void* codes, float* absmax, long long block, long long i, const float* v, int n,
+                                   const float* m) {
+  float x[8];
+  float a = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    x[j] = sf_q8_sanitize(v[j]);
+    if (j < n) a = sf_max(a, sf_abs(x[j]));
+  }
+  for (int o = 16; o > 0; o >>= 1) a = sf_max(a, __shfl_xor_sync(SF_FULL_MASK, a, o));
+  if ((threadIdx.x & 31u) == 0) absmax[block] = a;
+  float inv = 0.0f;
+  if (a > 0.0f) {
+    inv = 1.0f / a;
+    if (!(inv < sf_float(0x7F7FFFFFu))) inv = sf_float(0x7F7FFFFFu);
+  }
+  unsigned c[8];
+  for (int j = 0; j < 8; ++j) c[j] = sf_q8_code(x[j] * inv, m + 256);
+  unsigned char* out = (unsigned char*)codes + i;
+  if (n == 8) {
+    *(uint2*)out = make_uint2(c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24), c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24));
+  } else {
+    for (int j = 0; j < n; ++j) out[j] = (unsigned char)c[j];
+  }
+}

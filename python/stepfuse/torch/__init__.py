@@ -20,7 +20,7 @@ Every optimizer is a ``torch.optim.Optimizer`` with torch's arguments, defaults,
 seed), ``compensated_weights`` (bfloat16 params without masters, each with a bfloat16
 compensation: 2 bytes per param instead of a master's 4) and ``state_format`` /
 ``state_formats`` / ``min_q8_numel`` (optimizer state stored as bf16 or block-wise 8-bit q8
-between steps, also per param group as ``"state_format"``; CPU only).
+between steps, also per param group as ``"state_format"``; CPU and CUDA).
 ``opt.last_grad_norm`` is the total gradient norm of the last step.
 """
 

@@ -785,24 +785,14 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         """The library's checks of the state formats, now rather than at the first step: an
         unknown stream name in state_formats, a format for a stream its program keeps in full
         precision (ASGD's 'ax'), a blanket format no stream can take (ValueError, from a
-        throwaway engine of one tiny param per group). On CUDA, bf16 or q8 state is a
-        TypeError (the CPU only in this version), as the engine would refuse it."""
+        throwaway engine of one tiny param per group)."""
         if not self.param_groups or not self._uses_state_formats():
             return
         groups = [([(np.zeros(1, dtype=np.float32), np.zeros(1, dtype=np.float32))], self._config(g),
                    g.get("state_format")) for g in self.param_groups]
         # min_q8_numel=0: the formats tensors of any size get.
-        probe = _sf.Optimizer.from_groups(groups, state_format=self.state_format, state_formats=self.state_formats,
-                                          min_q8_numel=0, fusion="unfused", num_threads=1)
-        device = self._device
-        if device is None or device.type != "cuda":
-            return
-        for gi, g in enumerate(self.param_groups):
-            formats = {self._engine_format(probe, gi, name) for name in probe.state_names()}
-            if (g["params"] and "bf16" in formats) or ("q8" in formats and any(
-                    p.numel() >= self.min_q8_numel for p in g["params"])):
-                raise TypeError(f"stepfuse.torch: bf16 and q8 optimizer state run on the CPU only in this version; "
-                                f"these params are on {device} (use state_format='f32' on CUDA)")
+        _sf.Optimizer.from_groups(groups, state_format=self.state_format, state_formats=self.state_formats,
+                                  min_q8_numel=0, fusion="unfused", num_threads=1)
 
     def _import_views(self) -> None:
         """Points self.state at the engine's state, in torch's key order: zero-copy
@@ -830,12 +820,14 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                     t = torch.from_numpy(engine.state(i, name)).view(p.shape)
                     st[name] = t if p.device.type == "cpu" else t.to(p.device)
                     continue
-                # Stored as bf16 or q8 (the CPU only): the stored bytes, zero-copy, as torch
-                # tensors: bfloat16 values, or uint8 codes with their float32 scales.
+                # Stored as bf16 or q8: the stored bytes as torch tensors, bfloat16 values or
+                # uint8 codes with their float32 scales (zero-copy on the CPU, copies on CUDA).
                 raw = torch.from_numpy(engine.state_storage(i, name))
-                st[name] = (raw.view(torch.bfloat16) if fmt == "bf16" else raw).view(p.shape)
+                t = (raw.view(torch.bfloat16) if fmt == "bf16" else raw).view(p.shape)
+                st[name] = t if p.device.type == "cpu" else t.to(p.device)
                 if fmt == "q8":
-                    st[name + "_absmax"] = torch.from_numpy(engine.state_absmax(i, name))
+                    absmax = torch.from_numpy(engine.state_absmax(i, name))
+                    st[name + "_absmax"] = absmax if p.device.type == "cpu" else absmax.to(p.device)
             master = engine.master(i)
             if master is not None:
                 t = torch.from_numpy(master).view(p.shape)
