@@ -1439,6 +1439,21 @@ class ShardedRun {
         const std::string name = "param " + std::to_string(i) + " (tensor " + std::to_string(p.tensor) + " at " +
                                  std::to_string(p.offset) + ")";
         for (std::string_view state : cpu_.state_names()) {
+          const StateFormat format = cpu_.state_format(p.tensor, state);
+          EXPECT_EQ(format, d.state_format(i, state)) << name << " " << state;
+          if (format != StateFormat::f32) {  // the slice of the stored bytes, and of the absmaxes (slices start on blocks)
+            const std::size_t size = state_format_size(format);
+            const std::span<const std::byte> cb = cpu_.state_storage(p.tensor, state);
+            EXPECT_EQ(0, std::memcmp(cb.data() + static_cast<std::size_t>(p.offset) * size, d.state_storage(i, state),
+                                     static_cast<std::size_t>(p.numel) * size))
+                << name << " " << state << " as stored";
+            if (format == StateFormat::q8)
+              expect_same_values(jit::q8_blocks(p.numel), [&](std::int64_t k) {
+                return std::pair{cpu_.state_absmax(p.tensor, state)[static_cast<std::size_t>(p.offset / SF_Q8_BLOCK + k)],
+                                 d.state_absmax(i, state)[k]};
+              }, name + " " + std::string(state) + " absmax");
+            continue;
+          }
           const std::span<const float> cs = cpu_.state(p.tensor, state);
           const float* ds = d.state(i, state);
           expect_same_values(p.numel, [&](std::int64_t k) {
@@ -1524,6 +1539,18 @@ TEST_F(EmulatedSharded, StochasticRoundingCountsElementsInTheWholeModel) {
   options.seed = 99;
   ShardedRun run(model, optim::AdamW{.lr = 1e-3}, options, split_partitions()[2], seed | 1);
   for (std::size_t r = 0; r < run.ranks(); ++r) EXPECT_EQ(run.dev(r).spec_name(), "adam_sharded_stochastic");
+  run.steps_at(rng, {1024.0, 1.0, 3000.5});
+}
+
+// q8 state on every rank (min_q8_numel = 0: every tensor and every slice), split tensors
+// included: each rank's codes and absmaxes are the one process's slice of them, bitwise.
+TEST_F(EmulatedSharded, Q8StateIsTheOneProcessesSlice) {
+  Model model(shapes_for(kShardSizes, sf_emu::kShardCombos), false, 0, rng);
+  OptimizerOptions options = sf_emu::state_options(StateFormat::q8);
+  options.min_q8_numel = 0;
+  options.max_grad_norm = 1.0;
+  ShardedRun run(model, optim::AdamW{.lr = 1e-3, .weight_decay = 0.01}, options, split_partitions()[2], seed | 1);
+  for (std::size_t r = 0; r < run.ranks(); ++r) EXPECT_EQ(run.dev(r).spec_name(), "adam_sharded_q8");
   run.steps_at(rng, {1024.0, 1.0, 3000.5});
 }
 

@@ -227,6 +227,14 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   out.push_back({"adam_q8_unaligned", packed_spec(kAdam, kMixedMasters, q8, false)});
   out.push_back({"adam_q8_bf16_second_moment",
                  packed_spec(kAdam, kMixedMasters, state_options(StateFormat::q8, {{"exp_avg_sq", StateFormat::bf16}}))});
+  {  // The sharded step with q8 state in every tensor (min_q8_numel = 0).
+    stepfuse::jit::CudaSpec spec = sharded(make_spec(kAdam, kShardCombos, false, true));
+    std::array<StateFormat, stepfuse::kMaxStreams> q8_moments;
+    q8_moments.fill(StateFormat::f32);
+    q8_moments[2] = q8_moments[3] = StateFormat::q8;  // exp_avg, exp_avg_sq
+    spec.combo_formats.assign(spec.combos.size(), q8_moments);
+    out.push_back({"adam_sharded_q8", spec});
+  }
   out.push_back({"adam_groups_q8", packed_spec({&stepfuse::jit::builtin_program(builtin_named("adam")),
                                                 &stepfuse::jit::builtin_program(builtin_named("adam_amsgrad")),
                                                 &stepfuse::jit::builtin_program(builtin_named("adam"))},
