@@ -741,21 +741,31 @@ std::vector<ProgramCase> program_cases() {
 
 class EveryProgram : public Seeded, public ::testing::WithParamInterface<ProgramCase> {};
 
-// Scaled and plain steps alternating (the step count advances in the reduce's
-// finalize, then in the plain update), masters, mixed dtypes, blocks in shuffled order.
-TEST_P(EveryProgram, StepsMatchTheCpuBitwise) {
-  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
-  Pair p(model, GetParam().config, {}, seed | 1);
-  EXPECT_EQ(p.dev.spec_name(), std::string(jit::builtin_program(jit::select_builtin(GetParam().config)).name));
+// Steps of one program on a model of `sizes` (mixed dtypes, masters) with `options`, its
+// kernels the spec named `spec`: scaled and plain steps alternating (the step count
+// advances in the reduce's finalize, then in the plain update), blocks in shuffled
+// order, every step compared.
+void every_program_steps(const OptimizerConfig& config, const std::vector<std::int64_t>& sizes,
+                         const OptimizerOptions& options, const std::string& spec, std::mt19937& rng, std::uint32_t seed) {
+  Model model(shapes_for(sizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, config, options, seed | 1);
+  EXPECT_EQ(p.dev.spec_name(), spec);
   p.expect_same("after construction", false);
   const double scales[] = {1024.0, 1.0, 3000.5, 1.0, 0.25};
   // RAdam's rectified update starts where rho_t > 5 (step 6 with beta2 = 0.9): 7 steps for it.
-  const int steps = std::holds_alternative<optim::RAdam>(GetParam().config) ? 7 : 5;
+  const int steps = std::holds_alternative<optim::RAdam>(config) ? 7 : 5;
   for (int k = 0; k < steps; ++k) {
     draw_step_compare(model, rng, p, 0.5, scales[k % 5], "step " + std::to_string(k + 1));
     EXPECT_TRUE(p.dev.step_state().applied);
   }
   EXPECT_EQ(p.dev.step_count(), steps);
+}
+std::string program_name(const OptimizerConfig& config) {
+  return std::string(jit::builtin_program(jit::select_builtin(config)).name);
+}
+
+TEST_P(EveryProgram, StepsMatchTheCpuBitwise) {
+  every_program_steps(GetParam().config, kSizes, {}, program_name(GetParam().config), rng, seed);
 }
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EveryProgram, ::testing::ValuesIn(program_cases()),
@@ -1205,16 +1215,8 @@ class EveryProgramQ8 : public Seeded, public ::testing::WithParamInterface<Progr
 // masters, mixed dtypes, blocks in shuffled order; the first state as encoded at
 // construction, and after each step the codes and absmaxes bitwise the CPU's.
 TEST_P(EveryProgramQ8, StepsMatchTheCpuBitwise) {
-  Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedMasters), false, 0, rng);
-  Pair p(model, GetParam().config, sf_emu::state_options(StateFormat::q8), seed | 1);
-  EXPECT_EQ(p.dev.spec_name(), std::string(jit::builtin_program(jit::select_builtin(GetParam().config)).name) + "_q8");
-  p.expect_same("after construction", false);
-  const double scales[] = {1024.0, 1.0, 3000.5, 1.0, 0.25};
-  const int steps = std::holds_alternative<optim::RAdam>(GetParam().config) ? 7 : 5;
-  for (int k = 0; k < steps; ++k) {
-    draw_step_compare(model, rng, p, 0.5, scales[k % 5], "step " + std::to_string(k + 1));
-    EXPECT_TRUE(p.dev.step_state().applied);
-  }
+  every_program_steps(GetParam().config, sf_emu::kPackedSizes, sf_emu::state_options(StateFormat::q8),
+                      program_name(GetParam().config) + "_q8", rng, seed);
 }
 
 INSTANTIATE_TEST_SUITE_P(Emulated, EveryProgramQ8, ::testing::ValuesIn(q8_program_cases()),
