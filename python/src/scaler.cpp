@@ -229,12 +229,17 @@ void bind_scaler(nb::module_& m) {
           nb::arg("path"), "Checkpoint of the inner optimizer with the loss-scale state.")
       .def(
           "load",
-          [](L& s, const std::filesystem::path& path) {
+          [](L& s, const std::filesystem::path& path, bool convert_state) {
             const std::string p = path.string();
+            const stepfuse::LoadOptions options{convert_state};
             nb::gil_scoped_release nogil;
-            s.lso.load(p);
+            s.lso.load(p, options);
           },
-          nb::arg("path"))
+          nb::arg("path"), nb::kw_only(), nb::arg("convert_state") = false,
+          "Restores a checkpoint save() wrote: the inner optimizer's state and the loss-scale state. A state stream "
+          "saved in another format than the inner optimizer stores it in (state_format, state_formats) is a "
+          "ValueError unless convert_state=True: then it is decoded to fp32 and encoded as a step stores it. On an "
+          "error nothing changes.")
       .def("__repr__", [](const L& s) {
         return "LossScaleOptimizer(loss_scale=" + num(s.lso.loss_scale()) +
                ", dynamic=" + (s.lso.dynamic() ? "True" : "False") +

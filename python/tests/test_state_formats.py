@@ -343,6 +343,25 @@ def test_checkpoints_convert_state(tmp_path):
     assert np.array_equal(other.state_values(0, "exp_avg"), bf16_round(q8.state_values(0, "exp_avg")))
 
 
+def test_loss_scale_optimizer_checkpoint_converts_state(tmp_path):
+    """A Keras-style LossScaleOptimizer's checkpoint (the inner optimizer's state and the loss
+    scale) into one whose inner optimizer stores the state in another format: a ValueError that
+    changes nothing, unless convert_state=True."""
+    q8, _ = run_binding("q8", 3)
+    lso = stepfuse.LossScaleOptimizer(q8, initial_scale=512.0, dynamic_growth_steps=7)
+    path = str(tmp_path / "lso.safetensors")
+    lso.save(path)
+    f32, _ = run_binding("f32", 0)
+    back = stepfuse.LossScaleOptimizer(f32, initial_scale=8.0, dynamic_growth_steps=7)
+    with pytest.raises(ValueError, match="saved as q8, this optimizer stores it as f32"):
+        back.load(path)
+    assert back.loss_scale == 8.0 and f32.step_count == 0 and not f32.state(0, "exp_avg").any()
+    back.load(path, convert_state=True)
+    assert back.loss_scale == 512.0 and f32.step_count == 3
+    for name in q8.state_names():
+        assert np.array_equal(f32.state(0, name), q8.state_values(0, name)), name
+
+
 def test_checkpoint_q8_into_f32_decodes_with_the_streams_map(tmp_path):
     """load(convert_state=True) and load_shards of a q8 checkpoint into an f32 optimizer: each
     stream is the q8 optimizer's values exactly, the non-negative ones (decoded with the
