@@ -25,10 +25,13 @@ SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long lo
     if ({VECTOR} && n == 8) {
 {LOAD8}
     } else {
-      for (int j = 0; j < n; ++j) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  /* (j < n inside a full unroll: the arrays stay in registers) */
+        if (j >= n) break;
 {LOAD1}
       }
     }
+#pragma unroll
     for (int j = 0; j < 8; ++j) {
       float s[SF_MAX_STREAMS];
 {GATHER}
@@ -39,7 +42,9 @@ SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long lo
     if ({VECTOR} && n == 8) {
 {STORE8}
     } else {
-      for (int j = 0; j < n; ++j) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (j >= n) break;
 {STORE1}
       }
     }

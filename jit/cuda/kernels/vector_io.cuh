@@ -123,6 +123,8 @@ SF_DEV SF_INLINE void sf_q8_store8(void* codes, float* absmax, long long block, 
   if (n == 8) {
     *(uint2*)out = make_uint2(c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24), c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24));
   } else {
-    for (int j = 0; j < n; ++j) out[j] = (unsigned char)c[j];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < n) out[j] = (unsigned char)c[j];
   }
 }
