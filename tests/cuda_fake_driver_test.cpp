@@ -504,6 +504,18 @@ TEST_F(FakeDriver, CompressedStateIsPackedAndItsHostCopyGoesBackBeforeAStep) {
   EXPECT_EQ(gpu.state_absmax(1, "sum")[2], 3.0f);
   EXPECT_EQ(gpu.state(2, "sum")[76], -1.5f);
   EXPECT_EQ(gpu.state_storage(1, "sum")[4], cpu.state_storage(1, "sum")[4]);
+  // A state buffer only empty tensors use (amsgrad's, in a group of one empty param) has no
+  // bytes: its tensors still say how they store it.
+  std::vector<float> none;
+  const std::vector<Param> p = m.params();
+  const Param empty{{none.data(), 0, DType::f32}, {none.data(), 0, DType::f32}};
+  OptimizerOptions bf16 = on_cuda();
+  bf16.state_format = StateFormat::bf16;
+  Optimizer groups({{{p[0]}, optim::AdamW{}}, {{empty}, optim::AdamW{.amsgrad = true}}}, bf16);
+  EXPECT_EQ(groups.state_format(1, "max_exp_avg_sq"), StateFormat::bf16);
+  EXPECT_TRUE(groups.state_storage(1, "max_exp_avg_sq").empty());
+  EXPECT_EQ(groups.state_storage(0, "exp_avg").size(), 2u * 1000);
+  groups.step();
 }
 
 // ---- GradScaler transactions ----------------------------------------------------------------

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -311,14 +312,26 @@ void CudaBackend::init_packed_state(const StepPrograms& programs, std::vector<sf
   ctx_->make_current();
   const jit::PackedState& plan = packed_state_;
   for (int b = 0; b < kMaxStreams; ++b) {
+    tensor_format_[b].assign(params_.size(), StateFormat::f32);  // (a buffer of empty tensors only has no bytes)
     if (plan.bytes[static_cast<std::size_t>(b)] == 0) continue;
     state_[b] = DeviceBuffer(static_cast<std::size_t>(plan.bytes[static_cast<std::size_t>(b)]));
     if (plan.absmaxes[static_cast<std::size_t>(b)] > 0)
       absmax_[b] = DeviceBuffer(static_cast<std::size_t>(plan.absmaxes[static_cast<std::size_t>(b)]) * sizeof(float));
-    tensor_format_[b].assign(params_.size(), StateFormat::f32);
   }
-  // Every tensor's addresses, and its state's initial values: f32 filled on the device,
-  // bf16 and q8 encoded here as the CPU encodes them (a constant encodes to one code) and copied.
+  // Host tables copied on the stream (ordered before the first step, whatever kind of
+  // stream it is), kept until a synchronize: every 64 MiB, and at the end.
+  std::vector<std::shared_ptr<const void>> pending;
+  std::size_t pending_bytes = 0;
+  const auto upload = [&]<class T>(cuda::CUdeviceptr dst, std::vector<T> table) {
+    const auto held = std::make_shared<const std::vector<T>>(std::move(table));
+    const std::size_t bytes = held->size() * sizeof(T);
+    cuda::check(api().cuMemcpyHtoDAsync(dst, held->data(), bytes, stream_), "cuMemcpyHtoDAsync");
+    pending.push_back(held);
+    if ((pending_bytes += bytes) > (std::size_t{64} << 20)) synchronize(), pending.clear(), pending_bytes = 0;
+  };
+  // Every tensor's addresses, and its state's initial values: f32 filled on the device;
+  // bf16 and q8 as the CPU encodes them, a constant encoding to one bit pattern, or to one
+  // code and one absmax (the codes a memset, the bf16 patterns and absmaxes copied).
   std::vector<sf_tensor_state> table(params_.size());
   bool q8 = false;
   for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -348,18 +361,18 @@ void CudaBackend::init_packed_state(const StepPrograms& programs, std::vector<sf
         launch(util.fill, "sf_fill", grid_for(n, 256), 256, stream_, args);
         continue;
       }
-      const std::vector<float> values(static_cast<std::size_t>(n), value);
-      std::vector<std::uint8_t> bytes(static_cast<std::size_t>(n) * state_format_size(f));
-      std::vector<float> absmaxes(static_cast<std::size_t>(jit::q8_blocks(n)));
-      if (f == StateFormat::bf16)
-        cpu::narrow(values.data(), DType::bf16, bytes.data(), values.size());
-      else
-        cpu::q8_quantize(values.data(), bytes.data(), absmaxes.data(), values.size(),
-                         nonnegative ? cpu::Q8Map::unsigned_dynamic : cpu::Q8Map::signed_dynamic);
-      // (synchronous: the host vectors go at the end of the iteration)
-      cuda::check(api().cuMemcpyHtoD(data, bytes.data(), bytes.size()), "cuMemcpyHtoD");
-      if (f == StateFormat::q8)
-        cuda::check(api().cuMemcpyHtoD(absmax, absmaxes.data(), absmaxes.size() * sizeof(float)), "cuMemcpyHtoD");
+      std::uint8_t one[2] = {};
+      float one_absmax = 0.0f;
+      if (f == StateFormat::bf16) {
+        cpu::narrow(&value, DType::bf16, one, 1);
+        std::uint16_t bits = 0;
+        std::memcpy(&bits, one, sizeof bits);
+        upload(data, std::vector<std::uint16_t>(static_cast<std::size_t>(n), bits));
+        continue;
+      }
+      cpu::q8_quantize(&value, one, &one_absmax, 1, nonnegative ? cpu::Q8Map::unsigned_dynamic : cpu::Q8Map::signed_dynamic);
+      cuda::check(api().cuMemsetD8Async(data, one[0], static_cast<std::size_t>(n), stream_), "cuMemsetD8Async");
+      upload(absmax, std::vector<float>(static_cast<std::size_t>(jit::q8_blocks(n)), one_absmax));
     }
   }
   tensor_state_ = upload_table(table, stream_);

@@ -1,11 +1,11 @@
-/* One update block's span of one tensor for kernel combination {K}, which stores some
- * state stream as q8: the span starts on a q8 block boundary (SF_UPDATE_ELEMS is a
- * multiple of SF_Q8_BLOCK), warp w runs its q8 blocks w, w + 8, ..., lane l elements
- * 8l .. 8l + 7 of the block. Loads (q8 streams decoded with their block's absmax), the
- * element function {BODY}, then each stored q8 stream requantized over the warp
- * (sf_q8_store8), and the other stores. {VECTOR}: 1 when grads and weights are aligned
- * for 4-element accesses (the codes always are); {LOAD8} ... {STORE1}: the accesses;
- * q8s: the maps in shared memory. */
+/* One update block's span of one tensor, for a kernel combination that stores some state
+ * stream as q8: the span starts on a q8 block boundary (SF_UPDATE_ELEMS is a multiple of
+ * SF_Q8_BLOCK), warp w runs its q8 blocks w, w + 8, ..., lane l elements 8l .. 8l + 7 of
+ * the block. Loads (q8 streams decoded with their block's absmax), the element function,
+ * then each stored q8 stream requantized over the warp (sf_q8_store8), and the other
+ * stores; the 8-element accesses (two 4-element ones) when grads and weights are aligned
+ * for them (the codes always are). q8s: the maps in shared memory. The emitter fills the
+ * holes in braces below (emit_cuda.cpp, update_span). */
 SF_DEV SF_INLINE void sf_update_span_{K}(const sf_tensor* SF_RESTRICT t, long long begin, int len,
                                          const sf_streams* SF_RESTRICT ss, const float* SF_RESTRICT sc,
                                          unsigned long long sr_seed, unsigned long long sr_step,

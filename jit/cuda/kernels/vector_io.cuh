@@ -111,6 +111,7 @@ SF_DEV SF_INLINE void sf_q8_store8(void* codes, float* absmax, long long block, 
     if (j < n) a = sf_max(a, sf_abs(x[j]));
   }
   for (int o = 16; o > 0; o >>= 1) a = sf_max(a, __shfl_xor_sync(SF_FULL_MASK, a, o));
+  __syncwarp(SF_FULL_MASK);  /* every lane has read the old absmax (a shuffle orders no memory) */
   if ((threadIdx.x & 31u) == 0) absmax[block] = a;
   float inv = 0.0f;
   if (a > 0.0f) {
