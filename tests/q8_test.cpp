@@ -3,7 +3,9 @@
 // (the count of thresholds below x) and against nearest-code rounding; the block
 // functions' edge cases (all-zero and short blocks, NaN and inf, subnormal scales, no
 // writes past the end); and the Highway kernels bitwise equal to the scalar
-// references on every Highway target.
+// references on every Highway target, AVX3_DL included (runtime/cpu/q8.cpp compiles it
+// for its VBMI decoder: this test must list it too, so it asks Highway for it alike).
+#define HWY_WANT_AVX3_DL 1
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -551,6 +553,40 @@ TEST(Q8Blocks, SubnormalAbsmax) {
       expect_within_half_a_gap(x, quantize_everywhere(x, map), map);
     }
   }
+}
+
+// Every code at every position of a 64-code group (the AVX3_DL decoder's unit) and of a
+// block, in blocks whose absmax is 1, -0 (a code times -0) and 3: each must decode to
+// its code value times the absmax, bitwise, on every target.
+TEST(Q8Blocks, EveryCodeDecodesAtEveryPosition) {
+  const float scales[] = {1.0f, -0.0f, 3.0f};
+  for (Q8Map map : kMaps) {
+    std::vector<std::uint8_t> codes;
+    std::vector<float> absmax;
+    for (int round = 0; round < 5; ++round)
+      for (float scale : scales) {
+        for (std::size_t i = 0; i < kQ8Block; ++i) codes.push_back(static_cast<std::uint8_t>(i * (2 * round + 1) + 7 * round));
+        absmax.push_back(scale);
+      }
+    codes.resize(codes.size() - 93);  // a short last block
+    const float* code = cpu::q8_code(map);
+    for (std::int64_t target : targets()) {
+      PerTarget scope(target);
+      std::vector<float> out(codes.size() + 16, -3.0f);
+      cpu::q8_dequantize(codes.data(), absmax.data(), out.data(), codes.size(), map);
+      for (std::size_t i = 0; i < codes.size(); ++i)
+        ASSERT_EQ(bits(out[i]), bits(code[codes[i]] * absmax[i / kQ8Block]))
+            << hwy::TargetName(target) << " " << name(map) << " element " << i << " code " << int{codes[i]};
+      for (std::size_t i = codes.size(); i < out.size(); ++i) ASSERT_EQ(out[i], -3.0f) << "wrote past the end";
+    }
+  }
+}
+
+// The tests above run on every target this CPU has: AVX3_DL too where it has VBMI.
+TEST(Q8Targets, AvxDlIsTestedWhereTheCpuHasIt) {
+  if (!(hwy::SupportedTargets() & HWY_AVX3_DL)) GTEST_SKIP() << "this CPU has no AVX3_DL (AVX-512 VBMI)";
+  const std::vector<std::int64_t> listed = targets();
+  EXPECT_NE(std::find(listed.begin(), listed.end(), HWY_AVX3_DL), listed.end());
 }
 
 TEST(Q8Blocks, LargeRandomBlocksAgreeAcrossTargets) {
