@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -108,18 +109,20 @@ const std::uint64_t kFirsts[] = {0,
 const std::size_t kLengths[] = {1, 7, 15, 16, 17, 127, 129, 1000, 2049};
 
 TEST(StochasticRounding, VectorBitsAreTheScalarReferenceOnEveryTarget) {
-  for (std::int64_t target : targets()) {
-    PerTarget scope(target);
-    for (std::uint64_t first : kFirsts)
-      for (std::size_t n : kLengths) {
-        std::vector<std::uint16_t> got(n + 1, 0xABCD);
-        cpu::rounding_bits(42, 0x1'0000'0007ull, first, n, got.data());
-        for (std::size_t j = 0; j < n; ++j)
-          ASSERT_EQ(got[j], sf_sr_bits(42, 0x1'0000'0007ull, first + j))
-              << hwy::TargetName(target) << " first=" << first << " n=" << n << " element " << j;
-        EXPECT_EQ(got[n], 0xABCD) << "wrote past the end";
-      }
-  }
+  // (both halves of the key and of the step nonzero in the second seed)
+  for (const std::uint64_t seed : {std::uint64_t{42}, std::uint64_t{0x9E37'79B9'7F4A'7C15ull}})
+    for (std::int64_t target : targets()) {
+      PerTarget scope(target);
+      for (std::uint64_t first : kFirsts)
+        for (std::size_t n : kLengths) {
+          std::vector<std::uint16_t> got(n + 1, 0xABCD);
+          cpu::rounding_bits(seed, 0x1'0000'0007ull, first, n, got.data());
+          for (std::size_t j = 0; j < n; ++j)
+            ASSERT_EQ(got[j], sf_sr_bits(seed, 0x1'0000'0007ull, first + j))
+                << hwy::TargetName(target) << " seed=" << seed << " first=" << first << " n=" << n << " element " << j;
+          EXPECT_EQ(got[n], 0xABCD) << "wrote past the end";
+        }
+    }
 }
 
 TEST(StochasticRounding, VectorRoundingIsTheScalarReferenceOnEveryTarget) {

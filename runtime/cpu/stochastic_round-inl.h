@@ -36,6 +36,43 @@ HWY_INLINE void MulHiLo(DU du, std::uint32_t m, hn::Vec<DU> b, hn::Vec<DU>& hi, 
 }
 #endif
 
+#if HWY_TARGET <= HWY_AVX3
+// Philox4x32-10 of 8 counters, one in each 64-bit lane, each word in the low half of its
+// lane: vpmuludq gives the whole 64-bit product, so the low half is in place and the
+// high half one shift away, and the three-way xors are one vpternlogd each. The high
+// halves fill with garbage that nothing reads (vpmuludq reads low halves only).
+HWY_INLINE void Philox8Rounds(__m512i& c0, __m512i& c1, __m512i& c2, __m512i& c3, __m512i& d0, __m512i& d1,
+                              __m512i& d2, __m512i& d3, std::uint32_t k0, std::uint32_t k1) {
+  const __m512i m0 = _mm512_set1_epi64(SF_PHILOX_M0), m1 = _mm512_set1_epi64(SF_PHILOX_M1);
+  __m512i vk0 = _mm512_set1_epi32(static_cast<int>(k0)), vk1 = _mm512_set1_epi32(static_cast<int>(k1));
+  const __m512i w0 = _mm512_set1_epi32(static_cast<int>(SF_PHILOX_W0));
+  const __m512i w1 = _mm512_set1_epi32(static_cast<int>(SF_PHILOX_W1));
+  for (int r = 0; r < 10; ++r) {  // two sets of 8 counters interleaved, for the multipliers' latency
+    const __m512i p0 = _mm512_mul_epu32(c0, m0), p1 = _mm512_mul_epu32(c2, m1);
+    const __m512i q0 = _mm512_mul_epu32(d0, m0), q1 = _mm512_mul_epu32(d2, m1);
+    c0 = _mm512_ternarylogic_epi32(_mm512_srli_epi64(p1, 32), c1, vk0, 0x96);  // hi1 ^ c1 ^ k0
+    c2 = _mm512_ternarylogic_epi32(_mm512_srli_epi64(p0, 32), c3, vk1, 0x96);  // hi0 ^ c3 ^ k1
+    c1 = p1;
+    c3 = p0;
+    d0 = _mm512_ternarylogic_epi32(_mm512_srli_epi64(q1, 32), d1, vk0, 0x96);
+    d2 = _mm512_ternarylogic_epi32(_mm512_srli_epi64(q0, 32), d3, vk1, 0x96);
+    d1 = q1;
+    d3 = q0;
+    vk0 = _mm512_add_epi32(vk0, w0);
+    vk1 = _mm512_add_epi32(vk1, w1);
+  }
+}
+
+// The 8 blocks' words (c0..c3 in the low halves of 64-bit lanes), stored as 4 words a block.
+HWY_INLINE void StorePhiloxWords(__m512i c0, __m512i c1, __m512i c2, __m512i c3, std::uint32_t* out) {
+  const __m512i low_halves = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+  const __m512i w01 = _mm512_permutex2var_epi32(c0, low_halves, c1);  // qword j: c0_j | c1_j << 32
+  const __m512i w23 = _mm512_permutex2var_epi32(c2, low_halves, c3);
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi64(w01, _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), w23));
+  _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi64(w01, _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15), w23));
+}
+#endif
+
 // The 128 random bits of Lanes(du) consecutive 8-element blocks, `first` and on,
 // stored to out (4 words a block, the blocks in order: as 16-bit values, the bits
 // of their elements in order).
@@ -45,6 +82,19 @@ HWY_INLINE void RoundingBlocks(DU du, std::uint64_t seed, std::uint64_t step, st
   const std::uint32_t k[2] = {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
 #if HWY_TARGET != HWY_SCALAR
   if (const auto lo32 = static_cast<std::uint32_t>(first); lo32 <= 0xFFFFFFFFu - n) {  // no carry into the high word
+#if HWY_TARGET <= HWY_AVX3
+    if (n == 16) {
+      __m512i c0 = _mm512_add_epi64(_mm512_set1_epi64(lo32), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+      __m512i d0 = _mm512_add_epi64(_mm512_set1_epi64(lo32), _mm512_setr_epi64(8, 9, 10, 11, 12, 13, 14, 15));
+      __m512i c1 = _mm512_set1_epi64(static_cast<std::uint32_t>(first >> 32)), d1 = c1;
+      __m512i c2 = _mm512_set1_epi64(static_cast<std::uint32_t>(step)), d2 = c2;
+      __m512i c3 = _mm512_set1_epi64(static_cast<std::uint32_t>(step >> 32)), d3 = c3;
+      Philox8Rounds(c0, c1, c2, c3, d0, d1, d2, d3, k[0], k[1]);
+      StorePhiloxWords(c0, c1, c2, c3, out);
+      StorePhiloxWords(d0, d1, d2, d3, out + 32);
+      return;
+    }
+#endif
     auto c0 = hn::Add(hn::Set(du, lo32), hn::Iota(du, 0));
     auto c1 = hn::Set(du, static_cast<std::uint32_t>(first >> 32));
     auto c2 = hn::Set(du, static_cast<std::uint32_t>(step));
