@@ -384,20 +384,6 @@ void StepEngine::resolve_state_formats() {
       programs_.formats[t][b] = f;
     }
   }
-  // The GPU's two-phase kernels (per-tensor norms: LAMB, a custom program's) read and
-  // write state one element a lane: bf16 there, q8 only on the CPU.
-  if (options_.device.kind == Device::Kind::cuda)
-    for (std::size_t t = 0; t < params_.size(); ++t) {
-      const Program& p = programs_.program_of(t);
-      if (!jit::is_two_phase(p)) continue;
-      for (std::size_t b = 0; b < nb; ++b)
-        if (programs_.formats[t][b] == StateFormat::q8)
-          throw Error(ErrorCode::unsupported,
-                      optimizer + ": state '" + std::string(programs_.state_names[b]) + "' as q8 with Device::cuda: " +
-                          std::string(p.name) +
-                          " has two phases (per-tensor norms), whose GPU kernels store state as f32 or bf16 only (use "
-                          "StateFormat::bf16, or run it on the CPU)");
-    }
 }
 
 void StepEngine::setup() {

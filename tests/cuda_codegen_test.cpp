@@ -378,6 +378,12 @@ TEST(CudaCodegenCompile, EveryBuiltinInEveryLayoutForCubinAndPtx) {
     updates.push_back(make_job("lamb unaligned bf16 state update sm_90", jit::emit_cuda_update(two_phase),
                                "lamb_bf16_state_update.cu", {90, CudaOutput::cubin}, jit::cuda_update_kernel_names(program_of(lamb)),
                                false));
+    // q8 state in both phases (phase 1's strided blocks), beside an f32-state combination.
+    two_phase.combo_formats.assign(two_phase.combos.size(), formats(program_of(lamb), StateFormat::q8, StateFormat::q8));
+    two_phase.combo_formats[0] = formats(program_of(lamb), StateFormat::f32, StateFormat::f32);
+    updates.push_back(make_job("lamb unaligned q8 state update sm_90", jit::emit_cuda_update(two_phase),
+                               "lamb_q8_state_update.cu", {90, CudaOutput::cubin}, jit::cuda_update_kernel_names(program_of(lamb)),
+                               false));
   }
   // The sharded step's reduce module (sf_reduce_shard, sf_shard_finalize beside sf_reduce),
   // L2 as CUBIN and the inf-norm as PTX.
@@ -606,9 +612,9 @@ TEST(CudaCodegenSpec, CanonicalTextTellsEverySpecApart) {
 }
 
 // Compressed state's specs the emitter refuses: formats for another number of
-// combinations, the flat layout (packed state is per tensor), q8 in a two-phase program
-// (bf16 is fine there).
-TEST(CudaCodegenSpec, PackedStateSpecsItRefuses) {
+// combinations, the flat layout (packed state is per tensor); and q8 in a two-phase
+// program, which it emits.
+TEST(CudaCodegenSpec, PackedStateSpecsItRefusesAndTwoPhaseQ8) {
   std::array<StateFormat, kMaxStreams> q8, bf16;
   q8.fill(StateFormat::f32), bf16.fill(StateFormat::f32);
   q8[2] = q8[3] = StateFormat::q8;
@@ -633,10 +639,15 @@ TEST(CudaCodegenSpec, PackedStateSpecsItRefuses) {
   EXPECT_NE(jit::emit_cuda_update(adam).find("sf_q8_store8"), std::string::npos);
   CudaSpec lamb = adam;
   lamb.program = jit::builtin_program(jit::builtin_named("lamb"));
-  const auto [c, what] = code(lamb);
-  EXPECT_EQ(c, ErrorCode::unsupported) << what;
-  EXPECT_NE(what.find("bf16"), std::string::npos) << what;
+  // Two phases with q8 state: phase 1 requantizes its blocks strided, and only a q8
+  // combination's chunk function takes the shared maps.
+  lamb.combo_formats = {bf16, q8};
+  const std::string two_phase = jit::emit_cuda_update(lamb);
+  EXPECT_NE(two_phase.find("sf_q8_store_strided(t->state->data[2]"), std::string::npos);
+  EXPECT_NE(two_phase.find("sf_phase1_chunk_1(t, ch.begin, ch.len, lane, &streams, sc, acc, q8s)"), std::string::npos);
+  EXPECT_NE(two_phase.find("sf_phase1_chunk_0(t, ch.begin, ch.len, lane, &streams, sc, acc)"), std::string::npos);
   lamb.combo_formats = {bf16, bf16};
+  EXPECT_EQ(jit::emit_cuda_update(lamb).find("sf_q8_store_strided"), std::string::npos);
   EXPECT_NE(jit::emit_cuda_update(lamb).find("sf_load_bf16(t->state->data[2]"), std::string::npos);
 }
 

@@ -1243,6 +1243,18 @@ TEST_F(EmulatedStep, Bf16State) {
   }
 }
 
+// LAMB with q8 state: its phase 1 decodes and requantizes the moments a strided block at a
+// time, phase 2 decodes them again; with clipping and changing loss scales.
+TEST_F(EmulatedStep, Q8StateTwoPhases) {
+  OptimizerOptions options = sf_emu::state_options(StateFormat::q8);
+  options.max_grad_norm = 2.0;
+  Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, optim::LAMB{.lr = 1e-3, .weight_decay = 0.05}, options, seed | 3);
+  EXPECT_EQ(p.dev.spec_name(), "lamb_q8");
+  const double scales[] = {512.0, 1.0, 40.0, 1.0};
+  for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "lamb step " + std::to_string(k + 1));
+}
+
 // The fewest bytes per parameter: bf16 weights rounded stochastically (no masters) with
 // q8 state, clipped. A step with an inf gradient is skipped: weights, codes and absmaxes
 // bitwise untouched, and the next step goes on as the CPU's.

@@ -620,9 +620,9 @@ std::vector<Case> layout_cases() {
     for (Layout l : {Layout::separate, Layout::misaligned})
       for (StepKind k : {StepKind::plain, StepKind::scaled, StepKind::clipped}) cases.push_back({c, "bf16_compensated", l, k});
   cases.push_back({"AdamW", "bf16_compensated", Layout::flat, StepKind::scaled_clipped_inf});
-  // State stored as q8 (a warp per block of 256, codes and absmaxes as the CPU's) and bf16
-  // (LAMB's two phases too).
-  for (const char* c : {"AdamW", "SGD_momentum", "Lion", "Adagrad", "RMSprop_centered_momentum"})
+  // State stored as q8 (a warp per block of 256, codes and absmaxes as the CPU's; LAMB's
+  // phase 1 a strided block per warp) and bf16 (LAMB's two phases too).
+  for (const char* c : {"AdamW", "SGD_momentum", "Lion", "Adagrad", "RMSprop_centered_momentum", "LAMB"})
     for (const char* d : {"f32_q8", "bf16_stochastic_q8"})
       for (Layout l : {Layout::separate, Layout::misaligned})
         for (StepKind k : {StepKind::plain, StepKind::scaled, StepKind::clipped}) cases.push_back({c, d, l, k});

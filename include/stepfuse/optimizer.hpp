@@ -78,7 +78,7 @@ struct OptimizerOptions {
   // formats and is an Error when named. q8 applies to tensors of at least
   // min_q8_numel elements; smaller ones keep f32 (bitsandbytes' min_8bit_size).
   // Every format is bitwise the same on every CPU backend, thread count and on
-  // CUDA, where a two-phase program (LAMB) takes bf16 state but not q8.
+  // CUDA.
   StateFormat state_format = StateFormat::f32;
   std::vector<std::pair<std::string, StateFormat>> state_formats = {};
   std::int64_t min_q8_numel = 4096;

@@ -292,8 +292,7 @@ typedef struct sf_optimizer_options {
   /* How every state stream is stored (docs/low-precision.md), except the streams named in
    * state_formats. A stream the program keeps in full precision (ASGD's "ax";
    * SF_STATE_VALUES_FULL_PRECISION) stays f32 under this blanket format, and a blanket
-   * format that no state stream of the optimizer can take is SF_INVALID_ARGUMENT. On a
-   * GPU, a two-phase program (LAMB) takes bf16 state but not q8 (SF_UNSUPPORTED). Default
+   * format that no state stream of the optimizer can take is SF_INVALID_ARGUMENT. Default
    * SF_STATE_F32. */
   sf_state_format state_format;
   /* Per-stream formats, num_state_formats entries (state_formats may be NULL when it is

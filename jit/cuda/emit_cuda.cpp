@@ -130,6 +130,8 @@ constexpr std::string_view kUpdateSpan = embedded_file("jit/cuda/kernels/update_
 constexpr std::string_view kUpdateSpanQ8 = embedded_file("jit/cuda/kernels/update_span_q8.cuh");
 constexpr std::string_view kUpdateKernel = embedded_file("jit/cuda/kernels/update_kernel.cuh");
 constexpr std::string_view kPhase1Chunk = embedded_file("jit/cuda/kernels/phase1_chunk.cuh");
+constexpr std::string_view kPhase1ChunkQ8 = embedded_file("jit/cuda/kernels/phase1_chunk_q8.cuh");
+constexpr std::string_view kQ8Strided = embedded_file("jit/cuda/kernels/q8_strided.cuh");
 constexpr std::string_view kPhase1Kernel = embedded_file("jit/cuda/kernels/phase1_kernel.cuh");
 constexpr std::string_view kScalerKernels = embedded_file("jit/cuda/kernels/scaler_kernels.cuh");
 constexpr std::string_view kScaleKernels = embedded_file("jit/cuda/kernels/scale_kernels.cuh");
@@ -264,12 +266,16 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
 }
 
 // Phase 1 of a two-phase program over one chunk, for combination k (`prog`: phase 1's part).
+// A combination with q8 state runs the chunk a q8 block at a time (phase1_chunk_q8.cuh):
+// element i of the chunk is j = (i % 256) / 32 of its lane's 8 in the block.
 std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
-  const DtypeCombo& c = spec.combos[static_cast<std::size_t>(k)];
+  const auto ku = static_cast<std::size_t>(k);
+  const DtypeCombo& c = spec.combos[ku];
   const StreamUse use = stream_use(prog);
+  const bool q8 = combo_has_q8(spec, ku);
   const std::string G(dtype_tag(c.grad)), W(dtype_tag(c.weight));
   const int gs = prog.grad_stream(), ps = prog.param_stream();
-  std::string load, store, accumulate;
+  std::string load, store, accumulate, absmax, encode;
   if (use.loads[gs]) load += "g = sf_load_" + G + "(t->grad, begin + i);\n";
   if (use.loads[ps])
     load += c.compensated ? "p = sf_load_bf16_comp(t->weight, t->master, begin + i);\n"
@@ -278,7 +284,21 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
   for (int s = 0; s < prog.num_streams; ++s) {  // (two-phase programs have no variants: slot s is stream s)
     if (prog.streams[s].role != StreamRole::state) continue;
     const std::string S = std::to_string(s), base = state_base(spec, s, s);
-    const std::string F = format_of(spec, static_cast<std::size_t>(k), s) == StateFormat::bf16 ? "bf16" : "f32";
+    const StateFormat f = format_of(spec, ku, s);
+    if (f == StateFormat::q8) {
+      const std::string map = q8_map(prog, s);
+      if (use.loads[s]) {
+        absmax += "const float absmax" + S + " = t->state->absmax[" + S + "][block];\n";
+        load += "s[" + S + "] = sf_q8_load(" + base + ", so + i, absmax" + S + ", " + map + ");\n";
+      }
+      if (use.stores[s]) {
+        store += "st[" + S + "][j] = s[" + S + "];\n";
+        encode += "sf_q8_store_strided(" + base + ", t->state->absmax[" + S + "], block, so + q + lane, st[" + S +
+                  "], n, " + map + ");\n";
+      }
+      continue;
+    }
+    const std::string F = f == StateFormat::bf16 ? "bf16" : "f32";
     if (use.loads[s]) load += "s[" + S + "] = sf_load_" + F + "(" + base + ", so + i);\n";
     if (use.stores[s]) store += "sf_store_" + F + "(" + base + ", so + i, s[" + S + "]);\n";
   }
@@ -288,6 +308,13 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
       const std::string R = std::to_string(r);
       accumulate += "acc[" + R + "] = acc[" + R + "] + red[" + R + "] * red[" + R + "];\n";
     }
+  if (q8)
+    return fill(std::string(kPhase1ChunkQ8), {{"K", std::to_string(k)},
+                                              {"ABSMAX", indent(absmax, 4)},
+                                              {"LOAD1", indent(load, 6)},
+                                              {"STORE1", indent(store, 6)},
+                                              {"ACCUMULATE", indent(accumulate, 6)},
+                                              {"ENCODE", indent(encode, 4)}});
   return fill(std::string(kPhase1Chunk), {{"K", std::to_string(k)},
                                           {"STATE_BASE", spec.combo_formats.empty() ? "t->state_offset + begin" : "begin"},
                                           {"LOAD1", indent(load, 4)},
@@ -321,9 +348,6 @@ void check_spec(const CudaSpec& spec) {
     if (spec.flat)
       throw Error(ErrorCode::invalid_argument,
                   "CUDA emitter: state stored as bf16 or q8 is each tensor's own (sf_tensor.state): flat = false");
-    if (is_two_phase(spec.program) && spec_has_q8(spec))
-      throw Error(ErrorCode::unsupported, "CUDA emitter: program '" + std::string(spec.program.name) +
-                                              "' has two phases; its state can be stored as bf16 on the GPU, not as q8");
   }
   if (spec.variants.empty() && spec.combo_variant.empty()) return;
   if (spec.combo_variant.size() != spec.combos.size())
@@ -500,14 +524,22 @@ std::string update_part(const CudaSpec& spec, bool with_reduce_common) {
   if (two_phase) {
     if (with_reduce_common) out += kReduceCommon;
     const Program phase1 = phase_program(spec.program, 0);
+    if (spec_has_q8(spec)) out += kQ8Strided;
     std::string cases;
     for (std::size_t k = 0; k < spec.combos.size(); ++k) {
       out += phase1_chunk(phase1, spec, static_cast<int>(k));
       cases += "    case " + std::to_string(k) + ": sf_phase1_chunk_" + std::to_string(k) +
-               "(t, ch.begin, ch.len, lane, &streams, sc, acc); break;\n";
+               "(t, ch.begin, ch.len, lane, &streams, sc, acc" + (combo_has_q8(spec, k) ? ", q8s" : "") + "); break;\n";
     }
     if (!cases.empty()) cases.pop_back();
-    out += fill(std::string(kPhase1Kernel), {{"NUM_SCALARS", std::to_string(prog.num_scalars)}, {"PHASE1_CASES", cases}});
+    // With q8 state, the maps in shared memory (q8s), copied once the step is known to apply.
+    const std::string q8_maps =
+        spec_has_q8(spec) ? "\n  __shared__ float q8s[4 * SF_Q8_BLOCK];  /* the q8 maps (sf_hyper.q8_maps) */\n"
+                            "  for (int k = (int)threadIdx.x; k < 4 * SF_Q8_BLOCK; k += 32 * SF_REDUCE_WARPS) q8s[k] = hyper.q8_maps[k];\n"
+                            "  __syncthreads();"
+                          : "";
+    out += fill(std::string(kPhase1Kernel),
+                {{"NUM_SCALARS", std::to_string(prog.num_scalars)}, {"PHASE1_CASES", cases}, {"Q8_MAPS", q8_maps}});
   }
   const std::vector<const Program*> programs = spec_programs(spec);
   const std::vector<std::array<int, kMaxStreams>> slots = cuda_stream_slots(spec);

@@ -216,7 +216,7 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   out.push_back({"adam_sharded_stochastic", sharded(make_spec(kAdam, kShardStochastic, false, true))});
   // Compressed state: every one-phase built-in with q8 state; bf16 state (Adam, and LAMB's
   // two phases); the q8 step with bf16 weights rounded stochastically; unaligned; per-stream
-  // formats; groups running variants.
+  // formats; groups running variants; LAMB with q8.
   using stepfuse::StateFormat;
   const stepfuse::OptimizerOptions q8 = state_options(StateFormat::q8);
   for (const Builtin b : q8_builtins())
@@ -239,6 +239,8 @@ inline std::vector<EmulatedSpec> emulated_specs() {
                                                 &stepfuse::jit::builtin_program(builtin_named("adam_amsgrad")),
                                                 &stepfuse::jit::builtin_program(builtin_named("adam"))},
                                                {4, 4, 4}, kMixedMasters, q8)});
+  // LAMB's two phases with q8 state: phase 1 stores its moments a strided block at a time.
+  out.push_back({"lamb_q8", packed_spec(kLamb, kMixedMasters, q8)});
   return out;
 }
 

@@ -1,7 +1,8 @@
 /* A two-phase program's phase 1 (sf_phase1) and the combine of its sums
  * (sf_phase_combine), launched between the reduce pass and sf_update (which then
  * runs phase 2 with the tensors' norms). {NUM_SCALARS}: the program's scalars;
- * {PHASE1_CASES}: one case per combination.
+ * {PHASE1_CASES}: one case per combination; with q8 state, the emitter adds the copy of
+ * the maps to shared memory (q8s) for the combinations' chunk functions.
  *   sf_phase1         grid = ceil(num_chunks / SF_REDUCE_WARPS) (at least 1), block
  *                     32 * SF_REDUCE_WARPS: one warp per reduce chunk; writes the chunk's
  *                     canonical fp32 sum of squares of every slot to sums[c * SF_MAX_NORM_SLOTS + r]
@@ -17,7 +18,7 @@ extern "C" __global__ void __launch_bounds__(32 * SF_REDUCE_WARPS)
 sf_phase1(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT chunks, int num_chunks, sf_streams streams,
           float* SF_RESTRICT sums, sf_step_state* st, const sf_hyper hyper, int plain) {
   __shared__ float sc_warp[SF_REDUCE_WARPS][SF_MAX_SCALARS];  /* each warp's chunk's group's scalars */
-  if (!plain && !*(const volatile int*)&st->applied) return;
+  if (!plain && !*(const volatile int*)&st->applied) return;{Q8_MAPS}
   /* A plain step's stage: no reduce (norm NaN), S = 1, no clipping (as sf_update). */
   const sf_stage stage = sf_step_stage(0, 0, (double)sf_float(0x7FC00000u), 1.0, 0.0, st->step);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
