@@ -702,22 +702,17 @@ def test_torch_pickle_keeps_the_options(util):
 def test_torch_cuda_compressed_state_matches_the_cpu(util):
     """bf16 and q8 state on CUDA: the same steps give the CPU's weights and stored state bit
     for bit (bfloat16 values; q8 codes and absmaxes), with clipping; LAMB's two phases too."""
-    for kw in (dict(state_format="bf16"), dict(state_format="q8"), dict(state_formats={"exp_avg": "q8"})):
-        cpu = util.make_params(SHAPES)
-        gpu = util.make_params(SHAPES, device="cuda")
-        opts = [sft.AdamW(p, max_grad_norm=1.0, **kw) for p in (cpu, gpu)]
+    cases = [(sft.AdamW, dict(max_grad_norm=1.0, state_format="bf16")),
+             (sft.AdamW, dict(max_grad_norm=1.0, state_format="q8")),
+             (sft.AdamW, dict(max_grad_norm=1.0, state_formats={"exp_avg": "q8"})),
+             (sft.LAMB, dict(state_format="bf16")), (sft.LAMB, dict(state_format="q8"))]
+    for cls, kw in cases:
+        where = f"{cls.__name__} {kw}"
+        cpu, gpu = util.make_params(SHAPES), util.make_params(SHAPES, device="cuda")
+        opts = [cls(p, **kw) for p in (cpu, gpu)]
         for o, p in zip(opts, (cpu, gpu)):
             train(util, o, p, 3)
-        util.assert_params_equal([p.cpu() for p in gpu], cpu, f"{kw}")
+        util.assert_params_equal([p.cpu() for p in gpu], cpu, where)
         for c, g in zip(cpu, gpu):
             for key, value in opts[0].state[c].items():
-                assert torch.equal(opts[1].state[g][key].cpu(), value), f"{kw}: state {key}"
-    for fmt in ("bf16", "q8"):
-        cpu, gpu = util.make_params(SHAPES), util.make_params(SHAPES, device="cuda")
-        opts = [sft.LAMB(p, state_format=fmt) for p in (cpu, gpu)]
-        for o, p in zip(opts, (cpu, gpu)):
-            train(util, o, p, 2)
-        util.assert_params_equal([p.cpu() for p in gpu], cpu, f"LAMB {fmt} state")
-        for c, g in zip(cpu, gpu):
-            for key, value in opts[0].state[c].items():
-                assert torch.equal(opts[1].state[g][key].cpu(), value), f"LAMB {fmt}: state {key}"
+                assert torch.equal(opts[1].state[g][key].cpu(), value), f"{where}: state {key}"
