@@ -7,6 +7,7 @@
 #include <new>
 
 #include "parallel.hpp"
+#include "runtime/aligned_buffer.hpp"
 
 namespace stepfuse::bench {
 namespace {
@@ -65,9 +66,11 @@ void adam_like_kernel(float* __restrict p, const float* __restrict g, float* __r
   }
 }
 
+// Allocated as the optimizer allocates its state (huge pages for large arrays): the
+// probe's streams get the same TLB reach as the step's, so the step's % of the
+// probe's bandwidth is not flattered by the probe walking 4 KiB pages.
 float* alloc_floats(std::int64_t n) {
-  const std::size_t bytes = (static_cast<std::size_t>(n) * sizeof(float) + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, bytes == 0 ? 64 : bytes);
+  void* p = stepfuse::detail::allocate_buffer((static_cast<std::size_t>(n) * sizeof(float) + 63) / 64 * 64);
   if (p == nullptr) throw std::bad_alloc();
   return static_cast<float*>(p);
 }

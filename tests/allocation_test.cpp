@@ -4,11 +4,16 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <new>
 #include <thread>
 #include <vector>
 
+#include "runtime/aligned_buffer.hpp"
 #include "stepfuse/stepfuse.hpp"
 
 namespace {
@@ -108,6 +113,37 @@ TEST(Allocation, FusedStepsAllocateNothing) {
       }
     }
   }
+}
+
+// The VmFlags line of the mapping of /proc/self/smaps that holds p ("" where there is
+// no such file or mapping).
+std::string vm_flags(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    std::uintptr_t begin = 0, end = 0;
+    char dash = 0;
+    std::istringstream range(line);
+    if (range >> std::hex >> begin >> dash >> end && dash == '-' && line.find(':') > line.find(' '))
+      inside = begin <= at && at < end;  // a mapping's first line: "begin-end perms offset ..."
+    else if (inside && line.rfind("VmFlags:", 0) == 0)
+      return line;
+  }
+  return "";
+}
+
+// State-sized buffers start on a 2 MiB boundary and are advised for transparent huge
+// pages (VmFlags "hg", whatever the system's THP mode); small ones stay 64-byte aligned
+// and unadvised.
+TEST(Allocation, LargeBuffersAskForHugePages) {
+  const detail::AlignedBuffer small(1000), large(detail::kHugePageMinBytes / sizeof(float) + 5);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small.data()) % 64, 0u);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(large.data()) % detail::kHugePageBytes, 0u);
+  large.data()[large.size() - 1] = 1.0f;  // usable to its end
+  const std::string flags = vm_flags(large.data());
+  if (flags.empty()) GTEST_SKIP() << "no /proc/self/smaps here";
+  EXPECT_NE((flags + " ").find(" hg "), std::string::npos) << flags;
 }
 
 }  // namespace
