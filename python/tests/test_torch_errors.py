@@ -161,6 +161,29 @@ def test_params_torch_refuses(util):
         sft.AdamW([p[0] * 2])
 
 
+def test_add_param_group_refuses_a_set_as_torch(util):
+    """A set of params in add_param_group is torch's TypeError (a set has no stable order),
+    and the group is not added."""
+    p = util.make_params()
+    topt, sopt = torch.optim.SGD(p[:1]), sft.SGD(util.clone_params(p[:1]))
+    with pytest.raises(TypeError) as expected:
+        topt.add_param_group({"params": {p[1]}})
+    with pytest.raises(TypeError) as info:
+        sopt.add_param_group({"params": {p[2]}})
+    assert str(info.value) == str(expected.value)
+    assert len(sopt.param_groups) == 1
+
+
+def test_named_params_are_checked_as_their_tensors(util):
+    """Named params ((name, tensor) pairs, as torch takes them): torch's param_names, and the
+    dtype checks of the tensors."""
+    named = [("a", util.make_params()[0]), ("b", util.make_params()[1])]
+    opt = sft.AdamW(named)
+    assert opt.param_groups[0]["param_names"] == ["a", "b"]
+    with pytest.raises(TypeError):
+        sft.AdamW([("c", torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)))])
+
+
 def trained_pair(util, steps=3):
     ref = util.make_params()
     ours = util.clone_params(ref)

@@ -429,6 +429,45 @@ def test_tensor_lr_changed_in_place(util, name, kwargs):
     util.assert_state_close(sopt, topt)
 
 
+@pytest.mark.parametrize("name,kwargs", [("Adam", dict(lr=1e-2)), ("AdamW", dict(lr=1e-2, amsgrad=True))])
+def test_tensor_betas_changed_in_place(util, name, kwargs):
+    """betas given as two 0-dim tensors (torch accepts them) and changed in place: the next
+    step uses the new values (the lr stays a float, so nothing else changes the group)."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    tbetas, sbetas = (torch.tensor(0.9), torch.tensor(0.999)), (torch.tensor(0.9), torch.tensor(0.999))
+    topt = getattr(torch.optim, name)(ref, betas=tbetas, **kwargs)
+    sopt = getattr(sft, name)(ours, betas=sbetas, **kwargs)
+
+    def change(step):
+        if step in (4, 9):
+            for b1, b2 in (tbetas, sbetas):
+                b1.mul_(0.8)
+                b2.mul_(0.99)
+
+    util.train_both(topt, sopt, ref, ours, 14, on_step=change)
+    util.assert_state_close(sopt, topt)
+
+
+@pytest.mark.parametrize("sched", ["StepLR", "LambdaLR", "CosineAnnealingLR"])
+def test_asgd_eta_per_param_under_a_scheduler(util, sched):
+    """torch's ASGD keeps each param's eta, computed at that param's own last step from the
+    lr of that step: a param without a gradient at some steps while a scheduler moves the lr
+    keeps its own eta, and state[p]["eta"] is the one the next step uses (not one from the
+    lr the scheduler has set since)."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    kwargs = dict(lr=0.05, lambd=0.1, t0=4)
+    topt, sopt = pair("ASGD", kwargs, ref, ours)
+    tsched, ssched = SCHEDULERS[sched](topt), SCHEDULERS[sched](sopt)
+    for step in range(20):
+        skip = (0,) if step in (3, 5, 11) else (2,) if step == 7 else ()
+        util.step_both(topt, sopt, ref, ours, step, skip=skip, where=sched)
+        tsched.step()
+        ssched.step()
+        util.assert_state_close(sopt, topt)
+
+
 # ---- fused clipping ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])

@@ -271,3 +271,58 @@ def test_deepcopy_and_pickle_continue_identically(util):
             opt_.step()
         util.assert_params_equal(dup.param_groups[0]["params"], ours, where=f"deepcopy, step {step}:")
         util.assert_params_equal(loaded.param_groups[0]["params"], ours, where=f"pickle, step {step}:")
+
+
+@pytest.mark.parametrize("direction", ["torch to stepfuse", "stepfuse to torch"])
+def test_asgd_checkpoint_after_an_lr_change(util, direction):
+    """ASGD's next step uses the eta its last step computed from that step's lr (state "eta"),
+    not the lr a scheduler set since: a checkpoint taken after the scheduler moved the lr
+    continues as the uninterrupted run, in both directions (param 0 skips a step, so its eta
+    differs from the others')."""
+    kwargs = dict(lr=0.05, lambd=0.1)
+    before, after = 6, 8
+
+    def train(opt, sched, params, steps):
+        for step in steps:
+            opt.zero_grad(set_to_none=True)
+            util.set_grads(params, util.make_grads(params, step), skip=(0,) if step == 2 else ())
+            opt.step()
+            sched.step()
+
+    ref = util.make_params()
+    first = util.clone_params(ref)
+    topt = torch.optim.ASGD(ref, **kwargs)
+    tsched = torch.optim.lr_scheduler.ExponentialLR(topt, 0.8)
+    train(topt, tsched, ref, range(before + after))
+    saver, loader = (torch.optim, sft) if direction == "torch to stepfuse" else (sft, torch.optim)
+    opt = saver.ASGD(first, **kwargs)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.8)
+    train(opt, sched, first, range(before))
+    sd, sched_sd = copy.deepcopy(opt.state_dict()), sched.state_dict()
+    resumed = util.clone_params(first)
+    opt2 = loader.ASGD(resumed, **kwargs)
+    sched2 = torch.optim.lr_scheduler.ExponentialLR(opt2, 0.8)
+    opt2.load_state_dict(sd)
+    sched2.load_state_dict(sched_sd)
+    train(opt2, sched2, resumed, range(before, before + after))
+    util.assert_params_close(resumed, ref, rtol=1e-5, atol=1e-6)
+    util.assert_state_close(opt2, topt)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_asgd_copy_continues(util, how):
+    """copy.deepcopy and pickling of ASGD (whose per-param eta lrs are not pickled: they come
+    back from the state's "eta"), after a scheduler moved the lr: the copy steps as torch's."""
+    import pickle
+
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = torch.optim.ASGD(ref, lr=0.05, lambd=0.1), sft.ASGD(ours, lr=0.05, lambd=0.1)
+    for step in range(4):
+        util.step_both(topt, sopt, ref, ours, step, skip=(0,) if step == 1 else ())
+        for opt in (topt, sopt):
+            opt.param_groups[0]["lr"] *= 0.7
+    dup = copy.deepcopy(sopt) if how == "deepcopy" else pickle.loads(pickle.dumps(sopt))
+    params = dup.param_groups[0]["params"]
+    util.train_both(topt, dup, ref, params, 6, start=4)
+    util.assert_state_close(dup, topt)

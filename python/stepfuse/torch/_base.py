@@ -346,9 +346,15 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
         params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                            "tensors in sets will change between runs. Please use a list instead.")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        # Refuse before torch records anything: nothing changes on an error.
+        # Refuse before torch records anything: nothing changes on an error. A named
+        # param (name, tensor) is checked as its tensor.
         for p in params:
+            if isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], torch.Tensor):
+                p = p[1]
             if not isinstance(p, torch.Tensor):
                 continue  # torch's own message for what is not a tensor
             if not p.is_floating_point() and not p.is_complex():
@@ -504,10 +510,24 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     def _has_step(self) -> bool:
         return True
 
-    def _derived_state(self, group: Dict[str, Any], step: int) -> Dict[str, torch.Tensor]:
+    def _derived_state(self, group: Dict[str, Any], step: int, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Per-param scalar state torch keeps and the engine derives from the step
-        count (NAdam's mu_product, ASGD's eta and mu)."""
+        count (NAdam's mu_product, ASGD's eta and mu) of param p of `group`."""
         return {}
+
+    def _plan_split(self, group: Dict[str, Any], p: torch.Tensor) -> Any:
+        """Beside the step count, what puts params of one torch group into different engine
+        groups (params whose engine configs differ: ASGD's, whose eta comes from the lr of
+        each param's own last step)."""
+        return None
+
+    def _engine_config(self, cg: "_CppGroup") -> Any:
+        """The config of one engine group (by default its torch group's)."""
+        return self._config(self.param_groups[cg.torch_group])
+
+    def _engine_values_key(self, cg: "_CppGroup") -> Tuple[Any, ...]:
+        """What an engine group's config is made of: when it changes, set_config at the next step."""
+        return self._group_values_key(self.param_groups[cg.torch_group])
 
     # ---- planning ----
 
@@ -644,18 +664,18 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._engine_key = None
         cpp_groups: List[_CppGroup] = []
         for gi, group in enumerate(self.param_groups):
-            by_step: Dict[int, List[torch.Tensor]] = {}
+            by_step: Dict[Tuple[int, Any], List[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                by_step.setdefault(self._param_step(p), []).append(p)
-            for step, params in by_step.items():
+                by_step.setdefault((self._param_step(p), self._plan_split(group, p)), []).append(p)
+            for (step, _), params in by_step.items():
                 cpp_groups.append(_CppGroup(gi, params, step))
         if not cpp_groups:
             self._cpp_groups, self._active, self._grad_ptrs, self._group_values = [], [], [], []
             self._engine_key = key
             return
-        groups = [([(p.detach(), p.grad) for p in g.params], self._config(self.param_groups[g.torch_group]),
+        groups = [([(p.detach(), p.grad) for p in g.params], self._engine_config(g),
                    self.param_groups[g.torch_group].get("state_format")) for g in cpp_groups]
         device = cpp_groups[0].params[0].device
         # Stochastic rounding needs a bfloat16 param among the engine's: a step whose only
@@ -809,7 +829,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 # active param's count: advancing them all is one add, not one per param.
                 steps[i] = float(cg.step)
                 st["step"] = steps[i]
-            st.update(self._derived_state(group, cg.step))
+            st.update(self._derived_state(group, cg.step, p))
             for name in self._state_keys(group):
                 if name not in names:
                     continue
@@ -865,22 +885,28 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                     else:
                         st["step"] = torch.tensor(float(step), dtype=torch.float32)
                 if group is not None:
-                    st.update(self._derived_state(group, step))
+                    st.update(self._derived_state(group, step, p))
 
     def _push_hyperparameters(self) -> None:
         engine = self._engine
         for g, cg in enumerate(self._cpp_groups):
-            group = self.param_groups[cg.torch_group]
-            values = self._group_values_key(group)
+            values = self._engine_values_key(cg)
             if values == self._group_values[g]:
                 continue
-            engine.set_config(self._config(group), g)
+            engine.set_config(self._engine_config(cg), g)
             self._group_values[g] = values
 
     def _group_values_key(self, group: Dict[str, Any]) -> Tuple[Any, ...]:
         """What a group's config is made of: when it changes, set_config at the next step."""
-        return tuple(_as_float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else v
-                     for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, tuple, torch.Tensor)))
+        # Tensors as their values, inside tuples too (Adam's betas may be tensors): a tensor
+        # changed in place is a new value.
+        def value(v: Any) -> Any:
+            if isinstance(v, tuple):
+                return tuple(value(x) for x in v)
+            return _as_float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else v
+
+        return tuple(value(v) for k, v in group.items()
+                     if k != "params" and isinstance(v, (int, float, bool, tuple, torch.Tensor)))
 
     def _after_applied(self) -> None:
         """Called after every applied step (the CPU: known at once)."""

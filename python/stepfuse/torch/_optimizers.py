@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -222,7 +223,7 @@ class NAdam(_TorchLike):
     def _state_keys(self, g: Dict[str, Any]) -> Sequence[str]:
         return ("exp_avg", "exp_avg_sq")
 
-    def _derived_state(self, g: Dict[str, Any], step: int) -> Dict[str, torch.Tensor]:
+    def _derived_state(self, g: Dict[str, Any], step: int, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {"mu_product": _nadam_mu_product(_betas(g)[0], _as_float(g["momentum_decay"]), step)}
 
 
@@ -310,6 +311,39 @@ class Rprop(_TorchLike):
         return ("prev", "step_size")
 
 
+def _asgd_eta(lr: float, lambd: float, alpha: float, step: int) -> float:
+    """torch's ASGD eta after `step` steps, the last one with this lr (rounded to fp32, as torch keeps it)."""
+    return float(np.float32(lr / ((1 + lambd * lr * step) ** alpha) if step else lr))
+
+
+def _asgd_lr_of_eta(eta: float, lambd: float, alpha: float, step: int, guess: float) -> float:
+    """The lr whose step `step` gave torch's ASGD this eta (eta = lr / (1 + lambd * lr * step) ** alpha):
+    the lr the next step's eta comes from, which the engine takes. `guess` first (the group's lr)."""
+    if _asgd_eta(guess, lambd, alpha, step) == eta:
+        return guess
+    if not step or lambd == 0 or alpha == 0 or not (eta > 0 and math.isfinite(eta)):
+        return eta
+    c = lambd * step
+
+    def f(lr: float) -> float:
+        return lr / ((1 + c * lr) ** alpha)
+
+    # f(lr) <= lr: the lr is at least eta; f increases up to its peak (none for alpha <= 1).
+    lo = hi = eta
+    peak = math.inf if alpha <= 1 else 1 / (c * (alpha - 1))
+    while f(hi) < eta and hi < peak and math.isfinite(hi):
+        lo, hi = hi, min(hi * 2, peak)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if f(mid) < eta:
+            lo = mid
+        else:
+            hi = mid
+    return min((lo, hi), key=lambda x: abs(f(x) - eta))
+
+
 class ASGD(_TorchLike):
     """torch.optim.ASGD, fused."""
 
@@ -318,40 +352,72 @@ class ASGD(_TorchLike):
     def __init__(self, params: Any, lr: Any = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
                  weight_decay: float = 0, foreach: Optional[bool] = None, maximize: bool = False,
                  differentiable: bool = False, capturable: bool = False, **extra: Any) -> None:
-        # torch's ASGD steps with the eta its previous step computed from the lr of
-        # that step: a new lr takes effect one step later. Per group: that lr.
-        self._eta_lr: Dict[int, float] = {}
+        # torch's ASGD steps each param with the eta its previous step computed from the lr
+        # of that step (kept per param, state[p]["eta"]): a new lr takes effect one step
+        # later, and a param that skipped steps keeps the eta of its own last step. Per
+        # param: that lr (the engine's lr for it), known from its last step, or from its
+        # "eta" once a state dict is loaded.
+        self._eta_lrs: Dict[torch.Tensor, float] = {}
         super().__init__(params, lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, foreach=foreach,
                          maximize=maximize, differentiable=differentiable, capturable=capturable, **extra)
 
-    def _eta_lr_of(self, g: Dict[str, Any]) -> float:
-        return self._eta_lr.get(id(g), _as_float(g["lr"]))
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._eta_lrs = {}  # recovered from each param's "eta"
 
-    def _config(self, g: Dict[str, Any]) -> Any:
-        return _sf.ASGD(lr=self._eta_lr_of(g), lambd=_as_float(g["lambd"]), alpha=_as_float(g["alpha"]),
+    def _eta_lr(self, g: Dict[str, Any], p: torch.Tensor) -> float:
+        """The lr param p's next eta comes from: its last step's, else (no step yet) the group's."""
+        lrs = self.__dict__.setdefault("_eta_lrs", {})
+        lr = lrs.get(p)
+        if lr is not None:
+            return lr
+        cur = _as_float(g["lr"])
+        st = self.state.get(p)
+        step = self._param_step(p)
+        eta = st.get("eta") if st else None
+        if not step or not isinstance(eta, torch.Tensor):
+            return cur
+        lr = _asgd_lr_of_eta(_as_float(eta), _as_float(g["lambd"]), _as_float(g["alpha"]), step, cur)
+        lrs[p] = lr
+        return lr
+
+    def _plan_split(self, g: Dict[str, Any], p: torch.Tensor) -> Any:
+        return self._eta_lr(g, p)
+
+    def _engine_config(self, cg: Any) -> Any:
+        g = self.param_groups[cg.torch_group]
+        return _sf.ASGD(lr=self._eta_lr(g, cg.params[0]), lambd=_as_float(g["lambd"]), alpha=_as_float(g["alpha"]),
                         t0=_as_float(g["t0"]), weight_decay=_as_float(g["weight_decay"]),
                         maximize=bool(g["maximize"]))
 
-    def _group_values_key(self, g: Dict[str, Any]) -> Tuple[Any, ...]:
-        return super()._group_values_key(g) + (self._eta_lr_of(g),)
+    def _config(self, g: Dict[str, Any]) -> Any:
+        return _sf.ASGD(lr=_as_float(g["lr"]), lambd=_as_float(g["lambd"]), alpha=_as_float(g["alpha"]),
+                        t0=_as_float(g["t0"]), weight_decay=_as_float(g["weight_decay"]),
+                        maximize=bool(g["maximize"]))
+
+    def _engine_values_key(self, cg: Any) -> Tuple[Any, ...]:
+        g = self.param_groups[cg.torch_group]
+        return self._group_values_key(g) + (self._eta_lr(g, cg.params[0]),)
 
     def _after_applied(self) -> None:
-        stepped = {cg.torch_group for cg in self._cpp_groups}
-        for gi, g in enumerate(self.param_groups):
-            if gi in stepped:
-                self._eta_lr[id(g)] = _as_float(g["lr"])
+        lrs = self.__dict__.setdefault("_eta_lrs", {})
+        for cg in self._cpp_groups:
+            lr = _as_float(self.param_groups[cg.torch_group]["lr"])
+            for p in cg.params:
+                lrs[p] = lr
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._eta_lr = {}  # new group dicts: their lr
+        self._eta_lrs = {}  # from the loaded "eta"s
 
     def _state_keys(self, g: Dict[str, Any]) -> Sequence[str]:
         return ("ax",)
 
-    def _derived_state(self, g: Dict[str, Any], step: int) -> Dict[str, torch.Tensor]:
-        # torch keeps the next step's eta and mu (fp32), from the step count.
-        lr, lambd, alpha, t0 = (_as_float(g[k]) for k in ("lr", "lambd", "alpha", "t0"))
-        eta = lr / ((1 + lambd * lr * step) ** alpha) if step else lr
+    def _derived_state(self, g: Dict[str, Any], step: int, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        # torch keeps the next step's eta and mu (fp32), from the step count and the lr of
+        # the param's last step.
+        lambd, alpha, t0 = (_as_float(g[k]) for k in ("lambd", "alpha", "t0"))
+        eta = _asgd_eta(self._eta_lr(g, p), lambd, alpha, step)
         mu = 1 / max(1, step - t0) if step else 1.0
         return {"eta": torch.tensor(eta, dtype=torch.float32), "mu": torch.tensor(mu, dtype=torch.float32)}
 
