@@ -70,7 +70,7 @@ void adam_like_kernel(float* __restrict p, const float* __restrict g, float* __r
 // probe's streams get the same TLB reach as the step's, so the step's % of the
 // probe's bandwidth is not flattered by the probe walking 4 KiB pages.
 float* alloc_floats(std::int64_t n) {
-  void* p = stepfuse::detail::allocate_buffer((static_cast<std::size_t>(n) * sizeof(float) + 63) / 64 * 64);
+  void* p = stepfuse::detail::allocate_buffer(static_cast<std::size_t>(n) * sizeof(float));
   if (p == nullptr) throw std::bad_alloc();
   return static_cast<float*>(p);
 }

@@ -9,7 +9,7 @@
 namespace stepfuse::detail {
 
 void* allocate_buffer(std::size_t bytes) {
-  if (bytes == 0) bytes = 64;
+  bytes = bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
   if (bytes < kHugePageMinBytes) return std::aligned_alloc(64, bytes);
   const std::size_t rounded = (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
   void* p = std::aligned_alloc(kHugePageBytes, rounded);

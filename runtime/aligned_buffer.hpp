@@ -19,7 +19,8 @@ namespace stepfuse::detail {
 inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
 inline constexpr std::size_t kHugePageMinBytes = std::size_t{4} << 20;
 
-// Allocates `bytes` (a multiple of 64) as AlignedBuffer does; null when out of memory.
+// Allocates `bytes` (rounded up to a multiple of 64) as AlignedBuffer does; null when
+// out of memory. Release with std::free.
 void* allocate_buffer(std::size_t bytes);
 
 class AlignedBuffer {
@@ -27,7 +28,7 @@ class AlignedBuffer {
   AlignedBuffer() = default;
   explicit AlignedBuffer(std::size_t n) : size_(n) {
     if (n == 0) return;
-    data_.reset(static_cast<float*>(allocate_buffer((n * sizeof(float) + 63) / 64 * 64)));
+    data_.reset(static_cast<float*>(allocate_buffer(n * sizeof(float))));
     if (!data_) throw std::bad_alloc();
   }
   float* data() const { return data_.get(); }

@@ -41,7 +41,7 @@ class FusedBackend final : public HostBackend {
     bool bf16_state = false;             // update and phase1 read and write the bf16 state themselves
   };
   bool all_bf16_state(std::size_t t) const;
-  void prefetch_start(std::size_t t, bool weight) const;
+  void prefetch_next(std::size_t c, bool weight) const;
   static ReducePartial reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n);
   // The LLVM kernels of one distinct program of the groups.
   struct ProgramJit {

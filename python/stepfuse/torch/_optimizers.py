@@ -386,12 +386,10 @@ class ASGD(_TorchLike):
 
     def _engine_config(self, cg: Any) -> Any:
         g = self.param_groups[cg.torch_group]
-        return _sf.ASGD(lr=self._eta_lr(g, cg.params[0]), lambd=_as_float(g["lambd"]), alpha=_as_float(g["alpha"]),
-                        t0=_as_float(g["t0"]), weight_decay=_as_float(g["weight_decay"]),
-                        maximize=bool(g["maximize"]))
+        return self._config(g, lr=self._eta_lr(g, cg.params[0]))
 
-    def _config(self, g: Dict[str, Any]) -> Any:
-        return _sf.ASGD(lr=_as_float(g["lr"]), lambd=_as_float(g["lambd"]), alpha=_as_float(g["alpha"]),
+    def _config(self, g: Dict[str, Any], lr: Optional[float] = None) -> Any:
+        return _sf.ASGD(lr=_as_float(g["lr"]) if lr is None else lr, lambd=_as_float(g["lambd"]), alpha=_as_float(g["alpha"]),
                         t0=_as_float(g["t0"]), weight_decay=_as_float(g["weight_decay"]),
                         maximize=bool(g["maximize"]))
 
