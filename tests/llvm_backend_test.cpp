@@ -643,6 +643,105 @@ TEST(LlvmBackend, ObjectCodeIsDeterministicAndKeysTellSpecsApart) {
   EXPECT_THROW(jit::CpuTarget::named(host.triple, "no-such-cpu"), Error);
 }
 
+// The `_bs` functions (state streams stored as bf16, CpuSpec::bf16_state), called
+// directly, against Highway's bf16-state kernels: every built-in, the dtype setups
+// Highway has them for, this CPU's vector width and the generic one's.
+TEST(LlvmBackend, Bf16StateFunctionsMatchHighwayKernels) {
+  REQUIRE_LLVM();
+  const jit::CpuTarget host = jit::CpuTarget::host();
+  if (host.triple.rfind("x86_64", 0) != 0) GTEST_SKIP() << "x86-64 only (the generic CPU's code must run here)";
+  const std::vector<jit::DtypeCombo> combos = {{DType::f32, DType::f32, false},
+                                               {DType::f32, DType::bf16, false},
+                                               {DType::bf16, DType::f32, true},
+                                               {DType::bf16, DType::bf16, true},
+                                               {DType::bf16, DType::bf16, false}};
+  std::mt19937 rng(78);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-40f, 3.3895e38f, 1e30f};
+  constexpr std::size_t kN = 1000 + 37, kFinite = 512;  // special values only from element kFinite on
+  const auto fill = [&](std::vector<float>& v, float scale) {
+    for (std::size_t i = 0; i < v.size(); ++i)
+      v[i] = i >= kFinite && i % 11 == 4 ? specials[(i / 11) % std::size(specials)] : normal(rng) * scale;
+  };
+  for (int b = 0; b < jit::kNumBuiltins; ++b) {
+    const auto builtin = static_cast<jit::Builtin>(b);
+    jit::CpuSpec spec;
+    spec.program = jit::builtin_program(builtin);
+    spec.combos = combos;
+    spec.bf16_state = combos;
+    spec.reduce_grads = {DType::f32};
+    const Program& p = spec.program;
+    const auto bf16_stream = [&](int st) {
+      return p.streams[st].role == StreamRole::state && p.streams[st].values != StateValues::full_precision;
+    };
+    for (const jit::CpuTarget& target : {jit::CpuTarget::named(host.triple, "x86-64"), host}) {
+      const auto k = jit::cpu_kernels_for(spec, target);
+      ASSERT_EQ(k->update_bf16_state.size(), combos.size());
+      for (std::size_t ci = 0; ci < combos.size(); ++ci) {
+        const jit::DtypeCombo c = combos[ci];
+        const cpu::UpdateFn hwy = cpu::fused_update_kernel(builtin, c, /*bf16_state=*/true);
+        ASSERT_NE(hwy, nullptr);
+        std::vector<float> g(kN), w(kN), init(kN);
+        fill(g, 0.1f), fill(w, 1.0f);
+        const std::vector<std::uint8_t> gb = List::store(g, c.grad), wb = List::store(w, c.weight);
+        float scalars[kMaxScalars], norms[kMaxNormSlots];
+        for (float& x : scalars) x = 0.5f + 0.4f * std::fabs(normal(rng));
+        for (float& x : norms) x = 0.5f + 2.0f * std::fabs(normal(rng));
+        cpu::UpdateArgs a[2];
+        std::vector<std::uint8_t> wcopy[2] = {wb, wb}, state[2][kMaxStreams];
+        std::vector<float> master[2] = {w, w};
+        for (int st = 0; st < p.num_streams; ++st) {
+          if (p.streams[st].role != StreamRole::state) continue;
+          fill(init, 0.01f);
+          if (p.streams[st].values != StateValues::any)
+            for (float& x : init) x = std::fabs(x);  // non-negative streams start non-negative
+          state[0][st] = state[1][st] = List::store(init, bf16_stream(st) ? DType::bf16 : DType::f32);
+        }
+        for (int side = 0; side < 2; ++side) {
+          a[side].grad = gb.data();
+          a[side].weight = wcopy[side].data();
+          a[side].master = c.master ? master[side].data() : nullptr;
+          a[side].scalars = scalars;
+          a[side].norms = norms;
+          for (int st = 0; st < p.num_streams; ++st)
+            a[side].state[st] = state[side][st].empty() ? nullptr : reinterpret_cast<float*>(state[side][st].data());
+        }
+        const std::string what = std::string(p.name) + " " + std::string(dtype_name(c.weight)) + "/" +
+                                 std::string(dtype_name(c.grad)) + (c.master ? "/m" : "") + " for " + target.cpu;
+        if (const cpu::Phase1Fn hwy1 = cpu::fused_phase1_kernel(builtin, c, /*bf16_state=*/true)) {
+          ASSERT_EQ(k->phase1_bf16_state.size(), combos.size());
+          // Phase 1 over a finite range (its sums compared bit for bit), then over the rest
+          // (special values: a NaN sum's sign is the order's, and any NaN is the answer).
+          for (const auto [from, n] : {std::pair<std::size_t, std::size_t>{0, kFinite}, {kFinite, kN - kFinite}}) {
+            float sums[2][kMaxNormSlots];
+            hwy1(a[0], from, n, sums[0]);
+            reinterpret_cast<cpu::Phase1Fn>(k->phase1_bf16_state[ci])(a[1], from, n, sums[1]);
+            for (int r = 0; r < kMaxNormSlots; ++r)
+              EXPECT_TRUE((from > 0 && std::isnan(sums[0][r]) && std::isnan(sums[1][r])) ||
+                          std::memcmp(&sums[0][r], &sums[1][r], 4) == 0)
+                  << what << ": phase-1 sum " << r << " from " << from << ": " << sums[0][r] << " vs " << sums[1][r];
+            if (from == 0) EXPECT_TRUE(std::isfinite(sums[1][0]) && sums[1][0] > 0.0f) << what << ": " << sums[1][0];
+          }
+        }
+        hwy(a[0], 0, kN - 9), hwy(a[0], kN - 9, 9);
+        reinterpret_cast<cpu::UpdateFn>(k->update_bf16_state[ci])(a[1], 0, kN - 9);
+        reinterpret_cast<cpu::UpdateFn>(k->update_bf16_state[ci])(a[1], kN - 9, 9);
+        EXPECT_EQ(wcopy[0], wcopy[1]) << what << ": weights";
+        EXPECT_EQ(std::memcmp(master[0].data(), master[1].data(), kN * 4), 0) << what << ": master";
+        for (int st = 0; st < p.num_streams; ++st) EXPECT_EQ(state[0][st], state[1][st]) << what << ": stream " << st;
+        EXPECT_NE(wcopy[1], wb) << what << ": the update wrote nothing";
+      }
+    }
+  }
+  // The module names them, and the spec's key tells them apart.
+  jit::CpuSpec spec = adamw_spec(), with = adamw_spec();
+  with.bf16_state = {with.combos[1]};
+  EXPECT_NE(jit::cpu_cache_key(spec, host), jit::cpu_cache_key(with, host));
+  EXPECT_NE(jit::cpu_module_ir(with, host, false).find("define void @sf_cpu_update_f32_f32_bs"), std::string::npos);
+  with.bf16_state = {{DType::f16, DType::f16, true}};  // not among the spec's combos
+  EXPECT_THROW(jit::cpu_module_ir(with, host, false), Error);
+}
+
 // The relocation types of an ELF64 object's RELA sections (none when it does not parse).
 std::vector<std::uint32_t> relocation_types(const std::string& object) {
   const ref::ElfImage image = ref::read_elf(object);

@@ -73,8 +73,12 @@ std::vector<std::string> symbols_of(const CpuSpec& spec) {
   std::vector<std::string> out;
   for (const DtypeCombo& c : spec.combos) out.push_back(cpu_update_symbol(c));
   for (DType g : spec.reduce_grads) out.push_back(cpu_reduce_symbol(g, spec.inf_norm));
-  if (is_two_phase(spec.program))
+  const bool two_phase = is_two_phase(spec.program);
+  if (two_phase)
     for (const DtypeCombo& c : spec.combos) out.push_back(cpu_phase1_symbol(c));
+  for (const DtypeCombo& c : spec.bf16_state) out.push_back(cpu_update_symbol(c, /*bf16_state=*/true));
+  if (two_phase)
+    for (const DtypeCombo& c : spec.bf16_state) out.push_back(cpu_phase1_symbol(c, /*bf16_state=*/true));
   return out;
 }
 
@@ -149,11 +153,18 @@ std::shared_ptr<const CpuKernels> link_object(const CpuSpec& spec, const std::st
   if (auto it = linked().find(key); it != linked().end()) return it->second;
   const std::vector<void*> fns = Linker::get().link(object, symbols);
   auto out = std::make_shared<CpuKernels>();
-  const auto updates = static_cast<std::ptrdiff_t>(spec.combos.size());
-  const auto reduces = static_cast<std::ptrdiff_t>(spec.reduce_grads.size());
-  out->update.assign(fns.begin(), fns.begin() + updates);
-  out->reduce.assign(fns.begin() + updates, fns.begin() + updates + reduces);
-  out->phase1.assign(fns.begin() + updates + reduces, fns.end());
+  // In symbols_of's order: updates, reduces, phase 1s, then the bf16-state updates and phase 1s.
+  auto at = fns.begin();
+  const auto take = [&](std::vector<void*>& into, std::size_t n) {
+    into.assign(at, at + static_cast<std::ptrdiff_t>(n));
+    at += static_cast<std::ptrdiff_t>(n);
+  };
+  const bool two_phase = is_two_phase(spec.program);
+  take(out->update, spec.combos.size());
+  take(out->reduce, spec.reduce_grads.size());
+  take(out->phase1, two_phase ? spec.combos.size() : 0);
+  take(out->update_bf16_state, spec.bf16_state.size());
+  take(out->phase1_bf16_state, two_phase ? spec.bf16_state.size() : 0);
   out->source = source;
   linked().emplace(key, out);
   return out;

@@ -17,6 +17,8 @@ struct CpuKernels {
   std::vector<void*> update;  // sf_cpu_update_* per spec.combos, in order
   std::vector<void*> reduce;  // sf_cpu_reduce_* per spec.reduce_grads, in order
   std::vector<void*> phase1;  // a two-phase program: sf_cpu_phase1_* per spec.combos, in order (else empty)
+  std::vector<void*> update_bf16_state;  // sf_cpu_update_*_bs per spec.bf16_state, in order
+  std::vector<void*> phase1_bf16_state;  // a two-phase program: sf_cpu_phase1_*_bs per spec.bf16_state
   enum class Source { linked, memory_cache, disk_cache, compiled };
   Source source = Source::compiled;  // how this call got them (linked: this process had them)
 };

@@ -43,11 +43,12 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes for the same spec (the cache key has it).
-constexpr int kEmitterVersion = 8;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
+constexpr int kEmitterVersion = 9;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
                                     // 4: the inf-norm reduce ignores NaNs (as the CUDA kernels);
                                     // 5-7: stochastic rounding of bf16 weights with the random bits the
                                     //    caller drew (jit/stochastic_round.h, sf_cpu_update_args::sr_*);
                                     // 8: compensated bf16 weights (the master slot holds the compensations)
+                                    // 9: functions with bf16 state streams (CpuSpec::bf16_state, `_bs`)
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
 // Byte offsets of the update functions' argument struct (jit/llvm/cpu_abi.h).
@@ -106,8 +107,9 @@ class Emitter {
   Emitter(llvm::Module& m, const CpuTarget& target, bool contract)
       : ctx_(m.getContext()), mod_(m), b_(ctx_), target_(target), contract_(contract) {}
 
-  void update_function(const Program& p, const DtypeCombo& c);
-  void phase1_function(const Program& p, const DtypeCombo& c);
+  // bf16_state: the `_bs` variant, with the program's stored state streams as bf16.
+  void update_function(const Program& p, const DtypeCombo& c, bool bf16_state);
+  void phase1_function(const Program& p, const DtypeCombo& c, bool bf16_state);
   void reduce_function(DType g, bool inf_norm);
 
  private:
@@ -238,8 +240,9 @@ class Emitter {
     llvm::Value* scalars[kMaxScalars];
     llvm::Value* norms[kMaxNormSlots];  // phase 2 of a two-phase program: the tensor's norms
     llvm::Value *sr_bits, *sr_begin;  // stochastic combos: element i's bits are sr_bits[i - sr_begin]
+    DType state_dtype[kMaxStreams];   // how each state stream is stored: f32, or bf16 (the `_bs` functions)
   };
-  Streams args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args, llvm::Value* begin);
+  Streams args_streams(const Program& p, const DtypeCombo& c, bool bf16_state, llvm::Value* args, llvm::Value* begin);
 
   // Stores `v` as bf16 at element i of the weights, rounded stochastically with the
   // random bits the caller drew for the elements (UpdateArgs::sr_bits): the vector
@@ -281,14 +284,14 @@ class Emitter {
           else if (role == StreamRole::param && c.master) v[k] = load(s.master, DType::f32, i, w);
           else if (role == StreamRole::param && c.compensated) v[k] = load_compensated(s, i, w);
           else if (role == StreamRole::param) v[k] = load_as_f32(s.weight, c.weight, i, w);
-          else v[k] = load(s.state[in.attr], DType::f32, i, w);
+          else v[k] = load_as_f32(s.state[in.attr], s.state_dtype[in.attr], i, w);
         } else if (role == StreamRole::param) {
           if (c.master) store(v[in.a], s.master, DType::f32, i);
           if (c.compensated) store_compensated(v[in.a], s, i);
           else if (c.stochastic) store_bf16_stochastic(v[in.a], s, i);
           else store_from_f32(v[in.a], s.weight, c.weight, i);
         } else {
-          store(v[in.a], s.state[in.attr], DType::f32, i);
+          store_from_f32(v[in.a], s.state[in.attr], s.state_dtype[in.attr], i);
         }
         continue;
       }
@@ -329,7 +332,8 @@ class Emitter {
 
 // The streams and scalars of `args` (a const sf_cpu_update_args*), loaded in the
 // current block: what `p` uses of them for combination c.
-Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, llvm::Value* args, llvm::Value* begin) {
+Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, bool bf16_state, llvm::Value* args,
+                                       llvm::Value* begin) {
   const auto load_at = [&](llvm::Type* t, unsigned offset, const char* name) {  // an 8-byte field
     llvm::Value* p8 = b_.CreateConstInBoundsGEP1_64(b_.getInt8Ty(), args, offset);
     return b_.CreateAlignedLoad(t, b_.CreatePointerCast(p8, t->getPointerTo()), llvm::Align(8), name);
@@ -340,8 +344,11 @@ Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, ll
   s.weight = field(kArgsWeight, "weight");
   s.master = c.master || c.compensated ? field(kArgsMaster, "master") : nullptr;
   if (c.stochastic) s.sr_bits = field(kArgsSrBits, "sr_bits"), s.sr_begin = begin;
-  for (int k = 0; k < p.num_streams; ++k)
-    if (p.streams[k].role == StreamRole::state) s.state[k] = field(kArgsState + 8 * k, "state");
+  for (int k = 0; k < p.num_streams; ++k) {
+    if (p.streams[k].role != StreamRole::state) continue;
+    s.state[k] = field(kArgsState + 8 * k, "state");
+    s.state_dtype[k] = bf16_state && p.streams[k].values != StateValues::full_precision ? DType::bf16 : DType::f32;
+  }
   if (p.num_scalars > 0) {
     llvm::Value* sc = b_.CreatePointerCast(field(kArgsScalars, "scalars"), f32()->getPointerTo());
     for (int k = 0; k < p.num_scalars; ++k)
@@ -362,10 +369,10 @@ Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, ll
 // element gets the same IEEE operations (and, stochastic combos, the same random
 // word: its model element's) either way, so the split is invisible.
 // `p`: a one-phase program, or the phase-2 part of a two-phase one.
-void Emitter::update_function(const Program& p, const DtypeCombo& c) {
+void Emitter::update_function(const Program& p, const DtypeCombo& c, bool bf16_state) {
   in_update_ = true;
   const unsigned W = static_cast<unsigned>(target_.vector_width);
-  llvm::Function* f = function(cpu_update_symbol(c), b_.getVoidTy(), {i8p(), i64(), i64()});
+  llvm::Function* f = function(cpu_update_symbol(c, bf16_state), b_.getVoidTy(), {i8p(), i64(), i64()});
   llvm::Value* args = f->getArg(0);
   llvm::Value* begin = f->getArg(1);
   llvm::Value* n = f->getArg(2);
@@ -378,7 +385,7 @@ void Emitter::update_function(const Program& p, const DtypeCombo& c) {
   auto* done = llvm::BasicBlock::Create(ctx_, "done", f);
 
   b_.SetInsertPoint(entry);
-  const Streams s = args_streams(p, c, args, begin);
+  const Streams s = args_streams(p, c, bf16_state, args, begin);
   llvm::Value* end = b_.CreateAdd(begin, n, "end");
   llvm::Value* vend = b_.CreateAdd(begin, b_.CreateAnd(n, ~std::uint64_t{W - 1}), "vend");
   b_.CreateBr(vhead);
@@ -411,9 +418,10 @@ void Emitter::update_function(const Program& p, const DtypeCombo& c) {
 // i mod 32 of a 32-lane accumulator per slot, 32 elements a step (the body at width
 // 32), the rest one by one into their lanes (skipping a lane adds what a zero pad
 // adds: nothing); then the fixed tree. sums[r] for every slot (0 when not reduced).
-void Emitter::phase1_function(const Program& p, const DtypeCombo& c) {
+void Emitter::phase1_function(const Program& p, const DtypeCombo& c, bool bf16_state) {
   in_update_ = true;
-  llvm::Function* f = function(cpu_phase1_symbol(c), b_.getVoidTy(), {i8p(), i64(), i64(), f32()->getPointerTo()});
+  llvm::Function* f =
+      function(cpu_phase1_symbol(c, bf16_state), b_.getVoidTy(), {i8p(), i64(), i64(), f32()->getPointerTo()});
   llvm::Value* args = f->getArg(0);
   llvm::Value* begin = f->getArg(1);
   llvm::Value* n = f->getArg(2);
@@ -430,7 +438,7 @@ void Emitter::phase1_function(const Program& p, const DtypeCombo& c) {
   llvm::Constant* zero = fconst(0.0f, kLanes);
 
   b_.SetInsertPoint(entry);
-  const Streams s = args_streams(p, c, args, begin);
+  const Streams s = args_streams(p, c, bf16_state, args, begin);
   llvm::Value* end = b_.CreateAdd(begin, n, "end");
   llvm::Value* gend = b_.CreateAdd(begin, b_.CreateAnd(n, ~std::uint64_t{kLanes - 1}), "gend");
   b_.CreateBr(vhead);
@@ -597,6 +605,9 @@ void check_spec(const CpuSpec& spec) {
   if (const char* problem = find_problem(spec.program, &where))
     throw Error(ErrorCode::invalid_argument, "LLVM emitter: invalid program (instruction " + std::to_string(where) +
                                                  "): " + problem);
+  for (const DtypeCombo& c : spec.bf16_state)
+    if (std::find(spec.combos.begin(), spec.combos.end(), c) == spec.combos.end())
+      throw Error(ErrorCode::invalid_argument, "LLVM emitter: a bf16-state combo that is not among the spec's combos");
   for (const DtypeCombo& c : spec.combos) {
     if (c.master && c.weight == DType::f32)
       throw Error(ErrorCode::invalid_argument, "LLVM emitter: f32 weights have no fp32 master copy");
@@ -618,10 +629,13 @@ std::unique_ptr<llvm::Module> build_module(llvm::LLVMContext& ctx, const CpuSpec
   Emitter e(*m, target, spec.contract);
   if (is_two_phase(spec.program)) {
     const Program phase1 = phase_program(spec.program, 0), phase2 = phase_program(spec.program, 1);
-    for (const DtypeCombo& c : spec.combos) e.update_function(phase2, c);
-    for (const DtypeCombo& c : spec.combos) e.phase1_function(phase1, c);
+    for (const bool bf16_state : {false, true}) {
+      for (const DtypeCombo& c : bf16_state ? spec.bf16_state : spec.combos) e.update_function(phase2, c, bf16_state);
+      for (const DtypeCombo& c : bf16_state ? spec.bf16_state : spec.combos) e.phase1_function(phase1, c, bf16_state);
+    }
   } else {
-    for (const DtypeCombo& c : spec.combos) e.update_function(spec.program, c);
+    for (const DtypeCombo& c : spec.combos) e.update_function(spec.program, c, false);
+    for (const DtypeCombo& c : spec.bf16_state) e.update_function(spec.program, c, true);
   }
   for (DType g : spec.reduce_grads) e.reduce_function(g, spec.inf_norm);
   std::string problems;
@@ -715,10 +729,13 @@ std::string cpu_canonical_text(const CpuSpec& spec) {
   for (const DtypeCombo& c : spec.combos)
     o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "")
       << (c.stochastic ? "/stochastic" : "") << (c.compensated ? "/compensated" : "");
+  o << "\nbf16 state";
+  for (const DtypeCombo& c : spec.bf16_state) o << " " << cpu_update_symbol(c);
   o << "\nreduce";
   for (DType g : spec.reduce_grads) o << " " << dtype_name(g);
   o << "\nstreams";
-  for (int s = 0; s < spec.program.num_streams; ++s) o << " " << static_cast<int>(spec.program.streams[s].role);
+  for (int s = 0; s < spec.program.num_streams; ++s)
+    o << " " << static_cast<int>(spec.program.streams[s].role) << "/" << static_cast<int>(spec.program.streams[s].values);
   o << "\nscalars " << static_cast<int>(spec.program.num_scalars) << "\ncode\n";
   for (int k = 0; k < spec.program.num_instrs; ++k) {
     const Instr& in = spec.program.code[k];
@@ -735,15 +752,15 @@ std::string cpu_cache_key(const CpuSpec& spec, const CpuTarget& target) {
          cpu_canonical_text(spec);
 }
 
-std::string cpu_update_symbol(const DtypeCombo& c) {
-  return "sf_cpu_update_" + std::string(dtype_name(c.weight)) + "_" + std::string(dtype_name(c.grad)) +
-         (c.master ? "_m" : "") + (c.stochastic ? "_sr" : "") + (c.compensated ? "_kc" : "");
+namespace {
+std::string combo_suffix(const DtypeCombo& c, bool bf16_state) {
+  return std::string(dtype_name(c.weight)) + "_" + std::string(dtype_name(c.grad)) + (c.master ? "_m" : "") +
+         (c.stochastic ? "_sr" : "") + (c.compensated ? "_kc" : "") + (bf16_state ? "_bs" : "");
 }
+}  // namespace
 
-std::string cpu_phase1_symbol(const DtypeCombo& c) {
-  return "sf_cpu_phase1_" + std::string(dtype_name(c.weight)) + "_" + std::string(dtype_name(c.grad)) +
-         (c.master ? "_m" : "") + (c.stochastic ? "_sr" : "") + (c.compensated ? "_kc" : "");
-}
+std::string cpu_update_symbol(const DtypeCombo& c, bool bf16_state) { return "sf_cpu_update_" + combo_suffix(c, bf16_state); }
+std::string cpu_phase1_symbol(const DtypeCombo& c, bool bf16_state) { return "sf_cpu_phase1_" + combo_suffix(c, bf16_state); }
 
 std::string cpu_reduce_symbol(DType grad, bool inf_norm) {
   return std::string(inf_norm ? "sf_cpu_reduce_inf_" : "sf_cpu_reduce_l2_") + std::string(dtype_name(grad));

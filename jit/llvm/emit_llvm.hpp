@@ -12,10 +12,13 @@
 // such pairs, equal to Highway within fp32 rounding instead of bitwise.
 //
 // The functions' C ABI (also what the emit API documents):
-//   void  sf_cpu_update_<w>_<g>[_m|_sr](const sf_cpu_update_args* args, uint64_t begin, uint64_t n);
+//   void  sf_cpu_update_<w>_<g>[_m|_sr|_kc][_bs](const sf_cpu_update_args* args, uint64_t begin, uint64_t n);
 //       elements [begin, begin + n) of one tensor: reads grad, weight (or master),
-//       state; writes weight, master, state (layout of cpu::UpdateArgs).
-//   void  sf_cpu_phase1_<w>_<g>[_m|_sr](const sf_cpu_update_args* args, uint64_t begin, uint64_t n, float* sums);
+//       state; writes weight, master, state (layout of cpu::UpdateArgs). `_bs`:
+//       the program's state streams (but those it keeps in full precision) are
+//       bf16 (uint16_t bit patterns behind the state[] pointers), loaded to fp32
+//       and stored rounded to nearest even, as runtime/cpu/convert-inl.h does.
+//   void  sf_cpu_phase1_<w>_<g>[_m|_sr|_kc][_bs](const sf_cpu_update_args* args, uint64_t begin, uint64_t n, float* sums);
 //       a two-phase program only (then the update function is its phase 2, reading
 //       args->norms): phase 1 over one reduce chunk [begin, begin + n) (begin a
 //       multiple of 32 within the tensor, n <= SF_CPU_CHUNK_ELEMS); writes state and
@@ -45,6 +48,9 @@ namespace stepfuse::jit {
 struct CpuSpec {
   Program program;                // names unused (they are not part of the code)
   std::vector<DtypeCombo> combos;   // update functions: the combinations present, in first-use order
+  // Combos (of `combos`) that also get update (and phase-1) functions with bf16 state
+  // streams (the `_bs` symbols), for the tensors whose stored state is all bf16.
+  std::vector<DtypeCombo> bf16_state;
   std::vector<DType> reduce_grads;  // reduce functions: the grad dtypes present
   bool inf_norm = false;          // reduce functions for the inf-norm (else L2)
   bool contract = false;          // let LLVM fuse mul+add pairs of the update into FMAs
@@ -69,8 +75,8 @@ struct CpuTarget {
 bool llvm_built();           // false when stepfuse was built without LLVM
 std::string llvm_version();  // "14.0.6", or "" when not built
 
-std::string cpu_update_symbol(const DtypeCombo& combo);
-std::string cpu_phase1_symbol(const DtypeCombo& combo);  // two-phase programs
+std::string cpu_update_symbol(const DtypeCombo& combo, bool bf16_state = false);
+std::string cpu_phase1_symbol(const DtypeCombo& combo, bool bf16_state = false);  // two-phase programs
 std::string cpu_reduce_symbol(DType grad, bool inf_norm);
 
 // Stable across runs and compilers; with the target and versions, the cache key.

@@ -83,16 +83,22 @@ bool FusedBackend::all_bf16_state(std::size_t t) const {
 void FusedBackend::setup_llvm(std::shared_ptr<const void> program_owner) {
   const CpuBackend choice = resolve_cpu_backend(options_.cpu_backend);
   if (choice == CpuBackend::highway || (choice == CpuBackend::automatic && !jit::llvm_built())) return;
-  // Stored state: LLVM's kernels read fp32 state, so they run on staged copies of it,
-  // where Highway's read bf16 state in registers; automatic stays on Highway (but a
-  // custom program, which Highway would interpret, still gets LLVM's kernels).
-  if (choice == CpuBackend::automatic && programs_.compressed() && !interpreters_) return;
-  for (ProgramJit& j : jits_) {
-    j.spec.program = *j.program;
-    j.spec.inf_norm = options_.norm_type == INFINITY;
-    j.spec.contract = options_.llvm_contract;
-    j.spec.combos = host_.layout().combos;
-    j.spec.reduce_grads = host_.layout().reduce_grads;
+  // Stored state: a tensor whose state is all bf16 gets the `_bs` functions, which
+  // read and write it in registers; the others (q8) stage it, as Highway's kernels do.
+  const jit::Layout& l = host_.layout();
+  for (std::size_t j = 0; j < jits_.size(); ++j) {
+    jit::CpuSpec& spec = jits_[j].spec;
+    spec.program = *jits_[j].program;
+    spec.inf_norm = options_.norm_type == INFINITY;
+    spec.contract = options_.llvm_contract;
+    spec.combos = l.combos;
+    spec.reduce_grads = l.reduce_grads;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (tensor_jit_[i] != j || !all_bf16_state(i)) continue;
+      const jit::DtypeCombo& c = l.combos[static_cast<std::size_t>(l.tensor_combo[i])];
+      if (std::find(spec.bf16_state.begin(), spec.bf16_state.end(), c) == spec.bf16_state.end())
+        spec.bf16_state.push_back(c);
+    }
   }
   for (std::size_t j = 0; j < jits_.size(); ++j) {
     if (choice == CpuBackend::llvm) {
@@ -121,8 +127,15 @@ void FusedBackend::install_llvm(std::size_t j, const jit::CpuKernels& k) {
     const auto gi = static_cast<std::size_t>(l.tensor_reduce[i]);
     TensorKernels& t = kernels_[i];
     t.update = reinterpret_cast<UpdateFn>(k.update[ci]);
-    t.bf16_state = false;  // (fp32 state: staged)
     if (!k.phase1.empty()) t.phase1 = reinterpret_cast<Phase1Fn>(k.phase1[ci]);  // two-phase programs
+    t.bf16_state = false;  // (stored state other than all bf16: staged fp32 copies)
+    const std::vector<jit::DtypeCombo>& bs = jits_[j].spec.bf16_state;
+    if (all_bf16_state(i)) {  // the `_bs` functions, which read and write it in registers
+      const auto b = static_cast<std::size_t>(std::find(bs.begin(), bs.end(), l.combos[ci]) - bs.begin());
+      t.update = reinterpret_cast<UpdateFn>(k.update_bf16_state.at(b));
+      if (!k.phase1_bf16_state.empty()) t.phase1 = reinterpret_cast<Phase1Fn>(k.phase1_bf16_state.at(b));
+      t.bf16_state = true;
+    }
     if (jits_[j].spec.inf_norm) t.llvm_inf = reinterpret_cast<JitInfFn>(k.reduce[gi]);
     else t.llvm_l2 = reinterpret_cast<JitL2Fn>(k.reduce[gi]);
   }
