@@ -345,9 +345,9 @@ std::string format_table(const Args& a, const Case& c, const FusedOnly& fo, cons
       if (vs.rounding_check[k]) {
         const sb::VerifyReport& vr = *vs.rounding_check[k];
         out += format("verified before timing%s: one %s step (stochastic rounding, seed %llu) is the %s step "
-                      "but for the rounding: the grad norm, clip coefficient and state bitwise equal, every weight "
-                      "finite and %s's or the bf16 value next to it (%s of %s values bitwise equal, %s weights "
-                      "(%.1f%% of them) rounded the other way)\n",
+                      "but for the rounding: the grad norm, clip coefficient and f32 or q8 state bitwise equal, every "
+                      "weight (and bf16 state value) finite and %s's or the bf16 value next to it (%s of %s values "
+                      "bitwise equal, %s weights (%.1f%% of them) rounded the other way)\n",
                       label, variant_name(fused_sr), static_cast<unsigned long long>(kStochasticSeed),
                       variant_name(fused), variant_name(fused), with_commas(vr.identical).c_str(),
                       with_commas(vr.values_checked).c_str(), with_commas(vr.rounded_apart).c_str(),

@@ -74,22 +74,23 @@ struct Tally {
     }
   }
 
-  // Two bf16 weights, bits a and b, each the fp32 result of the same update rounded down or
+  // Two bf16 values, bits a and b, each the fp32 result of the same update rounded down or
   // up (stochastically and to nearest): a finite, and a equal to b or one bf16 step from it
-  // (counted in `apart`). The first weight that is neither is described in `worst`.
+  // (counted in `identical`, and for weights one step apart in `apart`). The first value that is neither is
+  // described in `worst`. `what`: "weight", or the bf16 state stream's name.
   void check_rounded(std::uint16_t a, std::uint16_t b, const ModelBuffers& buf, std::size_t t, std::int64_t i,
-                     double initial) {
+                     double initial, std::string_view what = "weight") {
     ++checked;
     const bool finite = (a & 0x7F80u) != 0x7F80u;
-    const bool same_sign = ((a ^ b) & 0x8000u) == 0;
+    const bool same_sign = ((a ^ b) & 0x8000u) == 0 || ((a | b) & 0x7FFFu) == 0;  // (-0 and +0 are one step)
     const int steps = std::abs(static_cast<int>(a & 0x7FFFu) - static_cast<int>(b & 0x7FFFu));
     if (finite && same_sign && steps <= 1) {
-      identical += steps == 0;
-      apart += steps == 1;
+      identical += a == b;
+      if (what == "weight") apart += a != b;
       return;
     }
     ++bad;
-    if (worst.empty()) describe(bf16_to_f32(a), bf16_to_f32(b), 0.0, buf, t, i, "weight", initial);
+    if (worst.empty()) describe(bf16_to_f32(a), bf16_to_f32(b), 0.0, buf, t, i, what, initial);
   }
 
   void describe(double a, double b, double tol, const ModelBuffers& buf, std::size_t t, std::int64_t i,
@@ -112,16 +113,17 @@ struct Stored {
   std::span<const float> absmax;          // q8: state_absmax()
   static constexpr std::int64_t kBlock = 256;
 
+  std::uint16_t bf16_bits(std::int64_t i) const {  // format bf16: element i's bit pattern
+    std::uint16_t h;
+    std::memcpy(&h, bytes.data() + 2 * i, sizeof h);
+    return h;
+  }
   // Element i as a double whose bits differ exactly when the stored bits do: the fp32 value,
   // the bf16 value widened, or the q8 code.
   double bits_value(std::int64_t i) const {
     switch (format) {
       case StateFormat::f32: return f32[static_cast<std::size_t>(i)];
-      case StateFormat::bf16: {
-        std::uint16_t h;
-        std::memcpy(&h, bytes.data() + 2 * i, sizeof h);
-        return bf16_to_f32(h);
-      }
+      case StateFormat::bf16: return bf16_to_f32(bf16_bits(i));
       case StateFormat::q8:
         return static_cast<double>(std::to_integer<std::uint8_t>(bytes[static_cast<std::size_t>(i)]));
     }
@@ -198,15 +200,20 @@ std::string gather_spans(const Optimizer& a, const Optimizer& b, const ModelBuff
 
 // Element i of tensor t of every state stream, bit for bit as stored: the fp32 value, the bf16
 // bits, or the q8 code, and at the first element of each q8 block its absmax.
+// bf16_rounded: the two steps round bf16 state differently (stochastically and to nearest):
+// a bf16 value must be the other's or the one next to it.
 void check_state_bits(Tally& tl, const Spans& sp, const std::vector<std::string_view>& names, const ModelBuffers& buf,
-                      std::size_t t, std::int64_t i) {
+                      std::size_t t, std::int64_t i, bool bf16_rounded = false) {
   for (std::size_t s = 0; s < names.size(); ++s) {
     const Stored &x = sp.ast[s][t], &y = sp.bst[s][t];
     switch (x.format) {
       case StateFormat::f32:
         tl.check_bits(x.f32[static_cast<std::size_t>(i)], y.f32[static_cast<std::size_t>(i)], buf, t, i, names[s], 0.0);
         break;
-      case StateFormat::bf16: tl.check_bits(x.bits_value(i), y.bits_value(i), buf, t, i, names[s], 0.0); break;
+      case StateFormat::bf16:
+        if (bf16_rounded) tl.check_rounded(x.bf16_bits(i), y.bf16_bits(i), buf, t, i, 0.0, names[s]);
+        else tl.check_bits(x.bits_value(i), y.bits_value(i), buf, t, i, names[s], 0.0);
+        break;
       case StateFormat::q8: {
         tl.check_bits(x.bits_value(i), y.bits_value(i), buf, t, i, sp.code_names[s], 0.0);
         if (i % Stored::kBlock == 0) {
@@ -426,7 +433,7 @@ VerifyReport compare_rounding(const Optimizer& sr, const ModelBuffers& sr_buf, c
   const auto check = [&](Tally& tl, std::size_t t, std::int64_t i, double p0) {
     tl.check_rounded(static_cast<const std::uint16_t*>(sr_buf.weight(t).data)[i],
                      static_cast<const std::uint16_t*>(rn_buf.weight(t).data)[i], sr_buf, t, i, p0);
-    check_state_bits(tl, sp, names, sr_buf, t, i);
+    check_state_bits(tl, sp, names, sr_buf, t, i, /*bf16_rounded=*/true);  // (bf16 state rounds stochastically too)
   };
   compare_elements(sr_buf, loss_scale, threads, sr_name, rn_name, rep, check);
   rep.worst_ratio = 0;  // `worst` describes a value that differs; there is no tolerance to be a fraction of

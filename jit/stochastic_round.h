@@ -1,4 +1,4 @@
-/* Stochastic rounding of bf16 weights, written once: the random bits of an
+/* Stochastic rounding of bf16 weights (and of their bf16 state), written once: the random bits of an
  * element and the rounding that uses them. Counter-based, so every backend (the
  * Highway kernels, the LLVM-compiled code, the generated CUDA kernels, the
  * unfused baseline) computes bitwise the same weights for the same step, on any
@@ -63,6 +63,15 @@ SF_HD static inline unsigned sf_sr_bits(unsigned long long seed, unsigned long l
   sf_philox4x32_10(c, k, out);
   const unsigned word = out[(index >> 1) & 3];
   return (index & 1) ? word >> 16 : word & 0xFFFFu;
+}
+
+/* Stored state streams rounded stochastically (bf16 state of a tensor whose bf16
+ * weights round stochastically) take their bits from the same generator with the
+ * counter's step word marked by the stream: program stream k uses step
+ * sf_sr_state_step(step, k), whose top byte is k + 1 (the weights' is 0), so every
+ * stream has bits of its own. Steps stay below 2^56. */
+SF_HD static inline unsigned long long sf_sr_state_step(unsigned long long step, int stream) {
+  return step | ((unsigned long long)(stream + 1) << 56);
 }
 
 /* The random bits of model elements index .. index + 3 into r: one Philox call, or

@@ -378,6 +378,21 @@ TEST(CudaCodegenCompile, EveryBuiltinInEveryLayoutForCubinAndPtx) {
     updates.push_back(make_job("lamb unaligned bf16 state update sm_90", jit::emit_cuda_update(two_phase),
                                "lamb_bf16_state_update.cu", {90, CudaOutput::cubin}, jit::cuda_update_kernel_names(program_of(lamb)),
                                false));
+    // bf16 state rounded stochastically beside stochastically rounded bf16 weights (both
+    // phases' stores, and Adam's 4-element ones).
+    CudaSpec lamb_sr = make_spec(lamb, Layout::unaligned);
+    lamb_sr.combos.resize(2);
+    lamb_sr.combos[1] = {DType::bf16, DType::bf16, false, true};
+    lamb_sr.combo_formats.assign(lamb_sr.combos.size(), formats(program_of(lamb), StateFormat::bf16, StateFormat::bf16));
+    updates.push_back(make_job("lamb unaligned stochastic bf16 state update sm_90", jit::emit_cuda_update(lamb_sr),
+                               "lamb_sr_bf16_state_update.cu", {90, CudaOutput::cubin},
+                               jit::cuda_update_kernel_names(program_of(lamb)), false));
+    CudaSpec adam_sr = make_spec(adam, Layout::table);
+    adam_sr.combos.resize(2);
+    adam_sr.combos[1] = {DType::bf16, DType::bf16, false, true};
+    adam_sr.combo_formats.assign(adam_sr.combos.size(), formats(adam_program, StateFormat::bf16, StateFormat::bf16));
+    updates.push_back(make_job("adam table stochastic bf16 state update sm_90", jit::emit_cuda_update(adam_sr),
+                               "adam_sr_bf16_state_update.cu", {90, CudaOutput::cubin}, {"sf_update"}, false));
     // q8 state in both phases (phase 1's strided blocks), beside an f32-state combination.
     two_phase.combo_formats.assign(two_phase.combos.size(), formats(program_of(lamb), StateFormat::q8, StateFormat::q8));
     two_phase.combo_formats[0] = formats(program_of(lamb), StateFormat::f32, StateFormat::f32);
@@ -644,8 +659,8 @@ TEST(CudaCodegenSpec, PackedStateSpecsItRefusesAndTwoPhaseQ8) {
   lamb.combo_formats = {bf16, q8};
   const std::string two_phase = jit::emit_cuda_update(lamb);
   EXPECT_NE(two_phase.find("sf_q8_store_strided(t->state->data[2]"), std::string::npos);
-  EXPECT_NE(two_phase.find("sf_phase1_chunk_1(t, ch.begin, ch.len, lane, &streams, sc, acc, q8s)"), std::string::npos);
-  EXPECT_NE(two_phase.find("sf_phase1_chunk_0(t, ch.begin, ch.len, lane, &streams, sc, acc)"), std::string::npos);
+  EXPECT_NE(two_phase.find("sf_phase1_chunk_1(t, ch.begin, ch.len, lane, &streams, sc, acc, hyper.seed, sr_step, q8s)"), std::string::npos);
+  EXPECT_NE(two_phase.find("sf_phase1_chunk_0(t, ch.begin, ch.len, lane, &streams, sc, acc, hyper.seed, sr_step)"), std::string::npos);
   lamb.combo_formats = {bf16, bf16};
   EXPECT_EQ(jit::emit_cuda_update(lamb).find("sf_q8_store_strided"), std::string::npos);
   EXPECT_NE(jit::emit_cuda_update(lamb).find("sf_load_bf16(t->state->data[2]"), std::string::npos);

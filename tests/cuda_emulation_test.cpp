@@ -1243,6 +1243,28 @@ TEST_F(EmulatedStep, Bf16State) {
   }
 }
 
+// bf16 state beside bf16 weights rounded stochastically rounds stochastically too
+// (jit/stochastic_round.h, sf_sr_state_step): every store of it, the 4-element and the
+// one-element ones and LAMB's phase 1, bitwise the CPU's; with clipping and changing scales.
+TEST_F(EmulatedStep, Bf16StateWithStochasticRounding) {
+  OptimizerOptions options = sf_emu::state_options(StateFormat::bf16);
+  options.master_weights = false;
+  options.stochastic_rounding = true;
+  options.seed = 0x5EED0000ABCDull;
+  options.max_grad_norm = 2.0;
+  const double scales[] = {1024.0, 1.0, 77.0, 1.0};
+  for (const int misalign : {0, 1}) {
+    Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedStochastic), false, misalign, rng);
+    Pair p(model, kAdamW, options, seed | 1);
+    EXPECT_EQ(p.dev.spec_name(), misalign ? "adam_bf16_state_stochastic_unaligned" : "adam_bf16_state_stochastic");
+    for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "adam step " + std::to_string(k + 1));
+  }
+  Model model(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedStochastic), false, 0, rng);
+  Pair p(model, optim::LAMB{.lr = 1e-3, .weight_decay = 0.05}, options, seed | 2);
+  EXPECT_EQ(p.dev.spec_name(), "lamb_bf16_state_stochastic");
+  for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "lamb step " + std::to_string(k + 1));
+}
+
 // LAMB with q8 state: its phase 1 decodes and requantizes the moments a strided block at a
 // time, phase 2 decodes them again; with clipping and changing loss scales.
 TEST_F(EmulatedStep, Q8StateTwoPhases) {

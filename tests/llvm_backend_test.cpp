@@ -712,7 +712,7 @@ TEST(LlvmBackend, Bf16StateFunctionsMatchHighwayKernels) {
           ASSERT_EQ(k->phase1_bf16_state.size(), combos.size());
           // Phase 1 over a finite range (its sums compared bit for bit), then over the rest
           // (special values: a NaN sum's sign is the order's, and any NaN is the answer).
-          for (const auto [from, n] : {std::pair<std::size_t, std::size_t>{0, kFinite}, {kFinite, kN - kFinite}}) {
+          for (const auto& [from, n] : {std::pair<std::size_t, std::size_t>{0, kFinite}, {kFinite, kN - kFinite}}) {
             float sums[2][kMaxNormSlots];
             hwy1(a[0], from, n, sums[0]);
             reinterpret_cast<cpu::Phase1Fn>(k->phase1_bf16_state[ci])(a[1], from, n, sums[1]);
@@ -720,7 +720,9 @@ TEST(LlvmBackend, Bf16StateFunctionsMatchHighwayKernels) {
               EXPECT_TRUE((from > 0 && std::isnan(sums[0][r]) && std::isnan(sums[1][r])) ||
                           std::memcmp(&sums[0][r], &sums[1][r], 4) == 0)
                   << what << ": phase-1 sum " << r << " from " << from << ": " << sums[0][r] << " vs " << sums[1][r];
-            if (from == 0) EXPECT_TRUE(std::isfinite(sums[1][0]) && sums[1][0] > 0.0f) << what << ": " << sums[1][0];
+            if (from == 0) {
+              EXPECT_TRUE(std::isfinite(sums[1][0]) && sums[1][0] > 0.0f) << what << ": " << sums[1][0];
+            }
           }
         }
         hwy(a[0], 0, kN - 9), hwy(a[0], kN - 9, 9);

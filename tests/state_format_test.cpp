@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu_paths.hpp"
+#include "jit/stochastic_round.h"
 #include "runtime/cpu/kernels.hpp"
 #include "runtime/cpu/q8.hpp"
 #include "stepfuse/stepfuse.hpp"
@@ -189,6 +190,95 @@ std::vector<std::uint8_t> train(const OptimizerConfig& config, const OptimizerOp
       out.insert(out.end(), a, a + absmax.size_bytes());
     }
   return out;
+}
+
+// The index of `stream` among the program's streams (its listing's order).
+int stream_index(const Optimizer& opt, std::string_view stream) {
+  const std::string text = opt.program_text();
+  int index = 0;
+  for (std::size_t at = text.find("  stream "); at != std::string::npos; at = text.find("  stream ", at + 1), ++index)
+    if (text.compare(at + 9, stream.size() + 3, std::string(stream) + " : ") == 0) return index;
+  ADD_FAILURE() << "no stream " << stream << " in\n" << text;
+  return -1;
+}
+
+// bf16 state beside bf16 weights rounded stochastically rounds stochastically too,
+// each stream with bits of its own (sf_sr_state_step); beside f32 weights, to nearest.
+// So it equals an f32-state optimizer (with the same weights' rounding) whose state is
+// rounded so after every step, with the reference bits.
+TEST(StateFormats, Bf16StateBesideStochasticWeightsRoundsStochastically) {
+  const std::vector<OptimizerConfig> configs = {optim::AdamW{.lr = 1e-2, .weight_decay = 0.1},
+                                                optim::SGD{.lr = 0.1, .momentum = 0.9},
+                                                optim::RMSprop{.lr = 1e-2, .momentum = 0.9, .centered = true}};
+  for (const OptimizerConfig& config : configs) {
+    const std::string what(optimizer_name(config));
+    Model a(kNoF16), b(kNoF16);
+    OptimizerOptions ro = format_options(StateFormat::f32);
+    ro.master_weights = false;
+    ro.stochastic_rounding = true;
+    ro.seed = 0x5EED0000ABCDull;
+    OptimizerOptions bo = ro;
+    bo.state_format = StateFormat::bf16;
+    Optimizer ref(config, a.params, ro), opt(config, b.params, bo);
+    for (int step = 1; step <= 4; ++step) {
+      a.regrad(step);
+      b.regrad(step);
+      ASSERT_TRUE(ref.step_scaled(64.0).applied);
+      ASSERT_TRUE(opt.step_scaled(64.0).applied);
+      std::uint64_t base = 0;  // the model index of the param's element 0
+      for (std::size_t p = 0; p < ref.num_params(); ++p) {
+        const bool stochastic = kNoF16[p].weight == DType::bf16;
+        for (std::string_view s : ref.state_names()) {
+          const int k = stream_index(ref, s);
+          const std::span<float> v = ref.mutable_state(p, s);
+          std::vector<std::uint16_t> h(v.size());
+          if (stochastic) {
+            for (std::size_t j = 0; j < v.size(); ++j)
+              h[j] = sf_bf16_round_stochastic(
+                  v[j], sf_sr_bits(ro.seed, sf_sr_state_step(static_cast<std::uint64_t>(step), k), base + j));
+          } else {
+            cpu::narrow(v.data(), DType::bf16, h.data(), v.size());
+          }
+          cpu::widen(DType::bf16, h.data(), v.data(), v.size());
+          const std::vector<float> got = opt.state_values(p, s);
+          ASSERT_EQ(std::memcmp(got.data(), v.data(), v.size_bytes()), 0)
+              << what << " step " << step << " param " << p << " " << s;
+        }
+        base += static_cast<std::uint64_t>(kNoF16[p].numel);
+      }
+      ASSERT_EQ(a.flat(), b.flat()) << what << " step " << step;
+    }
+  }
+}
+
+// What stochastic rounding of the state is for: a second moment decaying by
+// beta2 = 0.999 a step moves by less than half a bf16 ulp (2^-9 of it), so rounded to
+// nearest it never decays; rounded stochastically it follows 0.999^t on average.
+TEST(StateFormats, StochasticBf16StateKeepsDecaying) {
+  constexpr std::size_t kN = 8192;
+  constexpr int kSteps = 600;
+  const auto run = [&](bool stochastic) {
+    std::vector<std::uint16_t> w(kN), g(kN);
+    const std::vector<float> ones(kN, 1.0f);
+    cpu::narrow(ones.data(), DType::bf16, w.data(), kN);
+    cpu::narrow(ones.data(), DType::bf16, g.data(), kN);
+    std::vector<Param> params = {{{w.data(), kN, DType::bf16}, {g.data(), kN, DType::bf16}}};
+    OptimizerOptions o;
+    o.master_weights = false;
+    o.stochastic_rounding = stochastic;
+    o.state_format = StateFormat::bf16;
+    Optimizer opt(optim::Adam{.lr = 1e-6}  /* betas 0.9, 0.999 */, params, o);
+    opt.step();  // exp_avg_sq = 0.001
+    std::fill(g.begin(), g.end(), std::uint16_t{0});
+    for (int t = 1; t < kSteps; ++t) opt.step();
+    double mean = 0;
+    for (float v : opt.state_values(0, "exp_avg_sq")) mean += v;
+    return mean / kN;
+  };
+  const double expected = 1e-3 * std::pow(0.999, kSteps - 1);  // 0.000549
+  const double nearest = run(false), stochastic = run(true);
+  EXPECT_GT(nearest, 0.99e-3) << "round to nearest was expected to stall";
+  EXPECT_NEAR(stochastic, expected, 0.02 * expected);
 }
 
 TEST(StateFormats, BitwiseIdenticalAcrossTargetsThreadsAndModes) {

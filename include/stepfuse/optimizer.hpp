@@ -57,7 +57,9 @@ struct OptimizerOptions {
   // bits are Philox4x32-10 keyed by `seed`, counted by the step and the element's
   // index in the model (docs/low-precision.md): bitwise the same on every backend,
   // thread count and device, and run to run. Needs at least one bf16 weight and
-  // no f16 weights; f32 weights in the list are unaffected.
+  // no f16 weights; f32 weights in the list are unaffected. A bf16 weight's state
+  // stored as bf16 (state_format) rounds stochastically too, each stream with bits of
+  // its own, so that a second moment decaying by 0.999 a step still decays.
   bool stochastic_rounding = false;
   std::uint64_t seed = 0;
   // bf16 weights without masters (master_weights = false): keep beside each bf16

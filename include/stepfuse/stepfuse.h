@@ -234,7 +234,8 @@ typedef enum sf_norm_type { SF_NORM_L2 = 0, SF_NORM_INF = 1 } sf_norm_type;
  * when a step loads it and encoded when it stores it, in the same single pass. */
 typedef enum sf_state_format {
   SF_STATE_F32 = 0,  /* 4 bytes per element, exact */
-  SF_STATE_BF16 = 1, /* 2 bytes per element (bf16 bit patterns), rounded to nearest even */
+  SF_STATE_BF16 = 1, /* 2 bytes per element (bf16 bit patterns), rounded to nearest even (stochastically
+                      * for a tensor whose bf16 weights round stochastically) */
   /* Block-wise 8-bit dynamic quantization, as bitsandbytes': per block of
    * SF_STATE_Q8_BLOCK elements one fp32 absmax and one byte (a code) per element, the
    * nearest of 256 codes (a signed code, or an unsigned one for non-negative streams). */

@@ -19,7 +19,7 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 12;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 13;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
                                     //    one element function per spec; 5: two-phase programs (sf_phase1,
                                     //    sf_phase_combine, sf_update's norms); 6: param groups (sf_tensor.group,
@@ -30,6 +30,8 @@ constexpr int kEmitterVersion = 12;  // 2: sf_reduce takes the loss scale as a d
                                     //    sf_tensor.model_index, sf_hyper.seed, the group's step);
                                     // 11: compensated bf16 weights (sf_tensor.master holds the compensations)
                                     // 12: bf16 and q8 state (sf_tensor.state, sf_hyper.q8_maps, update_span_q8.cuh)
+                                    // 13: bf16 state of stochastically rounded weights rounds stochastically
+                                    //    (sf_sr_state_step; sf_phase1 passes the seed and step)
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 
@@ -208,7 +210,11 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
       const std::string S = std::to_string(s), F = f == StateFormat::bf16 ? "bf16" : "f32";
       const std::string base = state_base(spec, s, slots[static_cast<std::size_t>(s)]);
       if (use.loads[s]) loadv += "sf_load4_" + F + "(" + base + ", so + " + at + ", st[" + S + "]" + off + ");\n";
-      if (use.stores[s]) storev += "sf_store4_" + F + "(" + base + ", so + " + at + ", st[" + S + "]" + off + ");\n";
+      if (use.stores[s] && f == StateFormat::bf16 && c.stochastic)  // (jit/stochastic_round.h: the stream's own bits)
+        storev += "sf_store4_bf16_sr(" + base + ", so + " + at + ", st[" + S + "]" + off + ", t->model_index + begin + " +
+                  at + ", sr_seed, sf_sr_state_step(sr_step, " + S + "));\n";
+      else if (use.stores[s])
+        storev += "sf_store4_" + F + "(" + base + ", so + " + at + ", st[" + S + "]" + off + ");\n";
     }
   };
   vector_accesses("i", "");
@@ -244,7 +250,11 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
     }
     const std::string F = f == StateFormat::bf16 ? "bf16" : "f32";
     if (use.loads[s]) load1 += "st[" + S + "][j] = sf_load_" + F + "(" + base + ", so + i + j);\n";
-    if (use.stores[s]) store1 += "sf_store_" + F + "(" + base + ", so + i + j, st[" + S + "][j]);\n";
+    if (use.stores[s] && f == StateFormat::bf16 && c.stochastic)
+      store1 += "sf_store_bf16_sr(" + base + ", so + i + j, st[" + S + "][j], t->model_index + begin + i + j, sr_seed, "
+                "sf_sr_state_step(sr_step, " + S + "));\n";
+    else if (use.stores[s])
+      store1 += "sf_store_" + F + "(" + base + ", so + i + j, st[" + S + "][j]);\n";
   }
   return fill(std::string(q8 ? kUpdateSpanQ8 : kUpdateSpan),
               {{"K", std::to_string(k)},
@@ -300,7 +310,11 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
     }
     const std::string F = f == StateFormat::bf16 ? "bf16" : "f32";
     if (use.loads[s]) load += "s[" + S + "] = sf_load_" + F + "(" + base + ", so + i);\n";
-    if (use.stores[s]) store += "sf_store_" + F + "(" + base + ", so + i, s[" + S + "]);\n";
+    if (use.stores[s] && f == StateFormat::bf16 && c.stochastic)
+      store += "sf_store_bf16_sr(" + base + ", so + i, s[" + S + "], t->model_index + begin + i, sr_seed, "
+               "sf_sr_state_step(sr_step, " + S + "));\n";
+    else if (use.stores[s])
+      store += "sf_store_" + F + "(" + base + ", so + i, s[" + S + "]);\n";
   }
   const unsigned slots = reduced_slots(prog);
   for (int r = 0; r < kMaxNormSlots; ++r)
@@ -529,7 +543,8 @@ std::string update_part(const CudaSpec& spec, bool with_reduce_common) {
     for (std::size_t k = 0; k < spec.combos.size(); ++k) {
       out += phase1_chunk(phase1, spec, static_cast<int>(k));
       cases += "    case " + std::to_string(k) + ": sf_phase1_chunk_" + std::to_string(k) +
-               "(t, ch.begin, ch.len, lane, &streams, sc, acc" + (combo_has_q8(spec, k) ? ", q8s" : "") + "); break;\n";
+               "(t, ch.begin, ch.len, lane, &streams, sc, acc, hyper.seed, sr_step" + (combo_has_q8(spec, k) ? ", q8s" : "") +
+               "); break;\n";
     }
     if (!cases.empty()) cases.pop_back();
     // With q8 state, the maps in shared memory (q8s), copied once the step is known to apply.

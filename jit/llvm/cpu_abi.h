@@ -32,7 +32,12 @@ typedef struct sf_cpu_update_args {
                                        update pass */
   uint64_t sr_base;                 /* the model index of the tensor's element 0 */
   const uint16_t* sr_bits;          /* per call over elements [begin, begin + n): element i's random bits are
-                                       sr_bits[i - begin] (sf_sr_bits of model element sr_base + i) */
+                                       sr_bits[i - begin] (sf_sr_bits of model element sr_base + i); with bf16
+                                       state (the `_bs` functions of a one-phase program), the j-th bf16 state
+                                       stream the update stores (j = 1, 2, ... in stream order) finds its bits at
+                                       sr_bits[j * sr_stride + i - begin] (at step sf_sr_state_step(sr_step, k),
+                                       k its stream index) */
+  uint64_t sr_stride;               /* elements between those streams' bits */
 } sf_cpu_update_args;
 
 #endif /* STEPFUSE_JIT_LLVM_CPU_ABI_H_ */

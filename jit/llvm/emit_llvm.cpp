@@ -43,21 +43,30 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes for the same spec (the cache key has it).
-constexpr int kEmitterVersion = 9;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
+constexpr int kEmitterVersion = 10;  // 3: two-phase programs (sf_cpu_phase1_*, sf_cpu_update_args::norms);
                                     // 4: the inf-norm reduce ignores NaNs (as the CUDA kernels);
                                     // 5-7: stochastic rounding of bf16 weights with the random bits the
                                     //    caller drew (jit/stochastic_round.h, sf_cpu_update_args::sr_*);
                                     // 8: compensated bf16 weights (the master slot holds the compensations)
-                                    // 9: functions with bf16 state streams (CpuSpec::bf16_state, `_bs`)
+                                    // 9, 10: functions with bf16 state streams (CpuSpec::bf16_state, `_bs`),
+                                    //    stochastically rounded in stochastic combos (sr_stride)
 // The reduce's canonical lanes (runtime/cpu/reduce.cpp, the GPU's warp).
 constexpr unsigned kLanes = 32;
 // Byte offsets of the update functions' argument struct (jit/llvm/cpu_abi.h).
 constexpr unsigned kArgsGrad = offsetof(sf_cpu_update_args, grad), kArgsWeight = offsetof(sf_cpu_update_args, weight),
                    kArgsMaster = offsetof(sf_cpu_update_args, master), kArgsState = offsetof(sf_cpu_update_args, state),
                    kArgsScalars = offsetof(sf_cpu_update_args, scalars), kArgsNorms = offsetof(sf_cpu_update_args, norms),
-                   kArgsSrBits = offsetof(sf_cpu_update_args, sr_bits);
+                   kArgsSrBits = offsetof(sf_cpu_update_args, sr_bits),
+                   kArgsSrStride = offsetof(sf_cpu_update_args, sr_stride);
 static_assert(SF_CPU_MAX_STREAMS == kMaxStreams, "state[] holds every program stream");
 static_assert(SF_CPU_MAX_NORM_SLOTS == kMaxNormSlots, "norms[] holds every reduction slot");
+
+// Whether program p stores stream k.
+bool stores(const Program& p, int k) {
+  for (int i = 0; i < p.num_instrs; ++i)
+    if (p.code[i].op == Op::store && p.code[i].attr == k) return true;
+  return false;
+}
 
 void init_llvm() {
   static std::once_flag once;
@@ -241,6 +250,9 @@ class Emitter {
     llvm::Value* norms[kMaxNormSlots];  // phase 2 of a two-phase program: the tensor's norms
     llvm::Value *sr_bits, *sr_begin;  // stochastic combos: element i's bits are sr_bits[i - sr_begin]
     DType state_dtype[kMaxStreams];   // how each state stream is stored: f32, or bf16 (the `_bs` functions)
+    // `_bs` functions of stochastic combos (one-phase programs): the offset of each stored bf16
+    // stream's random bits from the weights' (sr_bits[place * sr_stride + i - sr_begin]), else null
+    llvm::Value* sr_state_offset[kMaxStreams];
   };
   Streams args_streams(const Program& p, const DtypeCombo& c, bool bf16_state, llvm::Value* args, llvm::Value* begin);
 
@@ -251,6 +263,15 @@ class Emitter {
     const unsigned w = width(v);
     llvm::Value* r = b_.CreateZExt(load(s.sr_bits, DType::bf16, b_.CreateSub(i, s.sr_begin), w), vec(i32(), w));
     store(b_.CreateTrunc(narrow_stochastic(v, r), vec(b_.getInt16Ty(), w)), s.weight, DType::bf16, i);
+  }
+
+  // Stores `v` at element i of bf16 state stream k, rounded stochastically with the stream's
+  // random bits (after the weights' in sr_bits, UpdateArgs::sr_stride).
+  void store_state_stochastic(llvm::Value* v, const Streams& s, int k, llvm::Value* i) {
+    const unsigned w = width(v);
+    llvm::Value* at = b_.CreateAdd(s.sr_state_offset[k], b_.CreateSub(i, s.sr_begin));
+    llvm::Value* r = b_.CreateZExt(load(s.sr_bits, DType::bf16, at, w), vec(i32(), w));
+    store(b_.CreateTrunc(narrow_stochastic(v, r), vec(b_.getInt16Ty(), w)), s.state[k], DType::bf16, i);
   }
 
   // Compensated bf16 weights (runtime/cpu/convert-inl.h LoadCompensated and
@@ -291,7 +312,8 @@ class Emitter {
           else if (c.stochastic) store_bf16_stochastic(v[in.a], s, i);
           else store_from_f32(v[in.a], s.weight, c.weight, i);
         } else {
-          store_from_f32(v[in.a], s.state[in.attr], s.state_dtype[in.attr], i);
+          if (s.sr_state_offset[in.attr] != nullptr) store_state_stochastic(v[in.a], s, in.attr, i);
+          else store_from_f32(v[in.a], s.state[in.attr], s.state_dtype[in.attr], i);
         }
         continue;
       }
@@ -344,10 +366,14 @@ Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, bo
   s.weight = field(kArgsWeight, "weight");
   s.master = c.master || c.compensated ? field(kArgsMaster, "master") : nullptr;
   if (c.stochastic) s.sr_bits = field(kArgsSrBits, "sr_bits"), s.sr_begin = begin;
+  llvm::Value* stride = c.stochastic && bf16_state ? load_at(i64(), kArgsSrStride, "sr_stride") : nullptr;
+  std::uint64_t place = 0;  // (runtime/cpu/fused_update-inl.h SrStatePlace)
   for (int k = 0; k < p.num_streams; ++k) {
     if (p.streams[k].role != StreamRole::state) continue;
     s.state[k] = field(kArgsState + 8 * k, "state");
     s.state_dtype[k] = bf16_state && p.streams[k].values != StateValues::full_precision ? DType::bf16 : DType::f32;
+    if (stride != nullptr && s.state_dtype[k] == DType::bf16 && stores(p, k))
+      s.sr_state_offset[k] = b_.CreateMul(stride, b_.getInt64(++place));
   }
   if (p.num_scalars > 0) {
     llvm::Value* sc = b_.CreatePointerCast(field(kArgsScalars, "scalars"), f32()->getPointerTo());
@@ -608,6 +634,10 @@ void check_spec(const CpuSpec& spec) {
   for (const DtypeCombo& c : spec.bf16_state)
     if (std::find(spec.combos.begin(), spec.combos.end(), c) == spec.combos.end())
       throw Error(ErrorCode::invalid_argument, "LLVM emitter: a bf16-state combo that is not among the spec's combos");
+    else if (c.stochastic && is_two_phase(spec.program))
+      throw Error(ErrorCode::invalid_argument,
+                  "LLVM emitter: stochastically rounded bf16 state is for one-phase programs (a two-phase "
+                  "program's state is staged)");
   for (const DtypeCombo& c : spec.combos) {
     if (c.master && c.weight == DType::f32)
       throw Error(ErrorCode::invalid_argument, "LLVM emitter: f32 weights have no fp32 master copy");

@@ -6,7 +6,9 @@
 #include <string>
 
 #include "jit/base/warning.hpp"
+#include "jit/program_analysis.hpp"
 #include "jit/step_stage.h"
+#include "jit/stochastic_round.h"
 #include "stepfuse/error.hpp"
 
 namespace stepfuse::cpu {
@@ -55,11 +57,18 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
                                      static_cast<std::size_t>(threads()));
   }
   two_phase_ = TwoPhase(tensor_programs, l);
+  std::size_t bit_streams = 1;  // per thread: the weights' bits, and those of the bf16 state kernels round
+  sr_state_streams_.resize(params_.size());
   for (std::size_t i = 0; i < params_.size(); ++i) {
     stochastic_.push_back(l.combos[static_cast<std::size_t>(l.tensor_combo[i])].stochastic);
     stores_.push_back(stored_streams(*tensor_programs[i]));
+    if (stochastic_[i] && all_bf16_state(i))
+      for (const HostBuffers::StagedStream& s : host_.staged_streams(i))
+        if (stores_[i].update & (1u << s.stream)) sr_state_streams_[i].push_back(s.stream);
+    std::sort(sr_state_streams_[i].begin(), sr_state_streams_[i].end());  // (in stream order, as the kernels place them)
+    bit_streams = std::max(bit_streams, 1 + sr_state_streams_[i].size());
   }
-  if (options_.stochastic_rounding) rounding_bits_.resize(kRoundingRun * static_cast<std::size_t>(threads()));
+  if (options_.stochastic_rounding) rounding_bits_.resize(bit_streams * kRoundingRun * static_cast<std::size_t>(threads()));
   if (options_.fusion == Fusion::fused) setup_llvm(std::move(program_owner));
 }
 
@@ -70,6 +79,10 @@ bool FusedBackend::all_bf16_state(std::size_t t) const {
   if (!host_.staged(t)) return false;
   const std::uint32_t g = programs_.tensor_group[t];
   const Program& p = *programs_.groups[g].program;
+  // (stochastically rounded state of a two-phase program stages: its phase 1 stores the
+  // state over a whole chunk, more random bits than a run keeps in L1)
+  const jit::Layout& l = host_.layout();
+  if (l.combos[static_cast<std::size_t>(l.tensor_combo[t])].stochastic && jit::is_two_phase(p)) return false;
   for (int s = 0; s < p.num_streams; ++s) {
     if (p.streams[s].role != StreamRole::state || p.streams[s].values == StateValues::full_precision) continue;
     const int b = programs_.state_slot[g][static_cast<std::size_t>(s)];
@@ -270,13 +283,21 @@ StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<do
                    args_run, begin, len, scratch_.data() + per_thread * static_cast<std::size_t>(t));
              if (!stochastic_[ch.tensor]) return kernels_[ch.tensor].update(args_run, begin, len);
              // Runs of the chunk: each run's random bits (one Philox call per 8 elements, kept in
-             // L1), then the update of the run reading them.
+             // L1), the weights' and those of the bf16 state streams the kernel rounds, then the
+             // update of the run reading them.
              UpdateArgs a = args_run;
-             std::uint16_t* bits = rounding_bits_.data() + kRoundingRun * static_cast<std::size_t>(t);
+             static const std::vector<int> kNone;  // (staged state: HostBuffers::stage() rounds it)
+             const std::vector<int>& streams = kernels_[ch.tensor].bf16_state ? sr_state_streams_[ch.tensor] : kNone;
+             std::uint16_t* bits = rounding_bits_.data() + rounding_bits_.size() / static_cast<std::size_t>(threads()) *
+                                                               static_cast<std::size_t>(t);
              a.sr_bits = bits;
+             a.sr_stride = kRoundingRun;
              for (std::size_t at = begin; at < begin + len; at += kRoundingRun) {
                const std::size_t n = std::min(kRoundingRun, begin + len - at);
                rounding_bits(a.sr_seed, a.sr_step, a.sr_base + at, n, bits);
+               for (std::size_t j = 0; j < streams.size(); ++j)
+                 rounding_bits(a.sr_seed, sf_sr_state_step(a.sr_step, streams[j]), a.sr_base + at, n,
+                               bits + (j + 1) * kRoundingRun);
                kernels_[ch.tensor].update(a, at, n);
              }
            });

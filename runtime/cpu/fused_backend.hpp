@@ -69,6 +69,9 @@ class FusedBackend final : public HostBackend {
   // and per tensor the streams its phases store.
   static constexpr std::size_t kStageRun = 16384;
   std::vector<StoredStreams> stores_;
+  // Per tensor whose kernels round its bf16 state stochastically in registers: the
+  // streams whose bits follow the weights' in rounding_bits_ (UpdateArgs::sr_stride).
+  std::vector<std::vector<int>> sr_state_streams_;
   std::vector<std::uint16_t> rounding_bits_;
   TwoPhase two_phase_;                            // two-phase programs' chunk sums and norms
 };

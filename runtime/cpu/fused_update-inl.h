@@ -31,9 +31,12 @@ struct Streams {
   float* master;
   float* state[kMaxStreams];
   const float* norms;  // phase 2 of a two-phase program: the tensor's norms
-  // M == kStochasticWeights: the random bits of element i are sr_bits[i - sr_begin]
+  // M == kStochasticWeights: the random bits of element i are sr_bits[i - sr_begin]; with
+  // kBf16State, the j-th bf16 state stream the program stores has its own at
+  // sr_bits[j * sr_stride + i - sr_begin] (UpdateArgs::sr_stride)
   const std::uint16_t* sr_bits;
   std::size_t sr_begin;
+  std::size_t sr_stride;
 };
 
 // The weight modes (template parameter M): how the param stream is kept.
@@ -53,6 +56,21 @@ constexpr bool Bf16Stream(int k) {
   return (M & kBf16State) != 0 && P.streams[k].role == StreamRole::state &&
          P.streams[k].values != StateValues::full_precision;
 }
+// Whether program P stores stream k.
+template <const Program& P>
+constexpr bool Stores(int k) {
+  for (int i = 0; i < P.num_instrs; ++i)
+    if (P.code[i].op == Op::store && P.code[i].attr == k) return true;
+  return false;
+}
+// Stochastic weights with bf16 state: the place (1, 2, ...) of stream k's random bits
+// among the bf16 state streams P stores, in stream order (the weights' are place 0).
+template <const Program& P, int M>
+constexpr int SrStatePlace(int k) {
+  int place = 1;
+  for (int j = 0; j < k && j < P.num_streams; ++j) place += Bf16Stream<P, M>(j) && Stores<P>(j) ? 1 : 0;
+  return place;
+}
 // Bytes per element of the master slot in mode M (none: 0).
 template <int M>
 inline constexpr std::size_t kMasterBytes = kWeightMode<M> == kMasterWeights ? 4 : kWeightMode<M> == kCompensatedWeights ? 2 : 0;
@@ -61,7 +79,7 @@ inline constexpr std::size_t kMasterBytes = kWeightMode<M> == kMasterWeights ? 4
 HWY_INLINE Streams StreamsOf(const UpdateArgs& a, std::size_t begin) {
   return {a.grad, a.weight, a.master,
           {a.state[0], a.state[1], a.state[2], a.state[3], a.state[4], a.state[5], a.state[6], a.state[7]},
-          a.norms, a.sr_bits, begin};
+          a.norms, a.sr_bits, begin, static_cast<std::size_t>(a.sr_stride)};
 }
 
 // Executes instruction I of program P on lanes [i, i + Lanes(d)). Phase 1 of a
@@ -87,6 +105,9 @@ HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i, V*
       if constexpr (WM == kCompensatedWeights) StoreCompensated(d, v[in.a], st.weight, st.master, i);
       else if constexpr (WM == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.sr_bits + (i - st.sr_begin));
       else StoreAs<W>(d, v[in.a], st.weight, i);
+    } else if constexpr (Bf16Stream<P, M>(in.attr) && WM == kStochasticWeights) {
+      StoreBf16Stochastic(d, v[in.a], st.state[in.attr], i,
+                          st.sr_bits + SrStatePlace<P, M>(in.attr) * st.sr_stride + (i - st.sr_begin));
     } else if constexpr (Bf16Stream<P, M>(in.attr)) {
       StoreAs<DType::bf16>(d, v[in.a], st.state[in.attr], i);
     } else {
@@ -162,9 +183,14 @@ void FusedUpdate(const UpdateArgs& a, std::size_t begin, std::size_t n) {
   std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
   constexpr std::size_t kMB = kMasterBytes<M>;
   if constexpr (kMB > 0) std::memcpy(master_buf, reinterpret_cast<const char*>(a.master) + i * kMB, rem * kMB);
-  alignas(64) std::uint16_t bits_buf[kMax] = {};  // the buffers' element 0 is the tensor's element i
-  if constexpr (kWeightMode<M> == kStochasticWeights) std::memcpy(bits_buf, a.sr_bits + (i - begin), rem * sizeof(std::uint16_t));
-  Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, bits_buf, 0};
+  // The random bits (the weights', then those of the bf16 state streams stored: kMax apart).
+  // The buffers' element 0 is the tensor's element i.
+  constexpr int kBitPlaces = kWeightMode<M> == kStochasticWeights ? SrStatePlace<P, M>(kMaxStreams) : 1;
+  alignas(64) std::uint16_t bits_buf[kBitPlaces * kMax] = {};
+  if constexpr (kWeightMode<M> == kStochasticWeights)
+    for (int p = 0; p < kBitPlaces; ++p)
+      std::memcpy(bits_buf + p * kMax, a.sr_bits + p * a.sr_stride + (i - begin), rem * sizeof(std::uint16_t));
+  Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, bits_buf, 0, kMax};
   for (int k = 0; k < P.num_streams; ++k) {
     if (P.streams[k].role != StreamRole::state) continue;
     const std::size_t es = Bf16Stream<P, M>(k) ? 2 : 4;
@@ -222,7 +248,7 @@ void FusedPhase1(const UpdateArgs& a, std::size_t begin, std::size_t n, float* s
     std::memcpy(weight_buf, static_cast<const char*>(a.weight) + i * wsize, rem * wsize);
     constexpr std::size_t kMB = kMasterBytes<M>;
     if constexpr (kMB > 0) std::memcpy(master_buf, reinterpret_cast<const char*>(a.master) + i * kMB, rem * kMB);
-    Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, nullptr, 0};  // (no param store in phase 1)
+    Streams tail{grad_buf, weight_buf, master_buf, {}, a.norms, nullptr, 0, 0};  // (no param store in phase 1)
     for (int k = 0; k < P.num_streams; ++k) {
       if (P.streams[k].role != StreamRole::state) continue;
       const std::size_t es = Bf16Stream<P, M>(k) ? 2 : 4;

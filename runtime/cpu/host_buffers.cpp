@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "jit/program_analysis.hpp"
+#include "jit/stochastic_round.h"
 #include "runtime/cpu/q8.hpp"
 #include "runtime/shard.hpp"
 
@@ -166,8 +167,17 @@ void HostBuffers::decode(const detail::StateSlot& s, std::size_t at, std::size_t
   }
 }
 
-void HostBuffers::encode(const float* src, const detail::StateSlot& s, std::size_t at, std::size_t n) {
-  if (s.format == StateFormat::bf16) {
+StateRounding HostBuffers::rounding(std::size_t t, const UpdateArgs& a, int stream) const {
+  if (!layout_.combos[static_cast<std::size_t>(layout_.tensor_combo[t])].stochastic) return {};
+  return {true, a.sr_seed, sf_sr_state_step(a.sr_step, stream), a.sr_base};
+}
+
+void HostBuffers::encode(const float* src, const detail::StateSlot& s, std::size_t at, std::size_t n,
+                         const StateRounding& rounding) {
+  if (s.format == StateFormat::bf16 && rounding.stochastic) {
+    narrow_bf16_stochastic(src, static_cast<std::uint16_t*>(s.data) + at, n, rounding.seed, rounding.step,
+                           rounding.first);
+  } else if (s.format == StateFormat::bf16) {
     narrow(src, DType::bf16, static_cast<std::uint16_t*>(s.data) + at, n);
   } else {
     q8_quantize(src, static_cast<std::uint8_t*>(s.data) + at, s.absmax + at / kQ8Block, n,

@@ -32,6 +32,14 @@ struct StoredStreams {
 };
 StoredStreams stored_streams(const Program& p);
 
+// How a step's store rounds a bf16 state stream: to nearest even, or (the state of a
+// tensor whose weights round stochastically) stochastically, with the bits of
+// sf_sr_state_step(step, stream) for model elements first, first + 1, ...
+struct StateRounding {
+  bool stochastic = false;
+  std::uint64_t seed = 0, step = 0, first = 0;
+};
+
 class HostBuffers {
  public:
   // Plans the list, picks the thread count (OptimizerOptions::num_threads, or
@@ -86,12 +94,16 @@ class HostBuffers {
       }
       fn(r, n);
       for (std::size_t k = 0; k < streams.size(); ++k)
-        if (stored & (1u << streams[k].stream)) encode(scratch + k * kChunkElems, streams[k].slot, at, n);
+        if (stored & (1u << streams[k].stream))
+          encode(scratch + k * kChunkElems, streams[k].slot, at, n, rounding(t, r, streams[k].stream));
     }
   }
+  // Tensor t's rounding of `stream`, for args `a` advanced to the first element stored.
+  StateRounding rounding(std::size_t t, const UpdateArgs& a, int stream) const;
   // Elements [at, at + n) of a bf16 or q8 slot to fp32 and back (at a multiple of kQ8Block).
   static void decode(const detail::StateSlot& s, std::size_t at, std::size_t n, float* dst);
-  static void encode(const float* src, const detail::StateSlot& s, std::size_t at, std::size_t n);
+  static void encode(const float* src, const detail::StateSlot& s, std::size_t at, std::size_t n,
+                     const StateRounding& rounding = {});
 
   // Calls body(chunk, thread) for every chunk of the layout, each thread its own
   // run of them.

@@ -241,6 +241,15 @@ inline std::vector<EmulatedSpec> emulated_specs() {
                                                {4, 4, 4}, kMixedMasters, q8)});
   // LAMB's two phases with q8 state: phase 1 stores its moments a strided block at a time.
   out.push_back({"lamb_q8", packed_spec(kLamb, kMixedMasters, q8)});
+  // bf16 state beside bf16 weights rounded stochastically: rounded stochastically too, with
+  // each stream's own bits (the 4-element stores, the unaligned one-element ones, and LAMB's
+  // phase 1, which stores its moments).
+  stepfuse::OptimizerOptions bf16_sr = state_options(StateFormat::bf16);
+  bf16_sr.master_weights = false;
+  bf16_sr.stochastic_rounding = true;
+  out.push_back({"adam_bf16_state_stochastic", packed_spec(kAdam, kMixedStochastic, bf16_sr)});
+  out.push_back({"adam_bf16_state_stochastic_unaligned", packed_spec(kAdam, kMixedStochastic, bf16_sr, false)});
+  out.push_back({"lamb_bf16_state_stochastic", packed_spec(kLamb, kMixedStochastic, bf16_sr)});
   return out;
 }
 

@@ -7,7 +7,9 @@
  * {STATE_BASE}: the state index of element `begin` (packed state: its own). */
 SF_DEV SF_INLINE void sf_phase1_chunk_{K}(const sf_tensor* SF_RESTRICT t, long long begin, int len, int lane,
                                           const sf_streams* SF_RESTRICT ss, const float* SF_RESTRICT sc,
-                                          float* SF_RESTRICT acc) {
+                                          float* SF_RESTRICT acc, unsigned long long sr_seed,
+                                          unsigned long long sr_step) {
+  (void)sr_seed, (void)sr_step;
   const long long so = {STATE_BASE};
   for (int i = lane; i < len; i += 32) {
     float g = 0.0f, p = 0.0f;

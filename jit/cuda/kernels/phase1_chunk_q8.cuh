@@ -9,8 +9,9 @@
  * emitter fills the holes in braces below (emit_cuda.cpp, phase1_chunk). */
 SF_DEV SF_INLINE void sf_phase1_chunk_{K}(const sf_tensor* SF_RESTRICT t, long long begin, int len, int lane,
                                           const sf_streams* SF_RESTRICT ss, const float* SF_RESTRICT sc,
-                                          float* SF_RESTRICT acc, const float* SF_RESTRICT q8s) {
-  (void)ss;
+                                          float* SF_RESTRICT acc, unsigned long long sr_seed,
+                                          unsigned long long sr_step, const float* SF_RESTRICT q8s) {
+  (void)ss, (void)sr_seed, (void)sr_step;
   const long long so = begin;  /* q8 state is packed: each tensor's from its element 0 */
   for (int q = 0; q < len; q += SF_Q8_BLOCK) {
     const long long block = (begin + q) / SF_Q8_BLOCK;

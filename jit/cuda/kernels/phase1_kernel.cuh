@@ -33,6 +33,8 @@ sf_phase1(const sf_tensor* SF_RESTRICT tensors, const sf_span* SF_RESTRICT chunk
                                 : hyper.scalars[(long long)g * SF_MAX_SCALARS + lane];
   __syncwarp(SF_FULL_MASK);
   const float* SF_RESTRICT sc = sc_warp[warp];
+  /* Stochastic rounding's step (bf16 state of bf16 weights rounded stochastically), as sf_update's. */
+  const unsigned long long sr_step = (unsigned long long)((plain ? stage.step : st->step) - hyper.groups[g].step_base);
   float acc[SF_MAX_NORM_SLOTS] = {};
   switch (t->combo) {
 {PHASE1_CASES}
