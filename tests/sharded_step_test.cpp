@@ -144,7 +144,8 @@ TEST(ShardedStep, UnfusedAndInterpretedStepsAreShardedToo) {
 }
 
 // Stochastic rounding draws each element's bits by its index in the whole model, so
-// every partition gives the one process's bf16 weights (each backend's own loops).
+// every partition gives the one process's bf16 weights and bf16 state (each backend's
+// own loops).
 TEST(ShardedStep, StochasticRoundingCountsElementsInTheWholeModel) {
   GradSource src;
   const DtypeSetup bf16_no_masters = kSetups[3];
@@ -157,6 +158,9 @@ TEST(ShardedStep, StochasticRoundingCountsElementsInTheWholeModel) {
                                         what + ", slices", f, /*stochastic_rounding=*/true);
       expect_sharded_equals_one_process(optim::SGD{.lr = 0.1, .momentum = 0.9}, bf16_no_masters, norm,
                                         whole_tensors(2), src, 3, what + ", whole tensors", f, true);
+      // bf16 state beside them rounds stochastically too, by the same model indices.
+      expect_sharded_equals_one_process(optim::AdamW{.lr = 1e-2}, bf16_no_masters, norm, sliced(3), src, 3,
+                                        what + ", slices, bf16 state", f, true, StateFormat::bf16);
     }
 }
 
