@@ -510,6 +510,17 @@ TEST(LlvmBackend, ContractStaysCloseToHighway) {
 
 // ---- Vector widths: the kernels alone, against Highway's ------------------------------
 
+// One side's args of a direct kernel call: its copies of the weights (and masters), the
+// shared gradients, scalars and norms (the state streams are the caller's to point).
+void point_args(cpu::UpdateArgs& a, const std::vector<std::uint8_t>& grad, std::vector<std::uint8_t>& weight,
+                std::vector<float>& master, bool masters, const float* scalars, const float* norms) {
+  a.grad = grad.data();
+  a.weight = weight.data();
+  a.master = masters ? master.data() : nullptr;
+  a.scalars = scalars;
+  a.norms = norms;
+}
+
 // Every built-in's kernels compiled for the generic x86-64 CPU (SSE2: 4 lanes) and for this
 // one (8 or 16), called directly on data full of special values, against the Highway
 // kernels: the same bits whatever the vector width.
@@ -555,11 +566,7 @@ TEST(LlvmBackend, EveryVectorWidthMatchesHighwayKernels) {
         std::vector<std::uint8_t> wcopy[2] = {wb, wb};
         std::vector<float> master[2] = {w, w}, state[2][kMaxStreams];
         for (int side = 0; side < 2; ++side) {
-          a[side].grad = gb.data();
-          a[side].weight = wcopy[side].data();
-          a[side].master = c.master ? master[side].data() : nullptr;
-          a[side].scalars = scalars;
-          a[side].norms = norms;
+          point_args(a[side], gb, wcopy[side], master[side], c.master, scalars, norms);
           for (int st = 0; st < spec.program.num_streams; ++st) {
             state[side][st].assign(kN, 0.0f);
             if (side == 0) fill(state[0][st], 0.01f);
@@ -698,11 +705,7 @@ TEST(LlvmBackend, Bf16StateFunctionsMatchHighwayKernels) {
           state[0][st] = state[1][st] = List::store(init, bf16_stream(st) ? DType::bf16 : DType::f32);
         }
         for (int side = 0; side < 2; ++side) {
-          a[side].grad = gb.data();
-          a[side].weight = wcopy[side].data();
-          a[side].master = c.master ? master[side].data() : nullptr;
-          a[side].scalars = scalars;
-          a[side].norms = norms;
+          point_args(a[side], gb, wcopy[side], master[side], c.master, scalars, norms);
           for (int st = 0; st < p.num_streams; ++st)
             a[side].state[st] = state[side][st].empty() ? nullptr : reinterpret_cast<float*>(state[side][st].data());
         }
