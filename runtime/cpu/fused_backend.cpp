@@ -37,6 +37,7 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
     }
     k.update = fused_update_kernel(*group.fused, c);
     k.phase1 = fused_phase1_kernel(*group.fused, c);  // two-phase programs
+    k.draws_bits = true;
     if (all_bf16_state(i)) {  // the kernels that read and write the bf16 state in registers, where there are
       const UpdateFn u = fused_update_kernel(*group.fused, c, /*bf16_state=*/true);
       const Phase1Fn p1 = fused_phase1_kernel(*group.fused, c, /*bf16_state=*/true);
@@ -142,6 +143,7 @@ void FusedBackend::install_llvm(std::size_t j, const jit::CpuKernels& k) {
     t.update = reinterpret_cast<UpdateFn>(k.update[ci]);
     if (!k.phase1.empty()) t.phase1 = reinterpret_cast<Phase1Fn>(k.phase1[ci]);  // two-phase programs
     t.bf16_state = false;  // (stored state other than all bf16: staged fp32 copies)
+    t.draws_bits = false;  // (sf_cpu_update_args::sr_bits)
     const std::vector<jit::DtypeCombo>& bs = jits_[j].spec.bf16_state;
     if (all_bf16_state(i)) {  // the `_bs` functions, which read and write it in registers
       const auto b = static_cast<std::size_t>(std::find(bs.begin(), bs.end(), l.combos[ci]) - bs.begin());
@@ -281,10 +283,11 @@ StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<do
              if (interpreters_)
                return (*interpreters_)[interpreters_->group_of(ch.tensor)].run_blocked(
                    args_run, begin, len, scratch_.data() + per_thread * static_cast<std::size_t>(t));
-             if (!stochastic_[ch.tensor]) return kernels_[ch.tensor].update(args_run, begin, len);
-             // Runs of the chunk: each run's random bits (one Philox call per 8 elements, kept in
-             // L1), the weights' and those of the bf16 state streams the kernel rounds, then the
-             // update of the run reading them.
+             if (!stochastic_[ch.tensor] || kernels_[ch.tensor].draws_bits)
+               return kernels_[ch.tensor].update(args_run, begin, len);
+             // LLVM's kernels, stochastic rounding: runs of the chunk, each run's random bits (one
+             // Philox call per 8 elements, kept in L1), the weights' and those of the bf16 state
+             // streams the kernel rounds, then the update of the run reading them.
              UpdateArgs a = args_run;
              static const std::vector<int> kNone;  // (staged state: HostBuffers::stage() rounds it)
              const std::vector<int>& streams = kernels_[ch.tensor].bf16_state ? sr_state_streams_[ch.tensor] : kNone;

@@ -39,6 +39,7 @@ class FusedBackend final : public HostBackend {
     JitInfFn llvm_inf = nullptr;
     Phase1Fn phase1 = nullptr;           // a two-phase program's phase 1 (Highway or LLVM)
     bool bf16_state = false;             // update and phase1 read and write the bf16 state themselves
+    bool draws_bits = false;             // stochastic rounding: update draws its random bits itself (Highway)
   };
   bool all_bf16_state(std::size_t t) const;
   void prefetch_next(std::size_t c, bool weight) const;
@@ -62,7 +63,8 @@ class FusedBackend final : public HostBackend {
   std::unique_ptr<InterpreterSet> interpreters_;  // the interpreter's (then kernels_[t].update is null)
   detail::AlignedBuffer scratch_;                 // the interpreter's per-thread blocks
   // Stochastic rounding: which tensors round stochastically, and per thread the random
-  // bits of the chunk its compiled kernel is updating (UpdateArgs::sr_bits).
+  // bits of the run LLVM's kernel is updating (UpdateArgs::sr_bits; Highway's kernels
+  // draw their own).
   static constexpr std::size_t kRoundingRun = 2048;  // elements whose bits are drawn at once
   std::vector<bool> stochastic_;
   // bf16 and q8 state (HostBuffers::stage()): elements per staged run of an update,
@@ -70,7 +72,8 @@ class FusedBackend final : public HostBackend {
   static constexpr std::size_t kStageRun = 16384;
   std::vector<StoredStreams> stores_;
   // Per tensor whose kernels round its bf16 state stochastically in registers: the
-  // streams whose bits follow the weights' in rounding_bits_ (UpdateArgs::sr_stride).
+  // streams whose bits follow the weights' in rounding_bits_ (UpdateArgs::sr_stride), for
+  // LLVM's kernels.
   std::vector<std::vector<int>> sr_state_streams_;
   std::vector<std::uint16_t> rounding_bits_;
   TwoPhase two_phase_;                            // two-phase programs' chunk sums and norms
