@@ -174,6 +174,19 @@ std::string q8_map(const Program& prog, int s) {
   return prog.streams[s].values == StateValues::nonnegative ? "q8s + 2 * SF_Q8_BLOCK" : "q8s";
 }
 
+// The store of `value` to f32 or bf16 state stream s of combination c, at the element
+// `x` past `begin` (state index so + x): four elements (sf_store4_*) or one. bf16 state
+// of stochastically rounded weights rounds stochastically, with the stream's own bits
+// (jit/stochastic_round.h, sf_sr_state_step).
+std::string state_store(bool four, const DtypeCombo& c, StateFormat f, int s, const std::string& base,
+                        const std::string& x, const std::string& value) {
+  const std::string fn = four ? "sf_store4_" : "sf_store_";
+  if (f == StateFormat::bf16 && c.stochastic)
+    return fn + "bf16_sr(" + base + ", so + " + x + ", " + value + ", t->model_index + begin + " + x +
+           ", sr_seed, sf_sr_state_step(sr_step, " + std::to_string(s) + "));\n";
+  return fn + (f == StateFormat::bf16 ? "bf16" : "f32") + "(" + base + ", so + " + x + ", " + value + ");\n";
+}
+
 // `prog`: the combination's program (its variant's), or the phase-2 part of a two-phase
 // one (two_phase); `slots`: its streams' buffers (cuda_stream_slots). A combination with
 // q8 state runs a warp per q8 block (update_span_q8.cuh), 8 elements a lane: its vector
@@ -210,11 +223,7 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
       const std::string S = std::to_string(s), F = f == StateFormat::bf16 ? "bf16" : "f32";
       const std::string base = state_base(spec, s, slots[static_cast<std::size_t>(s)]);
       if (use.loads[s]) loadv += "sf_load4_" + F + "(" + base + ", so + " + at + ", st[" + S + "]" + off + ");\n";
-      if (use.stores[s] && f == StateFormat::bf16 && c.stochastic)  // (jit/stochastic_round.h: the stream's own bits)
-        storev += "sf_store4_bf16_sr(" + base + ", so + " + at + ", st[" + S + "]" + off + ", t->model_index + begin + " +
-                  at + ", sr_seed, sf_sr_state_step(sr_step, " + S + "));\n";
-      else if (use.stores[s])
-        storev += "sf_store4_" + F + "(" + base + ", so + " + at + ", st[" + S + "]" + off + ");\n";
+      if (use.stores[s]) storev += state_store(true, c, f, s, base, at, "st[" + S + "]" + off);
     }
   };
   vector_accesses("i", "");
@@ -250,11 +259,7 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
     }
     const std::string F = f == StateFormat::bf16 ? "bf16" : "f32";
     if (use.loads[s]) load1 += "st[" + S + "][j] = sf_load_" + F + "(" + base + ", so + i + j);\n";
-    if (use.stores[s] && f == StateFormat::bf16 && c.stochastic)
-      store1 += "sf_store_bf16_sr(" + base + ", so + i + j, st[" + S + "][j], t->model_index + begin + i + j, sr_seed, "
-                "sf_sr_state_step(sr_step, " + S + "));\n";
-    else if (use.stores[s])
-      store1 += "sf_store_" + F + "(" + base + ", so + i + j, st[" + S + "][j]);\n";
+    if (use.stores[s]) store1 += state_store(false, c, f, s, base, "i + j", "st[" + S + "][j]");
   }
   return fill(std::string(q8 ? kUpdateSpanQ8 : kUpdateSpan),
               {{"K", std::to_string(k)},
@@ -310,11 +315,7 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
     }
     const std::string F = f == StateFormat::bf16 ? "bf16" : "f32";
     if (use.loads[s]) load += "s[" + S + "] = sf_load_" + F + "(" + base + ", so + i);\n";
-    if (use.stores[s] && f == StateFormat::bf16 && c.stochastic)
-      store += "sf_store_bf16_sr(" + base + ", so + i, s[" + S + "], t->model_index + begin + i, sr_seed, "
-               "sf_sr_state_step(sr_step, " + S + "));\n";
-    else if (use.stores[s])
-      store += "sf_store_" + F + "(" + base + ", so + i, s[" + S + "]);\n";
+    if (use.stores[s]) store += state_store(false, c, f, s, base, "i", "s[" + S + "]");
   }
   const unsigned slots = reduced_slots(prog);
   for (int r = 0; r < kMaxNormSlots; ++r)

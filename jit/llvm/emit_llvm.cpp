@@ -61,13 +61,6 @@ constexpr unsigned kArgsGrad = offsetof(sf_cpu_update_args, grad), kArgsWeight =
 static_assert(SF_CPU_MAX_STREAMS == kMaxStreams, "state[] holds every program stream");
 static_assert(SF_CPU_MAX_NORM_SLOTS == kMaxNormSlots, "norms[] holds every reduction slot");
 
-// Whether program p stores stream k.
-bool stores(const Program& p, int k) {
-  for (int i = 0; i < p.num_instrs; ++i)
-    if (p.code[i].op == Op::store && p.code[i].attr == k) return true;
-  return false;
-}
-
 void init_llvm() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -368,11 +361,12 @@ Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, bo
   if (c.stochastic) s.sr_bits = field(kArgsSrBits, "sr_bits"), s.sr_begin = begin;
   llvm::Value* stride = c.stochastic && bf16_state ? load_at(i64(), kArgsSrStride, "sr_stride") : nullptr;
   std::uint64_t place = 0;  // (runtime/cpu/fused_update-inl.h SrStatePlace)
+  const StreamUse use = stream_use(p);
   for (int k = 0; k < p.num_streams; ++k) {
     if (p.streams[k].role != StreamRole::state) continue;
     s.state[k] = field(kArgsState + 8 * k, "state");
     s.state_dtype[k] = bf16_state && p.streams[k].values != StateValues::full_precision ? DType::bf16 : DType::f32;
-    if (stride != nullptr && s.state_dtype[k] == DType::bf16 && stores(p, k))
+    if (stride != nullptr && s.state_dtype[k] == DType::bf16 && use.stores[k])
       s.sr_state_offset[k] = b_.CreateMul(stride, b_.getInt64(++place));
   }
   if (p.num_scalars > 0) {

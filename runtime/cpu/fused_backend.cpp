@@ -65,8 +65,7 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
     stores_.push_back(stored_streams(*tensor_programs[i]));
     if (stochastic_[i] && all_bf16_state(i))
       for (const HostBuffers::StagedStream& s : host_.staged_streams(i))
-        if (stores_[i].update & (1u << s.stream)) sr_state_streams_[i].push_back(s.stream);
-    std::sort(sr_state_streams_[i].begin(), sr_state_streams_[i].end());  // (in stream order, as the kernels place them)
+        if (stores_[i].update & (1u << s.stream)) sr_state_streams_[i].push_back(s.stream);  // (in stream order)
     bit_streams = std::max(bit_streams, 1 + sr_state_streams_[i].size());
   }
   if (options_.stochastic_rounding) rounding_bits_.resize(bit_streams * kRoundingRun * static_cast<std::size_t>(threads()));

@@ -56,19 +56,20 @@ constexpr bool Bf16Stream(int k) {
   return (M & kBf16State) != 0 && P.streams[k].role == StreamRole::state &&
          P.streams[k].values != StateValues::full_precision;
 }
-// Whether program P stores stream k.
+// Streams the program stores, as a bit mask (the tail copies only these back).
 template <const Program& P>
-constexpr bool Stores(int k) {
+constexpr unsigned StoredStreams() {
+  unsigned mask = 0;
   for (int i = 0; i < P.num_instrs; ++i)
-    if (P.code[i].op == Op::store && P.code[i].attr == k) return true;
-  return false;
+    if (P.code[i].op == Op::store) mask |= 1u << P.code[i].attr;
+  return mask;
 }
 // Stochastic weights with bf16 state: the place (1, 2, ...) of stream k's random bits
 // among the bf16 state streams P stores, in stream order (the weights' are place 0).
 template <const Program& P, int M>
 constexpr int SrStatePlace(int k) {
   int place = 1;
-  for (int j = 0; j < k && j < P.num_streams; ++j) place += Bf16Stream<P, M>(j) && Stores<P>(j) ? 1 : 0;
+  for (int j = 0; j < k && j < P.num_streams; ++j) place += Bf16Stream<P, M>(j) && (StoredStreams<P>() >> j & 1u);
   return place;
 }
 // Bytes per element of the master slot in mode M (none: 0).
@@ -147,15 +148,6 @@ HWY_INLINE void Body1(D d, const V* s, const Streams& st, std::size_t i, V* acc,
   (Exec<P, static_cast<int>(I), W, G, M, kTail>(d, v, s, st, i, acc, live), ...);
 }
 
-// Streams the program stores, as a bit mask (the tail copies only these back).
-template <const Program& P>
-constexpr unsigned StoredStreams() {
-  unsigned mask = 0;
-  for (int i = 0; i < P.num_instrs; ++i)
-    if (P.code[i].op == Op::store) mask |= 1u << P.code[i].attr;
-  return mask;
-}
-
 // The last (< Lanes(d)) elements [i, end) of an update, staged through zero-padded
 // buffers and run through the same vector body, so every element gets bitwise the
 // same arithmetic. `st`: the call's streams (its random bits: st.sr_bits, from
@@ -216,7 +208,7 @@ HWY_INLINE void DrawBits(const UpdateArgs& a, std::size_t i, std::size_t m, std:
   const std::uint64_t first = a.sr_base + i;
   FillRoundingBits(a.sr_seed, a.sr_step, first, m, bits);
   for (int k = 0; k < P.num_streams; ++k)
-    if (Bf16Stream<P, M>(k) && Stores<P>(k))
+    if (Bf16Stream<P, M>(k) && (StoredStreams<P>() >> k & 1u))
       FillRoundingBits(a.sr_seed, sf_sr_state_step(a.sr_step, k), first, m,
                        bits + static_cast<std::size_t>(SrStatePlace<P, M>(k)) * kDrawnBits);
 }

@@ -167,9 +167,10 @@ void HostBuffers::decode(const detail::StateSlot& s, std::size_t at, std::size_t
   }
 }
 
-StateRounding HostBuffers::rounding(std::size_t t, const UpdateArgs& a, int stream) const {
+StateRounding HostBuffers::rounding(std::size_t t, std::size_t at, int stream) const {
   if (!layout_.combos[static_cast<std::size_t>(layout_.tensor_combo[t])].stochastic) return {};
-  return {true, a.sr_seed, sf_sr_state_step(a.sr_step, stream), a.sr_base};
+  const UpdateArgs& a = args_[t];
+  return {true, a.sr_seed, sf_sr_state_step(a.sr_step, stream), a.sr_base + at};
 }
 
 void HostBuffers::encode(const float* src, const detail::StateSlot& s, std::size_t at, std::size_t n,

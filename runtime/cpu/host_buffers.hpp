@@ -71,7 +71,7 @@ class HostBuffers {
     int stream = 0;  // the program's stream index
     detail::StateSlot slot;
   };
-  const std::vector<StagedStream>& staged_streams(std::size_t t) const { return staged_[t]; }
+  const std::vector<StagedStream>& staged_streams(std::size_t t) const { return staged_[t]; }  // in stream order
   // Runs fn(args, n) over elements [begin, begin + len) of tensor t (begin a
   // multiple of kQ8Block) in runs of at most `run` elements (a multiple of kQ8Block,
   // at most kChunkElems): each run's args are `a` with every pointer advanced to the
@@ -95,11 +95,11 @@ class HostBuffers {
       fn(r, n);
       for (std::size_t k = 0; k < streams.size(); ++k)
         if (stored & (1u << streams[k].stream))
-          encode(scratch + k * kChunkElems, streams[k].slot, at, n, rounding(t, r, streams[k].stream));
+          encode(scratch + k * kChunkElems, streams[k].slot, at, n, rounding(t, at, streams[k].stream));
     }
   }
-  // Tensor t's rounding of `stream`, for args `a` advanced to the first element stored.
-  StateRounding rounding(std::size_t t, const UpdateArgs& a, int stream) const;
+  // Tensor t's rounding of `stream` for a store from its element `at` on.
+  StateRounding rounding(std::size_t t, std::size_t at, int stream) const;
   // Elements [at, at + n) of a bf16 or q8 slot to fp32 and back (at a multiple of kQ8Block).
   static void decode(const detail::StateSlot& s, std::size_t at, std::size_t n, float* dst);
   static void encode(const float* src, const detail::StateSlot& s, std::size_t at, std::size_t n,

@@ -56,13 +56,10 @@ void UnfusedBackend::encode_state(bool phase1) {
     const jit::Chunk& ch = l.chunks[c];
     const unsigned stored = phase1 ? stores_[ch.tensor].phase1 : stores_[ch.tensor].update;
     for (const HostBuffers::StagedStream& s : host_.staged_streams(ch.tensor))
-      if (stored & (1u << s.stream)) {
-        UpdateArgs at = host_.args()[ch.tensor];  // (its sr_base, advanced to the chunk)
-        at.sr_base += static_cast<std::uint64_t>(ch.begin);
+      if (stored & (1u << s.stream))
         HostBuffers::encode(staged_args_[ch.tensor].state[s.stream] + ch.begin, s.slot,
                             static_cast<std::size_t>(ch.begin), static_cast<std::size_t>(ch.len),
-                            host_.rounding(ch.tensor, at, s.stream));
-      }
+                            host_.rounding(ch.tensor, static_cast<std::size_t>(ch.begin), s.stream));
   });
 }
 
