@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -49,15 +50,22 @@ sf_status sf_optimizer_create(const sf_optimizer_config* config, const sf_param*
                               const sf_optimizer_options* options, sf_optimizer** out) {
   constexpr const char* fn = "sf_optimizer_create";
   return guard(fn, [&] {
-    check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+    const sf_optimizer_config c = full_config(fn, config, "config");
     const sf_optimizer_options full = options != nullptr ? full_options(fn, options) : sf_optimizer_options{};
     need(fn, out, "out");
     if (num_params > 0) need(fn, params, "params");
-    stepfuse::OptimizerConfig cfg = config_from_c(fn, *config);
+    stepfuse::OptimizerConfig cfg = config_from_c(fn, c);
+    const std::optional<stepfuse::StateFormat> format = group_format_from_c(fn, c, "config");
     std::vector<stepfuse::Param> ps = to_params(fn, params, num_params);
     const stepfuse::OptimizerOptions opts =
         options != nullptr ? options_from_c(fn, full) : stepfuse::OptimizerOptions{};
-    *out = make_optimizer(stepfuse::Optimizer(std::move(cfg), std::move(ps), opts));
+    if (!format) {
+      *out = make_optimizer(stepfuse::Optimizer(std::move(cfg), std::move(ps), opts));
+      return;
+    }
+    std::vector<stepfuse::ParamGroup> groups;  // the one group, with its own state format
+    groups.push_back({std::move(ps), std::move(cfg), format});
+    *out = make_optimizer(stepfuse::Optimizer(std::move(groups), opts));
   });
 }
 
@@ -87,8 +95,7 @@ sf_status sf_optimizer_get_config(const sf_optimizer* opt, sf_optimizer_config* 
   constexpr const char* fn = "sf_optimizer_get_config";
   return guard(fn, [&] {
     need(fn, opt, "opt");
-    check_size(fn, out, "out", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
-    config_to_c(opt->opt.config(), out);
+    write_config(fn, opt->opt, 0, out);
   });
 }
 
@@ -96,8 +103,10 @@ sf_status sf_optimizer_set_config(sf_optimizer* opt, const sf_optimizer_config* 
   constexpr const char* fn = "sf_optimizer_set_config";
   return guard(fn, [&] {
     need(fn, opt, "opt");
-    check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
-    opt->opt.set_config(config_from_c(fn, *config));
+    const sf_optimizer_config c = full_config(fn, config, "config");
+    const stepfuse::OptimizerConfig cfg = config_from_c(fn, c);
+    for (std::size_t g = 0; g < opt->opt.num_groups(); ++g) check_group_format(fn, opt->opt, g, c);
+    opt->opt.set_config(cfg);
   });
 }
 
@@ -136,13 +145,12 @@ stepfuse::ParamGroup group_from_c(const char* fn, const sf_param_group& g, const
   if (g.config == nullptr)
     throw stepfuse::Error(stepfuse::ErrorCode::invalid_argument,
                           std::string(fn) + ": " + where + ".config is NULL (point it at an sf_optimizer_config)");
-  check_size(fn, g.config, (where + ".config").c_str(), "sf_optimizer_config",
-             "initialize it with sf_optimizer_config_init()");
+  const sf_optimizer_config c = full_config(fn, g.config, where + ".config");
   if (g.num_params > 0 && g.params == nullptr)
     throw stepfuse::Error(stepfuse::ErrorCode::invalid_argument, std::string(fn) + ": " + where +
                                                                      ".params is NULL with num_params = " +
                                                                      std::to_string(g.num_params));
-  return {to_params(fn, g.params, g.num_params), config_from_c(fn, *g.config)};
+  return {to_params(fn, g.params, g.num_params), config_from_c(fn, c), group_format_from_c(fn, c, where + ".config")};
 }
 }  // namespace
 
@@ -169,8 +177,7 @@ sf_status sf_optimizer_get_group_config(const sf_optimizer* opt, size_t group, s
   constexpr const char* fn = "sf_optimizer_get_group_config";
   return guard(fn, [&] {
     need(fn, opt, "opt");
-    check_size(fn, out, "out", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
-    config_to_c(opt->opt.config(group), out);
+    write_config(fn, opt->opt, group, out);
   });
 }
 
@@ -178,8 +185,10 @@ sf_status sf_optimizer_set_group_config(sf_optimizer* opt, size_t group, const s
   constexpr const char* fn = "sf_optimizer_set_group_config";
   return guard(fn, [&] {
     need(fn, opt, "opt");
-    check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
-    opt->opt.set_config(group, config_from_c(fn, *config));
+    const sf_optimizer_config c = full_config(fn, config, "config");
+    const stepfuse::OptimizerConfig cfg = config_from_c(fn, c);
+    check_group_format(fn, opt->opt, group, c);
+    opt->opt.set_config(group, cfg);
   });
 }
 

@@ -122,7 +122,8 @@ constexpr bool config_fields_match(std::index_sequence<K...>) {
 }
 static_assert(config_fields_match(std::make_index_sequence<stepfuse::jit::kNumOptimizers>{}),
               "kConfigFields, sf_optimizer_config and the optimizers' fields disagree");
-static_assert(stepfuse::jit::aggregate_members<sf_optimizer_config>() == 2 + std::size(kConfigFields),
+// (struct_size, kind, and the group's state format: state_format, has_state_format)
+static_assert(stepfuse::jit::aggregate_members<sf_optimizer_config>() == 4 + std::size(kConfigFields),
               "an sf_optimizer_config field without its kConfigFields row");
 
 const ConfigField& config_field(std::string_view name) {
@@ -246,9 +247,73 @@ OptimizerConfig config_from_c(const char* fn, const sf_optimizer_config& c) {
   return config;
 }
 
+namespace {
+// An older stepfuse.h's config struct: the bytes of its fields when struct_size is the end of
+// its fields (SF_OPTIMIZER_CONFIG_SIZE_V1) or that struct's sizeof; else 0.
+std::size_t older_config_fields(std::uint32_t struct_size) {
+  constexpr std::size_t kAlign = alignof(sf_optimizer_config);
+  constexpr std::size_t kEnd = SF_OPTIMIZER_CONFIG_SIZE_V1;
+  static_assert(sizeof(sf_optimizer_config) > (kEnd + kAlign - 1) / kAlign * kAlign,
+                "the struct's size must tell it from the older one's");
+  return struct_size == kEnd || struct_size == (kEnd + kAlign - 1) / kAlign * kAlign ? kEnd : 0;
+}
+}  // namespace
+
+sf_optimizer_config full_config(const char* fn, const sf_optimizer_config* c, const std::string& name) {
+  need(fn, c, name.c_str());
+  if (const std::size_t fields = older_config_fields(c->struct_size)) {
+    sf_optimizer_config full{};
+    std::memcpy(static_cast<void*>(&full), c, fields);  // an older header's struct: the rest defaults
+    full.struct_size = sizeof full;
+    full.state_format = SF_STATE_F32;
+    full.has_state_format = false;
+    return full;
+  }
+  check_size(fn, c, name.c_str(), "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+  return *c;
+}
+
 OptimizerConfig to_config(const char* fn, const sf_optimizer_config* config) {
-  check_size(fn, config, "config", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
-  return config_from_c(fn, *config);
+  const sf_optimizer_config full = full_config(fn, config, "config");
+  if (bool_value(fn, full.has_state_format, "config->has_state_format"))
+    bad_argument(fn, "config->has_state_format is set, but an emitted program keeps no state storage of its own "
+                     "(state formats are an optimizer's: sf_optimizer_create); leave it false");
+  return config_from_c(fn, full);
+}
+
+std::optional<StateFormat> group_format_from_c(const char* fn, const sf_optimizer_config& c, const std::string& name) {
+  if (!bool_value(fn, c.has_state_format, name + "->has_state_format")) return std::nullopt;
+  return state_format_from_c(fn, c.state_format, name + "->state_format");
+}
+
+void write_config(const char* fn, const Optimizer& opt, std::size_t group, sf_optimizer_config* out) {
+  need(fn, out, "out");
+  const std::uint32_t size = out->struct_size;
+  std::size_t fields = older_config_fields(size);
+  if (fields == 0) {
+    check_size(fn, out, "out", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
+    fields = sizeof *out;
+  }
+  sf_optimizer_config full;
+  full.struct_size = sizeof full;
+  config_to_c(opt.config(group), &full);
+  const std::optional<StateFormat> own = opt.group_state_format(group);
+  full.has_state_format = own.has_value();
+  full.state_format = state_format_to_c(own.value_or(opt.options().state_format));
+  std::memcpy(static_cast<void*>(out), &full, fields);
+  out->struct_size = size;
+}
+
+void check_group_format(const char* fn, const Optimizer& opt, std::size_t group, const sf_optimizer_config& c) {
+  const std::optional<StateFormat> asked = group_format_from_c(fn, c, "config");
+  if (!asked || group >= opt.num_groups()) return;  // (a bad group index is the setter's error)
+  const StateFormat takes = opt.group_state_format(group).value_or(opt.options().state_format);
+  if (*asked == takes) return;
+  bad_argument(fn, "config->state_format = " + std::string(state_format_name(*asked)) + ", but group " +
+                       std::to_string(group) + " stores its state as " + std::string(state_format_name(takes)) +
+                       ": a group's state format is chosen when the group is created (leave has_state_format false "
+                       "here; to change the format, save a checkpoint and load it into a new optimizer with "
+                       "sf_load_options.convert_state)");
 }
 
 void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out) {

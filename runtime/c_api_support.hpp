@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -162,9 +163,26 @@ bool valid_kind(int kind);
 OptimizerConfig default_config(int kind);  // valid_kind(kind)
 // config (size already checked) as C++: its kind's fields; the other kinds' must be 0/false.
 OptimizerConfig config_from_c(const char* fn, const sf_optimizer_config& config);
-OptimizerConfig to_config(const char* fn, const sf_optimizer_config* config);  // checks the size, then as above
-// Fills every field of `out` (except struct_size) from a C++ config.
+// The config as this library's struct, checking the pointer and struct_size (`name` names
+// the argument: "config", "groups[1].config"): one from an older header
+// (SF_OPTIMIZER_CONFIG_SIZE_V1) gets the defaults for the fields it lacks.
+sf_optimizer_config full_config(const char* fn, const sf_optimizer_config* config, const std::string& name);
+// A built-in program's config (emitting, where storage plays no part: a config that sets
+// has_state_format is Error(invalid_argument)). Checks the size, then as config_from_c.
+OptimizerConfig to_config(const char* fn, const sf_optimizer_config* config);
+// A full_config()'s own state format (ParamGroup::state_format): nullopt unless has_state_format.
+std::optional<StateFormat> group_format_from_c(const char* fn, const sf_optimizer_config& config,
+                                               const std::string& name);
+// Fills every field of `out` (except struct_size) from a C++ config; its state format
+// fields as the default (see write_config).
 void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out);
+// A group's config into the caller's `out` (its struct_size checked, an older header's
+// struct written in its fields only): the hyperparameters, has_state_format when the group
+// has its own format, and state_format, the format its streams take.
+void write_config(const char* fn, const Optimizer& opt, std::size_t group, sf_optimizer_config* out);
+// Error(invalid_argument) unless the setter's `config` (a full_config()) leaves the state
+// format unset or names the one `group` takes.
+void check_group_format(const char* fn, const Optimizer& opt, std::size_t group, const sf_optimizer_config& config);
 
 // The C value of a state format, and the C++ one of a checked C value.
 inline sf_state_format state_format_to_c(StateFormat f) { return static_cast<sf_state_format>(static_cast<int>(f)); }

@@ -78,6 +78,10 @@ std::int64_t Optimizer::group_step_count(std::size_t group) const {
   engine_->check_group(group, "group_step_count");
   return engine_->group_step_count(group);
 }
+std::optional<StateFormat> Optimizer::group_state_format(std::size_t group) const {
+  engine_->check_group(group, "group_state_format");
+  return engine_->group_state_format(group);
+}
 
 void Optimizer::set_grads(std::span<const TensorView> grads) { engine_->set_grads(grads); }
 

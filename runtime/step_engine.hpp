@@ -57,6 +57,8 @@ class StepEngine {
   // The group's steps: step_count() minus the steps before it was added.
   std::int64_t group_step_count(std::size_t group) const { return step_count() - rules_[group].step_base; }
   std::int64_t step_base(std::size_t group) const { return rules_[group].step_base; }
+  // ParamGroup::state_format of the group (nullopt: it takes OptimizerOptions::state_format).
+  std::optional<StateFormat> group_state_format(std::size_t group) const { return groups_[group].state_format; }
   // Checkpoint restore and add_param_group: the global count and each group's base.
   void set_steps(std::int64_t step_count, const std::vector<std::int64_t>& step_bases);
   // Optimizer::set_grads: validated, then the backend's; nothing changes on an Error.

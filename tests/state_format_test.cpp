@@ -392,6 +392,9 @@ TEST(StateFormats, ChoosingFormats) {
   Optimizer groups({{first, optim::AdamW{}, StateFormat::bf16}, {rest, optim::AdamW{}}}, none);
   EXPECT_EQ(groups.state_format(0, "exp_avg"), StateFormat::bf16);
   EXPECT_EQ(groups.state_format(5, "exp_avg"), StateFormat::f32);
+  EXPECT_EQ(groups.group_state_format(0), StateFormat::bf16);
+  EXPECT_EQ(groups.group_state_format(1), std::nullopt);
+  EXPECT_THROW(groups.group_state_format(2), Error);
   // set_state_values stores as a step would; state_values reads it back.
   std::vector<float> values(static_cast<std::size_t>(m.params[4].weight.numel));
   for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.001f * static_cast<float>(i) - 0.3f;

@@ -251,6 +251,9 @@ class Optimizer {
   std::span<const Param> group_params(std::size_t group) const;
   // Steps the group has applied: step_count() minus the steps taken before it was added.
   std::int64_t group_step_count(std::size_t group) const;
+  // The group's ParamGroup::state_format as it was created: nullopt when it takes
+  // OptimizerOptions::state_format. state_format() gives each stream's storage.
+  std::optional<StateFormat> group_state_format(std::size_t group) const;
 
   // Points the optimizer at new gradient buffers, one per param in params() order,
   // of the same sizes and dtypes (a framework that allocates fresh gradients each

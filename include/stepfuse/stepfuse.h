@@ -170,6 +170,21 @@ typedef enum sf_optimizer_kind {
  * "Adadelta", "Rprop", "ASGD", "LAMB"; NULL for other values. */
 STEPFUSE_API const char* sf_optimizer_kind_name(sf_optimizer_kind kind);
 
+/* How an optimizer state stream is stored between steps (stepfuse::StateFormat;
+ * docs/low-precision.md). The update always computes in fp32: a stored stream is decoded
+ * when a step loads it and encoded when it stores it, in the same single pass. */
+typedef enum sf_state_format {
+  SF_STATE_F32 = 0,  /* 4 bytes per element, exact */
+  SF_STATE_BF16 = 1, /* 2 bytes per element (bf16 bit patterns), rounded to nearest even (stochastically
+                      * for a tensor whose bf16 weights round stochastically) */
+  /* Block-wise 8-bit dynamic quantization, as bitsandbytes': per block of
+   * SF_STATE_Q8_BLOCK elements one fp32 absmax and one byte (a code) per element, the
+   * nearest of 256 codes (a signed code, or an unsigned one for non-negative streams). */
+  SF_STATE_Q8 = 2
+} sf_state_format;
+/* The elements per q8 block: a q8 stream of numel elements has ceil(numel / 256) absmaxes. */
+#define SF_STATE_Q8_BLOCK 256
+
 /* The hyperparameters of every kind, with PyTorch's names (torch.optim.*; Lion as in
  * its paper). Each kind reads only its own fields:
  *   SGD:     lr, momentum, dampening, weight_decay, nesterov, maximize
@@ -204,7 +219,26 @@ typedef struct sf_optimizer_config {
   double eta_minus, eta_plus, step_size_min, step_size_max;
   double lambd, t0;
   bool decoupled_weight_decay;
+  /* ---- Since 0.1 with per-group state formats (a struct_size of SF_OPTIMIZER_CONFIG_SIZE_V1,
+   * from an older stepfuse.h, is read and written without these: they keep their defaults). */
+  /* The group's own state storage, instead of sf_optimizer_options.state_format, when
+   * has_state_format is set: every state stream of the group's params is stored as
+   * state_format, except the streams sf_optimizer_options.state_formats names (q8 for
+   * the matrices' group, bf16 for the embeddings', say). Read when the group is created
+   * (sf_optimizer_create, sf_optimizer_create_groups, sf_optimizer_add_param_group). The
+   * getters set has_state_format when the group was given its own format, and
+   * state_format to the format its streams take either way. A config given to a setter
+   * must leave has_state_format false or name the format the group's streams take
+   * (every group's, for sf_optimizer_set_config): storage is chosen once; to change it,
+   * save a checkpoint and load it into a new optimizer with sf_load_options.convert_state.
+   * Default SF_STATE_F32, false. */
+  sf_state_format state_format;
+  bool has_state_format;
 } sf_optimizer_config;
+/* The fields of the struct of an older stepfuse.h end here; a struct_size of these, or of
+ * the older struct's sizeof (these rounded up to the struct's alignment), is read and
+ * written as that struct: its fields only. */
+#define SF_OPTIMIZER_CONFIG_SIZE_V1 offsetof(sf_optimizer_config, state_format)
 
 /* Sets struct_size, kind, and PyTorch's defaults for that kind (e.g. AdamW: lr 1e-3,
  * betas 0.9/0.999, eps 1e-8, weight_decay 1e-2); other fields 0. An unknown kind is
@@ -229,20 +263,6 @@ typedef enum sf_cpu_backend {
 /* The norm clipping and the reported gradient norm use. */
 typedef enum sf_norm_type { SF_NORM_L2 = 0, SF_NORM_INF = 1 } sf_norm_type;
 
-/* How an optimizer state stream is stored between steps (stepfuse::StateFormat;
- * docs/low-precision.md). The update always computes in fp32: a stored stream is decoded
- * when a step loads it and encoded when it stores it, in the same single pass. */
-typedef enum sf_state_format {
-  SF_STATE_F32 = 0,  /* 4 bytes per element, exact */
-  SF_STATE_BF16 = 1, /* 2 bytes per element (bf16 bit patterns), rounded to nearest even (stochastically
-                      * for a tensor whose bf16 weights round stochastically) */
-  /* Block-wise 8-bit dynamic quantization, as bitsandbytes': per block of
-   * SF_STATE_Q8_BLOCK elements one fp32 absmax and one byte (a code) per element, the
-   * nearest of 256 codes (a signed code, or an unsigned one for non-negative streams). */
-  SF_STATE_Q8 = 2
-} sf_state_format;
-/* The elements per q8 block: a q8 stream of numel elements has ceil(numel / 256) absmaxes. */
-#define SF_STATE_Q8_BLOCK 256
 
 /* One per-stream override of sf_optimizer_options.state_format. */
 typedef struct sf_stream_format {
@@ -838,7 +858,7 @@ typedef struct sf_emit_tensor {
 typedef struct sf_emit_request {
   uint32_t struct_size;              /* set by sf_emit_request_init */
   const sf_program* program;         /* a custom program, or NULL and: */
-  const sf_optimizer_config* config; /* a built-in optimizer's config */
+  const sf_optimizer_config* config; /* a built-in optimizer's config (has_state_format false) */
   const sf_emit_tensor* tensors;     /* one per tensor, in order */
   size_t num_tensors;
   bool flat;      /* consecutive views of one weight and one grad buffer (one storage) */

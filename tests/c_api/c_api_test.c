@@ -1671,6 +1671,174 @@ static void test_param_groups(void) {
   sf_optimizer_destroy(two);
 }
 
+/* Per-group state formats (sf_optimizer_config.has_state_format): a group's own format
+ * beside the options' blanket one and the per-stream overrides; the getters report it,
+ * the setters refuse to change it; an older header's config struct neither reads nor
+ * writes the new fields; a group's q8 state steps bit for bit as a q8 optimizer's. */
+static void test_group_state_formats(void) {
+  enum { kA = 700, kB = 300 };
+  static float wa[kA], ga[kA], wb[kB], gb[kB], wq[kA], gq[kA], wx[kB], gx[kB];
+  for (int i = 0; i < kA; ++i) wa[i] = wq[i] = (float)uniform(-1, 1), ga[i] = gq[i] = (float)uniform(-1, 1);
+  for (int i = 0; i < kB; ++i) wb[i] = wx[i] = (float)uniform(-1, 1), gb[i] = gx[i] = (float)uniform(-1, 1);
+  sf_optimizer_config matrices, embeddings;
+  sf_optimizer_config_init(&matrices, SF_ADAMW);
+  CHECK(matrices.state_format == SF_STATE_F32 && !matrices.has_state_format);
+  matrices.has_state_format = true;
+  matrices.state_format = SF_STATE_Q8;
+  sf_optimizer_config_init(&embeddings, SF_ADAMW);
+  embeddings.weight_decay = 0.0;
+  const sf_param pa = {view_f32(wa, kA), view_f32(ga, kA)}, pb = {view_f32(wb, kB), view_f32(gb, kB)};
+  const sf_param_group groups[2] = {{&pa, 1, &matrices}, {&pb, 1, &embeddings}};
+  /* The blanket format is bf16 (group 1 takes it), exp_avg_sq is f32 in every group. */
+  sf_stream_format overrides[1] = {{"exp_avg_sq", SF_STATE_F32}};
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  o.state_format = SF_STATE_BF16;
+  o.state_formats = overrides;
+  o.num_state_formats = 1;
+  o.min_q8_numel = 0;
+  sf_optimizer *grouped = NULL, *q8 = NULL;
+  CHECK_OK(sf_optimizer_create_groups(groups, 2, &o, &grouped));
+  sf_optimizer_options qo;
+  sf_optimizer_options_init(&qo);
+  qo.state_format = SF_STATE_Q8;
+  qo.state_formats = overrides;
+  qo.num_state_formats = 1;
+  qo.min_q8_numel = 0;
+  const sf_param pq = {view_f32(wq, kA), view_f32(gq, kA)};
+  sf_optimizer_config plain;
+  sf_optimizer_config_init(&plain, SF_ADAMW);
+  CHECK_OK(sf_optimizer_create(&plain, &pq, 1, &qo, &q8));
+  if (grouped == NULL || q8 == NULL) {
+    sf_optimizer_destroy(grouped), sf_optimizer_destroy(q8);
+    return;
+  }
+  sf_state_format f = (sf_state_format)-1;
+  CHECK_OK(sf_optimizer_state_format(grouped, 0, "exp_avg", &f));
+  CHECK(f == SF_STATE_Q8);
+  CHECK_OK(sf_optimizer_state_format(grouped, 0, "exp_avg_sq", &f));
+  CHECK(f == SF_STATE_F32);
+  CHECK_OK(sf_optimizer_state_format(grouped, 1, "exp_avg", &f));
+  CHECK(f == SF_STATE_BF16);
+  CHECK_OK(sf_optimizer_state_format(grouped, 1, "exp_avg_sq", &f));
+  CHECK(f == SF_STATE_F32);
+  for (int step = 0; step < 3; ++step) {
+    CHECK_OK(sf_optimizer_step(grouped));
+    CHECK_OK(sf_optimizer_step(q8));
+  }
+  CHECK(memcmp(wa, wq, sizeof wa) == 0);
+  const void *stored = NULL, *stored_q8 = NULL;
+  size_t nbytes = 0, nbytes_q8 = 0;
+  CHECK_OK(sf_optimizer_state_storage(grouped, 0, "exp_avg", &stored, &nbytes));
+  CHECK_OK(sf_optimizer_state_storage(q8, 0, "exp_avg", &stored_q8, &nbytes_q8));
+  CHECK(nbytes == kA && nbytes_q8 == kA && stored != NULL && stored_q8 != NULL && memcmp(stored, stored_q8, kA) == 0);
+
+  /* The getters: the group's own format, or the one it takes from the options. */
+  sf_optimizer_config got;
+  sf_optimizer_config_init(&got, SF_SGD);
+  CHECK_OK(sf_optimizer_get_group_config(grouped, 0, &got));
+  CHECK(got.kind == SF_ADAMW && got.has_state_format && got.state_format == SF_STATE_Q8);
+  CHECK_OK(sf_optimizer_get_config(grouped, &got));
+  CHECK(got.has_state_format && got.state_format == SF_STATE_Q8);
+  CHECK_OK(sf_optimizer_get_group_config(grouped, 1, &got));
+  CHECK(!got.has_state_format && got.state_format == SF_STATE_BF16 && got.weight_decay == 0.0);
+
+  /* The setters: what a getter gave back, or no format, is fine; another format is not. */
+  got.lr = 0.002;
+  CHECK_OK(sf_optimizer_set_group_config(grouped, 1, &got));
+  got.has_state_format = true; /* bf16: the format group 1 takes */
+  CHECK_OK(sf_optimizer_set_group_config(grouped, 1, &got));
+  got.state_format = SF_STATE_Q8;
+  CHECK_FAILS(sf_optimizer_set_group_config(grouped, 1, &got), SF_INVALID_ARGUMENT, "group 1 stores its state as bf16");
+  CHECK_OK(sf_optimizer_set_group_config(grouped, 0, &got));
+  CHECK_FAILS(sf_optimizer_set_config(grouped, &got), SF_INVALID_ARGUMENT, "group 1 stores its state as bf16");
+  double lr = 0;
+  CHECK_OK(sf_optimizer_get_group_lr(grouped, 0, &lr));
+  CHECK(lr == 0.002); /* the refused set_config changed nothing */
+  got.has_state_format = false;
+  got.lr = 0.003;
+  CHECK_OK(sf_optimizer_set_config(grouped, &got));
+  CHECK_OK(sf_optimizer_get_group_lr(grouped, 1, &lr));
+  CHECK(lr == 0.003);
+
+  /* add_param_group with its own format (f32, under the options' bf16). */
+  const sf_param px = {view_f32(wx, kB), view_f32(gx, kB)};
+  sf_optimizer_config exact;
+  sf_optimizer_config_init(&exact, SF_ADAMW);
+  exact.has_state_format = true;
+  exact.state_format = SF_STATE_F32;
+  const sf_param_group extra = {&px, 1, &exact};
+  CHECK_OK(sf_optimizer_add_param_group(grouped, &extra));
+  CHECK_OK(sf_optimizer_state_format(grouped, 2, "exp_avg", &f));
+  CHECK(f == SF_STATE_F32);
+  CHECK_OK(sf_optimizer_step(grouped));
+
+  /* Bad values name the group's config. */
+  sf_optimizer* bad = NULL;
+  embeddings.has_state_format = true;
+  embeddings.state_format = (sf_state_format)7;
+  CHECK_FAILS(sf_optimizer_create_groups(groups, 2, &o, &bad), SF_INVALID_ARGUMENT, "groups[1].config->state_format = 7");
+  embeddings.state_format = SF_STATE_F32;
+  memset(&embeddings.has_state_format, 2, 1);
+  CHECK_FAILS(sf_optimizer_create_groups(groups, 2, &o, &bad), SF_INVALID_ARGUMENT,
+              "groups[1].config->has_state_format = 2");
+  CHECK(bad == NULL);
+
+  /* One group: sf_optimizer_create takes the config's format too. */
+  sf_optimizer* one = NULL;
+  sf_optimizer_config half;
+  sf_optimizer_config_init(&half, SF_ADAM);
+  half.has_state_format = true;
+  half.state_format = SF_STATE_BF16;
+  CHECK_OK(sf_optimizer_create(&half, &pb, 1, NULL, &one));
+  CHECK_OK(sf_optimizer_state_format(one, 0, "exp_avg_sq", &f));
+  CHECK(f == SF_STATE_BF16);
+  sf_optimizer_destroy(one);
+
+  /* An older header's struct (SF_OPTIMIZER_CONFIG_SIZE_V1, or its sizeof): the bytes past
+   * its fields are not read, and not written. */
+  const size_t align = _Alignof(sf_optimizer_config);
+  const uint32_t v1_sizes[2] = {(uint32_t)SF_OPTIMIZER_CONFIG_SIZE_V1,
+                                (uint32_t)((SF_OPTIMIZER_CONFIG_SIZE_V1 + align - 1) / align * align)};
+  CHECK(v1_sizes[1] < sizeof(sf_optimizer_config));
+  for (int k = 0; k < 2; ++k) {
+    sf_optimizer_config old;
+    sf_optimizer_config_init(&old, SF_ADAM);
+    old.struct_size = v1_sizes[k];
+    memset(&old.state_format, 0x5A, sizeof old.state_format); /* garbage past the older struct's fields */
+    memset(&old.has_state_format, 0x7F, 1);
+    one = NULL;
+    CHECK_OK(sf_optimizer_create(&old, &pb, 1, NULL, &one));
+    if (one == NULL) continue;
+    CHECK_OK(sf_optimizer_state_format(one, 0, "exp_avg", &f));
+    CHECK(f == SF_STATE_F32);
+    old.lr = 0.5;
+    CHECK_OK(sf_optimizer_get_config(one, &old));
+    unsigned char flag = 0;
+    memcpy(&flag, &old.has_state_format, 1);
+    CHECK(old.struct_size == v1_sizes[k] && old.lr == 1e-3 && flag == 0x7F);
+    CHECK_OK(sf_optimizer_set_config(one, &old));
+    sf_optimizer_destroy(one);
+  }
+  sf_optimizer_config wrong;
+  sf_optimizer_config_init(&wrong, SF_ADAM);
+  wrong.struct_size = (uint32_t)SF_OPTIMIZER_CONFIG_SIZE_V1 - 8;
+  CHECK_FAILS(sf_optimizer_create(&wrong, &pb, 1, NULL, &bad), SF_INVALID_ARGUMENT, "config->struct_size");
+
+  /* Emitting: a program keeps no storage of its own. */
+  sf_emit_tensor tensor = {SF_F32, SF_F32, false};
+  sf_emit_request req;
+  sf_emit_request_init(&req);
+  req.config = &matrices;
+  req.tensors = &tensor;
+  req.num_tensors = 1;
+  req.compile = false;
+  sf_emitted_kernel* k = NULL;
+  CHECK_FAILS(sf_emit(&req, &k), SF_INVALID_ARGUMENT, "config->has_state_format");
+  sf_optimizer_destroy(grouped);
+  sf_optimizer_destroy(q8);
+}
+
 /* A two-phase program from C: phase 1 reduces the unscaled gradient into slot 0,
  * phase 2 stores the tensor's norm into a state stream (and the weights unchanged);
  * a bad slot is refused at the call; LAMB (SF_LAMB) steps. */
@@ -2227,6 +2395,7 @@ int main(void) {
   test_stochastic_rounding();
   test_compensated_weights();
   test_state_formats();
+  test_group_state_formats();
   test_program_state_values();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
