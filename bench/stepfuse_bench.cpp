@@ -278,6 +278,14 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
       throw UsageError("--state " + named + ": stores the fused step's state, and --fusion times no fused step "
                        "(add fused to --fusion)");
   }
+  // The bf16 state of stochastically rounded weights: rounded stochastically (the library's
+  // default) or to nearest.
+  if (a.state_rounding != "stochastic" && a.state_rounding != "nearest")
+    throw UsageError("--state-rounding: unknown rounding '" + a.state_rounding + "' (expected stochastic or nearest)");
+  if (a.state_rounding == "nearest" &&
+      (!stochastic || std::find(c.states.begin(), c.states.end(), sf::StateFormat::bf16) == c.states.end()))
+    throw UsageError("--state-rounding nearest: rounds the bf16 state of stochastically rounded weights (the -sr-bf16s "
+                     "rows); pass --rounding stochastic (with --weights bf16 --masters off) and --state bf16");
   c.groups = parse_groups(a.groups);
   if (c.groups != GroupsMode::off) {
     if (a.backend == "cuda")
@@ -302,6 +310,7 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
   opts.norm_type = a.norm_type == "inf" ? INFINITY : 2.0;
   opts.master_weights = !a.no_masters;
   opts.compensated_weights = a.compensated;
+  opts.stochastic_state_rounding = a.state_rounding == "stochastic";
   opts.num_threads = a.threads;
   // Explicit, so that STEPFUSE_CPU_BACKEND changes nothing (and CpuBackend::automatic
   // never swaps code under a timed loop); options_for() sets each variant's own.
@@ -766,7 +775,9 @@ int main(int argc, char** argv) {
              "'state / f32 state' gives each row's step time over that of the same step with f32 state. Before\n"
              "timing, fused-bf16s (fused-q8) is checked bit for bit against the unfused step storing its state\n"
              "alike (weights, masters and the stored bits: bf16 values, q8 codes and absmaxes), and its LLVM and\n"
-             "stochastic twins against it as the f32 ones are against fused. The other modes store f32 state. A\n"
+             "stochastic twins against it as the f32 ones are against fused (the -sr rows' bf16 state may also be\n"
+             "the bf16 value next to it: it rounds stochastically, unless --state-rounding nearest). The other\n"
+             "modes store f32 state. A\n"
              "format the optimizer cannot take is an error (ASGD keeps its state, 'ax', in full precision). Not\n"
              "with --backend cuda (the CUDA path stores f32 state only for now); --ranks takes one format.\n"
              "\nCompensated bf16 weights (--masters compensated --weights bf16): no fp32 masters; beside each\n"
@@ -850,6 +861,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"nearest", "stochastic"}))
       ->type_name("LIST")
       ->default_str("nearest");
+  app.add_option("--state-rounding", a.state_rounding,
+                 "how the -sr rows store bf16 state (--state bf16): stochastic (bits of its own per stream, the "
+                 "library's default) or nearest (to nearest even: OptimizerOptions::stochastic_state_rounding off)")
+      ->check(CLI::IsMember({"stochastic", "nearest"}))
+      ->capture_default_str();
   app.add_option("--state", a.state,
                  "how the fused step stores the optimizer state, each timed as its own fused row, comma-separated: "
                  "f32, bf16 (rows -bf16s), q8 (8-bit blockwise quantization, tensors of at least 4096 elements: "

@@ -34,6 +34,7 @@ struct Args {
   bool no_masters = false;  // --masters off or compensated, or --no-masters (a synonym of --masters off)
   bool compensated = false;  // --masters compensated: bf16 compensations instead of fp32 masters
   std::vector<std::string> rounding = {"nearest"};  // --rounding: nearest, stochastic
+  std::string state_rounding = "stochastic";         // --state-rounding: the -sr rows' bf16 state
   std::vector<std::string> state = {"f32"};  // --state: f32, bf16, q8 (how the fused rows store the optimizer state)
   bool breakdown = true;
   double clip = 1.0;

@@ -45,13 +45,15 @@ inline constexpr int kNumComboIndices = 24;
 // The combos whose Highway kernels also come with state streams stored as bf16
 // (read and written in registers; the others stage it, runtime/cpu/host_buffers.hpp):
 // their index among those, or -1. Kernel tables put them after the kNumComboIndices.
-inline constexpr int kNumBf16StateCombos = 7;
-constexpr int bf16_state_index(const DtypeCombo& c) {
+// The stochastic combo has two: its state rounded stochastically (5), or to nearest
+// even (7: nearest_state, OptimizerOptions::stochastic_state_rounding off).
+inline constexpr int kNumBf16StateCombos = 8;
+constexpr int bf16_state_index(const DtypeCombo& c, bool nearest_state = false) {
   if (c.weight == DType::f32) return c.grad == DType::f32 ? 0 : c.grad == DType::bf16 ? 1 : -1;
   if (c.weight != DType::bf16 || c.grad == DType::f16) return -1;
   if (c.master) return c.grad == DType::f32 ? 2 : 3;
   if (c.grad != DType::bf16) return -1;
-  return c.stochastic ? 5 : c.compensated ? 6 : 4;
+  return c.stochastic ? (nearest_state ? 7 : 5) : c.compensated ? 6 : 4;
 }
 
 // The combo of a tensor with these dtypes under OptimizerOptions::master_weights,

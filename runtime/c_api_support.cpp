@@ -339,7 +339,8 @@ StateFormat state_format_from_c(const char* fn, const sf_state_format& f, const 
 std::size_t older_options_fields(std::uint32_t struct_size) {
   constexpr std::size_t kAlign = alignof(sf_optimizer_options);
   for (const std::size_t end : {std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V1}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V2},
-                                std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V3}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V4}})
+                                std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V3}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V4},
+                                std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V5}})
     if (struct_size == end || struct_size == (end + kAlign - 1) / kAlign * kAlign) return end;
   return 0;
 }
@@ -391,6 +392,7 @@ OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& o) {
     out.state_formats.emplace_back(f.stream, state_format_from_c(fn, f.format, at + ".format"));
   }
   out.min_q8_numel = o.min_q8_numel;
+  out.stochastic_state_rounding = bool_value(fn, o.stochastic_state_rounding, "options->stochastic_state_rounding");
   return out;
 }
 
@@ -422,6 +424,7 @@ void options_to_c(const OptimizerOptions& o, sf_optimizer_options* out) {
   out->state_formats = nullptr;  // (memset above; pointers into a handle: sf_optimizer_get_options)
   out->num_state_formats = 0;
   out->min_q8_numel = o.min_q8_numel;
+  out->stochastic_state_rounding = o.stochastic_state_rounding;
 }
 
 void write_result(const char* fn, const StepResult& r, sf_step_result* out, const char* name) {

@@ -191,10 +191,10 @@ inline sf_state_format state_format_to_c(StateFormat f) { return static_cast<sf_
 StateFormat state_format_from_c(const char* fn, const sf_state_format& f, const std::string& name);
 
 // The options as this library's struct: one from an older header (SF_OPTIMIZER_OPTIONS_SIZE_V1
-// .. _V4) gets the defaults for the fields it lacks.
+// .. _V5) gets the defaults for the fields it lacks.
 sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* options);
 // An older stepfuse.h's options struct: the bytes of its fields when struct_size is the end of
-// its fields (SF_OPTIMIZER_OPTIONS_SIZE_V1 .. _V4) or that struct's sizeof; else 0.
+// its fields (SF_OPTIMIZER_OPTIONS_SIZE_V1 .. _V5) or that struct's sizeof; else 0.
 std::size_t older_options_fields(std::uint32_t struct_size);
 OptimizerOptions options_from_c(const char* fn, const sf_optimizer_options& options);  // a full_options() struct
 OptimizerOptions to_options(const char* fn, const sf_optimizer_options* options);  // NULL: the defaults

@@ -45,8 +45,10 @@ struct Header {
   std::int32_t state_format = 0;
   std::int64_t min_q8_numel = 0;
   std::uint64_t state_formats = 0;  // a hash of OptimizerOptions::state_formats, in its order
+  std::int32_t stochastic_state_rounding = 0;  // with stochastic_rounding only
+  std::int32_t zero = 0;                       // (the struct's tail, sent as zero)
 };
-static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16 + 16 + 8 + 16, "no padding: every byte sent is set");
+static_assert(sizeof(Header) == sizeof(RankStatus) + 24 + 16 + 16 + 8 + 16 + 8, "no padding: every byte sent is set");
 
 // Round 2: one param.
 struct Entry {
@@ -92,6 +94,8 @@ void check_same_options(const std::vector<Header>& all) {
       what = "stochastic_rounding";
     else if ((a.compensated_weights != 0) != (b.compensated_weights != 0))
       what = "compensated_weights";
+    else if (a.stochastic_state_rounding != b.stochastic_state_rounding)
+      what = "stochastic_state_rounding";
     else if (a.seed != b.seed)
       what = "seed (rank 0: " + std::to_string(a.seed) + ", rank " + std::to_string(r) + ": " + std::to_string(b.seed) +
              "; stochastic rounding draws every rank's bits from one seed)";
@@ -136,6 +140,7 @@ Header local_header(const OptimizerOptions& o) {
   h.master_weights = o.master_weights ? 1 : 0;
   h.stochastic_rounding = o.stochastic_rounding ? 1 : 0;
   h.seed = o.stochastic_rounding ? o.seed : 0;
+  h.stochastic_state_rounding = o.stochastic_rounding && o.stochastic_state_rounding ? 1 : 0;
   h.compensated_weights = o.compensated_weights ? 1 : 0;
   h.state_format = static_cast<std::int32_t>(o.state_format);
   h.min_q8_numel = o.min_q8_numel;

@@ -1263,6 +1263,12 @@ TEST_F(EmulatedStep, Bf16StateWithStochasticRounding) {
   Pair p(model, optim::LAMB{.lr = 1e-3, .weight_decay = 0.05}, options, seed | 2);
   EXPECT_EQ(p.dev.spec_name(), "lamb_bf16_state_stochastic");
   for (int k = 0; k < 4; ++k) draw_step_compare(model, rng, p, 0.5, scales[k], "lamb step " + std::to_string(k + 1));
+  // The same weights with their bf16 state rounded to nearest (stochastic_state_rounding off).
+  options.stochastic_state_rounding = false;
+  Model nearest(shapes_for(sf_emu::kPackedSizes, sf_emu::kMixedStochastic), false, 0, rng);
+  Pair q(nearest, kAdamW, options, seed | 3);
+  EXPECT_EQ(q.dev.spec_name(), "adam_bf16_state_nearest_beside_stochastic");
+  for (int k = 0; k < 4; ++k) draw_step_compare(nearest, rng, q, 0.5, scales[k], "nearest-state step " + std::to_string(k + 1));
 }
 
 // LAMB with q8 state: its phase 1 decodes and requantizes the moments a strided block at a

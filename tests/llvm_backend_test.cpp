@@ -686,7 +686,7 @@ TEST(LlvmBackend, Bf16StateFunctionsMatchHighwayKernels) {
       ASSERT_EQ(k->update_bf16_state.size(), combos.size());
       for (std::size_t ci = 0; ci < combos.size(); ++ci) {
         const jit::DtypeCombo c = combos[ci];
-        const cpu::UpdateFn hwy = cpu::fused_update_kernel(builtin, c, /*bf16_state=*/true);
+        const cpu::UpdateFn hwy = cpu::fused_update_kernel(builtin, c, cpu::StateKernel::bf16);
         ASSERT_NE(hwy, nullptr);
         std::vector<float> g(kN), w(kN), init(kN);
         fill(g, 0.1f), fill(w, 1.0f);
@@ -711,7 +711,7 @@ TEST(LlvmBackend, Bf16StateFunctionsMatchHighwayKernels) {
         }
         const std::string what = std::string(p.name) + " " + std::string(dtype_name(c.weight)) + "/" +
                                  std::string(dtype_name(c.grad)) + (c.master ? "/m" : "") + " for " + target.cpu;
-        if (const cpu::Phase1Fn hwy1 = cpu::fused_phase1_kernel(builtin, c, /*bf16_state=*/true)) {
+        if (const cpu::Phase1Fn hwy1 = cpu::fused_phase1_kernel(builtin, c, cpu::StateKernel::bf16)) {
           ASSERT_EQ(k->phase1_bf16_state.size(), combos.size());
           // Phase 1 over a finite range (its sums compared bit for bit), then over the rest
           // (special values: a NaN sum's sign is the order's, and any NaN is the answer).

@@ -293,6 +293,17 @@ TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
   };
   rounding_on(Model(DType::bf16, DType::bf16), {1, 2}, "OptimizerOptions::seed (rank 0: 1, rank 1: 2; stochastic rounding");
   rounding_on(m, {0, 0}, "stochastic_rounding is set but no rank has a bf16 weight");  // (m: f32 weights)
+  expect_every_rank_throws(
+      2,
+      [&](int r, const std::shared_ptr<Communicator>& comm) {
+        OptimizerOptions o = base_options(kNorms[0]);
+        o.communicator = comm;
+        o.master_weights = false;
+        o.stochastic_rounding = true;
+        o.stochastic_state_rounding = r == 0;
+        Optimizer opt(optim::AdamW{}, rank_params(Model(DType::bf16, DType::bf16), parts[static_cast<std::size_t>(r)]), o);
+      },
+      ErrorCode::invalid_argument, "OptimizerOptions::stochastic_state_rounding differs between ranks");
   // Compensated weights: every rank keeps them or none does, and some rank has a bf16 weight.
   const auto compensated_on = [&](const Model& model, std::array<bool, 2> on, const char* message) {
     expect_every_rank_throws(

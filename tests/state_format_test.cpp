@@ -206,12 +206,10 @@ int stream_index(const Optimizer& opt, std::string_view stream) {
 // each stream with bits of its own (sf_sr_state_step); beside f32 weights, to nearest.
 // So it equals an f32-state optimizer (with the same weights' rounding) whose state is
 // rounded so after every step, with the reference bits.
-TEST(StateFormats, Bf16StateBesideStochasticWeightsRoundsStochastically) {
-  const std::vector<OptimizerConfig> configs = {optim::AdamW{.lr = 1e-2, .weight_decay = 0.1},
-                                                optim::SGD{.lr = 0.1, .momentum = 0.9},
-                                                optim::RMSprop{.lr = 1e-2, .momentum = 0.9, .centered = true}};
+// With stochastic_state_rounding off, that state rounds to nearest even instead.
+static void run_bf16_state_beside_stochastic_weights(const std::vector<OptimizerConfig>& configs, bool stochastic_state) {
   for (const OptimizerConfig& config : configs) {
-    const std::string what(optimizer_name(config));
+    const std::string what = std::string(optimizer_name(config)) + (stochastic_state ? "" : ", nearest state");
     Model a(kNoF16), b(kNoF16);
     OptimizerOptions ro = format_options(StateFormat::f32);
     ro.master_weights = false;
@@ -219,6 +217,7 @@ TEST(StateFormats, Bf16StateBesideStochasticWeightsRoundsStochastically) {
     ro.seed = 0x5EED0000ABCDull;
     OptimizerOptions bo = ro;
     bo.state_format = StateFormat::bf16;
+    bo.stochastic_state_rounding = stochastic_state;
     Optimizer ref(config, a.params, ro), opt(config, b.params, bo);
     for (int step = 1; step <= 4; ++step) {
       a.regrad(step);
@@ -227,7 +226,7 @@ TEST(StateFormats, Bf16StateBesideStochasticWeightsRoundsStochastically) {
       ASSERT_TRUE(opt.step_scaled(64.0).applied);
       std::uint64_t base = 0;  // the model index of the param's element 0
       for (std::size_t p = 0; p < ref.num_params(); ++p) {
-        const bool stochastic = kNoF16[p].weight == DType::bf16;
+        const bool stochastic = stochastic_state && kNoF16[p].weight == DType::bf16;
         for (std::string_view s : ref.state_names()) {
           const int k = stream_index(ref, s);
           const std::span<float> v = ref.mutable_state(p, s);
@@ -251,13 +250,23 @@ TEST(StateFormats, Bf16StateBesideStochasticWeightsRoundsStochastically) {
   }
 }
 
+TEST(StateFormats, Bf16StateBesideStochasticWeightsRoundsStochastically) {
+  const std::vector<OptimizerConfig> configs = {optim::AdamW{.lr = 1e-2, .weight_decay = 0.1},
+                                                optim::SGD{.lr = 0.1, .momentum = 0.9},
+                                                optim::RMSprop{.lr = 1e-2, .momentum = 0.9, .centered = true}};
+  for (const bool stochastic_state : {true, false}) {
+    SCOPED_TRACE(stochastic_state ? "stochastic state" : "nearest state");
+    run_bf16_state_beside_stochastic_weights(configs, stochastic_state);
+  }
+}
+
 // What stochastic rounding of the state is for: a second moment decaying by
 // beta2 = 0.999 a step moves by less than half a bf16 ulp (2^-9 of it), so rounded to
 // nearest it never decays; rounded stochastically it follows 0.999^t on average.
 TEST(StateFormats, StochasticBf16StateKeepsDecaying) {
   constexpr std::size_t kN = 8192;
   constexpr int kSteps = 600;
-  const auto run = [&](bool stochastic) {
+  const auto run = [&](bool stochastic, bool stochastic_state = true) {
     std::vector<std::uint16_t> w(kN), g(kN);
     const std::vector<float> ones(kN, 1.0f);
     cpu::narrow(ones.data(), DType::bf16, w.data(), kN);
@@ -266,6 +275,7 @@ TEST(StateFormats, StochasticBf16StateKeepsDecaying) {
     OptimizerOptions o;
     o.master_weights = false;
     o.stochastic_rounding = stochastic;
+    o.stochastic_state_rounding = stochastic_state;
     o.state_format = StateFormat::bf16;
     Optimizer opt(optim::Adam{.lr = 1e-6}  /* betas 0.9, 0.999 */, params, o);
     opt.step();  // exp_avg_sq = 0.001
@@ -276,8 +286,9 @@ TEST(StateFormats, StochasticBf16StateKeepsDecaying) {
     return mean / kN;
   };
   const double expected = 1e-3 * std::pow(0.999, kSteps - 1);  // 0.000549
-  const double nearest = run(false), stochastic = run(true);
+  const double nearest = run(false), stochastic = run(true), nearest_state = run(true, false);
   EXPECT_GT(nearest, 0.99e-3) << "round to nearest was expected to stall";
+  EXPECT_EQ(nearest_state, nearest) << "stochastic weights, state rounded to nearest: the same stall";
   EXPECT_NEAR(stochastic, expected, 0.02 * expected);
 }
 
@@ -307,6 +318,13 @@ TEST(StateFormats, BitwiseIdenticalAcrossTargetsThreadsAndModes) {
   test::expect_same_on_every_cpu_path(
       sr, [&](const OptimizerOptions& o) { return train(optim::AdamW{.lr = 1e-2}, o, 3, kNoF16); },
       "AdamW bf16 state, stochastic rounding");
+  sr.stochastic_state_rounding = false;  // (Highway's and LLVM's kernels of that choice)
+  test::expect_same_on_every_cpu_path(
+      sr, [&](const OptimizerOptions& o) { return train(optim::AdamW{.lr = 1e-2}, o, 3, kNoF16); },
+      "AdamW bf16 state rounded to nearest, stochastic rounding");
+  test::expect_same_on_every_cpu_path(
+      sr, [&](const OptimizerOptions& o) { return train(optim::LAMB{}, o, 3, kNoF16); },
+      "LAMB bf16 state rounded to nearest, stochastic rounding");
   OptimizerOptions comp = format_options(StateFormat::bf16);
   comp.master_weights = false;
   comp.compensated_weights = true;

@@ -59,9 +59,17 @@ struct OptimizerOptions {
   // thread count and device, and run to run. Needs at least one bf16 weight and
   // no f16 weights; f32 weights in the list are unaffected. A bf16 weight's state
   // stored as bf16 (state_format) rounds stochastically too, each stream with bits of
-  // its own, so that a second moment decaying by 0.999 a step still decays.
+  // its own, so that a second moment decaying by 0.999 a step still decays (unless
+  // stochastic_state_rounding is off).
   bool stochastic_rounding = false;
   std::uint64_t seed = 0;
+  // With stochastic_rounding: whether the bf16 state of the stochastically rounded
+  // weights rounds stochastically too (the default), or to nearest even, as
+  // torchao's bf16 optimizer state does. Nearest draws no random bits for the state
+  // (faster where drawing them costs more than the memory traffic, as on a few CPU
+  // cores), but a second moment that moves by less than half a bf16 ulp a step
+  // stalls there (docs/low-precision.md). Without stochastic_rounding it changes nothing.
+  bool stochastic_state_rounding = true;
   // bf16 weights without masters (master_weights = false): keep beside each bf16
   // weight a bf16 compensation, the part of the parameter that rounding the
   // weight to bf16 lost (Kahan-compensated summation). The update reads the

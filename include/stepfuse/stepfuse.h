@@ -325,6 +325,13 @@ typedef struct sf_optimizer_options {
   /* q8 applies to tensors of at least this many elements; smaller ones keep f32
    * (bitsandbytes' min_8bit_size). >= 0; default 4096. */
   int64_t min_q8_numel;
+  /* ---- Since 0.1 with the state's rounding (a struct_size of SF_OPTIMIZER_OPTIONS_SIZE_V5,
+   * from an older stepfuse.h, is read without it: it keeps its default). */
+  /* With stochastic_rounding: the bf16 state of the stochastically rounded weights rounds
+   * stochastically too (true), or to nearest even (false: no random bits drawn for it, as
+   * torchao's bf16 state; a second moment moving by less than half a bf16 ulp a step then
+   * stalls). Default true. */
+  bool stochastic_state_rounding;
 } sf_optimizer_options;
 /* The fields of the struct of an older stepfuse.h end here; a struct_size of these, or of
  * the older struct's sizeof (these rounded up to the struct's alignment), is read and
@@ -333,6 +340,7 @@ typedef struct sf_optimizer_options {
 #define SF_OPTIMIZER_OPTIONS_SIZE_V2 offsetof(sf_optimizer_options, stochastic_rounding)
 #define SF_OPTIMIZER_OPTIONS_SIZE_V3 offsetof(sf_optimizer_options, compensated_weights)
 #define SF_OPTIMIZER_OPTIONS_SIZE_V4 offsetof(sf_optimizer_options, state_format)
+#define SF_OPTIMIZER_OPTIONS_SIZE_V5 offsetof(sf_optimizer_options, stochastic_state_rounding)
 
 /* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
 STEPFUSE_API void sf_optimizer_options_init(sf_optimizer_options* options);

@@ -51,6 +51,7 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& pa
   CudaLayout l = plan_cuda_layout(program, shapes, options.norm_type == INFINITY ? CudaNorm::inf : CudaNorm::l2,
                                   allow_flat && is_flat(params) && !is_two_phase(program) && !sharded_rounding,
                                   vector_aligned(params));
+  l.spec.stochastic_state = options.stochastic_state_rounding || !options.stochastic_rounding;  // (one key without rounding)
   for (std::size_t i = 0; i < params.size(); ++i) {
     l.tensors[i].grad = params[i].grad.data;
     l.tensors[i].weight = params[i].weight.data;

@@ -176,12 +176,13 @@ std::string q8_map(const Program& prog, int s) {
 
 // The store of `value` to f32 or bf16 state stream s of combination c, at the element
 // `x` past `begin` (state index so + x): four elements (sf_store4_*) or one. bf16 state
-// of stochastically rounded weights rounds stochastically, with the stream's own bits
+// of stochastically rounded weights rounds stochastically (unless the spec says
+// nearest: CudaSpec::stochastic_state), with the stream's own bits
 // (jit/stochastic_round.h, sf_sr_state_step).
-std::string state_store(bool four, const DtypeCombo& c, StateFormat f, int s, const std::string& base,
-                        const std::string& x, const std::string& value) {
+std::string state_store(bool four, const CudaSpec& spec, const DtypeCombo& c, StateFormat f, int s,
+                        const std::string& base, const std::string& x, const std::string& value) {
   const std::string fn = four ? "sf_store4_" : "sf_store_";
-  if (f == StateFormat::bf16 && c.stochastic)
+  if (f == StateFormat::bf16 && c.stochastic && spec.stochastic_state)
     return fn + "bf16_sr(" + base + ", so + " + x + ", " + value + ", t->model_index + begin + " + x +
            ", sr_seed, sf_sr_state_step(sr_step, " + std::to_string(s) + "));\n";
   return fn + (f == StateFormat::bf16 ? "bf16" : "f32") + "(" + base + ", so + " + x + ", " + value + ");\n";
@@ -223,7 +224,7 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
       const std::string S = std::to_string(s), F = f == StateFormat::bf16 ? "bf16" : "f32";
       const std::string base = state_base(spec, s, slots[static_cast<std::size_t>(s)]);
       if (use.loads[s]) loadv += "sf_load4_" + F + "(" + base + ", so + " + at + ", st[" + S + "]" + off + ");\n";
-      if (use.stores[s]) storev += state_store(true, c, f, s, base, at, "st[" + S + "]" + off);
+      if (use.stores[s]) storev += state_store(true, spec, c, f, s, base, at, "st[" + S + "]" + off);
     }
   };
   vector_accesses("i", "");
@@ -259,7 +260,7 @@ std::string update_span(const Program& prog, const CudaSpec& spec, int k, bool t
     }
     const std::string F = f == StateFormat::bf16 ? "bf16" : "f32";
     if (use.loads[s]) load1 += "st[" + S + "][j] = sf_load_" + F + "(" + base + ", so + i + j);\n";
-    if (use.stores[s]) store1 += state_store(false, c, f, s, base, "i + j", "st[" + S + "][j]");
+    if (use.stores[s]) store1 += state_store(false, spec, c, f, s, base, "i + j", "st[" + S + "][j]");
   }
   return fill(std::string(q8 ? kUpdateSpanQ8 : kUpdateSpan),
               {{"K", std::to_string(k)},
@@ -315,7 +316,7 @@ std::string phase1_chunk(const Program& prog, const CudaSpec& spec, int k) {
     }
     const std::string F = f == StateFormat::bf16 ? "bf16" : "f32";
     if (use.loads[s]) load += "s[" + S + "] = sf_load_" + F + "(" + base + ", so + i);\n";
-    if (use.stores[s]) store += state_store(false, c, f, s, base, "i", "s[" + S + "]");
+    if (use.stores[s]) store += state_store(false, spec, c, f, s, base, "i", "s[" + S + "]");
   }
   const unsigned slots = reduced_slots(prog);
   for (int r = 0; r < kMaxNormSlots; ++r)
@@ -393,7 +394,7 @@ std::string canonical_text(const CudaSpec& spec) {
   o << "stepfuse cuda emitter " << kEmitterVersion << "\n"
     << "norm " << (spec.norm == CudaNorm::l2 ? "l2" : "inf") << "\n"
     << "flat " << spec.flat << "\naligned16 " << spec.aligned16 << "\n"
-    << (spec.sharded ? "sharded\n" : "")
+    << (spec.sharded ? "sharded\n" : "") << (spec.stochastic_state ? "" : "nearest state\n")
     << "combos";
   for (const DtypeCombo& c : spec.combos)
     o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "") << (c.stochastic ? "/stochastic" : "")

@@ -47,6 +47,9 @@ struct CudaSpec {
                            // the update uses 16-byte (f32) / 8-byte (f16, bf16) vector accesses
   bool sharded = false;    // OptimizerOptions::communicator: the reduce module also has the sharded
                            // step's sf_reduce_shard and sf_shard_finalize (kernels/shard_kernel.cuh)
+  // OptimizerOptions::stochastic_state_rounding: the bf16 state of stochastically rounded
+  // weights rounds stochastically (else to nearest even, as other bf16 state does).
+  bool stochastic_state = true;
 };
 
 // Canonical text of a spec: stable across runs and compilers (the cache key's core).

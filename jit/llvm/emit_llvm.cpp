@@ -106,8 +106,8 @@ int vector_width_of(const llvm::TargetMachine& tm) {
 
 class Emitter {
  public:
-  Emitter(llvm::Module& m, const CpuTarget& target, bool contract)
-      : ctx_(m.getContext()), mod_(m), b_(ctx_), target_(target), contract_(contract) {}
+  Emitter(llvm::Module& m, const CpuTarget& target, bool contract, bool nearest_state)
+      : ctx_(m.getContext()), mod_(m), b_(ctx_), target_(target), contract_(contract), nearest_state_(nearest_state) {}
 
   // bf16_state: the `_bs` variant, with the program's stored state streams as bf16.
   void update_function(const Program& p, const DtypeCombo& c, bool bf16_state);
@@ -342,6 +342,7 @@ class Emitter {
   llvm::IRBuilder<> b_;
   const CpuTarget& target_;
   bool contract_;
+  bool nearest_state_;  // CpuSpec::nearest_state
   bool in_update_ = false;
 };
 
@@ -359,7 +360,8 @@ Emitter::Streams Emitter::args_streams(const Program& p, const DtypeCombo& c, bo
   s.weight = field(kArgsWeight, "weight");
   s.master = c.master || c.compensated ? field(kArgsMaster, "master") : nullptr;
   if (c.stochastic) s.sr_bits = field(kArgsSrBits, "sr_bits"), s.sr_begin = begin;
-  llvm::Value* stride = c.stochastic && bf16_state ? load_at(i64(), kArgsSrStride, "sr_stride") : nullptr;
+  llvm::Value* stride =
+      c.stochastic && bf16_state && !nearest_state_ ? load_at(i64(), kArgsSrStride, "sr_stride") : nullptr;
   std::uint64_t place = 0;  // (runtime/cpu/fused_update-inl.h SrStatePlace)
   const StreamUse use = stream_use(p);
   for (int k = 0; k < p.num_streams; ++k) {
@@ -628,10 +630,10 @@ void check_spec(const CpuSpec& spec) {
   for (const DtypeCombo& c : spec.bf16_state)
     if (std::find(spec.combos.begin(), spec.combos.end(), c) == spec.combos.end())
       throw Error(ErrorCode::invalid_argument, "LLVM emitter: a bf16-state combo that is not among the spec's combos");
-    else if (c.stochastic && is_two_phase(spec.program))
+    else if (c.stochastic && !spec.nearest_state && is_two_phase(spec.program))
       throw Error(ErrorCode::invalid_argument,
                   "LLVM emitter: stochastically rounded bf16 state is for one-phase programs (a two-phase "
-                  "program's state is staged)");
+                  "program's state is staged, unless it rounds to nearest: nearest_state)");
   for (const DtypeCombo& c : spec.combos) {
     if (c.master && c.weight == DType::f32)
       throw Error(ErrorCode::invalid_argument, "LLVM emitter: f32 weights have no fp32 master copy");
@@ -650,7 +652,7 @@ std::unique_ptr<llvm::Module> build_module(llvm::LLVMContext& ctx, const CpuSpec
   auto m = std::make_unique<llvm::Module>("stepfuse_cpu_step", ctx);
   m->setTargetTriple(target.triple);
   m->setDataLayout(tm.createDataLayout());
-  Emitter e(*m, target, spec.contract);
+  Emitter e(*m, target, spec.contract, spec.nearest_state);
   if (is_two_phase(spec.program)) {
     const Program phase1 = phase_program(spec.program, 0), phase2 = phase_program(spec.program, 1);
     for (const bool bf16_state : {false, true}) {
@@ -749,7 +751,7 @@ std::string CpuTarget::describe() const {
 std::string cpu_canonical_text(const CpuSpec& spec) {
   std::ostringstream o;
   o << "stepfuse llvm emitter " << kEmitterVersion << "\nnorm " << (spec.inf_norm ? "inf" : "l2") << "\ncontract "
-    << spec.contract << "\ncombos";
+    << spec.contract << (spec.nearest_state ? "\nnearest state" : "") << "\ncombos";
   for (const DtypeCombo& c : spec.combos)
     o << " " << dtype_name(c.weight) << "/" << dtype_name(c.grad) << (c.master ? "/master" : "")
       << (c.stochastic ? "/stochastic" : "") << (c.compensated ? "/compensated" : "");

@@ -51,6 +51,10 @@ struct CpuSpec {
   // Combos (of `combos`) that also get update (and phase-1) functions with bf16 state
   // streams (the `_bs` symbols), for the tensors whose stored state is all bf16.
   std::vector<DtypeCombo> bf16_state;
+  // The `_bs` functions of stochastically rounded weights round their bf16 state to
+  // nearest even (OptimizerOptions::stochastic_state_rounding off); else stochastically,
+  // with the bits of the state streams (sf_cpu_update_args::sr_stride).
+  bool nearest_state = false;
   std::vector<DType> reduce_grads;  // reduce functions: the grad dtypes present
   bool inf_norm = false;          // reduce functions for the inf-norm (else L2)
   bool contract = false;          // let LLVM fuse mul+add pairs of the update into FMAs

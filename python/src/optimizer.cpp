@@ -43,6 +43,7 @@ struct PyOptions {
   bool llvm_contract = false;
   std::shared_ptr<stepfuse::Communicator> communicator;
   std::optional<std::vector<stepfuse::TensorSlice>> slices;
+  bool stochastic_state_rounding = true;
 };
 
 // `seed`, an int in [0, 2**64) (anything with __index__): ValueError when negative,
@@ -118,6 +119,7 @@ OptimizerOptions to_options(const PyOptions& o) {
   opts.master_weights = o.master_weights;
   opts.stochastic_rounding = o.stochastic_rounding;
   opts.seed = o.seed;
+  opts.stochastic_state_rounding = o.stochastic_state_rounding;
   opts.compensated_weights = o.compensated_weights;
   opts.state_format = o.state_format;
   opts.state_formats = o.state_formats;
@@ -272,6 +274,10 @@ const char* kOptionsDoc =
     "seed: the stochastic rounding's random stream, an int in [0, 2**64): the bits are Philox4x32-10 keyed by "
     "seed, counted by the applied step and the element's index in the model, so a run is bitwise reproducible "
     "(a checkpoint continues bitwise given the same seed).\n"
+    "stochastic_state_rounding: with stochastic_rounding, whether the bfloat16 state (state_format) of the "
+    "stochastically rounded weights rounds stochastically too (True, each stream with bits of its own, so a "
+    "second moment decaying by 0.999 a step still decays) or to nearest even (False, as torchao's bfloat16 "
+    "state: no random bits drawn for it, faster where drawing them costs more than the memory traffic).\n"
     "compensated_weights: with master_weights=False, keep beside each bfloat16 weight a bfloat16 compensation, "
     "what rounding the weight to bfloat16 lost (Kahan-compensated summation): the parameter is weight + "
     "compensation, and each step writes back the nearest bfloat16 weight and the nearest bfloat16 to the rest. "
@@ -313,7 +319,8 @@ void bind_optimizer(nb::module_& m) {
   static const std::string class_doc = std::string(
       "A fused optimizer over a fixed list of caller-owned tensors, updated in place.\n\n"
       "Optimizer(config, params, *, device=None, cuda_stream=0, max_grad_norm=None, norm_type=2.0,\n"
-      "          master_weights=True, stochastic_rounding=False, seed=0, compensated_weights=False,\n"
+      "          master_weights=True, stochastic_rounding=False, seed=0, stochastic_state_rounding=True,\n"
+      "          compensated_weights=False,\n"
       "          state_format='f32', state_formats=None, min_q8_numel=4096,\n"
       "          fusion='fused', num_threads=0, track_grad_norm=False, cpu_backend=None, llvm_contract=False,\n"
       "          communicator=None, slices=None)\n\n"
@@ -329,8 +336,9 @@ void bind_optimizer(nb::module_& m) {
       "__init__",
       [](PyOptimizer* self, nb::handle config, nb::handle params, std::optional<std::string> device,
          std::uintptr_t cuda_stream, std::optional<double> max_grad_norm, double norm_type, bool master_weights,
-         bool stochastic_rounding, nb::handle seed, bool compensated_weights, nb::handle state_format,
-         nb::handle state_formats, std::int64_t min_q8_numel, std::string fusion, int num_threads,
+         bool stochastic_rounding, nb::handle seed, bool stochastic_state_rounding, bool compensated_weights,
+         nb::handle state_format, nb::handle state_formats, std::int64_t min_q8_numel, std::string fusion,
+         int num_threads,
          bool track_grad_norm, std::optional<std::string> cpu_backend, bool llvm_contract,
          std::shared_ptr<stepfuse::Communicator> communicator,
          std::optional<std::vector<stepfuse::TensorSlice>> slices) {
@@ -339,6 +347,7 @@ void bind_optimizer(nb::module_& m) {
                      to_state_format(state_format, "state_format"), to_state_formats(state_formats),
                      min_q8_numel,   std::move(fusion),   num_threads,         track_grad_norm,
                      cpu_backend,    llvm_contract,       std::move(communicator), std::move(slices)};
+        po.stochastic_state_rounding = stochastic_state_rounding;
         OptimizerOptions opts = to_options(po);
         Gather g;
         std::optional<stepfuse::OptimizerConfig> cfg = try_config(config);
@@ -357,7 +366,7 @@ void bind_optimizer(nb::module_& m) {
       nb::arg("config"), nb::arg("params"), nb::kw_only(), nb::arg("device") = nb::none(),
       nb::arg("cuda_stream") = 0, nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0,
       nb::arg("master_weights") = true, nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0,
-      nb::arg("compensated_weights") = false, nb::arg("state_format") = "f32", nb::arg("state_formats") = nb::none(),
+      nb::arg("stochastic_state_rounding") = true, nb::arg("compensated_weights") = false, nb::arg("state_format") = "f32", nb::arg("state_formats") = nb::none(),
       nb::arg("min_q8_numel") = 4096, nb::arg("fusion") = "fused", nb::arg("num_threads") = 0,
       nb::arg("track_grad_norm") = false, nb::arg("cpu_backend") = nb::none(), nb::arg("llvm_contract") = false,
       nb::arg("communicator").none() = nb::none(), nb::arg("slices") = nb::none(),
@@ -365,7 +374,8 @@ void bind_optimizer(nb::module_& m) {
               "Adadelta | Rprop | ASGD | LAMB | UpdateProgram, params: collections.abc.Iterable[tuple[object, "
               "object]], *, device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
               "norm_type: float = 2.0, master_weights: bool = True, stochastic_rounding: bool = False, "
-              "seed: int = 0, compensated_weights: bool = False, state_format: StateFormat | str = 'f32', "
+              "seed: int = 0, stochastic_state_rounding: bool = True, compensated_weights: bool = False, "
+              "state_format: StateFormat | str = 'f32', "
               "state_formats: collections.abc.Mapping[str, StateFormat | str] | None = None, "
               "min_q8_numel: int = 4096, fusion: str = 'fused', num_threads: int = 0, "
               "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "
@@ -376,7 +386,8 @@ void bind_optimizer(nb::module_& m) {
       "from_groups",
       [](nb::handle groups, std::optional<std::string> device, std::uintptr_t cuda_stream,
          std::optional<double> max_grad_norm, double norm_type, bool master_weights, bool stochastic_rounding,
-         nb::handle seed, bool compensated_weights, nb::handle state_format, nb::handle state_formats,
+         nb::handle seed, bool stochastic_state_rounding, bool compensated_weights, nb::handle state_format,
+         nb::handle state_formats,
          std::int64_t min_q8_numel, std::string fusion, int num_threads, bool track_grad_norm,
          std::optional<std::string> cpu_backend, bool llvm_contract,
          std::shared_ptr<stepfuse::Communicator> communicator,
@@ -386,6 +397,7 @@ void bind_optimizer(nb::module_& m) {
                      to_state_format(state_format, "state_format"), to_state_formats(state_formats),
                      min_q8_numel,   std::move(fusion),   num_threads,         track_grad_norm,
                      cpu_backend,    llvm_contract,       std::move(communicator), std::move(slices)};
+        po.stochastic_state_rounding = stochastic_state_rounding;
         OptimizerOptions opts = to_options(po);
         if (!nb::isinstance<nb::iterable>(groups))
           throw nb::type_error(("groups must be a list of (params, config) pairs, not " +
@@ -413,7 +425,8 @@ void bind_optimizer(nb::module_& m) {
       },
       nb::arg("groups"), nb::kw_only(), nb::arg("device") = nb::none(), nb::arg("cuda_stream") = 0,
       nb::arg("max_grad_norm") = nb::none(), nb::arg("norm_type") = 2.0, nb::arg("master_weights") = true,
-      nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0, nb::arg("compensated_weights") = false,
+      nb::arg("stochastic_rounding") = false, nb::arg("seed") = 0, nb::arg("stochastic_state_rounding") = true,
+      nb::arg("compensated_weights") = false,
       nb::arg("state_format") = "f32", nb::arg("state_formats") = nb::none(), nb::arg("min_q8_numel") = 4096,
       nb::arg("fusion") = "fused",
       nb::arg("num_threads") = 0, nb::arg("track_grad_norm") = false,
@@ -430,7 +443,8 @@ void bind_optimizer(nb::module_& m) {
               "RMSprop | Lion | NAdam | RAdam | Adamax | Adadelta | Rprop | ASGD | LAMB, StateFormat | str | None]], *, "
               "device: str | None = None, cuda_stream: int = 0, max_grad_norm: float | None = None, "
               "norm_type: float = 2.0, master_weights: bool = True, stochastic_rounding: bool = False, "
-              "seed: int = 0, compensated_weights: bool = False, state_format: StateFormat | str = 'f32', "
+              "seed: int = 0, stochastic_state_rounding: bool = True, compensated_weights: bool = False, "
+              "state_format: StateFormat | str = 'f32', "
               "state_formats: collections.abc.Mapping[str, StateFormat | str] | None = None, "
               "min_q8_numel: int = 4096, fusion: str = 'fused', num_threads: int = 0, "
               "track_grad_norm: bool = False, cpu_backend: str | None = None, llvm_contract: bool = False, "

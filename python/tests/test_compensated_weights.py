@@ -204,10 +204,10 @@ def test_binding_refuses_what_it_cannot_compensate():
 
 def test_binding_signature_and_doc_name_the_option():
     doc = stepfuse.Optimizer.__doc__
-    assert "seed=0, compensated_weights=False" in doc
+    assert "compensated_weights=False" in doc
     assert "compensated_weights: with master_weights=False" in doc
     for fn in (stepfuse.Optimizer.__init__, stepfuse.Optimizer.from_groups):
-        assert "seed: int = 0, compensated_weights: bool = False" in fn.__doc__.splitlines()[0]
+        assert "stochastic_state_rounding: bool = True, compensated_weights: bool = False" in fn.__doc__.splitlines()[0]
     assert "uint16" in stepfuse.Optimizer.compensation.__doc__
 
 

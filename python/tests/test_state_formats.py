@@ -227,6 +227,65 @@ def test_step_is_the_f32_step_with_state_encoded(fmt):
         assert torch.equal(w, w32), s
 
 
+def test_bf16_state_beside_stochastic_weights_rounds_as_asked():
+    """bfloat16 weights rounded stochastically: their bf16 state rounds stochastically by
+    default, and to nearest even with stochastic_state_rounding=False, where it is then, bit for
+    bit, the f32-state run's state rounded to nearest after every step (the weights too)."""
+    n, steps = 3001, 4
+    cfg = stepfuse.AdamW(lr=1e-2, weight_decay=0.1)
+    w32, g32 = pair(n, 5)
+    w32, g32 = w32.to(torch.bfloat16), g32.to(torch.bfloat16)
+    runs = {}
+    for name, options in {"ref": dict(state_format="f32"),
+                          "nearest": dict(state_format="bf16", stochastic_state_rounding=False),
+                          "stochastic": dict(state_format="bf16")}.items():
+        w, g = w32.clone(), g32.clone()
+        runs[name] = (stepfuse.Optimizer(cfg, [(w, g)], master_weights=False, stochastic_rounding=True, seed=7,
+                                         **options), w, g)
+    ref, w_ref, _ = runs["ref"]
+    differs = False
+    for s, grad in enumerate(grads_of(n, steps)):
+        for opt, _, g in runs.values():
+            g.copy_(grad.to(torch.bfloat16))
+            opt.step()
+        for name in ("exp_avg", "exp_avg_sq"):
+            ref.state(0, name)[:] = encode_decode("bf16", ref.state(0, name).copy(), SIGNED[name])
+            assert np.array_equal(runs["nearest"][0].state_values(0, name), ref.state(0, name)), (s, name)
+            differs = differs or not np.array_equal(runs["stochastic"][0].state_values(0, name), ref.state(0, name))
+        assert torch.equal(runs["nearest"][1], w_ref), s
+    assert differs, "stochastically rounded bf16 state never differed from the nearest one"
+    with pytest.raises(TypeError):
+        stepfuse.Optimizer(cfg, [(w32.clone(), g32.clone())], stochastic_state_rounding="no")
+
+
+def test_torch_stochastic_state_rounding(util):
+    """stepfuse.torch takes stochastic_state_rounding (default True), keeps it through a deep
+    copy, and steps as the binding with it."""
+    params = util.make_params([(70, 65), (300,)], dtype=torch.bfloat16)
+    opt = sft.AdamW(params, lr=1e-2, master_weights=False, stochastic_rounding=True, seed=3, state_format="bf16",
+                    stochastic_state_rounding=False)
+    assert opt.stochastic_state_rounding is False
+    assert sft.AdamW(util.make_params([(4,)]), lr=1e-2).stochastic_state_rounding is True
+    clone = copy.deepcopy(opt)
+    assert clone.stochastic_state_rounding is False
+    twin = util.clone_params(params)
+    other = sft.AdamW(twin, lr=1e-2, master_weights=False, stochastic_rounding=True, seed=3, state_format="bf16")
+    train(util, opt, params, 3)
+    train(util, other, twin, 3)
+    # Nearest and stochastic state: the same first step, different state after it.
+    assert not all(torch.equal(opt.state[a]["exp_avg_sq"], other.state[b]["exp_avg_sq"]) for a, b in zip(params, twin))
+    grads = [torch.zeros_like(p) for p in params]
+    copies = util.clone_params(util.make_params([(70, 65), (300,)], dtype=torch.bfloat16))
+    engine = stepfuse.Optimizer(stepfuse.AdamW(lr=1e-2), [(p.detach(), g) for p, g in zip(copies, grads)],
+                                master_weights=False, stochastic_rounding=True, seed=3, state_format="bf16",
+                                stochastic_state_rounding=False)
+    for step in range(3):
+        for g, new in zip(grads, util.make_grads(copies, step)):
+            g.copy_(new)
+        engine.step()
+    util.assert_params_equal(copies, params)
+
+
 def test_set_state_values_encodes_as_a_step():
     """set_state_values(state_values()) of a q8 run, done to an f32 run after every step, makes
     that run the q8 run bit for bit (a helper optimizer with q8 state as the encoder)."""

@@ -213,8 +213,10 @@ def test_binding_signature_and_doc_name_the_options():
     doc = stepfuse.Optimizer.__doc__
     assert "stochastic_rounding=False, seed=0" in doc
     assert "stochastic_rounding: with master_weights=False" in doc and "seed: the stochastic rounding" in doc
+    assert "seed=0, stochastic_state_rounding=True" in doc and "stochastic_state_rounding: with stochastic_rounding" in doc
     for fn in (stepfuse.Optimizer.__init__, stepfuse.Optimizer.from_groups):
-        assert "stochastic_rounding: bool = False, seed: int = 0" in fn.__doc__.splitlines()[0]
+        assert ("stochastic_rounding: bool = False, seed: int = 0, stochastic_state_rounding: bool = True"
+                in fn.__doc__.splitlines()[0])
 
 
 # ---- stepfuse.torch --------------------------------------------------------------------------

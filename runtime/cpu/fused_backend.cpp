@@ -39,8 +39,9 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
     k.phase1 = fused_phase1_kernel(*group.fused, c);  // two-phase programs
     k.draws_bits = true;
     if (all_bf16_state(i)) {  // the kernels that read and write the bf16 state in registers, where there are
-      const UpdateFn u = fused_update_kernel(*group.fused, c, /*bf16_state=*/true);
-      const Phase1Fn p1 = fused_phase1_kernel(*group.fused, c, /*bf16_state=*/true);
+      const StateKernel sk = stochastic_state() ? StateKernel::bf16 : StateKernel::bf16_nearest;
+      const UpdateFn u = fused_update_kernel(*group.fused, c, sk);
+      const Phase1Fn p1 = fused_phase1_kernel(*group.fused, c, sk);
       if (u != nullptr && (k.phase1 == nullptr || p1 != nullptr)) {
         k.update = u;
         k.phase1 = p1;
@@ -63,7 +64,7 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
   for (std::size_t i = 0; i < params_.size(); ++i) {
     stochastic_.push_back(l.combos[static_cast<std::size_t>(l.tensor_combo[i])].stochastic);
     stores_.push_back(stored_streams(*tensor_programs[i]));
-    if (stochastic_[i] && all_bf16_state(i))
+    if (stochastic_[i] && stochastic_state() && all_bf16_state(i))
       for (const HostBuffers::StagedStream& s : host_.staged_streams(i))
         if (stores_[i].update & (1u << s.stream)) sr_state_streams_[i].push_back(s.stream);  // (in stream order)
     bit_streams = std::max(bit_streams, 1 + sr_state_streams_[i].size());
@@ -79,10 +80,11 @@ bool FusedBackend::all_bf16_state(std::size_t t) const {
   if (!host_.staged(t)) return false;
   const std::uint32_t g = programs_.tensor_group[t];
   const Program& p = *programs_.groups[g].program;
-  // (stochastically rounded state of a two-phase program stages: its phase 1 stores the
-  // state over a whole chunk, more random bits than a run keeps in L1)
+  // (The stochastically rounded state of a two-phase program stages: its phase 1 stores
+  // the state over a whole chunk, more random bits than a run keeps in L1.)
   const jit::Layout& l = host_.layout();
-  if (l.combos[static_cast<std::size_t>(l.tensor_combo[t])].stochastic && jit::is_two_phase(p)) return false;
+  if (l.combos[static_cast<std::size_t>(l.tensor_combo[t])].stochastic && stochastic_state() && jit::is_two_phase(p))
+    return false;
   for (int s = 0; s < p.num_streams; ++s) {
     if (p.streams[s].role != StreamRole::state || p.streams[s].values == StateValues::full_precision) continue;
     const int b = programs_.state_slot[g][static_cast<std::size_t>(s)];
@@ -104,6 +106,7 @@ void FusedBackend::setup_llvm(std::shared_ptr<const void> program_owner) {
     spec.program = *jits_[j].program;
     spec.inf_norm = options_.norm_type == INFINITY;
     spec.contract = options_.llvm_contract;
+    spec.nearest_state = options_.stochastic_rounding && !options_.stochastic_state_rounding;
     spec.combos = l.combos;
     spec.reduce_grads = l.reduce_grads;
     for (std::size_t i = 0; i < params_.size(); ++i) {

@@ -42,6 +42,9 @@ class FusedBackend final : public HostBackend {
     bool draws_bits = false;             // stochastic rounding: update draws its random bits itself (Highway)
   };
   bool all_bf16_state(std::size_t t) const;
+  // Whether the bf16 state of stochastically rounded weights rounds stochastically
+  // (OptimizerOptions::stochastic_state_rounding).
+  bool stochastic_state() const { return options_.stochastic_state_rounding; }
   void prefetch_next(std::size_t c, bool weight) const;
   static ReducePartial reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n);
   // The LLVM kernels of one distinct program of the groups.

@@ -48,6 +48,9 @@ inline constexpr int kCompensatedWeights = 3; // bf16 weights + bf16 compensatio
 // those it keeps in full precision), loaded and stored in registers. The mode's
 // weight part is M & 3.
 inline constexpr int kBf16State = 4;
+// Added to kStochasticWeights | kBf16State: that state rounds to nearest even, not
+// stochastically (OptimizerOptions::stochastic_state_rounding off).
+inline constexpr int kNearestState = 8;
 template <int M>
 inline constexpr int kWeightMode = M & 3;
 // Whether stream k of P is stored as bf16 in mode M.
@@ -64,12 +67,19 @@ constexpr unsigned StoredStreams() {
     if (P.code[i].op == Op::store) mask |= 1u << P.code[i].attr;
   return mask;
 }
+// Whether stream k of P is a bf16 state stream P stores rounding stochastically in mode M
+// (beside stochastically rounded weights, unless kNearestState).
+template <const Program& P, int M>
+constexpr bool SrStateStream(int k) {
+  return kWeightMode<M> == kStochasticWeights && (M & kNearestState) == 0 && Bf16Stream<P, M>(k) &&
+         (StoredStreams<P>() >> k & 1u) != 0;
+}
 // Stochastic weights with bf16 state: the place (1, 2, ...) of stream k's random bits
-// among the bf16 state streams P stores, in stream order (the weights' are place 0).
+// among the streams SrStateStream, in stream order (the weights' are place 0).
 template <const Program& P, int M>
 constexpr int SrStatePlace(int k) {
   int place = 1;
-  for (int j = 0; j < k && j < P.num_streams; ++j) place += Bf16Stream<P, M>(j) && (StoredStreams<P>() >> j & 1u);
+  for (int j = 0; j < k && j < P.num_streams; ++j) place += SrStateStream<P, M>(j);
   return place;
 }
 // Bytes per element of the master slot in mode M (none: 0).
@@ -106,7 +116,7 @@ HWY_INLINE void Exec(D d, V* v, const V* s, const Streams& st, std::size_t i, V*
       if constexpr (WM == kCompensatedWeights) StoreCompensated(d, v[in.a], st.weight, st.master, i);
       else if constexpr (WM == kStochasticWeights) StoreBf16Stochastic(d, v[in.a], st.weight, i, st.sr_bits + (i - st.sr_begin));
       else StoreAs<W>(d, v[in.a], st.weight, i);
-    } else if constexpr (Bf16Stream<P, M>(in.attr) && WM == kStochasticWeights) {
+    } else if constexpr (SrStateStream<P, M>(in.attr)) {
       StoreBf16Stochastic(d, v[in.a], st.state[in.attr], i,
                           st.sr_bits + SrStatePlace<P, M>(in.attr) * st.sr_stride + (i - st.sr_begin));
     } else if constexpr (Bf16Stream<P, M>(in.attr)) {
@@ -208,7 +218,7 @@ HWY_INLINE void DrawBits(const UpdateArgs& a, std::size_t i, std::size_t m, std:
   const std::uint64_t first = a.sr_base + i;
   FillRoundingBits(a.sr_seed, a.sr_step, first, m, bits);
   for (int k = 0; k < P.num_streams; ++k)
-    if (Bf16Stream<P, M>(k) && (StoredStreams<P>() >> k & 1u))
+    if (SrStateStream<P, M>(k))
       FillRoundingBits(a.sr_seed, sf_sr_state_step(a.sr_step, k), first, m,
                        bits + static_cast<std::size_t>(SrStatePlace<P, M>(k)) * kDrawnBits);
 }
@@ -346,7 +356,7 @@ struct FusedTable {
   template <class Fn, template <const Program&, DType, DType, int> class Entry, const Program& P>
   static constexpr Fn Row(int combo) {
     constexpr int kP = kPlainWeights, kM = kMasterWeights, kS = kStochasticWeights, kC = kCompensatedWeights;
-    constexpr int kB = kBf16State;
+    constexpr int kB = kBf16State, kN = kNearestState;
     constexpr Fn fns[jit::kNumComboIndices + jit::kNumBf16StateCombos] = {
         Entry<P, DType::f32, DType::f32, kP>::get(),   nullptr,
         Entry<P, DType::f32, DType::f16, kP>::get(),   nullptr,
@@ -365,7 +375,7 @@ struct FusedTable {
         Entry<P, DType::f32, DType::f32, kP | kB>::get(),   Entry<P, DType::f32, DType::bf16, kP | kB>::get(),
         Entry<P, DType::bf16, DType::f32, kM | kB>::get(),  Entry<P, DType::bf16, DType::bf16, kM | kB>::get(),
         Entry<P, DType::bf16, DType::bf16, kP | kB>::get(), Entry<P, DType::bf16, DType::bf16, kS | kB>::get(),
-        Entry<P, DType::bf16, DType::bf16, kC | kB>::get(),
+        Entry<P, DType::bf16, DType::bf16, kC | kB>::get(), Entry<P, DType::bf16, DType::bf16, kS | kB | kN>::get(),
     };
     return fns[combo];
   }

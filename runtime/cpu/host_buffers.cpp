@@ -31,6 +31,7 @@ HostBuffers::HostBuffers(const detail::StepPrograms& programs, const std::vector
     elements += p.weight.numel;
   }
   layout_ = jit::plan_layout(shapes);
+  stochastic_state_ = options.stochastic_state_rounding;
   int threads = options.num_threads > 0 ? options.num_threads : detail::ThreadPool::default_threads();
   if (options.num_threads == 0) {
     // Small lists: waking threads costs more than it saves below ~256 K elements a
@@ -168,7 +169,7 @@ void HostBuffers::decode(const detail::StateSlot& s, std::size_t at, std::size_t
 }
 
 StateRounding HostBuffers::rounding(std::size_t t, std::size_t at, int stream) const {
-  if (!layout_.combos[static_cast<std::size_t>(layout_.tensor_combo[t])].stochastic) return {};
+  if (!stochastic_state_ || !layout_.combos[static_cast<std::size_t>(layout_.tensor_combo[t])].stochastic) return {};
   const UpdateArgs& a = args_[t];
   return {true, a.sr_seed, sf_sr_state_step(a.sr_step, stream), a.sr_base + at};
 }

@@ -33,7 +33,8 @@ struct StoredStreams {
 StoredStreams stored_streams(const Program& p);
 
 // How a step's store rounds a bf16 state stream: to nearest even, or (the state of a
-// tensor whose weights round stochastically) stochastically, with the bits of
+// tensor whose weights round stochastically, under
+// OptimizerOptions::stochastic_state_rounding) stochastically, with the bits of
 // sf_sr_state_step(step, stream) for model elements first, first + 1, ...
 struct StateRounding {
   bool stochastic = false;
@@ -150,6 +151,7 @@ class HostBuffers {
   void allocate_state(const detail::StepPrograms& programs, const std::vector<Param>& params);
 
   jit::Layout layout_;
+  bool stochastic_state_ = true;                       // OptimizerOptions::stochastic_state_rounding
   std::vector<std::vector<detail::StateSlot>> slots_;  // per buffer, per tensor
   std::vector<detail::AlignedBuffer> absmax_;          // per buffer: its q8 tensors' absmaxes
   std::vector<std::vector<StagedStream>> staged_;      // per tensor: its bf16 and q8 streams

@@ -61,14 +61,18 @@ using UpdateFn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t
 // canonical fp32 sum of squares of reduction slot r (0 for slots not reduced).
 using Phase1Fn = void (*)(const UpdateArgs& args, std::size_t begin, std::size_t n, float* sums);
 
+// How a fused kernel keeps the program's state streams: as fp32 (bf16 and q8 storage
+// staged), or (but those it keeps in full precision) as bf16, read and written in
+// registers; bf16_nearest: so, and with stochastically rounded weights rounded to
+// nearest even (OptimizerOptions::stochastic_state_rounding off), where bf16 rounds
+// that state stochastically.
+enum class StateKernel : std::uint8_t { f32, bf16, bf16_nearest };
 // The fused loop generated at compile time for a built-in program, or null (a
-// two-phase program's: its phase 2).
-// bf16_state: the variant that loads and stores the program's state streams (but
-// those it keeps in full precision) as bf16, in registers; null for the combos
-// without one (jit::bf16_state_index).
-UpdateFn fused_update_kernel(jit::Builtin program, const jit::DtypeCombo& combo, bool bf16_state = false);
+// two-phase program's: its phase 2). A bf16 variant is null for the combos without one
+// (jit::bf16_state_index); bf16_nearest differs from bf16 only for stochastic combos.
+UpdateFn fused_update_kernel(jit::Builtin program, const jit::DtypeCombo& combo, StateKernel state = StateKernel::f32);
 // A two-phase built-in's phase-1 loop; null for a one-phase program.
-Phase1Fn fused_phase1_kernel(jit::Builtin program, const jit::DtypeCombo& combo, bool bf16_state = false);
+Phase1Fn fused_phase1_kernel(jit::Builtin program, const jit::DtypeCombo& combo, StateKernel state = StateKernel::f32);
 // The fused kernels are compiled in this many translation units, each a slice of
 // the built-in programs (runtime/cpu/update_kernels_<k>.cpp).
 inline constexpr int kUpdateSlices = 5;

@@ -1839,6 +1839,53 @@ static void test_group_state_formats(void) {
   sf_optimizer_destroy(q8);
 }
 
+/* stochastic_state_rounding: on by default, read and reported; an older header's options
+ * struct (SF_OPTIMIZER_OPTIONS_SIZE_V5) keeps the default and gets its fields only. */
+static void test_stochastic_state_rounding(void) {
+  enum { kN = 600 };
+  static uint16_t w[kN], g[kN];
+  for (int i = 0; i < kN; ++i) w[i] = sf_float_to_bf16((float)uniform(-1, 1)), g[i] = sf_float_to_bf16((float)uniform(-1, 1));
+  const sf_param p = {{w, kN, SF_BF16}, {g, kN, SF_BF16}};
+  sf_optimizer_config cfg;
+  sf_optimizer_config_init(&cfg, SF_ADAMW);
+  sf_optimizer_options o;
+  sf_optimizer_options_init(&o);
+  CHECK(o.stochastic_state_rounding);
+  o.master_weights = false;
+  o.stochastic_rounding = true;
+  o.state_format = SF_STATE_BF16;
+  o.stochastic_state_rounding = false;
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, &p, 1, &o, &opt));
+  sf_optimizer_options got;
+  sf_optimizer_options_init(&got);
+  CHECK_OK(sf_optimizer_get_options(opt, &got));
+  CHECK(!got.stochastic_state_rounding && got.stochastic_rounding);
+  CHECK_OK(sf_optimizer_step(opt));
+  sf_optimizer_destroy(opt);
+  sf_optimizer_options old;
+  memset(&old, 0, sizeof old);
+  old.struct_size = (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V5;
+  memset(&old.stochastic_state_rounding, 0x7F, 1); /* past the older struct's fields: never written */
+  opt = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, &p, 1, &o, &opt));
+  if (opt == NULL) return;
+  CHECK_OK(sf_optimizer_get_options(opt, &old));
+  unsigned char flag = 0;
+  memcpy(&flag, &old.stochastic_state_rounding, 1);
+  CHECK(old.struct_size == SF_OPTIMIZER_OPTIONS_SIZE_V5 && old.stochastic_rounding && flag == 0x7F);
+  sf_optimizer_destroy(opt);
+  o.struct_size = (uint32_t)SF_OPTIMIZER_OPTIONS_SIZE_V5; /* read without it: the default, true */
+  opt = NULL;
+  CHECK_OK(sf_optimizer_create(&cfg, &p, 1, &o, &opt));
+  CHECK_OK(sf_optimizer_get_options(opt, &got));
+  CHECK(got.stochastic_state_rounding);
+  sf_optimizer_destroy(opt);
+  o.struct_size = sizeof o;
+  memset(&o.stochastic_state_rounding, 3, 1);
+  CHECK_FAILS(sf_optimizer_create(&cfg, &p, 1, &o, &opt), SF_INVALID_ARGUMENT, "options->stochastic_state_rounding = 3");
+}
+
 /* A two-phase program from C: phase 1 reduces the unscaled gradient into slot 0,
  * phase 2 stores the tensor's norm into a state stream (and the weights unchanged);
  * a bad slot is refused at the call; LAMB (SF_LAMB) steps. */
@@ -2396,6 +2443,7 @@ int main(void) {
   test_compensated_weights();
   test_state_formats();
   test_group_state_formats();
+  test_stochastic_state_rounding();
   test_program_state_values();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;

@@ -144,6 +144,7 @@ inline stepfuse::jit::CudaSpec packed_spec(const std::vector<const stepfuse::Pro
       aligned16);
   stepfuse::jit::assign_groups(l, programs, tensor_group);
   stepfuse::jit::assign_state_formats(l, formats);
+  l.spec.stochastic_state = o.stochastic_state_rounding;
   return l.spec;
 }
 inline stepfuse::jit::CudaSpec packed_spec(stepfuse::jit::Builtin b, const std::vector<DtypeCombo>& combos,
@@ -250,6 +251,9 @@ inline std::vector<EmulatedSpec> emulated_specs() {
   out.push_back({"adam_bf16_state_stochastic", packed_spec(kAdam, kMixedStochastic, bf16_sr)});
   out.push_back({"adam_bf16_state_stochastic_unaligned", packed_spec(kAdam, kMixedStochastic, bf16_sr, false)});
   out.push_back({"lamb_bf16_state_stochastic", packed_spec(kLamb, kMixedStochastic, bf16_sr)});
+  stepfuse::OptimizerOptions bf16_nearest = bf16_sr;  // stochastic weights, nearest bf16 state
+  bf16_nearest.stochastic_state_rounding = false;
+  out.push_back({"adam_bf16_state_nearest_beside_stochastic", packed_spec(kAdam, kMixedStochastic, bf16_nearest)});
   return out;
 }
 

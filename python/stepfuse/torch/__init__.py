@@ -17,7 +17,7 @@ Every optimizer is a ``torch.optim.Optimizer`` with torch's arguments, defaults,
 ``norm_type`` (``clip_grad_norm_`` over all groups, fused into the step) and
 ``master_weights`` (fp32 masters for float16/bfloat16 params), ``stochastic_rounding`` /
 ``seed`` (bfloat16 params without masters rounded stochastically, reproducibly from the
-seed), ``compensated_weights`` (bfloat16 params without masters, each with a bfloat16
+seed; their bfloat16 state too unless ``stochastic_state_rounding=False``), ``compensated_weights`` (bfloat16 params without masters, each with a bfloat16
 compensation: 2 bytes per param instead of a master's 4) and ``state_format`` /
 ``state_formats`` / ``min_q8_numel`` (optimizer state stored as bf16 or block-wise 8-bit q8
 between steps, also per param group as ``"state_format"``; CPU and CUDA).

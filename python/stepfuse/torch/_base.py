@@ -216,6 +216,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         master_weights: bool = True,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        stochastic_state_rounding: bool = True,
         compensated_weights: bool = False,
         state_format: Any = None,
         state_formats: Optional[Dict[str, Any]] = None,
@@ -261,6 +262,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         # counted by the engine's applied step and the element's index in its params).
         self.stochastic_rounding = bool(stochastic_rounding)
         self.seed = seed
+        # Their bfloat16 state: rounded stochastically too (each stream with bits of its
+        # own), or to nearest even.
+        self.stochastic_state_rounding = bool(stochastic_state_rounding)
         # bfloat16 params without masters: each with a bfloat16 compensation (the engine's,
         # state[p]["compensation"]), the part of the parameter rounding to bfloat16 lost.
         self.compensated_weights = bool(compensated_weights)
@@ -314,7 +318,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     # torch pickles (and deep-copies) an optimizer as defaults, state and param_groups:
     # keep the options too; the engine is re-planned from the state at the next step.
     _OPTIONS = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "compensated_weights",
-                "state_format", "state_formats", "min_q8_numel", "num_threads", "_device")
+                "state_format", "state_formats", "min_q8_numel", "num_threads", "_device", "stochastic_state_rounding")
 
     def __getstate__(self) -> Dict[str, Any]:
         if getattr(self, "communicator", None) is not None:
@@ -331,7 +335,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
-        for k, default in zip(self._OPTIONS, (None, 2.0, True, False, 0, False, "f32", None, 4096, None, None)):
+        for k, default in zip(self._OPTIONS, (None, 2.0, True, False, 0, False, "f32", None, 4096, None, None, True)):
             if not hasattr(self, k):
                 setattr(self, k, default)
         if self.state_formats is None:
@@ -687,7 +691,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         compensated = self.compensated_weights and any_bf16
         options: Dict[str, Any] = dict(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
                                        master_weights=self.master_weights, stochastic_rounding=rounding,
-                                       seed=self.seed, compensated_weights=compensated,
+                                       seed=self.seed, stochastic_state_rounding=self.stochastic_state_rounding,
+                                       compensated_weights=compensated,
                                        state_format=self.state_format, state_formats=self.state_formats,
                                        min_q8_numel=self.min_q8_numel, communicator=self.communicator,
                                        num_threads=self.num_threads if self.num_threads is not None

@@ -15,8 +15,8 @@ from ._base import StepfuseOptimizer, _as_float, _dummy_param
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD",
            "Lion", "LAMB"]
 
-_EXTRA = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "compensated_weights",
-          "state_format", "state_formats", "min_q8_numel", "num_threads", "communicator")
+_EXTRA = ("max_grad_norm", "norm_type", "master_weights", "stochastic_rounding", "seed", "stochastic_state_rounding",
+          "compensated_weights", "state_format", "state_formats", "min_q8_numel", "num_threads", "communicator")
 
 
 def _torch_defaults(torch_class: type, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -50,7 +50,7 @@ def _betas(group: Dict[str, Any]) -> Tuple[float, float]:
 class SGD(_TorchLike):
     """torch.optim.SGD, fused: ``SGD(params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
     maximize=False, max_grad_norm=None, norm_type=2.0, master_weights=True, stochastic_rounding=False, seed=0,
-    compensated_weights=False, state_format=None, state_formats=None, min_q8_numel=4096, num_threads=None,
+    stochastic_state_rounding=True, compensated_weights=False, state_format=None, state_formats=None, min_q8_numel=4096, num_threads=None,
     communicator=None)``."""
 
     _torch_class = torch.optim.SGD
