@@ -176,7 +176,8 @@ STEPFUSE_API const char* sf_optimizer_kind_name(sf_optimizer_kind kind);
 typedef enum sf_state_format {
   SF_STATE_F32 = 0,  /* 4 bytes per element, exact */
   SF_STATE_BF16 = 1, /* 2 bytes per element (bf16 bit patterns), rounded to nearest even (stochastically
-                      * for a tensor whose bf16 weights round stochastically) */
+                      * for a tensor whose bf16 weights round stochastically, unless
+                      * sf_optimizer_options.stochastic_state_rounding is false) */
   /* Block-wise 8-bit dynamic quantization, as bitsandbytes': per block of
    * SF_STATE_Q8_BLOCK elements one fp32 absmax and one byte (a code) per element, the
    * nearest of 256 codes (a signed code, or an unsigned one for non-negative streams). */

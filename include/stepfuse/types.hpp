@@ -21,7 +21,8 @@ constexpr std::string_view dtype_name(DType t) {
 enum class StateFormat : std::uint8_t {
   f32,   // 4 bytes per element, exact
   bf16,  // 2 bytes per element, rounded to nearest even (stochastically, with bits of its
-         // own, for a tensor whose bf16 weights round stochastically: stochastic_rounding)
+         // own, for a tensor whose bf16 weights round stochastically: stochastic_rounding,
+         // unless stochastic_state_rounding is off)
   q8,    // block-wise 8-bit dynamic quantization, as bitsandbytes': per block of 256
          // elements one fp32 absmax and one byte per element, the nearest of 256
          // codes (a signed code, or an unsigned one for non-negative streams)
