@@ -306,6 +306,7 @@ elseif(CASE STREQUAL "rounding")
   string(JSON masters GET "${j}" config master_weights)
   string(JSON nroundings LENGTH "${j}" config rounding)
   string(JSON seed GET "${j}" config stochastic_rounding_seed)
+  string(JSON state_rounding GET "${j}" config state_rounding)
   string(JSON sr_rounding GET "${j}" fused_sr rounding)
   string(JSON rn_rounding GET "${j}" fused rounding)
   string(JSON sr_bytes GET "${j}" fused_sr bytes_per_param)
@@ -315,10 +316,12 @@ elseif(CASE STREQUAL "rounding")
   string(JSON per_it GET "${j}" per_iteration fused_sr_over_fused_time median)
   string(JSON checked GET "${j}" verification stochastic_vs_nearest ok)
   string(JSON apart GET "${j}" verification stochastic_vs_nearest weights_rounded_apart)
-  if(masters OR NOT nroundings EQUAL 2 OR NOT seed EQUAL 1 OR NOT sr_rounding STREQUAL "stochastic"
+  if(masters OR NOT nroundings EQUAL 2 OR NOT seed EQUAL 1 OR NOT state_rounding STREQUAL "stochastic"
+     OR NOT sr_rounding STREQUAL "stochastic"
      OR NOT rn_rounding STREQUAL "nearest" OR NOT sr_bytes EQUAL rn_bytes OR NOT samples EQUAL 3 OR NOT ratio GREATER 0
      OR NOT per_it GREATER 0 OR NOT checked OR NOT apart GREATER 0)
     message(FATAL_ERROR "rounding: the JSON is wrong: master_weights=${masters} roundings=${nroundings} seed=${seed} "
+                        "state_rounding=${state_rounding} "
                         "fused_sr rounding=${sr_rounding} fused rounding=${rn_rounding} bytes/param=${sr_bytes} vs "
                         "${rn_bytes} fused_sr samples=${samples} ratio=${ratio} per-iteration=${per_it} "
                         "checked=${checked} weights rounded apart=${apart}")
@@ -350,6 +353,10 @@ elseif(CASE STREQUAL "rounding")
     expect_in("${err}" "--rounding stochastic: rounds bf16 weights kept without fp32 masters; pass --weights bf16 "
                        "--masters off" "rounding (${args})")
   endforeach()
+  bench(--preset flat:1000 --weights bf16 --masters off --rounding stochastic --state-rounding nearest)
+  expect_rc(1 "rounding (--state-rounding nearest without --state bf16)")
+  expect_in("${err}" "--state-rounding nearest: rounds the bf16 state of stochastically rounded weights"
+            "rounding (--state-rounding nearest without --state bf16)")
   bench(--preset flat:1000 --weights bf16 --masters off --no-masters)
   expect_rc(1 "rounding (--masters with --no-masters)")
   expect_in("${err}" "excludes" "rounding (--masters with --no-masters)")

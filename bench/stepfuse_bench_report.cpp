@@ -542,6 +542,8 @@ json make_json(const Args& a, const Case& c, const FusedOnly& fo, const Verifica
                  {"compensated_weights", has_compensations(a, c)},
                  {"rounding", rounding_names},
                  {"stochastic_rounding_seed", stochastic ? json(kStochasticSeed) : json(nullptr)},
+                 {"state_rounding",  // --state-rounding: the -sr rows' bf16 state
+                  stochastic ? json(c.options.stochastic_state_rounding ? "stochastic" : "nearest") : json(nullptr)},
                  {"state", state_names},
                  {"min_q8_numel", c.options.min_q8_numel},
                  {"clip", a.clip},

@@ -433,7 +433,8 @@ VerifyReport compare_rounding(const Optimizer& sr, const ModelBuffers& sr_buf, c
   const auto check = [&](Tally& tl, std::size_t t, std::int64_t i, double p0) {
     tl.check_rounded(static_cast<const std::uint16_t*>(sr_buf.weight(t).data)[i],
                      static_cast<const std::uint16_t*>(rn_buf.weight(t).data)[i], sr_buf, t, i, p0);
-    check_state_bits(tl, sp, names, sr_buf, t, i, /*bf16_rounded=*/true);  // (bf16 state rounds stochastically too)
+    // (bf16 state rounds stochastically too, unless stochastic_state_rounding is off: then bitwise)
+    check_state_bits(tl, sp, names, sr_buf, t, i, /*bf16_rounded=*/sr.options().stochastic_state_rounding);
   };
   compare_elements(sr_buf, loss_scale, threads, sr_name, rn_name, rep, check);
   rep.worst_ratio = 0;  // `worst` describes a value that differs; there is no tolerance to be a fraction of

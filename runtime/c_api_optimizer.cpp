@@ -105,7 +105,7 @@ sf_status sf_optimizer_set_config(sf_optimizer* opt, const sf_optimizer_config* 
     need(fn, opt, "opt");
     const sf_optimizer_config c = full_config(fn, config, "config");
     const stepfuse::OptimizerConfig cfg = config_from_c(fn, c);
-    for (std::size_t g = 0; g < opt->opt.num_groups(); ++g) check_group_format(fn, opt->opt, g, c);
+    check_group_format(fn, opt->opt, 0, c);  // (group 0's, as sf_optimizer_get_config reports it)
     opt->opt.set_config(cfg);
   });
 }

@@ -310,10 +310,10 @@ void check_group_format(const char* fn, const Optimizer& opt, std::size_t group,
   const StateFormat takes = opt.group_state_format(group).value_or(opt.options().state_format);
   if (*asked == takes) return;
   bad_argument(fn, "config->state_format = " + std::string(state_format_name(*asked)) + ", but group " +
-                       std::to_string(group) + " stores its state as " + std::string(state_format_name(takes)) +
-                       ": a group's state format is chosen when the group is created (leave has_state_format false "
-                       "here; to change the format, save a checkpoint and load it into a new optimizer with "
-                       "sf_load_options.convert_state)");
+                       std::to_string(group) + " takes " + std::string(state_format_name(takes)) +
+                       " as its state format: a group's state format is chosen when the group is created (leave "
+                       "has_state_format false here; to change the format, save a checkpoint and load it into a "
+                       "new optimizer with sf_load_options.convert_state)");
 }
 
 void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out) {

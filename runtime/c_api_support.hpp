@@ -181,7 +181,7 @@ void config_to_c(const OptimizerConfig& config, sf_optimizer_config* out);
 // has its own format, and state_format, the format its streams take.
 void write_config(const char* fn, const Optimizer& opt, std::size_t group, sf_optimizer_config* out);
 // Error(invalid_argument) unless the setter's `config` (a full_config()) leaves the state
-// format unset or names the one `group` takes.
+// format unset or names the one `group` takes (sf_optimizer_set_config: group 0's).
 void check_group_format(const char* fn, const Optimizer& opt, std::size_t group, const sf_optimizer_config& config);
 
 // The C value of a state format, and the C++ one of a checked C value.

@@ -244,7 +244,7 @@ class EmulatedOptimizer {
     layout_ = jit::plan_cuda_layout(*program_, params_, options_, /*allow_flat=*/num_groups == 1 && !packed_);
     layout_.spec.sharded = options_.communicator != nullptr;  // as CudaBackend
     group_variant_ = jit::assign_groups(layout_, group_programs_, group_of);
-    jit::assign_state_formats(layout_, formats);
+    jit::assign_state_formats(layout_, formats, options_.stochastic_state_rounding);  // (as CudaBackend)
     slots_ = jit::cuda_stream_slots(layout_.spec);
     // Group g's initial value of state buffer b (0 when its variant has no such stream).
     const auto init = [&](int b, std::size_t g) {

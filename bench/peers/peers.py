@@ -29,9 +29,9 @@ Order of work, on purpose:
 each peer keeping its bf16 params its own way: stepfuse.torch with fp32 masters (the ratios'
 reference), with stochastic rounding and with compensated weights, and with compressed state
 (state_format: stochastic rounding with q8 state, -sr-q8, the fewest bytes, and with bf16 state,
--sr-bf16s; fp32 masters with q8 state, -masters-q8); torchao's AdamW (bf16_stochastic_round) and
-AdamW8bit, and bitsandbytes' AdamW8bit on the CPU, behind torch.amp.GradScaler + clip_grad_norm_
-(the 8-bit ones also set beside stepfuse.torch-sr-q8, torchao's AdamW beside stepfuse.torch-sr-bf16s).
+-sr-bf16s, and rounded to nearest, -sr-bf16n; fp32 masters with q8 state, -masters-q8); torchao's
+AdamW (bf16_stochastic_round) and AdamW8bit, and bitsandbytes' AdamW8bit on the CPU, behind torch.amp.GradScaler + clip_grad_norm_
+(the 8-bit ones also set beside stepfuse.torch-sr-q8, torchao's AdamW beside stepfuse.torch-sr-bf16s and -sr-bf16n).
 None of them is the exact answer, so each is verified
 against a step computed in fp64 from the same inputs, to a tolerance stated per figure
 (config.py): the clip coefficient and skip decision, the state (fp32, bf16 or 8-bit), every

@@ -228,10 +228,12 @@ typedef struct sf_optimizer_config {
    * the matrices' group, bf16 for the embeddings', say). Read when the group is created
    * (sf_optimizer_create, sf_optimizer_create_groups, sf_optimizer_add_param_group). The
    * getters set has_state_format when the group was given its own format, and
-   * state_format to the format its streams take either way. A config given to a setter
-   * must leave has_state_format false or name the format the group's streams take
-   * (every group's, for sf_optimizer_set_config): storage is chosen once; to change it,
-   * save a checkpoint and load it into a new optimizer with sf_load_options.convert_state.
+   * state_format to the format its streams take either way (sf_optimizer_get_config:
+   * group 0's). A config given to a setter must leave has_state_format false or name
+   * the format the group's streams take (group 0's, for sf_optimizer_set_config, so
+   * that what sf_optimizer_get_config gave can be set back): storage is chosen once;
+   * to change it, save a checkpoint and load it into a new optimizer with
+   * sf_load_options.convert_state.
    * Default SF_STATE_F32, false. */
   sf_state_format state_format;
   bool has_state_format;
@@ -392,7 +394,7 @@ STEPFUSE_API sf_status sf_optimizer_step_scaled(sf_optimizer* opt, double loss_s
 STEPFUSE_API sf_status sf_optimizer_last_result(const sf_optimizer* opt, sf_step_result* result);
 
 /* The hyperparameters (out->struct_size must be set, e.g. by sf_optimizer_config_init;
- * every field is overwritten). */
+ * every field is overwritten): group 0's, its state format included. */
 STEPFUSE_API sf_status sf_optimizer_get_config(const sf_optimizer* opt, sf_optimizer_config* out);
 /* New hyperparameters of the same kind, in effect at the next step, no recompilation.
  * Changing what changes the program (amsgrad, nesterov, centered, momentum on/off) or

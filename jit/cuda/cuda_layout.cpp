@@ -51,7 +51,6 @@ CudaLayout plan_cuda_layout(const Program& program, const std::vector<Param>& pa
   CudaLayout l = plan_cuda_layout(program, shapes, options.norm_type == INFINITY ? CudaNorm::inf : CudaNorm::l2,
                                   allow_flat && is_flat(params) && !is_two_phase(program) && !sharded_rounding,
                                   vector_aligned(params));
-  l.spec.stochastic_state = options.stochastic_state_rounding || !options.stochastic_rounding;  // (one key without rounding)
   for (std::size_t i = 0; i < params.size(); ++i) {
     l.tensors[i].grad = params[i].grad.data;
     l.tensors[i].weight = params[i].weight.data;
@@ -132,7 +131,8 @@ std::vector<int> assign_groups(CudaLayout& l, const std::vector<const Program*>&
   return group_variant;
 }
 
-void assign_state_formats(CudaLayout& l, const std::vector<std::array<StateFormat, kMaxStreams>>& formats) {
+void assign_state_formats(CudaLayout& l, const std::vector<std::array<StateFormat, kMaxStreams>>& formats,
+                          bool stochastic_state) {
   bool any = false;
   for (const auto& f : formats)
     for (const StateFormat x : f) any = any || x != StateFormat::f32;
@@ -157,6 +157,11 @@ void assign_state_formats(CudaLayout& l, const std::vector<std::array<StateForma
     }
     t.combo = static_cast<int>(it - keys.begin());
   }
+  bool stochastic_bf16 = false;  // a stochastic combination that stores some state as bf16
+  for (std::size_t k = 0; k < l.spec.combos.size(); ++k)
+    for (const StateFormat f : l.spec.combo_formats[k])
+      stochastic_bf16 = stochastic_bf16 || (l.spec.combos[k].stochastic && f == StateFormat::bf16);
+  l.spec.stochastic_state = stochastic_state || !stochastic_bf16;
 }
 
 PackedState plan_packed_state(const CudaLayout& l) {

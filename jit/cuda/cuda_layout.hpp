@@ -64,7 +64,11 @@ std::vector<int> assign_groups(CudaLayout& l, const std::vector<const Program*>&
 // those formats (CudaSpec::combo_formats, after assign_groups: a combination is then
 // dtypes, variant and formats) and renumbers the tensors' combos. Nothing changes when
 // every format is f32. The layout must be the table layout (flat = false).
-void assign_state_formats(CudaLayout& l, const std::vector<std::array<StateFormat, kMaxStreams>>& formats);
+// stochastic_state: OptimizerOptions::stochastic_state_rounding, kept in the spec
+// (CudaSpec::stochastic_state) only where it matters, a stochastic combination with bf16
+// state: other specs keep the default, one key.
+void assign_state_formats(CudaLayout& l, const std::vector<std::array<StateFormat, kMaxStreams>>& formats,
+                          bool stochastic_state = true);
 
 // Where packed state lives (a spec with combo_formats): every state buffer (sf_streams
 // slot) holds each tensor's values in the tensor's format, 256-byte aligned, and a q8

@@ -33,7 +33,8 @@ typedef struct sf_cpu_update_args {
   uint64_t sr_base;                 /* the model index of the tensor's element 0 */
   const uint16_t* sr_bits;          /* per call over elements [begin, begin + n): element i's random bits are
                                        sr_bits[i - begin] (sf_sr_bits of model element sr_base + i); with bf16
-                                       state (the `_bs` functions of a one-phase program), the j-th bf16 state
+                                       state (the `_bs` functions of a one-phase program, unless the spec rounds
+                                       that state to nearest: CpuSpec::nearest_state), the j-th bf16 state
                                        stream the update stores (j = 1, 2, ... in stream order) finds its bits at
                                        sr_bits[j * sr_stride + i - begin] (at step sf_sr_state_step(sr_step, k),
                                        k its stream index) */

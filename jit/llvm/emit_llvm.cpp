@@ -243,8 +243,9 @@ class Emitter {
     llvm::Value* norms[kMaxNormSlots];  // phase 2 of a two-phase program: the tensor's norms
     llvm::Value *sr_bits, *sr_begin;  // stochastic combos: element i's bits are sr_bits[i - sr_begin]
     DType state_dtype[kMaxStreams];   // how each state stream is stored: f32, or bf16 (the `_bs` functions)
-    // `_bs` functions of stochastic combos (one-phase programs): the offset of each stored bf16
-    // stream's random bits from the weights' (sr_bits[place * sr_stride + i - sr_begin]), else null
+    // `_bs` functions of stochastic combos (one-phase programs, the state rounded stochastically:
+    // not CpuSpec::nearest_state): the offset of each stored bf16 stream's random bits from the
+    // weights' (sr_bits[place * sr_stride + i - sr_begin]), else null
     llvm::Value* sr_state_offset[kMaxStreams];
   };
   Streams args_streams(const Program& p, const DtypeCombo& c, bool bf16_state, llvm::Value* args, llvm::Value* begin);

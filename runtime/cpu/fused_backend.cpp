@@ -106,7 +106,6 @@ void FusedBackend::setup_llvm(std::shared_ptr<const void> program_owner) {
     spec.program = *jits_[j].program;
     spec.inf_norm = options_.norm_type == INFINITY;
     spec.contract = options_.llvm_contract;
-    spec.nearest_state = options_.stochastic_rounding && !options_.stochastic_state_rounding;
     spec.combos = l.combos;
     spec.reduce_grads = l.reduce_grads;
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -115,6 +114,9 @@ void FusedBackend::setup_llvm(std::shared_ptr<const void> program_owner) {
       if (std::find(spec.bf16_state.begin(), spec.bf16_state.end(), c) == spec.bf16_state.end())
         spec.bf16_state.push_back(c);
     }
+    // (only where it changes code: one cache key for the rest)
+    spec.nearest_state = !stochastic_state() && std::any_of(spec.bf16_state.begin(), spec.bf16_state.end(),
+                                                            [](const jit::DtypeCombo& c) { return c.stochastic; });
   }
   for (std::size_t j = 0; j < jits_.size(); ++j) {
     if (choice == CpuBackend::llvm) {

@@ -199,7 +199,7 @@ CudaBackend::CudaBackend(const StepPrograms& programs, const std::vector<Param>&
       for (std::size_t s = 0; s < kMaxStreams; ++s)
         if (slot[s] >= 0) formats[i][s] = programs.formats[i][static_cast<std::size_t>(slot[s])];
     }
-    jit::assign_state_formats(layout, formats);
+    jit::assign_state_formats(layout, formats, options.stochastic_state_rounding);
     packed_state_ = jit::plan_packed_state(layout);
   }
   spec_ = layout.spec;

@@ -1749,9 +1749,12 @@ static void test_group_state_formats(void) {
   got.has_state_format = true; /* bf16: the format group 1 takes */
   CHECK_OK(sf_optimizer_set_group_config(grouped, 1, &got));
   got.state_format = SF_STATE_Q8;
-  CHECK_FAILS(sf_optimizer_set_group_config(grouped, 1, &got), SF_INVALID_ARGUMENT, "group 1 stores its state as bf16");
+  CHECK_FAILS(sf_optimizer_set_group_config(grouped, 1, &got), SF_INVALID_ARGUMENT, "group 1 takes bf16 as its state format");
   CHECK_OK(sf_optimizer_set_group_config(grouped, 0, &got));
-  CHECK_FAILS(sf_optimizer_set_config(grouped, &got), SF_INVALID_ARGUMENT, "group 1 stores its state as bf16");
+  CHECK_OK(sf_optimizer_set_config(grouped, &got)); /* group 0's format: what get_config gives */
+  got.state_format = SF_STATE_BF16;
+  got.lr = 0.004;
+  CHECK_FAILS(sf_optimizer_set_config(grouped, &got), SF_INVALID_ARGUMENT, "group 0 takes q8 as its state format");
   double lr = 0;
   CHECK_OK(sf_optimizer_get_group_lr(grouped, 0, &lr));
   CHECK(lr == 0.002); /* the refused set_config changed nothing */
@@ -1814,9 +1817,12 @@ static void test_group_state_formats(void) {
     CHECK(f == SF_STATE_F32);
     old.lr = 0.5;
     CHECK_OK(sf_optimizer_get_config(one, &old));
-    unsigned char flag = 0;
+    unsigned char flag = 0, format[sizeof old.state_format], garbage[sizeof old.state_format];
     memcpy(&flag, &old.has_state_format, 1);
+    memcpy(format, &old.state_format, sizeof format);
+    memset(garbage, 0x5A, sizeof garbage);
     CHECK(old.struct_size == v1_sizes[k] && old.lr == 1e-3 && flag == 0x7F);
+    CHECK(memcmp(format, garbage, sizeof format) == 0); /* past the older struct's fields: not written */
     CHECK_OK(sf_optimizer_set_config(one, &old));
     sf_optimizer_destroy(one);
   }

@@ -143,8 +143,7 @@ inline stepfuse::jit::CudaSpec packed_spec(const std::vector<const stepfuse::Pro
       *programs[0], shapes, o.norm_type == INFINITY ? stepfuse::jit::CudaNorm::inf : stepfuse::jit::CudaNorm::l2, false,
       aligned16);
   stepfuse::jit::assign_groups(l, programs, tensor_group);
-  stepfuse::jit::assign_state_formats(l, formats);
-  l.spec.stochastic_state = o.stochastic_state_rounding;
+  stepfuse::jit::assign_state_formats(l, formats, o.stochastic_state_rounding);
   return l.spec;
 }
 inline stepfuse::jit::CudaSpec packed_spec(stepfuse::jit::Builtin b, const std::vector<DtypeCombo>& combos,

@@ -42,7 +42,7 @@ def parse_args(argv):
                    "stochastic rounding (master_weights=False, stochastic_rounding=True, seed=--seed) and with "
                    "compensated weights (compensated_weights=True), and with compressed state (state_format='q8' "
                    "with stochastic rounding and with masters, state_format='bf16' with stochastic rounding: "
-                   "stepfuse.torch-sr-q8, -masters-q8, -sr-bf16s); torchao's AdamW and AdamW8bit with "
+                   "stepfuse.torch-sr-q8, -masters-q8, -sr-bf16s, -sr-bf16n); torchao's AdamW and AdamW8bit with "
                    "bf16_stochastic_round=True and bitsandbytes' AdamW8bit on the CPU, behind torch.amp.GradScaler "
                    "+ clip_grad_norm_ (pip install torchao bitsandbytes; a peer whose package is missing is "
                    "skipped, saying so). torch.optim's AdamW is not among them: on bf16 params it keeps bf16 state "

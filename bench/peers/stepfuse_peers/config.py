@@ -35,10 +35,11 @@ ALL_PEERS = ["stepfuse", "stepfuse.torch", "stepfuse.torch-fresh", "torch-fused"
 # --dtype bf16: the low-precision peers (lowp_peers.py), bf16 weights and bf16 gradients. The
 # first is the ratios' denominator and always runs; the stepfuse rows are stepfuse itself (their
 # failing is exit code 2): its three ways of keeping bf16 weights with fp32 state, then with
-# compressed state (state_format: -q8 block-wise 8-bit, -bf16s bf16).
+# compressed state (state_format: -q8 block-wise 8-bit, -bf16s bf16; -bf16n bf16 rounded to nearest
+# beside stochastically rounded weights, stochastic_state_rounding=False, as torchao's AdamW does).
 LOWP_PEERS = ["stepfuse.torch-masters", "stepfuse.torch-sr", "stepfuse.torch-compensated", "stepfuse.torch-sr-q8",
-              "stepfuse.torch-sr-bf16s", "stepfuse.torch-masters-q8", "torchao-adamw-sr", "torchao-adamw8bit-sr",
-              "bnb-adamw8bit"]
+              "stepfuse.torch-sr-bf16s", "stepfuse.torch-sr-bf16n", "stepfuse.torch-masters-q8", "torchao-adamw-sr",
+              "torchao-adamw8bit-sr", "bnb-adamw8bit"]
 LOWP_REF = LOWP_PEERS[0]
 
 # Verification of each low-precision peer (lowp_verify.py) against a reference step computed in
@@ -123,12 +124,17 @@ LOWP_RATIOS = [
      "stepfuse.torch: q8 state vs fp32 state, both stochastic rounding, no masters"),
     ("stepfuse.torch-sr-bf16s", "stepfuse.torch-sr",
      "stepfuse.torch: bf16 state vs fp32 state, both stochastic rounding, no masters"),
+    ("stepfuse.torch-sr-bf16n", "stepfuse.torch-sr",
+     "stepfuse.torch: bf16 state rounded to nearest vs fp32 state, both stochastic rounding, no masters"),
     ("stepfuse.torch-masters-q8", "stepfuse.torch-masters",
      "stepfuse.torch: q8 state vs fp32 state, both fp32 masters"),
     ("torchao-adamw-sr", "stepfuse.torch-sr",
      "torchao AdamW (bf16 state) vs stepfuse.torch (fp32 state), both stochastic rounding, no masters"),
     ("torchao-adamw-sr", "stepfuse.torch-sr-bf16s",
      "torchao AdamW vs stepfuse.torch, both bf16 state, stochastic rounding, no masters"),
+    ("torchao-adamw-sr", "stepfuse.torch-sr-bf16n",
+     "torchao AdamW vs stepfuse.torch, both bf16 state rounded to nearest, stochastic rounding of the weights, "
+     "no masters"),
     ("torchao-adamw8bit-sr", "stepfuse.torch-sr",
      "torchao AdamW8bit vs stepfuse.torch (fp32 state), both stochastic rounding, no masters"),
     ("torchao-adamw8bit-sr", "stepfuse.torch-sr-q8",

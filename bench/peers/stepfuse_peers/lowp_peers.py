@@ -14,7 +14,10 @@ and the AdamW state its own way:
                               of bitsandbytes: signed for exp_avg, unsigned for exp_avg_sq), fp32 state for
                               tensors under min_q8_numel=4096 elements: the fewest bytes (about 12 B/param),
                               the row to set beside torchao's AdamW8bit and bitsandbytes' AdamW8bit;
-  stepfuse.torch-sr-bf16s     stepfuse.torch-sr with state_format="bf16": bf16 state (as torchao's AdamW);
+  stepfuse.torch-sr-bf16s     stepfuse.torch-sr with state_format="bf16": bf16 state, rounded stochastically
+                              as the weights (each stream with bits of its own);
+  stepfuse.torch-sr-bf16n     the same with stochastic_state_rounding=False: bf16 state rounded to nearest
+                              even (as torchao's AdamW keeps it);
   stepfuse.torch-masters-q8   stepfuse.torch-masters with state_format="q8";
     (each with stepfuse.torch.GradScaler('cpu'), step(opt), update(), as the stepfuse.torch peer; a step
     decodes stored state to fp32, updates it and stores it encoded again; lowp_result() reads q8 state
@@ -75,7 +78,10 @@ class StepfuseTorchLowpPeer(StepfuseTorchPeer):
     # first step are those of fp32 state; only the stored state differs (its tolerance: state_tol).
     STATES = {
         "": ("f32", "fp32 state"),
-        "bf16s": ("bf16", "state_format='bf16': exp_avg and exp_avg_sq stored as bf16 (rounded to nearest even)"),
+        "bf16s": ("bf16", "state_format='bf16': exp_avg and exp_avg_sq stored as bf16 (rounded stochastically "
+                          "beside stochastically rounded weights, else to nearest even)"),
+        "bf16n": ("bf16", "state_format='bf16', stochastic_state_rounding=False: exp_avg and exp_avg_sq stored "
+                          "as bf16 rounded to nearest even"),
         "q8": ("q8", "state_format='q8': exp_avg and exp_avg_sq stored as 8-bit codes in 256-element blocks with "
                      "an fp32 absmax each (bitsandbytes' dynamic map: signed for exp_avg, unsigned for exp_avg_sq), "
                      "fp32 for tensors under min_q8_numel=4096 elements"),
@@ -102,6 +108,8 @@ class StepfuseTorchLowpPeer(StepfuseTorchPeer):
             kw["seed"] = self.ctx.args.seed
         if self.state_format != "f32":
             kw["state_format"] = self.state_format
+        if self.state == "bf16n":
+            kw["stochastic_state_rounding"] = False
         return kw
 
     def stored_state(self, w):
