@@ -277,8 +277,10 @@ TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
       },
       ErrorCode::invalid_argument, "OptimizerOptions::max_grad_norm (rank 0: 0.5, rank 1: none) differs between ranks");
   // Stochastic rounding: every rank draws its bits from one seed, and some rank must
-  // have a bf16 weight. `seeds[r]`: rank r's seed.
-  const auto rounding_on = [&](const Model& model, std::array<std::uint64_t, 2> seeds, const char* message) {
+  // have a bf16 weight; every rank rounds the bf16 state alike. `seeds[r]`: rank r's seed,
+  // `state[r]` its stochastic_state_rounding.
+  const auto rounding_on = [&](const Model& model, std::array<std::uint64_t, 2> seeds, const char* message,
+                               std::array<bool, 2> state = {true, true}) {
     expect_every_rank_throws(
         2,
         [&](int r, const std::shared_ptr<Communicator>& comm) {
@@ -287,23 +289,15 @@ TEST(ShardedStep, OptionsThatDifferBetweenRanksAreRefusedOnEveryRank) {
           o.master_weights = false;
           o.stochastic_rounding = true;
           o.seed = seeds[static_cast<std::size_t>(r)];
+          o.stochastic_state_rounding = state[static_cast<std::size_t>(r)];
           Optimizer opt(optim::AdamW{}, rank_params(model, parts[static_cast<std::size_t>(r)]), o);
         },
         ErrorCode::invalid_argument, message);
   };
   rounding_on(Model(DType::bf16, DType::bf16), {1, 2}, "OptimizerOptions::seed (rank 0: 1, rank 1: 2; stochastic rounding");
   rounding_on(m, {0, 0}, "stochastic_rounding is set but no rank has a bf16 weight");  // (m: f32 weights)
-  expect_every_rank_throws(
-      2,
-      [&](int r, const std::shared_ptr<Communicator>& comm) {
-        OptimizerOptions o = base_options(kNorms[0]);
-        o.communicator = comm;
-        o.master_weights = false;
-        o.stochastic_rounding = true;
-        o.stochastic_state_rounding = r == 0;
-        Optimizer opt(optim::AdamW{}, rank_params(Model(DType::bf16, DType::bf16), parts[static_cast<std::size_t>(r)]), o);
-      },
-      ErrorCode::invalid_argument, "OptimizerOptions::stochastic_state_rounding differs between ranks");
+  rounding_on(Model(DType::bf16, DType::bf16), {0, 0}, "OptimizerOptions::stochastic_state_rounding differs between ranks",
+              {true, false});
   // Compensated weights: every rank keeps them or none does, and some rank has a bf16 weight.
   const auto compensated_on = [&](const Model& model, std::array<bool, 2> on, const char* message) {
     expect_every_rank_throws(

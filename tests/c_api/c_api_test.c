@@ -1671,6 +1671,13 @@ static void test_param_groups(void) {
   sf_optimizer_destroy(two);
 }
 
+/* How param `param`'s stream `name` is stored; -1 when the call fails (counted as a failure). */
+static int format_of(const sf_optimizer* opt, size_t param, const char* name) {
+  sf_state_format f = (sf_state_format)-1;
+  CHECK_OK(sf_optimizer_state_format(opt, param, name, &f));
+  return (int)f;
+}
+
 /* Per-group state formats (sf_optimizer_config.has_state_format): a group's own format
  * beside the options' blanket one and the per-stream overrides; the getters report it,
  * the setters refuse to change it; an older header's config struct neither reads nor
@@ -1699,12 +1706,8 @@ static void test_group_state_formats(void) {
   o.min_q8_numel = 0;
   sf_optimizer *grouped = NULL, *q8 = NULL;
   CHECK_OK(sf_optimizer_create_groups(groups, 2, &o, &grouped));
-  sf_optimizer_options qo;
-  sf_optimizer_options_init(&qo);
+  sf_optimizer_options qo = o; /* every group q8, exp_avg_sq f32 */
   qo.state_format = SF_STATE_Q8;
-  qo.state_formats = overrides;
-  qo.num_state_formats = 1;
-  qo.min_q8_numel = 0;
   const sf_param pq = {view_f32(wq, kA), view_f32(gq, kA)};
   sf_optimizer_config plain;
   sf_optimizer_config_init(&plain, SF_ADAMW);
@@ -1713,15 +1716,8 @@ static void test_group_state_formats(void) {
     sf_optimizer_destroy(grouped), sf_optimizer_destroy(q8);
     return;
   }
-  sf_state_format f = (sf_state_format)-1;
-  CHECK_OK(sf_optimizer_state_format(grouped, 0, "exp_avg", &f));
-  CHECK(f == SF_STATE_Q8);
-  CHECK_OK(sf_optimizer_state_format(grouped, 0, "exp_avg_sq", &f));
-  CHECK(f == SF_STATE_F32);
-  CHECK_OK(sf_optimizer_state_format(grouped, 1, "exp_avg", &f));
-  CHECK(f == SF_STATE_BF16);
-  CHECK_OK(sf_optimizer_state_format(grouped, 1, "exp_avg_sq", &f));
-  CHECK(f == SF_STATE_F32);
+  CHECK(format_of(grouped, 0, "exp_avg") == SF_STATE_Q8 && format_of(grouped, 0, "exp_avg_sq") == SF_STATE_F32);
+  CHECK(format_of(grouped, 1, "exp_avg") == SF_STATE_BF16 && format_of(grouped, 1, "exp_avg_sq") == SF_STATE_F32);
   for (int step = 0; step < 3; ++step) {
     CHECK_OK(sf_optimizer_step(grouped));
     CHECK_OK(sf_optimizer_step(q8));
@@ -1772,8 +1768,7 @@ static void test_group_state_formats(void) {
   exact.state_format = SF_STATE_F32;
   const sf_param_group extra = {&px, 1, &exact};
   CHECK_OK(sf_optimizer_add_param_group(grouped, &extra));
-  CHECK_OK(sf_optimizer_state_format(grouped, 2, "exp_avg", &f));
-  CHECK(f == SF_STATE_F32);
+  CHECK(format_of(grouped, 2, "exp_avg") == SF_STATE_F32);
   CHECK_OK(sf_optimizer_step(grouped));
 
   /* Bad values name the group's config. */
@@ -1794,8 +1789,7 @@ static void test_group_state_formats(void) {
   half.has_state_format = true;
   half.state_format = SF_STATE_BF16;
   CHECK_OK(sf_optimizer_create(&half, &pb, 1, NULL, &one));
-  CHECK_OK(sf_optimizer_state_format(one, 0, "exp_avg_sq", &f));
-  CHECK(f == SF_STATE_BF16);
+  CHECK(format_of(one, 0, "exp_avg_sq") == SF_STATE_BF16);
   sf_optimizer_destroy(one);
 
   /* An older header's struct (SF_OPTIMIZER_CONFIG_SIZE_V1, or its sizeof): the bytes past
@@ -1813,8 +1807,7 @@ static void test_group_state_formats(void) {
     one = NULL;
     CHECK_OK(sf_optimizer_create(&old, &pb, 1, NULL, &one));
     if (one == NULL) continue;
-    CHECK_OK(sf_optimizer_state_format(one, 0, "exp_avg", &f));
-    CHECK(f == SF_STATE_F32);
+    CHECK(format_of(one, 0, "exp_avg") == SF_STATE_F32);
     old.lr = 0.5;
     CHECK_OK(sf_optimizer_get_config(one, &old));
     unsigned char flag = 0, format[sizeof old.state_format], garbage[sizeof old.state_format];
