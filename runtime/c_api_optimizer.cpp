@@ -119,14 +119,8 @@ sf_status sf_optimizer_get_options(const sf_optimizer* opt, sf_optimizer_options
     options_to_c(opt->opt.options(), &full);
     full.state_formats = opt->state_formats.empty() ? nullptr : opt->state_formats.data();  // into the handle
     full.num_state_formats = opt->state_formats.size();
-    const std::uint32_t size = out->struct_size;
-    if (const std::size_t fields = older_options_fields(size)) {  // an older header's struct: its fields only
-      std::memcpy(static_cast<void*>(out), &full, fields);
-      out->struct_size = size;
-      return;
-    }
-    check_size(fn, out, "out", "sf_optimizer_options", "initialize it with sf_optimizer_options_init()");
-    *out = full;
+    write_struct(fn, full, out, older_options_fields(out->struct_size), "sf_optimizer_options",
+                 "initialize it with sf_optimizer_options_init()");
   });
 }
 

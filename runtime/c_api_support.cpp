@@ -248,14 +248,17 @@ OptimizerConfig config_from_c(const char* fn, const sf_optimizer_config& c) {
 }
 
 namespace {
-// An older stepfuse.h's config struct: the bytes of its fields when struct_size is the end of
-// its fields (SF_OPTIMIZER_CONFIG_SIZE_V1) or that struct's sizeof; else 0.
+// An older stepfuse.h's config struct (SF_OPTIMIZER_CONFIG_SIZE_V1): its fields' bytes, else 0.
 std::size_t older_config_fields(std::uint32_t struct_size) {
-  constexpr std::size_t kAlign = alignof(sf_optimizer_config);
-  constexpr std::size_t kEnd = SF_OPTIMIZER_CONFIG_SIZE_V1;
+  constexpr std::size_t kAlign = alignof(sf_optimizer_config), kEnd = SF_OPTIMIZER_CONFIG_SIZE_V1;
   static_assert(sizeof(sf_optimizer_config) > (kEnd + kAlign - 1) / kAlign * kAlign,
                 "the struct's size must tell it from the older one's");
-  return struct_size == kEnd || struct_size == (kEnd + kAlign - 1) / kAlign * kAlign ? kEnd : 0;
+  return older_fields<sf_optimizer_config>(struct_size, {kEnd});
+}
+
+// The format group `group`'s state streams take (but those state_formats names).
+StateFormat group_takes(const Optimizer& opt, std::size_t group) {
+  return opt.group_state_format(group).value_or(opt.options().state_format);
 }
 }  // namespace
 
@@ -288,26 +291,19 @@ std::optional<StateFormat> group_format_from_c(const char* fn, const sf_optimize
 
 void write_config(const char* fn, const Optimizer& opt, std::size_t group, sf_optimizer_config* out) {
   need(fn, out, "out");
-  const std::uint32_t size = out->struct_size;
-  std::size_t fields = older_config_fields(size);
-  if (fields == 0) {
-    check_size(fn, out, "out", "sf_optimizer_config", "initialize it with sf_optimizer_config_init()");
-    fields = sizeof *out;
-  }
   sf_optimizer_config full;
   full.struct_size = sizeof full;
   config_to_c(opt.config(group), &full);
-  const std::optional<StateFormat> own = opt.group_state_format(group);
-  full.has_state_format = own.has_value();
-  full.state_format = state_format_to_c(own.value_or(opt.options().state_format));
-  std::memcpy(static_cast<void*>(out), &full, fields);
-  out->struct_size = size;
+  full.has_state_format = opt.group_state_format(group).has_value();
+  full.state_format = state_format_to_c(group_takes(opt, group));
+  write_struct(fn, full, out, older_config_fields(out->struct_size), "sf_optimizer_config",
+               "initialize it with sf_optimizer_config_init()");
 }
 
 void check_group_format(const char* fn, const Optimizer& opt, std::size_t group, const sf_optimizer_config& c) {
   const std::optional<StateFormat> asked = group_format_from_c(fn, c, "config");
   if (!asked || group >= opt.num_groups()) return;  // (a bad group index is the setter's error)
-  const StateFormat takes = opt.group_state_format(group).value_or(opt.options().state_format);
+  const StateFormat takes = group_takes(opt, group);
   if (*asked == takes) return;
   bad_argument(fn, "config->state_format = " + std::string(state_format_name(*asked)) + ", but group " +
                        std::to_string(group) + " takes " + std::string(state_format_name(takes)) +
@@ -337,12 +333,9 @@ StateFormat state_format_from_c(const char* fn, const sf_state_format& f, const 
 }
 
 std::size_t older_options_fields(std::uint32_t struct_size) {
-  constexpr std::size_t kAlign = alignof(sf_optimizer_options);
-  for (const std::size_t end : {std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V1}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V2},
-                                std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V3}, std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V4},
-                                std::size_t{SF_OPTIMIZER_OPTIONS_SIZE_V5}})
-    if (struct_size == end || struct_size == (end + kAlign - 1) / kAlign * kAlign) return end;
-  return 0;
+  return older_fields<sf_optimizer_options>(
+      struct_size, {SF_OPTIMIZER_OPTIONS_SIZE_V1, SF_OPTIMIZER_OPTIONS_SIZE_V2, SF_OPTIMIZER_OPTIONS_SIZE_V3,
+                    SF_OPTIMIZER_OPTIONS_SIZE_V4, SF_OPTIMIZER_OPTIONS_SIZE_V5});
 }
 
 sf_optimizer_options full_options(const char* fn, const sf_optimizer_options* o) {

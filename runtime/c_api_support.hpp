@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -116,6 +117,32 @@ template <class T>
 void check_size(const char* fn, const T* s, const char* name, const char* type, const char* how) {
   need(fn, s, name);
   if (s->struct_size != sizeof(T)) bad_struct_size(fn, name, s->struct_size, sizeof(T), type, how);
+}
+
+// A struct of an older stepfuse.h: the bytes of its fields when struct_size is one of `ends`
+// (where an older struct's fields ended: its _SIZE_Vn) or that struct's sizeof (the end
+// rounded up to alignof(T)); else 0.
+template <class T>
+std::size_t older_fields(std::uint32_t struct_size, std::initializer_list<std::size_t> ends) {
+  constexpr std::size_t kAlign = alignof(T);
+  for (const std::size_t end : ends)
+    if (struct_size == end || struct_size == (end + kAlign - 1) / kAlign * kAlign) return end;
+  return 0;
+}
+
+// Writes `full` (this library's struct) to the caller's `out`: an older header's struct (its
+// fields' bytes `older`, from older_fields, nonzero) in its fields only, keeping its
+// struct_size; else the whole struct, its size checked (check_size's type and how).
+template <class T>
+void write_struct(const char* fn, const T& full, T* out, std::size_t older, const char* type, const char* how) {
+  if (older != 0) {
+    const std::uint32_t size = out->struct_size;
+    std::memcpy(static_cast<void*>(out), &full, older);
+    out->struct_size = size;
+    return;
+  }
+  check_size(fn, out, "out", type, how);
+  *out = full;
 }
 
 // The value of an enum the caller passed, as an int. A C caller may pass any int; in
