@@ -279,9 +279,7 @@ Case resolve_case(const Args& a, sb::Preset preset, bool from_file) {
                        "(add fused to --fusion)");
   }
   // The bf16 state of stochastically rounded weights: rounded stochastically (the library's
-  // default) or to nearest.
-  if (a.state_rounding != "stochastic" && a.state_rounding != "nearest")
-    throw UsageError("--state-rounding: unknown rounding '" + a.state_rounding + "' (expected stochastic or nearest)");
+  // default) or to nearest (--state-rounding, one of the two: CLI11 checks it).
   if (a.state_rounding == "nearest" &&
       (!stochastic || std::find(c.states.begin(), c.states.end(), sf::StateFormat::bf16) == c.states.end()))
     throw UsageError("--state-rounding nearest: rounds the bf16 state of stochastically rounded weights (the -sr-bf16s "
