@@ -16,12 +16,12 @@ sf_status sf_optimizer_save(const sf_optimizer* opt, const char* path, const sf_
   });
 }
 
-void sf_load_options_init(sf_load_options* options) {
-  if (options == nullptr) return;
-  *options = sf_load_options{};
-  options->struct_size = sizeof(sf_load_options);
-  options->convert_state = stepfuse::LoadOptions{}.convert_state;
+void sf_load_options_init_size(sf_load_options* options, size_t struct_size) {
+  sf_load_options full{};
+  full.convert_state = stepfuse::LoadOptions{}.convert_state;
+  init_struct(options, struct_size, full);
 }
+void(sf_load_options_init)(sf_load_options* options) { sf_load_options_init_size(options, sizeof *options); }
 
 namespace {
 // sf_optimizer_load and sf_optimizer_load_ex, named `fn`.

@@ -80,15 +80,15 @@ stepfuse::EmitRequest to_request(const char* fn, const sf_emit_request* r) {
 
 extern "C" {
 
-void sf_emit_request_init(sf_emit_request* request) {
-  if (request == nullptr) return;
-  std::memset(static_cast<void*>(request), 0, sizeof *request);
-  request->struct_size = sizeof(sf_emit_request);
-  request->norm_type = SF_NORM_L2;
-  request->target = SF_EMIT_CUBIN;
-  request->sm = 90;
-  request->compile = true;
+void sf_emit_request_init_size(sf_emit_request* request, size_t struct_size) {
+  sf_emit_request full{};
+  full.norm_type = SF_NORM_L2;
+  full.target = SF_EMIT_CUBIN;
+  full.sm = 90;
+  full.compile = true;
+  init_struct(request, struct_size, full);
 }
+void(sf_emit_request_init)(sf_emit_request* request) { sf_emit_request_init_size(request, sizeof *request); }
 
 sf_status sf_emit(const sf_emit_request* request, sf_emitted_kernel** out) {
   constexpr const char* fn = "sf_emit";
@@ -125,11 +125,10 @@ sf_status sf_emitted_kernel_part(const sf_emitted_kernel* kernel, sf_emitted_par
   });
 }
 
-void sf_kernel_tables_info_init(sf_kernel_tables_info* info) {
-  if (info == nullptr) return;
-  *info = sf_kernel_tables_info{};
-  info->struct_size = sizeof(sf_kernel_tables_info);
+void sf_kernel_tables_info_init_size(sf_kernel_tables_info* info, size_t struct_size) {
+  init_struct(info, struct_size, sf_kernel_tables_info{});
 }
+void(sf_kernel_tables_info_init)(sf_kernel_tables_info* info) { sf_kernel_tables_info_init_size(info, sizeof *info); }
 
 sf_status sf_emit_tables(const sf_emit_request* request, const int64_t* numels, size_t count, sf_kernel_tables** out) {
   constexpr const char* fn = "sf_emit_tables";

@@ -12,17 +12,19 @@ using namespace stepfuse::c_api;  // guard, need, the checks and conversions (ru
 
 extern "C" {
 
-void sf_grad_scaler_options_init(sf_grad_scaler_options* options) {
-  if (options == nullptr) return;
+void sf_grad_scaler_options_init_size(sf_grad_scaler_options* options, size_t struct_size) {
   // The defaults of GradScaler's constructor (grad_scaler.hpp), which are PyTorch's.
-  *options = sf_grad_scaler_options{};
-  options->struct_size = sizeof(sf_grad_scaler_options);
-  options->device = "cuda";
-  options->init_scale = 65536.0;
-  options->growth_factor = 2.0;
-  options->backoff_factor = 0.5;
-  options->growth_interval = 2000;
-  options->enabled = true;
+  sf_grad_scaler_options full{};
+  full.device = "cuda";
+  full.init_scale = 65536.0;
+  full.growth_factor = 2.0;
+  full.backoff_factor = 0.5;
+  full.growth_interval = 2000;
+  full.enabled = true;
+  init_struct(options, struct_size, full);
+}
+void(sf_grad_scaler_options_init)(sf_grad_scaler_options* options) {
+  sf_grad_scaler_options_init_size(options, sizeof *options);
 }
 
 sf_status sf_grad_scaler_create(const sf_grad_scaler_options* options, sf_grad_scaler** out) {
@@ -124,11 +126,10 @@ sf_status sf_grad_scaler_where_scale_lives(const sf_grad_scaler* scaler, sf_devi
   });
 }
 
-void sf_grad_scaler_state_init(sf_grad_scaler_state* state) {
-  if (state == nullptr) return;
-  *state = sf_grad_scaler_state{};
-  state->struct_size = sizeof(sf_grad_scaler_state);
+void sf_grad_scaler_state_init_size(sf_grad_scaler_state* state, size_t struct_size) {
+  init_struct(state, struct_size, sf_grad_scaler_state{});
 }
+void(sf_grad_scaler_state_init)(sf_grad_scaler_state* state) { sf_grad_scaler_state_init_size(state, sizeof *state); }
 
 sf_status sf_grad_scaler_state_dict(const sf_grad_scaler* scaler, sf_grad_scaler_state* state) {
   constexpr const char* fn = "sf_grad_scaler_state_dict";

@@ -8,14 +8,16 @@ using namespace stepfuse::c_api;  // guard, need, the checks and conversions (ru
 
 extern "C" {
 
-void sf_loss_scale_optimizer_options_init(sf_loss_scale_optimizer_options* options) {
-  if (options == nullptr) return;
+void sf_loss_scale_optimizer_options_init_size(sf_loss_scale_optimizer_options* options, size_t struct_size) {
   // The defaults of LossScaleOptimizer's constructor (loss_scale_optimizer.hpp), Keras's.
-  *options = sf_loss_scale_optimizer_options{};
-  options->struct_size = sizeof(sf_loss_scale_optimizer_options);
-  options->dynamic = true;
-  options->initial_scale = 32768.0;
-  options->dynamic_growth_steps = 2000;
+  sf_loss_scale_optimizer_options full{};
+  full.dynamic = true;
+  full.initial_scale = 32768.0;
+  full.dynamic_growth_steps = 2000;
+  init_struct(options, struct_size, full);
+}
+void(sf_loss_scale_optimizer_options_init)(sf_loss_scale_optimizer_options* options) {
+  sf_loss_scale_optimizer_options_init_size(options, sizeof *options);
 }
 
 sf_status sf_loss_scale_optimizer_create(sf_optimizer* inner, const sf_loss_scale_optimizer_options* options,

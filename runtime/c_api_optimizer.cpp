@@ -22,29 +22,36 @@ const char* sf_optimizer_kind_name(sf_optimizer_kind kind) {
   return stepfuse::optimizer_name(default_config(k)).data();  // string literals
 }
 
-void sf_optimizer_config_init(sf_optimizer_config* config, sf_optimizer_kind kind) {
-  if (config == nullptr) return;
-  config->struct_size = sizeof(sf_optimizer_config);
+// (The sf_X_init functions are named in parentheses: stepfuse.h defines macros of those
+// names, which pass the caller's sizeof to sf_X_init_size.)
+void sf_optimizer_config_init_size(sf_optimizer_config* config, sf_optimizer_kind kind, size_t struct_size) {
+  sf_optimizer_config full{};
+  full.struct_size = sizeof full;
   if (const int k = enum_value(kind); valid_kind(k)) {
-    config_to_c(default_config(k), config);
+    config_to_c(default_config(k), &full);
   } else {
-    std::memset(static_cast<void*>(config), 0, sizeof *config);
-    config->struct_size = sizeof(sf_optimizer_config);
-    std::memcpy(&config->kind, &k, sizeof k);  // rejected, with its value, by whatever uses it
+    std::memcpy(&full.kind, &k, sizeof k);  // rejected, with its value, by whatever uses it
   }
+  init_struct(config, struct_size, full);
+}
+void(sf_optimizer_config_init)(sf_optimizer_config* config, sf_optimizer_kind kind) {
+  sf_optimizer_config_init_size(config, kind, sizeof *config);
 }
 
-void sf_optimizer_options_init(sf_optimizer_options* options) {
-  if (options == nullptr) return;
-  options->struct_size = sizeof(sf_optimizer_options);
-  options_to_c(stepfuse::OptimizerOptions{}, options);
+void sf_optimizer_options_init_size(sf_optimizer_options* options, size_t struct_size) {
+  sf_optimizer_options full{};
+  full.struct_size = sizeof full;
+  options_to_c(stepfuse::OptimizerOptions{}, &full);
+  init_struct(options, struct_size, full);
+}
+void(sf_optimizer_options_init)(sf_optimizer_options* options) {
+  sf_optimizer_options_init_size(options, sizeof *options);
 }
 
-void sf_step_result_init(sf_step_result* result) {
-  if (result == nullptr) return;
-  *result = sf_step_result{};
-  result->struct_size = sizeof(sf_step_result);
+void sf_step_result_init_size(sf_step_result* result, size_t struct_size) {
+  init_struct(result, struct_size, sf_step_result{});
 }
+void(sf_step_result_init)(sf_step_result* result) { sf_step_result_init_size(result, sizeof *result); }
 
 sf_status sf_optimizer_create(const sf_optimizer_config* config, const sf_param* params, size_t num_params,
                               const sf_optimizer_options* options, sf_optimizer** out) {

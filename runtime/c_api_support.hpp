@@ -6,6 +6,7 @@
 // the argument and its value. runtime/c_api_support.cpp defines them.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -143,6 +144,21 @@ void write_struct(const char* fn, const T& full, T* out, std::size_t older, cons
   }
   check_size(fn, out, "out", type, how);
   *out = full;
+}
+
+// What an sf_X_init_size(dst, size) call writes: `full` (this header's struct, its
+// fields set) in the caller's `size` bytes and no more, with struct_size = size, so a
+// caller built against an older stepfuse.h gets its own (smaller) struct's fields; bytes
+// past this header's struct, in a newer header's larger one, are zeroed (the struct_size
+// it gets then is one this library refuses, saying which it expects). Nothing is written
+// for a NULL dst or a size too small to hold struct_size.
+template <class T>
+void init_struct(T* dst, std::size_t size, T full) {
+  if (dst == nullptr || size < sizeof full.struct_size) return;
+  full.struct_size = static_cast<std::uint32_t>(std::min<std::size_t>(size, UINT32_MAX));
+  const std::size_t n = std::min(size, sizeof full);
+  std::memcpy(static_cast<void*>(dst), &full, n);
+  if (size > n) std::memset(reinterpret_cast<unsigned char*>(dst) + n, 0, size - n);
 }
 
 // The value of an enum the caller passed, as an int. A C caller may pass any int; in

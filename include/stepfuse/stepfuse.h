@@ -18,7 +18,12 @@
  *   with `uint32_t struct_size`, so they can grow in later versions, and each has an
  *   *_init function that sets it (and, for inputs, PyTorch's defaults): call it,
  *   then change fields. For output structs, setting struct_size = sizeof(the struct)
- *   also does. A size this library does not know (a caller compiled against another
+ *   also does. Each sf_X_init is a macro that passes the caller's sizeof(sf_X) to
+ *   the function sf_X_init_size, which writes that many bytes and no more: a program
+ *   built against an older stepfuse.h, whose structs are smaller, gets its own
+ *   struct's fields set by a newer library, and struct_size set to its size. (The
+ *   functions named sf_X_init remain, for callers that cannot use the macros, and
+ *   write this header's sizeof.) A size this library does not know (a caller compiled against another
  *   version's header, or an uninitialized struct) is SF_INVALID_ARGUMENT, saying
  *   which size it expected. sf_tensor_view, sf_param and sf_device are fixed.
  *
@@ -247,6 +252,10 @@ typedef struct sf_optimizer_config {
  * betas 0.9/0.999, eps 1e-8, weight_decay 1e-2); other fields 0. An unknown kind is
  * kept, for sf_optimizer_create to reject. Writes nothing if config is NULL. */
 STEPFUSE_API void sf_optimizer_config_init(sf_optimizer_config* config, sf_optimizer_kind kind);
+STEPFUSE_API void sf_optimizer_config_init_size(sf_optimizer_config* config, sf_optimizer_kind kind,
+    size_t struct_size);
+#define sf_optimizer_config_init(config, kind) \
+  sf_optimizer_config_init_size((config), (kind), sizeof(sf_optimizer_config))
 
 typedef enum sf_fusion {
   SF_FUSION_FUSED = 0,      /* one reduce pass + one update pass per step */
@@ -347,6 +356,8 @@ typedef struct sf_optimizer_options {
 
 /* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
 STEPFUSE_API void sf_optimizer_options_init(sf_optimizer_options* options);
+STEPFUSE_API void sf_optimizer_options_init_size(sf_optimizer_options* options, size_t struct_size);
+#define sf_optimizer_options_init(options) sf_optimizer_options_init_size((options), sizeof(sf_optimizer_options))
 
 /* What one step did. An output struct: sf_step_result_init() it before the call. */
 typedef struct sf_step_result {
@@ -362,6 +373,8 @@ typedef struct sf_step_result {
 
 /* Zeroes the struct and sets struct_size. Writes nothing if result is NULL. */
 STEPFUSE_API void sf_step_result_init(sf_step_result* result);
+STEPFUSE_API void sf_step_result_init_size(sf_step_result* result, size_t struct_size);
+#define sf_step_result_init(result) sf_step_result_init_size((result), sizeof(sf_step_result))
 
 /* ---- Optimizer ---------------------------------------------------------------- */
 
@@ -542,6 +555,8 @@ typedef struct sf_load_options {
 
 /* Sets struct_size and the defaults above. Writes nothing if options is NULL. */
 STEPFUSE_API void sf_load_options_init(sf_load_options* options);
+STEPFUSE_API void sf_load_options_init_size(sf_load_options* options, size_t struct_size);
+#define sf_load_options_init(options) sf_load_options_init_size((options), sizeof(sf_load_options))
 /* As sf_optimizer_load, with options (NULL: the defaults, which is sf_optimizer_load). */
 STEPFUSE_API sf_status sf_optimizer_load_ex(sf_optimizer* opt, const char* path, sf_grad_scaler* scaler,
                                             const sf_load_options* options);
@@ -562,6 +577,8 @@ typedef struct sf_grad_scaler_options {
 
 /* Sets struct_size and PyTorch's defaults above. Writes nothing if options is NULL. */
 STEPFUSE_API void sf_grad_scaler_options_init(sf_grad_scaler_options* options);
+STEPFUSE_API void sf_grad_scaler_options_init_size(sf_grad_scaler_options* options, size_t struct_size);
+#define sf_grad_scaler_options_init(options) sf_grad_scaler_options_init_size((options), sizeof(sf_grad_scaler_options))
 /* options may be NULL (the defaults). SF_INVALID_ARGUMENT for a device other than
  * "cuda"/"cpu", init_scale not finite and > 0, growth_factor not finite and > 1,
  * backoff_factor not in (0, 1), growth_interval < 1. Not thread-safe: one scaler per
@@ -621,6 +638,8 @@ typedef struct sf_grad_scaler_state {
 
 /* Zeroes the struct and sets struct_size. Writes nothing if state is NULL. */
 STEPFUSE_API void sf_grad_scaler_state_init(sf_grad_scaler_state* state);
+STEPFUSE_API void sf_grad_scaler_state_init_size(sf_grad_scaler_state* state, size_t struct_size);
+#define sf_grad_scaler_state_init(state) sf_grad_scaler_state_init_size((state), sizeof(sf_grad_scaler_state))
 
 /* Call after update. */
 STEPFUSE_API sf_status sf_grad_scaler_state_dict(const sf_grad_scaler* scaler, sf_grad_scaler_state* state);
@@ -640,6 +659,10 @@ typedef struct sf_loss_scale_optimizer_options {
 } sf_loss_scale_optimizer_options;
 
 STEPFUSE_API void sf_loss_scale_optimizer_options_init(sf_loss_scale_optimizer_options* options);
+STEPFUSE_API void sf_loss_scale_optimizer_options_init_size(sf_loss_scale_optimizer_options* options,
+    size_t struct_size);
+#define sf_loss_scale_optimizer_options_init(options) \
+  sf_loss_scale_optimizer_options_init_size((options), sizeof(sf_loss_scale_optimizer_options))
 /* Wraps `inner`, which it references and does NOT own: inner must outlive the
  * sf_loss_scale_optimizer (destroy this first). options may be NULL (the defaults).
  * SF_INVALID_ARGUMENT for initial_scale not finite and > 0, dynamic_growth_steps < 1. */
@@ -889,6 +912,8 @@ typedef struct sf_emit_request {
 
 /* Sets struct_size and the defaults (everything else 0/NULL). */
 STEPFUSE_API void sf_emit_request_init(sf_emit_request* request);
+STEPFUSE_API void sf_emit_request_init_size(sf_emit_request* request, size_t struct_size);
+#define sf_emit_request_init(request) sf_emit_request_init_size((request), sizeof(sf_emit_request))
 
 typedef struct sf_emitted_kernel sf_emitted_kernel;
 typedef enum sf_emitted_part {
@@ -928,6 +953,8 @@ typedef struct sf_kernel_tables_info {
   size_t partials_bytes, tensor_sums_bytes, step_state_bytes;
 } sf_kernel_tables_info;
 STEPFUSE_API void sf_kernel_tables_info_init(sf_kernel_tables_info* info);
+STEPFUSE_API void sf_kernel_tables_info_init_size(sf_kernel_tables_info* info, size_t struct_size);
+#define sf_kernel_tables_info_init(info) sf_kernel_tables_info_init_size((info), sizeof(sf_kernel_tables_info))
 /* The request's target and compile fields are not used. */
 STEPFUSE_API sf_status sf_emit_tables(const sf_emit_request* request, const int64_t* numels, size_t count,
                                       sf_kernel_tables** out);

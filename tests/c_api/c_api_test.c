@@ -2417,6 +2417,105 @@ static void test_program_state_values(void) {
   sf_program_builder_destroy(b);
 }
 
+/* The sized init functions: sf_X_init is a macro passing sizeof(sf_X); sf_X_init_size
+ * writes the size it is given and no byte more, so a program built against an older
+ * stepfuse.h (a smaller struct) gets its own fields, and a newer header's larger struct
+ * gets this library's fields, zeros after them, and a struct_size this library refuses. */
+#define CHECK_TAIL(buf, from, to, byte)                                       \
+  do {                                                                        \
+    bool same_ = true;                                                        \
+    for (size_t i_ = (from); i_ < (to); ++i_) same_ = same_ && (buf)[i_] == (byte); \
+    CHECK(same_);                                                             \
+  } while (0)
+static void test_init_size(void) {
+  enum { kPad = 64 };
+  static unsigned char buf[sizeof(sf_optimizer_options) + sizeof(sf_optimizer_config) + kPad];
+  /* Options from the first header (V1) and the one before the state's rounding (V5). */
+  const size_t option_sizes[2] = {SF_OPTIMIZER_OPTIONS_SIZE_V1, SF_OPTIMIZER_OPTIONS_SIZE_V5};
+  for (int k = 0; k < 2; ++k) {
+    memset(buf, 0xAB, sizeof buf);
+    sf_optimizer_options_init_size((sf_optimizer_options*)buf, option_sizes[k]);
+    sf_optimizer_options o;
+    memcpy(&o, buf, option_sizes[k]);
+    CHECK(o.struct_size == option_sizes[k] && o.norm_type == SF_NORM_L2 && !o.has_max_grad_norm);
+    CHECK_TAIL(buf, option_sizes[k], sizeof buf, 0xAB);
+  }
+  /* An older config (V1): its fields with AdamW's defaults, nothing past them; it creates
+   * an optimizer as that struct. */
+  memset(buf, 0xAB, sizeof buf);
+  sf_optimizer_config_init_size((sf_optimizer_config*)buf, SF_ADAMW, SF_OPTIMIZER_CONFIG_SIZE_V1);
+  CHECK_TAIL(buf, SF_OPTIMIZER_CONFIG_SIZE_V1, sizeof buf, 0xAB);
+  sf_optimizer_config old_cfg;
+  memcpy(&old_cfg, buf, SF_OPTIMIZER_CONFIG_SIZE_V1);
+  CHECK(old_cfg.struct_size == SF_OPTIMIZER_CONFIG_SIZE_V1 && old_cfg.kind == SF_ADAMW && old_cfg.lr == 1e-3 &&
+        old_cfg.weight_decay == 1e-2);
+  static float w[8], g[8];
+  const sf_param p = {view_f32(w, 8), view_f32(g, 8)};
+  sf_optimizer* opt = NULL;
+  CHECK_OK(sf_optimizer_create((const sf_optimizer_config*)buf, &p, 1, NULL, &opt));
+  sf_optimizer_destroy(opt);
+  opt = NULL;
+  /* A newer header's larger struct: this library's fields, then zeros; then refused. */
+  const size_t bigger = sizeof(sf_optimizer_config) + 16;
+  memset(buf, 0xAB, sizeof buf);
+  sf_optimizer_config_init_size((sf_optimizer_config*)buf, SF_SGD, bigger);
+  CHECK_TAIL(buf, sizeof(sf_optimizer_config), bigger, 0);
+  CHECK_TAIL(buf, bigger, sizeof buf, 0xAB);
+  CHECK(((const sf_optimizer_config*)buf)->struct_size == bigger && ((const sf_optimizer_config*)buf)->kind == SF_SGD);
+  CHECK_FAILS(sf_optimizer_create((const sf_optimizer_config*)buf, &p, 1, NULL, &opt), SF_INVALID_ARGUMENT,
+              "config->struct_size");
+  CHECK(opt == NULL);
+  /* Each of the others: the given size only, struct_size set to it. */
+  struct {
+    const char* name;
+    size_t size;
+  } others[7] = {{"sf_step_result", sizeof(sf_step_result)},
+                 {"sf_load_options", sizeof(sf_load_options)},
+                 {"sf_grad_scaler_options", sizeof(sf_grad_scaler_options)},
+                 {"sf_grad_scaler_state", sizeof(sf_grad_scaler_state)},
+                 {"sf_loss_scale_optimizer_options", sizeof(sf_loss_scale_optimizer_options)},
+                 {"sf_emit_request", sizeof(sf_emit_request)},
+                 {"sf_kernel_tables_info", sizeof(sf_kernel_tables_info)}};
+  for (int k = 0; k < 7; ++k) {
+    for (int shorter = 0; shorter < 2; ++shorter) {
+      const size_t n = shorter ? others[k].size - 4 : others[k].size;
+      memset(buf, 0xAB, sizeof buf);
+      switch (k) {
+        case 0: sf_step_result_init_size((sf_step_result*)buf, n); break;
+        case 1: sf_load_options_init_size((sf_load_options*)buf, n); break;
+        case 2: sf_grad_scaler_options_init_size((sf_grad_scaler_options*)buf, n); break;
+        case 3: sf_grad_scaler_state_init_size((sf_grad_scaler_state*)buf, n); break;
+        case 4: sf_loss_scale_optimizer_options_init_size((sf_loss_scale_optimizer_options*)buf, n); break;
+        case 5: sf_emit_request_init_size((sf_emit_request*)buf, n); break;
+        default: sf_kernel_tables_info_init_size((sf_kernel_tables_info*)buf, n); break;
+      }
+      uint32_t size;
+      memcpy(&size, buf, sizeof size);
+      if (size != n || buf[n] != 0xAB) fprintf(stderr, "%s_init_size with %zu bytes\n", others[k].name, n);
+      CHECK(size == n);
+      CHECK_TAIL(buf, n, sizeof buf, 0xAB);
+    }
+  }
+  /* The macros pass the caller's sizeof; the functions of the same names write it too. */
+  sf_grad_scaler_options so;
+  sf_grad_scaler_options_init(&so);
+  CHECK(so.struct_size == sizeof so && so.init_scale == 65536.0 && so.enabled);
+  memset(&so, 0, sizeof so);
+  (sf_grad_scaler_options_init)(&so);
+  CHECK(so.struct_size == sizeof so && so.growth_interval == 2000);
+  sf_optimizer_options o;
+  memset(&o, 0, sizeof o);
+  (sf_optimizer_options_init)(&o);
+  CHECK(o.struct_size == sizeof o && o.stochastic_state_rounding);
+  /* NULL, or a size that cannot hold struct_size: nothing is written. */
+  sf_optimizer_options_init_size(NULL, sizeof o);
+  (sf_optimizer_config_init)(NULL, SF_ADAMW);
+  memset(buf, 0xAB, sizeof buf);
+  sf_optimizer_options_init_size((sf_optimizer_options*)buf, 3);
+  CHECK_TAIL(buf, 0, sizeof buf, 0xAB);
+}
+#undef CHECK_TAIL
+
 int main(void) {
   g_rng = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL | 1;
   printf("c_api_test: stepfuse %s (%s), seed %llu\n", sf_version(), sf_cpu_target(), (unsigned long long)g_rng);
@@ -2444,6 +2543,7 @@ int main(void) {
   test_group_state_formats();
   test_stochastic_state_rounding();
   test_program_state_values();
+  test_init_size();
   printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
