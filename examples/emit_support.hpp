@@ -57,18 +57,18 @@ inline std::string c_double(double v) {
 
 // C definitions of the program's scalars and streams, in the ABI's order (the ABI
 // JSON's program.scalars and program.streams): emitted_scalar_names, emitted_rules
-// (sf_scalar_rule {kind, 0, a, b, c} per scalar, what the step's scalar stage evaluates),
+// (sf_scalar_rule {kind, 0, a, b, c, 0} per scalar, what the step's scalar stage evaluates),
 // emitted_stream_role and emitted_stream_init. Sized by EMITTED_NUM_SCALARS and
 // EMITTED_NUM_STREAMS, which the including header defines.
 inline std::string c_program_tables(const stepfuse::UpdateProgram& program) {
   const stepfuse::Program& p = program.program();
   std::string h = "static const char* const emitted_scalar_names[EMITTED_NUM_SCALARS] = {";
   for (int s = 0; s < p.num_scalars; ++s) h += std::string(s ? ", " : "") + "\"" + std::string(p.scalars[s]) + "\"";
-  h += "};\n/* the scalar rules: {kind, 0, a, b, c} per scalar (ABI: program.scalars) */\n";
+  h += "};\n/* the scalar rules: {kind, 0, a, b, c, 0} per scalar (ABI: program.scalars) */\n";
   h += "static const sf_scalar_rule emitted_rules[EMITTED_NUM_SCALARS] = {\n";
   for (const stepfuse::ScalarDef& d : program.scalars())
     h += "  {" + std::to_string(static_cast<int>(d.rule.kind)) + ", 0, " + c_double(d.rule.a) + ", " +
-         c_double(d.rule.b) + ", " + c_double(d.rule.c) + "}, /* " + d.name + " */\n";
+         c_double(d.rule.b) + ", " + c_double(d.rule.c) + ", 0.0}, /* " + d.name + " */\n";
   h += "};\n/* per program stream: role (0 grad, 1 param, 2 state) and initial value */\n";
   h += "static const int emitted_stream_role[EMITTED_NUM_STREAMS] = {";
   for (int s = 0; s < p.num_streams; ++s) h += std::string(s ? ", " : "") + std::to_string(static_cast<int>(p.streams[s].role));

@@ -129,7 +129,8 @@ void write_abi_program(JsonWriter& j, const UpdateProgram& program) {
       .str("5", "SF_RULE_DIV_LINEAR: a / (1 + (step - 1) * b)")
       .str("6", "SF_RULE_ONE_MINUS_POW: 1 - b^step")
       .str("7", "SF_RULE_NADAM_GRAD_COEF: -a * (1 - mu_step) / (1 - P_step), mu_t = b * (1 - 0.5 * 0.96^(t * c)), "
-                "P_t = mu_1 * ... * mu_t rounded to fp32 (sf_nadam_mu, sf_nadam_mu_product)")
+                "P_t = exp(d) * mu_1 * ... * mu_t rounded to fp32 (sf_nadam_mu, sf_nadam_mu_product; d = 0 but after a "
+                "change of b or c: sf_nadam_product_offset)")
       .str("8", "SF_RULE_NADAM_MOMENTUM_COEF: -a * mu_(step+1) / (1 - P_step * mu_(step+1))")
       .str("9", "SF_RULE_RADAM_RECT: rho_t > 5 ? sqrt((rho_t - 4) (rho_t - 2) rho_inf / ((rho_inf - 4) (rho_inf - 2) "
                 "rho_t)) : 0, rho_inf = 2 / (1 - b) - 1, rho_t = rho_inf - 2 step b^step / (1 - b^step)")

@@ -45,7 +45,7 @@ void validate_config(const OptimizerConfig& config) {
 }
 
 void scalar_rules(const OptimizerConfig& config, const Program& program, sf_scalar_rule* out) {
-  for (int s = 0; s < program.num_scalars; ++s) out[s] = sf_scalar_rule{SF_RULE_FIXED, 0, 0.0, 0.0, 0.0};
+  for (int s = 0; s < program.num_scalars; ++s) out[s] = sf_scalar_rule{SF_RULE_FIXED, 0, 0.0, 0.0, 0.0, 0.0};
   std::visit([&](const auto& c) { OptimizerTraits<std::decay_t<decltype(c)>>::scalars(c, ScalarWriter{program, out}); },
              config);
 }

@@ -38,7 +38,8 @@ enum sf_rule_kind {
   SF_RULE_DIV_LINEAR = 5,          /* a / (1 + (t - 1) * b)   (Adagrad's lr decay)     */
   SF_RULE_ONE_MINUS_POW = 6,       /* 1 - b^t   (RAdam's bias_correction1, NAdam's bias_correction2) */
   /* NAdam, with lr = a, beta1 = b, momentum_decay = c: mu_t = b (1 - 0.5 * 0.96^(t c)),
-   * P_t = mu_1 * ... * mu_t rounded to fp32 (PyTorch keeps mu_product in fp32): */
+   * P_t = exp(d) * mu_1 * ... * mu_t rounded to fp32 (PyTorch keeps mu_product in fp32;
+   * d = 0 unless b or c changed between steps: sf_nadam_product_offset): */
   SF_RULE_NADAM_GRAD_COEF = 7,     /* -a (1 - mu_t) / (1 - P_t)                  */
   SF_RULE_NADAM_MOMENTUM_COEF = 8, /* -a mu_{t+1} / (1 - P_t mu_{t+1})           */
   /* RAdam, beta2 = b: rho_inf = 2 / (1 - b) - 1, rho_t = rho_inf - 2 t b^t / (1 - b^t): */
@@ -56,6 +57,8 @@ typedef struct sf_scalar_rule {
   int kind;
   int pad_;
   double a, b, c;
+  /* Carried over from earlier steps, 0 for a fresh rule: NAdam's log offset of P_t. */
+  double d;
 } sf_scalar_rule;
 
 /* x^n for n >= 0 by repeated squaring: the same rounding everywhere. */
@@ -303,10 +306,22 @@ SF_HD static inline double sf_nadam_mu(double beta1, double md, long long t) {
   return beta1 * (1.0 - 0.5 * sf_pow(0.96, (double)t * md));
 }
 
-/* NAdam's mu_product after step t, rounded to fp32 as PyTorch keeps it. */
-SF_HD static inline double sf_nadam_mu_product(double beta1, double md, long long t) {
+/* NAdam's mu_product after step t, rounded to fp32 as PyTorch keeps it: with offset 0,
+ * the product of mu_1..mu_t for this beta1 and md; an offset carries the product of
+ * earlier steps taken with other values (sf_nadam_product_offset; -inf: a product that
+ * reached 0). */
+SF_HD static inline double sf_nadam_mu_product(double beta1, double md, long long t, double offset) {
   if (!(beta1 > 0.0)) return 0.0;
-  return (double)(float)sf_exp((double)t * sf_log(beta1) + sf_nadam_log_cache(md, t));
+  return (double)(float)sf_exp((double)t * sf_log(beta1) + sf_nadam_log_cache(md, t) + offset);
+}
+
+/* The offset with which sf_nadam_mu_product(beta1, md, t, offset) continues from
+ * mu_product after step t: each later step s multiplies in that step's mu_s, as PyTorch
+ * does when beta1 or momentum_decay change between steps. */
+SF_HD static inline double sf_nadam_product_offset(double mu_product, double beta1, double md, long long t) {
+  if (!(beta1 > 0.0)) return 0.0; /* (mu_t is 0: no product is read) */
+  if (!(mu_product > 0.0)) return -sf_bits_double(0x7FF0000000000000ull); /* stays 0 */
+  return sf_log(mu_product) - ((double)t * sf_log(beta1) + sf_nadam_log_cache(md, t));
 }
 
 /* RAdam's rectification term for step t (0 while rho_t <= 5: no adaptive step). */
@@ -334,11 +349,11 @@ SF_HD static inline double sf_eval_rule(const sf_scalar_rule* r, long long step,
     case SF_RULE_ONE_MINUS_POW: return 1.0 - sf_powi(r->b, step);
     case SF_RULE_NADAM_GRAD_COEF: {
       const double mu = sf_nadam_mu(r->b, r->c, step);
-      return -r->a * (1.0 - mu) / (1.0 - sf_nadam_mu_product(r->b, r->c, step));
+      return -r->a * (1.0 - mu) / (1.0 - sf_nadam_mu_product(r->b, r->c, step, r->d));
     }
     case SF_RULE_NADAM_MOMENTUM_COEF: {
       const double mu_next = sf_nadam_mu(r->b, r->c, step + 1);
-      return -r->a * mu_next / (1.0 - sf_nadam_mu_product(r->b, r->c, step) * mu_next);
+      return -r->a * mu_next / (1.0 - sf_nadam_mu_product(r->b, r->c, step, r->d) * mu_next);
     }
     case SF_RULE_RADAM_RECT: return sf_radam_rect(r->b, step);
     case SF_RULE_ASGD_ETA: return sf_asgd_eta(r->a, r->b, r->c, step);

@@ -86,7 +86,7 @@ std::string_view scalar_rule_name(ScalarRule::Kind kind) {
 namespace jit {
 
 sf_scalar_rule device_rule(const ScalarRule& r) {
-  return sf_scalar_rule{kind_value(r.kind), 0, r.a, r.b, r.c};
+  return sf_scalar_rule{kind_value(r.kind), 0, r.a, r.b, r.c, 0.0};
 }
 
 std::string rule_text(const ScalarRule& r) {

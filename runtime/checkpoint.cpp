@@ -86,6 +86,15 @@ constexpr std::string_view kCustomKind = "custom";
 constexpr std::string_view kFormatName = "stepfuse-optimizer";
 constexpr std::string_view kScalerKey = "grad_scaler";
 constexpr std::string_view kLossScaleKey = "loss_scale_optimizer";
+// A group's NAdam mu_product offset (StepEngine::product_offset), where it is not 0.
+constexpr std::string_view kProductOffset = "mu_product_offset";
+
+// A double's shortest text that reads back bit for bit with from_chars ("-inf" included).
+std::string shortest(double v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
 
 [[noreturn]] void mismatch(const std::string& path, const std::string& what) {
   throw Error(ErrorCode::invalid_argument, "checkpoint '" + path + "' does not fit this optimizer: " + what);
@@ -162,6 +171,7 @@ struct ParsedOptimizer {
   std::optional<UpdateProgram> program;  // custom programs: the saved scalar rules
   std::int64_t step_count = 0;
   std::vector<std::int64_t> step_bases;  // per group
+  std::vector<double> product_offsets;   // per group (StepEngine::product_offset); none: all 0
   std::vector<std::pair<void*, std::span<const unsigned char>>> copies;  // destination, source bytes
   // State saved in another format than this optimizer stores it (LoadOptions::convert_state).
   struct Conversion {
@@ -204,6 +214,9 @@ void commit_optimizer(detail::StepEngine& e, const ParsedOptimizer& p) {
     else cpu::HostBuffers::encode(values.data(), c.to, c.to_at, c.numel);
   }
   e.set_steps(p.step_count, p.step_bases);
+  // (after set_config, which computes an offset from the steps before the load)
+  for (std::size_t g = 0; g < e.num_groups(); ++g)
+    e.set_product_offset(g, g < p.product_offsets.size() ? p.product_offsets[g] : 0.0);
 }
 
 // What a param keeps beside its weight: an fp32 master, a bf16 compensation, or neither
@@ -356,6 +369,9 @@ Described describe(const detail::StepEngine& e) {
       m[group_key(g, "hyperparameters")] = fields + "}";
     }
     m[group_key(g, "step_count")] = std::to_string(e.group_step_count(g));
+    // NAdam's mu_product offset, where beta1 or momentum_decay changed (older files, and
+    // files without it, load it as 0): the shortest text that reads back bit for bit.
+    if (const double offset = e.product_offset(g); offset != 0.0) m[group_key(g, kProductOffset)] = shortest(offset);
     m[group_key(g, "num_params")] = std::to_string(e.group_end(g) - e.group_begin(g));
     std::string list = "[";
     const std::vector<std::string_view> streams = state_streams(program);
@@ -425,6 +441,16 @@ class MetadataReader {
     const std::string* v = f_.meta(key);
     if (v == nullptr) corrupt(path(), "its metadata has no \"" + std::string(key) + "\" entry");
     return *v;
+  }
+  // A double written by shortest() ("-inf" included), or 0 when the key is absent.
+  double real_or_zero(std::string_view key) const {
+    const std::string* v = f_.meta(key);
+    if (v == nullptr) return 0.0;
+    double d = 0.0;
+    const auto r = std::from_chars(v->data(), v->data() + v->size(), d);
+    if (r.ec != std::errc{} || r.ptr != v->data() + v->size() || d != d)
+      corrupt(path(), "its metadata \"" + std::string(key) + "\" is not a number");
+    return d;
   }
   std::int64_t integer(std::string_view key) const {
     const std::string& v = text(key);
@@ -678,6 +704,7 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
       corrupt(path, "group " + std::to_string(g) + " has applied " + std::to_string(group_steps) +
                         " steps, more than the optimizer's " + std::to_string(out.step_count));
     out.step_bases.push_back(out.step_count - group_steps);
+    out.product_offsets.push_back(meta.real_or_zero(group_key(g, kProductOffset)));
 
     const std::size_t here = e.group_end(g) - e.group_begin(g);
     const std::int64_t saved = meta.integer(group_key(g, "num_params"));
@@ -959,6 +986,7 @@ struct SetFile {
   std::int64_t step_count = 0;
   std::vector<std::string> programs;               // per group
   std::vector<std::int64_t> group_steps;           // per group
+  std::vector<double> product_offsets;             // per group
   std::vector<detail::JsonValue> hyperparameters;  // per group (built-ins)
   std::vector<ScalarDef> rules;                    // custom programs
   bool used = false;                               // this rank takes data from it
@@ -1005,6 +1033,7 @@ SetFile read_set_file(const std::string& path, std::size_t index, const detail::
   for (std::size_t g = 0; g < static_cast<std::size_t>(groups); ++g) {
     s.programs.push_back(meta.text(group_key(g, "program")));
     s.group_steps.push_back(meta.integer(group_key(g, "step_count")));
+    s.product_offsets.push_back(meta.real_or_zero(group_key(g, kProductOffset)));
     if (s.group_steps.back() > s.step_count)
       corrupt(path, "group " + std::to_string(g) + " has applied " + std::to_string(s.group_steps.back()) +
                         " steps, more than the optimizer's " + std::to_string(s.step_count));
@@ -1173,6 +1202,7 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
   if (custom == nullptr) out.configs.resize(groups);
   std::vector<const SavedParam*> source(groups, nullptr);  // the saved param a group first took its metadata from
   std::vector<std::int64_t> group_steps(groups, 0);
+  std::vector<double> offsets(groups, 0.0);
   std::set<std::tuple<std::size_t, std::size_t, std::size_t>> checked;  // (file, saved group, group) pairs seen
   const std::vector<Param>& params = e.params();
   for (std::size_t p = 0; p < params.size(); ++p) {
@@ -1223,6 +1253,7 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
         const std::int64_t steps = f.group_steps[q.group];
         if (source[g] == nullptr) {
           group_steps[g] = steps;
+          offsets[g] = f.product_offsets[q.group];
           source[g] = &q;
         } else if (steps != group_steps[g]) {
           set_error(group_here + " takes elements from " + quoted(files[source[g]->file].path()) + " group " +
@@ -1270,6 +1301,7 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
     }
   }
   for (std::size_t g = 0; g < groups; ++g) out.step_bases.push_back(out.step_count - group_steps[g]);
+  out.product_offsets = offsets;
   for (const SetFile& f : files)
     if (f.used) f.c.file->verify_checksum();
   return out;

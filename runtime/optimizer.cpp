@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "jit/base/format.hpp"
+#include "jit/step_scalars.h"
 #include "runtime/cpu/host_buffers.hpp"
 #include "runtime/cpu/q8.hpp"
 #include "runtime/step_engine.hpp"
@@ -85,6 +86,41 @@ std::optional<StateFormat> Optimizer::group_state_format(std::size_t group) cons
 
 void Optimizer::set_grads(std::span<const TensorView> grads) { engine_->set_grads(grads); }
 
+namespace {
+// The group's NAdam config; Error(invalid_state) naming `what` for another optimizer.
+const optim::NAdam& nadam_of(const detail::StepEngine& e, std::size_t group, const char* what) {
+  e.check_group(group, what);
+  const optim::NAdam* c = e.custom_program() == nullptr ? std::get_if<optim::NAdam>(&e.config(group)) : nullptr;
+  if (c == nullptr)
+    throw Error(ErrorCode::invalid_state,
+                std::string(what) + ": group " + std::to_string(group) + " runs " +
+                    (e.custom_program() != nullptr ? std::string("a custom program")
+                                                   : std::string(optimizer_name(e.config(group)))) +
+                    ", not NAdam (mu_product is NAdam's state)");
+  return *c;
+}
+}  // namespace
+
+double Optimizer::nadam_mu_product(std::size_t group) const {
+  const optim::NAdam& c = nadam_of(*engine_, group, "nadam_mu_product");
+  return sf_nadam_mu_product(c.beta1, c.momentum_decay, engine_->group_step_count(group),
+                             engine_->product_offset(group));
+}
+
+void Optimizer::set_nadam_mu_product(std::size_t group, double mu_product) {
+  const optim::NAdam& c = nadam_of(*engine_, group, "set_nadam_mu_product");
+  if (!(mu_product >= 0.0 && mu_product <= 1.0))
+    throw Error(ErrorCode::invalid_argument, "set_nadam_mu_product: mu_product = " + detail::format_number(mu_product) +
+                                                 " (a product of NAdam's mu_t lies in [0, 1])");
+  engine_->set_product_offset(group, sf_nadam_product_offset(mu_product, c.beta1, c.momentum_decay,
+                                                             engine_->group_step_count(group)));
+}
+
+double Optimizer::nadam_mu_product_offset(std::size_t group) const {
+  nadam_of(*engine_, group, "nadam_mu_product_offset");
+  return engine_->product_offset(group);
+}
+
 void Optimizer::set_group_step_count(std::size_t group, std::int64_t count) {
   engine_->check_group(group, "set_group_step_count");
   if (count < 0)
@@ -128,6 +164,7 @@ void Optimizer::add_param_group(ParamGroup group) {
   for (std::size_t g = 0; g < old.num_groups(); ++g) bases.push_back(old.step_base(g));
   bases.push_back(old.step_count());  // the new group starts at step 0
   next->set_steps(old.step_count(), bases);
+  for (std::size_t g = 0; g < old.num_groups(); ++g) next->set_product_offset(g, old.product_offset(g));
   engine_ = std::move(next);
 }
 

@@ -10,6 +10,7 @@
 
 #include "jit/base/format.hpp"
 #include "jit/program_analysis.hpp"
+#include "jit/step_scalars.h"
 #include "jit/update_program_rules.hpp"
 #include "runtime/cpu/fused_backend.hpp"
 #include "runtime/cpu/unfused_backend.hpp"
@@ -424,6 +425,25 @@ void StepEngine::set_steps(std::int64_t step_count, const std::vector<std::int64
   backend_->set_rules(rules_.data());
 }
 
+namespace {
+bool is_nadam_rule(const sf_scalar_rule& r) {
+  return r.kind == SF_RULE_NADAM_GRAD_COEF || r.kind == SF_RULE_NADAM_MOMENTUM_COEF;
+}
+}  // namespace
+
+double StepEngine::product_offset(std::size_t group) const {
+  for (const sf_scalar_rule& r : rules_[group].rules)
+    if (is_nadam_rule(r)) return r.d;
+  return 0.0;
+}
+
+void StepEngine::set_product_offset(std::size_t group, double offset) {
+  bool any = false;
+  for (sf_scalar_rule& r : rules_[group].rules)
+    if (is_nadam_rule(r)) r.d = offset, any = true;
+  if (any) backend_->set_rules(rules_.data());
+}
+
 void StepEngine::set_grads(std::span<const TensorView> grads) {
   if (grads.size() != params_.size())
     bad_argument("set_grads: " + std::to_string(grads.size()) + " gradients for " + std::to_string(params_.size()) +
@@ -476,6 +496,21 @@ void StepEngine::set_config(std::size_t group, const OptimizerConfig& config) {
   // (Into a scratch of the same size: set_lr allocates nothing.)
   rules_scratch_ = rules_;
   jit::scalar_rules(config, *programs_.groups[group].program, rules_scratch_[group].rules);
+  // NAdam's mu_product is the product of every applied step's mu_t under the beta1 and
+  // momentum_decay that step ran with (PyTorch multiplies one in per step): when they
+  // change, the new rules carry the product so far as their offset. (On CUDA the step
+  // count is read from the device: a wait, only when they change.)
+  std::int64_t steps = -1;
+  for (int k = 0; k < kMaxScalars; ++k) {
+    const sf_scalar_rule& was = rules_[group].rules[k];
+    sf_scalar_rule& now = rules_scratch_[group].rules[k];
+    if (!is_nadam_rule(now) || now.kind != was.kind) continue;
+    now.d = was.d;
+    if (now.b == was.b && now.c == was.c) continue;
+    if (steps < 0) steps = group_step_count(group);
+    if (steps > 0)
+      now.d = sf_nadam_product_offset(sf_nadam_mu_product(was.b, was.c, steps, was.d), now.b, now.c, steps);
+  }
   backend_->set_rules(rules_scratch_.data());
   groups_[group].config = config;
   std::swap(rules_, rules_scratch_);

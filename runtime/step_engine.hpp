@@ -61,6 +61,12 @@ class StepEngine {
   std::optional<StateFormat> group_state_format(std::size_t group) const { return groups_[group].state_format; }
   // Checkpoint restore and add_param_group: the global count and each group's base.
   void set_steps(std::int64_t step_count, const std::vector<std::int64_t>& step_bases);
+  // The offset a group's NAdam rules carry (sf_scalar_rule::d: the product of mu_t over
+  // steps taken with another beta1 or momentum_decay, sf_nadam_product_offset), 0 for
+  // a group without them. set_config keeps it up to date; checkpoints and add_param_group
+  // carry it over with this setter, which changes nothing for a group without them.
+  double product_offset(std::size_t group) const;
+  void set_product_offset(std::size_t group, double offset);
   // Optimizer::set_grads: validated, then the backend's; nothing changes on an Error.
   void set_grads(std::span<const TensorView> grads);
   // Error(invalid_argument) naming the index unless group < num_groups().

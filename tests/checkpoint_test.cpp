@@ -742,6 +742,54 @@ TEST(Checkpoint, AGroupAddedLaterKeepsItsStepCount) {
   EXPECT_TRUE(Snapshot(opt, model) == Snapshot(resumed, resumed_model));
 }
 
+// NAdam under a beta1 schedule (OneCycleLR's cycle_momentum changes it every step): the
+// carried mu_product is saved, loads bit for bit (into an optimizer that has stepped with
+// other values first), and survives add_param_group; its offset is in the metadata only
+// where it is not 0.
+TEST(Checkpoint, NadamUnderABeta1ScheduleResumesBitForBit) {
+  TempDir dir;
+  const std::string path = dir.file("nadam.ckpt");
+  const auto config_at = [](int k) {
+    return optim::NAdam{.lr = 1e-2, .beta1 = 0.85 + 0.02 * (k % 4), .momentum_decay = k < 5 ? 4e-3 : 8e-3};
+  };
+  const auto run = [&](Model& m, Optimizer& o, GradScaler& s, int from, int to) {
+    for (int k = from; k < to; ++k) {
+      o.set_config(0, config_at(k));
+      iterate(m, o, s, k);  // k = 4 is skipped (inf)
+    }
+  };
+  Model model = Model::make(kSpec, 29);
+  Optimizer opt(config_at(0), model.params(0, 3));
+  GradScaler scaler("cpu", 1024.0, 2.0, 0.5, 2);
+  // A fresh optimizer's file has no offset.
+  opt.save(path, scaler);
+  EXPECT_EQ(detail::SafetensorsFile{detail::MappedFile(path)}.meta("group.0.mu_product_offset"), nullptr);
+  run(model, opt, scaler, 0, 6);
+  ASSERT_NE(opt.nadam_mu_product_offset(0), 0.0);
+  opt.save(path, scaler);
+  EXPECT_NE(detail::SafetensorsFile{detail::MappedFile(path)}.meta("group.0.mu_product_offset"), nullptr);
+  const double product = opt.nadam_mu_product(0);
+  Model saved = model;
+  run(model, opt, scaler, 6, 10);
+
+  Model resumed_model = saved;
+  Optimizer resumed(config_at(0), resumed_model.params(0, 3));
+  GradScaler resumed_scaler("cpu", 1024.0, 2.0, 0.5, 2);
+  run(resumed_model, resumed, resumed_scaler, 0, 2);  // steps and a product of its own, overwritten by the load
+  resumed_model = saved;
+  resumed.load(path, resumed_scaler);
+  EXPECT_EQ(resumed.nadam_mu_product(0), product);
+  run(resumed_model, resumed, resumed_scaler, 6, 10);
+  EXPECT_TRUE(Snapshot(opt, model) == Snapshot(resumed, resumed_model));
+  EXPECT_EQ(resumed.nadam_mu_product(0), opt.nadam_mu_product(0));
+
+  // add_param_group keeps the first group's product; the new group's starts at 1.
+  const double before = opt.nadam_mu_product(0);
+  opt.add_param_group({model.params(3), config_at(0)});
+  EXPECT_EQ(opt.nadam_mu_product(0), before);
+  EXPECT_EQ(opt.nadam_mu_product(1), 1.0);
+}
+
 TEST(Checkpoint, AnotherGroupStructureIsRefusedNamingTheDifference) {
   TempDir dir;
   const std::string path = dir.file("groups.ckpt");

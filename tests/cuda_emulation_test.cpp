@@ -204,9 +204,18 @@ class EmulatedOptimizer {
   // graph holds its kernels' arguments) does not change.
   void set_lr(std::size_t group, double lr) {
     std::visit([&](auto& c) { c.lr = lr; }, configs_[group]);
+    set_config(group, configs_[group], 0.0);
+  }
+  // Optimizer::set_config(group, config) on a built-in, its rules carrying `offset` as
+  // NAdam's product offset (sf_scalar_rule.d: what the CPU's StepEngine computed).
+  void set_config(std::size_t group, const OptimizerConfig& config, double offset) {
+    configs_[group] = config;
     sf_scalar_rule rules[kMaxScalars] = {};
     jit::scalar_rules(configs_[group], *group_programs_[group], rules);
-    for (int k = 0; k < kMaxScalars; ++k) group_rules_[group].rules[k] = rules[k];
+    for (int k = 0; k < kMaxScalars; ++k) {
+      if (rules[k].kind == SF_RULE_NADAM_GRAD_COEF || rules[k].kind == SF_RULE_NADAM_MOMENTUM_COEF) rules[k].d = offset;
+      group_rules_[group].rules[k] = rules[k];
+    }
   }
 
  private:
@@ -867,6 +876,21 @@ TEST_F(EmulatedStep, AScheduleReachesReplayedLaunches) {
     const double lr0 = 1e-3 * (k + 1) / 6.0, lr1 = 2e-3 / (k + 1);  // warmup and decay
     p.cpu.set_lr(0, lr0), p.dev.set_lr(0, lr0);
     p.cpu.set_lr(1, lr1), p.dev.set_lr(1, lr1);
+    draw_step_compare(model, rng, p, 0.5, k % 2 ? 1.0 : 512.0, "step " + std::to_string(k + 1));
+  }
+}
+
+// NAdam with beta1 and momentum_decay changed between steps (OneCycleLR's cycle_momentum):
+// the rules' carried product offset (sf_scalar_rule.d) reaches the device's scalar stage,
+// on scaled and plain steps, bitwise the CPU's.
+TEST_F(EmulatedStep, NadamUnderABeta1ScheduleMatchesTheCpu) {
+  Model model(shapes_for(kSizes, sf_emu::kMixedMasters), false, 0, rng);
+  Pair p(model, OptimizerConfig{optim::NAdam{.lr = 1e-2}}, {.max_grad_norm = 1.0}, seed | 1);
+  for (int k = 0; k < 6; ++k) {
+    const OptimizerConfig c = optim::NAdam{.lr = 1e-2, .beta1 = 0.85 + 0.02 * (k % 4), .momentum_decay = 4e-3 * (k + 1)};
+    p.cpu.set_config(0, c);
+    p.dev.set_config(0, c, p.cpu.nadam_mu_product_offset(0));
+    if (k > 0) EXPECT_NE(p.cpu.nadam_mu_product_offset(0), 0.0);
     draw_step_compare(model, rng, p, 0.5, k % 2 ? 1.0 : 512.0, "step " + std::to_string(k + 1));
   }
 }

@@ -680,6 +680,81 @@ TEST(SetConfig, SetLrAndSetConfigTakeEffectNextStep) {
   }
 }
 
+// NAdam's mu_product multiplies in each applied step's own mu_t, as torch's does: with beta1
+// and momentum_decay changed before every step (OneCycleLR's cycle_momentum), every step
+// matches the reference (which takes the product so far and multiplies in this step's
+// mu_t), a skipped step multiplies in nothing, and the product stays within an ulp or two
+// of torch's fp32 one. Before the product was carried, the first changed step was 2.5% off.
+TEST(SetConfig, NadamMuProductTakesEachStepsOwnBeta1) {
+  RigSetup s;
+  optim::NAdam start;
+  start.lr = 0.01;
+  s.config = start;
+  s.sizes = {7, 1000, 33};
+  s.max_grad_norm = 5.0;
+  s.seed = 5;
+  Rig rig(s);
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 1.0);
+  EXPECT_EQ(rig.opt.nadam_mu_product_offset(0), 0.0);
+  float torch_product = 1.0f;  // torch: state["mu_product"] (fp32) *= mu_t
+  std::int64_t applied = 0;
+  for (int k = 1; k <= 14; ++k) {
+    SCOPED_TRACE("iteration " + std::to_string(k));
+    optim::NAdam next = std::get<optim::NAdam>(rig.setup.config);
+    next.beta1 = 0.85 + 0.01 * (k % 5);
+    next.momentum_decay = k < 8 ? 4e-3 : 0.05;
+    rig.opt.set_config(next);
+    rig.setup.config = next;
+    if (k == 6) {  // a skipped step: the product is unchanged
+      const double before = rig.opt.nadam_mu_product(0);
+      fill_grads(rig.grads, rig.rng, 1.0, 16.0);
+      rig.grads.set(1, 3, kInf);
+      ASSERT_FALSE(rig.opt.step_scaled(16.0).applied);
+      EXPECT_EQ(rig.opt.nadam_mu_product(0), before);
+      continue;
+    }
+    check_step(rig, StepMode::scaled, 16.0, 1.0);
+    ++applied;
+    const double mu = next.beta1 * (1 - 0.5 * std::pow(0.96, static_cast<double>(applied) * next.momentum_decay));
+    torch_product *= static_cast<float>(mu);
+    const double got = rig.opt.nadam_mu_product(0);
+    EXPECT_EQ(got, static_cast<double>(static_cast<float>(got))) << "mu_product is kept in fp32, as torch keeps it";
+    EXPECT_NEAR(got, torch_product, 2 * std::ldexp(1.0, std::ilogb(torch_product) - 23));
+    if (::testing::Test::HasFailure()) return;
+  }
+  EXPECT_EQ(rig.opt.step_count(), applied);
+  EXPECT_NE(rig.opt.nadam_mu_product_offset(0), 0.0);
+
+  // Set from outside (a loaded torch state): later steps multiply onto it.
+  rig.opt.set_nadam_mu_product(0, 0.25);
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.25);
+  check_step(rig, StepMode::scaled, 16.0, 1.0);
+  // A product that reached 0 stays 0 (torch: 0 * mu), whatever beta1 becomes.
+  rig.opt.set_nadam_mu_product(0, 0.0);
+  optim::NAdam other = std::get<optim::NAdam>(rig.setup.config);
+  other.beta1 = 0.5;
+  rig.opt.set_config(other);
+  rig.setup.config = other;
+  check_step(rig, StepMode::scaled, 16.0, 1.0);
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.0);
+
+  EXPECT_THROW(rig.opt.set_nadam_mu_product(0, 1.5), Error);
+  EXPECT_THROW(rig.opt.set_nadam_mu_product(0, kNaN), Error);
+  EXPECT_THROW(rig.opt.set_nadam_mu_product(1, 0.5), Error);
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.0) << "a refused value changes nothing";
+  RigSetup a;
+  a.config = optim::AdamW{};
+  a.sizes = {8};
+  Rig adamw(a);
+  try {
+    (void)adamw.opt.nadam_mu_product(0);
+    ADD_FAILURE() << "AdamW has no mu_product";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_state);
+    EXPECT_NE(std::string(e.what()).find("runs AdamW, not NAdam"), std::string::npos) << e.what();
+  }
+}
+
 // ---- the norm on plain steps --------------------------------------------------------
 
 // A plain step without clipping needs no reduce pass: no norm unless track_grad_norm.

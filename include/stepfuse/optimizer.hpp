@@ -262,6 +262,22 @@ class Optimizer {
   // The group's ParamGroup::state_format as it was created: nullopt when it takes
   // OptimizerOptions::state_format. state_format() gives each stream's storage.
   std::optional<StateFormat> group_state_format(std::size_t group) const;
+  // NAdam: the group's mu_product after its steps so far, as PyTorch keeps it (state
+  // "mu_product", fp32): the product of every applied step's mu_t = beta1 * (1 - 0.5 *
+  // 0.96^(t * momentum_decay)) under the beta1 and momentum_decay that step ran with
+  // (set_config() changes them for the later steps only, as in PyTorch).
+  // Error(invalid_state) for a group whose optimizer is not NAdam.
+  double nadam_mu_product(std::size_t group = 0) const;
+  // NAdam: the group's later steps multiply onto `mu_product` (finite, in [0, 1]) as the
+  // product so far, as when restoring PyTorch's state; set the group's step count first
+  // (set_group_step_count). Error(invalid_argument) for another value, and
+  // Error(invalid_state) for a group whose optimizer is not NAdam; nothing changes then.
+  void set_nadam_mu_product(std::size_t group, double mu_product);
+  // NAdam: how the group's mu_product departs from the closed form of its current beta1 and
+  // momentum_decay, as the log of their ratio: 0 while neither has changed since step 0
+  // (and no mu_product was set), so the product is the closed form's. Error(invalid_state)
+  // for a group whose optimizer is not NAdam.
+  double nadam_mu_product_offset(std::size_t group = 0) const;
 
   // Points the optimizer at new gradient buffers, one per param in params() order,
   // of the same sizes and dtypes (a framework that allocates fresh gradients each

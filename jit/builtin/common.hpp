@@ -25,7 +25,7 @@ struct ScalarWriter {
   void set(std::string_view name, double value) const { rule(name, SF_RULE_FIXED, value, 0.0); }
   void rule(std::string_view name, sf_rule_kind kind, double a, double b = 0.0, double c = 0.0) const {
     const int s = program.find_scalar(name);
-    if (s >= 0) out[s] = sf_scalar_rule{kind, 0, a, b, c};
+    if (s >= 0) out[s] = sf_scalar_rule{kind, 0, a, b, c, 0.0};
   }
   // gscale, the gradient multiplier of this step; negated to maximize.
   void gscale(bool maximize) const { rule("gscale", SF_RULE_GSCALE, maximize ? -1.0 : 1.0); }

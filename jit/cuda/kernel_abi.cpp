@@ -53,7 +53,10 @@ void write_types(JsonWriter& j) {
              {SF_FIELD(sf_scalar_rule, kind, "int", "enum sf_rule_kind (see scalar_rule_kinds)"),
               SF_FIELD(sf_scalar_rule, pad_, "int", "0"), SF_FIELD(sf_scalar_rule, a, "double", "first parameter"),
               SF_FIELD(sf_scalar_rule, b, "double", "second parameter"),
-              SF_FIELD(sf_scalar_rule, c, "double", "third parameter")});
+              SF_FIELD(sf_scalar_rule, c, "double", "third parameter"),
+              SF_FIELD(sf_scalar_rule, d, "double",
+                       "carried over from earlier steps: 0 for a fresh rule (NAdam's log offset of P_t, "
+                       "sf_nadam_product_offset, after beta1 or momentum_decay changed)")});
   write_type(j, "sf_group_rules", sizeof(sf_group_rules), alignof(sf_group_rules),
              "a param group's scalar rules, in device memory (one group without groups)",
              {SF_FIELD(sf_group_rules, rules, "sf_scalar_rule[SF_MAX_SCALARS]",

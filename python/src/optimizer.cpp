@@ -596,6 +596,23 @@ void bind_optimizer(nb::module_& m) {
       [](PyOptimizer& self, std::size_t g, std::int64_t count) { self.opt->set_group_step_count(g, count); },
       nb::arg("group"), nb::arg("count"),
       "Sets a group's step count (what bias corrections see), as when restoring torch's state[p]['step'].");
+  cls.def(
+      "nadam_mu_product", [](const PyOptimizer& self, std::size_t g) { return self.opt->nadam_mu_product(g); },
+      nb::arg("group") = 0,
+      "NAdam: the group's mu_product after its steps so far (torch's state 'mu_product'): the product of every "
+      "applied step's mu_t under the beta1 and momentum_decay that step ran with.");
+  cls.def(
+      "set_nadam_mu_product",
+      [](PyOptimizer& self, std::size_t g, double v) { self.opt->set_nadam_mu_product(g, v); }, nb::arg("group"),
+      nb::arg("mu_product"),
+      "NAdam: the group's later steps multiply onto mu_product (in [0, 1]) as the product so far, as when restoring "
+      "torch's state; set the group's step count first.");
+  cls.def(
+      "nadam_mu_product_offset",
+      [](const PyOptimizer& self, std::size_t g) { return self.opt->nadam_mu_product_offset(g); },
+      nb::arg("group") = 0,
+      "NAdam: log(mu_product / its closed form under the current beta1 and momentum_decay); 0 while neither has "
+      "changed since step 0 and no mu_product was set.");
 
   // ---- custom programs ----
   cls.def_prop_ro("is_custom", [](const PyOptimizer& self) { return self.opt->is_custom(); });

@@ -136,6 +136,7 @@ inline std::vector<RefTensor> ref_from_library(const Optimizer& opt, const HostT
       const auto s = opt.state(i, name);
       t.state[name].assign(s.begin(), s.end());
     }
+    if (std::holds_alternative<optim::NAdam>(config)) t.mu_product = opt.nadam_mu_product(opt.group_of(i));
     out.push_back(std::move(t));
   }
   return out;

@@ -151,7 +151,7 @@ void update_lion(const optim::Lion& c, RefTensor& t, const std::vector<double>& 
 }
 
 // torch.optim.NAdam (decoupled_weight_decay: p = p * (1 - lr * wd), else g = g + wd * p):
-//   mu_t = beta1 * (1 - 0.5 * 0.96^(t * momentum_decay));  mu_product = mu_1 * ... * mu_t
+//   mu_t = beta1 * (1 - 0.5 * 0.96^(t * momentum_decay));  mu_product *= mu_t (each step's own)
 //   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
 //   denom = sqrt(v / (1 - beta2^t)) + eps
 //   p = p - lr * (1 - mu_t) / (1 - mu_product) * g / denom
@@ -163,7 +163,10 @@ void update_nadam(const optim::NAdam& c, RefTensor& t, const std::vector<double>
   std::vector<double>& m = state_of(t, "exp_avg");
   std::vector<double>& v = state_of(t, "exp_avg_sq");
   double mu_product = 1;
-  for (std::int64_t i = 1; i <= step; ++i) mu_product *= nadam_mu(c, i);
+  if (t.mu_product) mu_product = *t.mu_product;
+  else for (std::int64_t i = 1; i < step; ++i) mu_product *= nadam_mu(c, i);
+  mu_product *= nadam_mu(c, step);
+  t.mu_product = mu_product;
   const double mu = nadam_mu(c, step), mu_next = nadam_mu(c, step + 1);
   const double bias_correction2 = 1 - std::pow(c.beta2, static_cast<double>(step));
   const double grad_coef = c.lr * (1 - mu) / (1 - mu_product);

@@ -32,6 +32,9 @@ namespace stepfuse::ref {
 struct RefTensor {
   std::vector<double> param;
   std::map<std::string, std::vector<double>> state;
+  // NAdam: mu_product after the steps before this one, as torch keeps it (a step multiplies
+  // in its own mu_t); unset: the product of mu_1 .. mu_(step-1) under the config's values.
+  std::optional<double> mu_product;
 };
 
 struct RefStepInput {

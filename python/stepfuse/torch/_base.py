@@ -514,10 +514,16 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     def _has_step(self) -> bool:
         return True
 
-    def _derived_state(self, group: Dict[str, Any], step: int, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _derived_state(self, group: Dict[str, Any], step: int, p: torch.Tensor,
+                       engine_group: int) -> Dict[str, torch.Tensor]:
         """Per-param scalar state torch keeps and the engine derives from the step
-        count (NAdam's mu_product, ASGD's eta and mu) of param p of `group`."""
+        count (NAdam's mu_product, ASGD's eta and mu) of param p of `group`, which is in
+        the engine's group `engine_group`."""
         return {}
+
+    def _restore_derived_state(self, engine: Any, engine_group: int, cg: "_CppGroup") -> None:
+        """Gives a new engine's group the scalar state self.state holds for its params
+        (NAdam's mu_product), after its step count."""
 
     def _plan_split(self, group: Dict[str, Any], p: torch.Tensor) -> Any:
         """Beside the step count, what puts params of one torch group into different engine
@@ -723,6 +729,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         for g, cg in enumerate(cpp_groups):
             if cg.step:
                 engine.set_group_step_count(g, cg.step)
+            self._restore_derived_state(engine, g, cg)
         self._engine = engine
         self._cpp_groups = cpp_groups
         self._active = active
@@ -825,8 +832,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         engine = self._engine
         names = set(engine.state_names())
         steps = self._steps = torch.zeros(len(self._active), dtype=torch.float32)
-        members = [(cg, p) for cg in self._cpp_groups for p in cg.params]  # self._active's order
-        for i, (cg, p) in enumerate(members):
+        members = [(g, cg, p) for g, cg in enumerate(self._cpp_groups) for p in cg.params]  # self._active's order
+        for i, (g, cg, p) in enumerate(members):
             group = self.param_groups[cg.torch_group]
             st: Dict[str, Any] = {}
             if self._has_step():
@@ -834,7 +841,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 # active param's count: advancing them all is one add, not one per param.
                 steps[i] = float(cg.step)
                 st["step"] = steps[i]
-            st.update(self._derived_state(group, cg.step, p))
+            st.update(self._derived_state(group, cg.step, p, g))
             for name in self._state_keys(group):
                 if name not in names:
                     continue
@@ -890,7 +897,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                     else:
                         st["step"] = torch.tensor(float(step), dtype=torch.float32)
                 if group is not None:
-                    st.update(self._derived_state(group, step, p))
+                    st.update(self._derived_state(group, step, p, g))
 
     def _push_hyperparameters(self) -> None:
         engine = self._engine

@@ -223,8 +223,27 @@ class NAdam(_TorchLike):
     def _state_keys(self, g: Dict[str, Any]) -> Sequence[str]:
         return ("exp_avg", "exp_avg_sq")
 
-    def _derived_state(self, g: Dict[str, Any], step: int, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _derived_state(self, g: Dict[str, Any], step: int, p: torch.Tensor,
+                       engine_group: int) -> Dict[str, torch.Tensor]:
+        engine = self._engine
+        if step and engine is not None and engine.nadam_mu_product_offset(engine_group) != 0.0:
+            # beta1 or momentum_decay changed between steps (OneCycleLR's cycle_momentum, say),
+            # or a loaded mu_product said so: the engine's product of each step's mu_t.
+            return {"mu_product": torch.tensor(engine.nadam_mu_product(engine_group), dtype=torch.float32)}
+        # Else torch's own fp32 product for these values, bit for bit.
         return {"mu_product": _nadam_mu_product(_betas(g)[0], _as_float(g["momentum_decay"]), step)}
+
+    def _restore_derived_state(self, engine: Any, engine_group: int, cg: Any) -> None:
+        st = self.state.get(cg.params[0]) if cg.step else None
+        saved = st.get("mu_product") if st else None
+        if not isinstance(saved, (torch.Tensor, float)):
+            return
+        g = self.param_groups[cg.torch_group]
+        value = _as_float(saved)
+        # The product of the current values' mu_t is the engine's own; another one (a state
+        # saved after beta1 or momentum_decay changed) is where later steps continue from.
+        if value != _nadam_mu_product_value(_betas(g)[0], _as_float(g["momentum_decay"]), cg.step):
+            engine.set_nadam_mu_product(engine_group, value)
 
 
 class RAdam(_TorchLike):
@@ -411,7 +430,8 @@ class ASGD(_TorchLike):
     def _state_keys(self, g: Dict[str, Any]) -> Sequence[str]:
         return ("ax",)
 
-    def _derived_state(self, g: Dict[str, Any], step: int, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _derived_state(self, g: Dict[str, Any], step: int, p: torch.Tensor,
+                       engine_group: int) -> Dict[str, torch.Tensor]:
         # torch keeps the next step's eta and mu (fp32), from the step count and the lr of
         # the param's last step.
         lambd, alpha, t0 = (_as_float(g[k]) for k in ("lambd", "alpha", "t0"))
