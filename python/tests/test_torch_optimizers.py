@@ -4,6 +4,7 @@ for the main flag variants, param groups, add_param_group, lr schedulers, hand-s
 hyperparameters, the fused gradient clipping, f16/bf16 weights with fp32 masters, params
 without gradients and step(closure)."""
 
+import copy
 import inspect
 import math
 
@@ -348,10 +349,12 @@ SCHEDULERS = {
 @pytest.mark.parametrize("name,kwargs", [
     ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
     ("SGD", dict(lr=0.05, momentum=0.9)),
+    ("NAdam", dict(lr=1e-2, weight_decay=0.1)),
 ])
 def test_lr_scheduler_every_step(util, sched, name, kwargs):
     """A scheduler stepping after every optimizer step (OneCycleLR also cycles SGD's
-    momentum and Adam's beta1 in the groups): the same lrs, the same weights."""
+    momentum and Adam's and NAdam's beta1 in the groups, and NAdam's mu_product takes each
+    step's own): the same lrs, the same weights, the same state."""
     ref = util.make_params()
     ours = util.clone_params(ref)
     topt, sopt = pair(name, kwargs, two_groups(ref), two_groups(ours))
@@ -363,6 +366,40 @@ def test_lr_scheduler_every_step(util, sched, name, kwargs):
         assert ssched.get_last_lr() == tsched.get_last_lr()
         util.assert_groups_match(sopt, topt)
     util.assert_state_close(sopt, topt)
+
+
+def test_nadam_state_saved_under_a_beta1_schedule_continues(util):
+    """A torch NAdam state saved in the middle of OneCycleLR (beta1 changed at every step, so
+    its mu_product is no closed form of the current beta1) loads into stepfuse.torch's NAdam
+    and continues as torch's does; and the other way round."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair("NAdam", dict(lr=1e-2), two_groups(ref), two_groups(ours))
+    tsched, ssched = SCHEDULERS["OneCycleLR"](topt), SCHEDULERS["OneCycleLR"](sopt)
+    for step in range(6):
+        util.step_both(topt, sopt, ref, ours, step)
+        tsched.step()
+        ssched.step()
+    # torch's state into a fresh stepfuse optimizer (on the same weights), and ours into torch.
+    ours2 = util.clone_params(ref)
+    ref2 = util.clone_params(ours)
+    sopt2 = sft.NAdam(two_groups(ours2), lr=1e-2)
+    topt2 = torch.optim.NAdam(two_groups(ref2), lr=1e-2)
+    # (deep copies: a loaded state dict's tensors are the saving optimizer's own, in torch too)
+    sopt2.load_state_dict(copy.deepcopy(topt.state_dict()))
+    topt2.load_state_dict(copy.deepcopy(sopt.state_dict()))
+    util.assert_state_close(sopt2, topt)
+    for step in range(6, 12):
+        for opt in (topt, sopt2, topt2):
+            for g in opt.param_groups:
+                g["betas"] = (0.85 + 0.02 * (step % 4), g["betas"][1])
+        util.step_both(topt, sopt2, ref, ours2, step, where="torch's state in stepfuse")
+        grads = util.make_grads(ref2, step)
+        topt2.zero_grad(set_to_none=True)
+        util.set_grads(ref2, grads)
+        topt2.step()
+        util.assert_params_close(ref2, ref, where=f"step {step}: stepfuse's state in torch:")
+    util.assert_state_close(sopt2, topt)
 
 
 @pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
