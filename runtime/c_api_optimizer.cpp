@@ -202,6 +202,16 @@ sf_status sf_optimizer_set_group_lr(sf_optimizer* opt, size_t group, double lr) 
   return guard(fn, [&] { need(fn, opt, "opt")->opt.set_lr(group, lr); });
 }
 
+sf_status sf_optimizer_nadam_mu_product(const sf_optimizer* opt, size_t group, double* mu_product) {
+  return get_value("sf_optimizer_nadam_mu_product", opt, "opt", mu_product, "mu_product",
+                   [&] { return opt->opt.nadam_mu_product(group); });
+}
+
+sf_status sf_optimizer_set_nadam_mu_product(sf_optimizer* opt, size_t group, double mu_product) {
+  constexpr const char* fn = "sf_optimizer_set_nadam_mu_product";
+  return guard(fn, [&] { need(fn, opt, "opt")->opt.set_nadam_mu_product(group, mu_product); });
+}
+
 sf_status sf_optimizer_add_param_group(sf_optimizer* opt, const sf_param_group* group) {
   constexpr const char* fn = "sf_optimizer_add_param_group";
   return guard(fn, [&] {

@@ -452,6 +452,15 @@ STEPFUSE_API sf_status sf_optimizer_set_group_lr(sf_optimizer* opt, size_t group
 STEPFUSE_API sf_status sf_optimizer_add_param_group(sf_optimizer* opt, const sf_param_group* group);
 /* The group of param `param` (in the group-after-group numbering). */
 STEPFUSE_API sf_status sf_optimizer_group_of(const sf_optimizer* opt, size_t param, size_t* group);
+/* NAdam: a group's mu_product after its steps so far, as PyTorch keeps it (state
+ * "mu_product", fp32): the product of every applied step's mu_t = beta1 * (1 - 0.5 *
+ * 0.96^(t * momentum_decay)) under the beta1 and momentum_decay that step ran with (a
+ * config set between steps changes them for later steps only, as in PyTorch). Another
+ * optimizer is SF_INVALID_STATE. On a GPU: waits. */
+STEPFUSE_API sf_status sf_optimizer_nadam_mu_product(const sf_optimizer* opt, size_t group, double* mu_product);
+/* NAdam: the group's later steps multiply onto mu_product (in [0, 1], else
+ * SF_INVALID_ARGUMENT) as the product so far, as when restoring PyTorch's state. */
+STEPFUSE_API sf_status sf_optimizer_set_nadam_mu_product(sf_optimizer* opt, size_t group, double mu_product);
 /* Steps applied (skipped steps do not count). On a GPU: waits. */
 STEPFUSE_API sf_status sf_optimizer_step_count(const sf_optimizer* opt, int64_t* count);
 /* Norm of the unscaled gradients of the last step; +inf when they were not finite,

@@ -37,7 +37,8 @@ struct ScalarRule {
     div_linear = 5,          // a / (1 + (t - 1) * b)   (Adagrad's lr decay)
     one_minus_pow = 6,       // 1 - b^t            (RAdam's bias_correction1, NAdam's bias_correction2)
     // NAdam with lr = a, beta1 = b, momentum_decay = c: mu_t = b * (1 - 0.5 * 0.96^(t * c)),
-    // P_t = mu_1 * ... * mu_t (in closed form, rounded to fp32 as PyTorch's mu_product):
+    // P_t = mu_1 * ... * mu_t (in closed form, rounded to fp32 as PyTorch's mu_product; a
+    // built-in NAdam's group also carries the product of steps taken with other values):
     nadam_grad_coef = 7,      // -a * (1 - mu_t) / (1 - P_t)
     nadam_momentum_coef = 8,  // -a * mu_(t+1) / (1 - P_t * mu_(t+1))
     // RAdam with beta2 = b: rho_inf = 2 / (1 - b) - 1, rho_t = rho_inf - 2 t b^t / (1 - b^t):

@@ -10,7 +10,8 @@ namespace stepfuse::jit {
 // denom = sqrt(v / bias_correction2) + eps;
 // p = p + (grad_coef*g)/denom, then p = p + (momentum_coef*m)/denom (addcdiv's order),
 // the coefficients -lr*(1-mu_t)/(1-P_t) and -lr*mu_{t+1}/(1-P_t*mu_{t+1}) from the
-// step count (jit/step_scalars.h: PyTorch's mu_product is P_t, its only scalar state).
+// step count (jit/step_scalars.h: PyTorch's mu_product is P_t, its only scalar state;
+// the rules' offset d carries it across changes of beta1 and momentum_decay).
 constexpr Program make_nadam() {
   ProgramBuilder b("nadam");
   const Stream grad = b.stream("grad", StreamRole::grad);

@@ -406,10 +406,31 @@ static void test_new_optimizers(void) {
 
   sf_optimizer_config_init(&c, SF_NADAM);
   c.lr = 0.01, c.momentum_decay = 0.05;
-  sf_optimizer_destroy(first_step(&c, w, g, w0, want_nadam));
+  opt = first_step(&c, w, g, w0, want_nadam);
+  /* mu_product: each step's own mu_t, with the beta1 of its time (torch's fp32 product). */
+  double product = 0;
+  CHECK_OK(sf_optimizer_nadam_mu_product(opt, 0, &product));
+  float torch_product = (float)(0.9 * (1 - 0.5 * pow(0.96, 0.05)));
+  CHECK(fabs(product - torch_product) <= 2 * 0x1p-24 * torch_product);
+  c.beta1 = 0.8;
+  CHECK_OK(sf_optimizer_set_config(opt, &c));
+  CHECK_OK(sf_optimizer_step(opt));
+  torch_product *= (float)(0.8 * (1 - 0.5 * pow(0.96, 2 * 0.05)));
+  CHECK_OK(sf_optimizer_nadam_mu_product(opt, 0, &product));
+  CHECK(fabs(product - torch_product) <= 2 * 0x1p-24 * torch_product);
+  CHECK_OK(sf_optimizer_set_nadam_mu_product(opt, 0, 0.5));
+  CHECK_OK(sf_optimizer_nadam_mu_product(opt, 0, &product));
+  CHECK(product == 0.5);
+  CHECK_FAILS(sf_optimizer_set_nadam_mu_product(opt, 0, 2.0), SF_INVALID_ARGUMENT, "mu_product = 2");
+  CHECK_FAILS(sf_optimizer_nadam_mu_product(opt, 3, &product), SF_INVALID_ARGUMENT, "group 3");
+  CHECK_FAILS(sf_optimizer_nadam_mu_product(opt, 0, NULL), SF_INVALID_ARGUMENT, "mu_product");
+  sf_optimizer_destroy(opt);
   sf_optimizer_config_init(&c, SF_RADAM);
   c.lr = 0.01;
-  sf_optimizer_destroy(first_step(&c, w, g, w0, want_radam));
+  opt = first_step(&c, w, g, w0, want_radam);
+  double none = 0;
+  CHECK_FAILS(sf_optimizer_nadam_mu_product(opt, 0, &none), SF_INVALID_STATE, "runs RAdam, not NAdam");
+  sf_optimizer_destroy(opt);
   sf_optimizer_config_init(&c, SF_ADAMAX);
   c.lr = 0.01;
   sf_optimizer_destroy(first_step(&c, w, g, w0, want_adamax));
