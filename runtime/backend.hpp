@@ -68,6 +68,8 @@ struct StateSlot {
 struct GroupRules {
   sf_scalar_rule rules[kMaxScalars] = {};
   std::int64_t step_base = 0;
+  // Host only: NAdam with beta1 <= 0, the group step since which it is (StepEngine::product_since).
+  std::int64_t product_since = 0;
 };
 
 // One step, as StepEngine asks for it.

@@ -21,7 +21,9 @@ void sf_load_options_init_size(sf_load_options* options, size_t struct_size) {
   full.convert_state = stepfuse::LoadOptions{}.convert_state;
   init_struct(options, struct_size, full);
 }
-void(sf_load_options_init)(sf_load_options* options) { sf_load_options_init_size(options, sizeof *options); }
+void(sf_load_options_init)(sf_load_options* options) {
+  sf_load_options_init_size(options, SF_SIZE_THROUGH(sf_load_options, convert_state));
+}
 
 namespace {
 // sf_optimizer_load and sf_optimizer_load_ex, named `fn`.

@@ -88,7 +88,9 @@ void sf_emit_request_init_size(sf_emit_request* request, size_t struct_size) {
   full.compile = true;
   init_struct(request, struct_size, full);
 }
-void(sf_emit_request_init)(sf_emit_request* request) { sf_emit_request_init_size(request, sizeof *request); }
+void(sf_emit_request_init)(sf_emit_request* request) {
+  sf_emit_request_init_size(request, SF_SIZE_THROUGH(sf_emit_request, cpu_features));
+}
 
 sf_status sf_emit(const sf_emit_request* request, sf_emitted_kernel** out) {
   constexpr const char* fn = "sf_emit";
@@ -128,7 +130,9 @@ sf_status sf_emitted_kernel_part(const sf_emitted_kernel* kernel, sf_emitted_par
 void sf_kernel_tables_info_init_size(sf_kernel_tables_info* info, size_t struct_size) {
   init_struct(info, struct_size, sf_kernel_tables_info{});
 }
-void(sf_kernel_tables_info_init)(sf_kernel_tables_info* info) { sf_kernel_tables_info_init_size(info, sizeof *info); }
+void(sf_kernel_tables_info_init)(sf_kernel_tables_info* info) {
+  sf_kernel_tables_info_init_size(info, SF_SIZE_THROUGH(sf_kernel_tables_info, step_state_bytes));
+}
 
 sf_status sf_emit_tables(const sf_emit_request* request, const int64_t* numels, size_t count, sf_kernel_tables** out) {
   constexpr const char* fn = "sf_emit_tables";

@@ -24,7 +24,7 @@ void sf_grad_scaler_options_init_size(sf_grad_scaler_options* options, size_t st
   init_struct(options, struct_size, full);
 }
 void(sf_grad_scaler_options_init)(sf_grad_scaler_options* options) {
-  sf_grad_scaler_options_init_size(options, sizeof *options);
+  sf_grad_scaler_options_init_size(options, SF_SIZE_THROUGH(sf_grad_scaler_options, enabled));
 }
 
 sf_status sf_grad_scaler_create(const sf_grad_scaler_options* options, sf_grad_scaler** out) {
@@ -129,7 +129,9 @@ sf_status sf_grad_scaler_where_scale_lives(const sf_grad_scaler* scaler, sf_devi
 void sf_grad_scaler_state_init_size(sf_grad_scaler_state* state, size_t struct_size) {
   init_struct(state, struct_size, sf_grad_scaler_state{});
 }
-void(sf_grad_scaler_state_init)(sf_grad_scaler_state* state) { sf_grad_scaler_state_init_size(state, sizeof *state); }
+void(sf_grad_scaler_state_init)(sf_grad_scaler_state* state) {
+  sf_grad_scaler_state_init_size(state, SF_SIZE_THROUGH(sf_grad_scaler_state, growth_tracker));
+}
 
 sf_status sf_grad_scaler_state_dict(const sf_grad_scaler* scaler, sf_grad_scaler_state* state) {
   constexpr const char* fn = "sf_grad_scaler_state_dict";

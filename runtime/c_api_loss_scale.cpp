@@ -17,7 +17,8 @@ void sf_loss_scale_optimizer_options_init_size(sf_loss_scale_optimizer_options* 
   init_struct(options, struct_size, full);
 }
 void(sf_loss_scale_optimizer_options_init)(sf_loss_scale_optimizer_options* options) {
-  sf_loss_scale_optimizer_options_init_size(options, sizeof *options);
+  sf_loss_scale_optimizer_options_init_size(
+      options, SF_SIZE_THROUGH(sf_loss_scale_optimizer_options, dynamic_growth_steps));
 }
 
 sf_status sf_loss_scale_optimizer_create(sf_optimizer* inner, const sf_loss_scale_optimizer_options* options,

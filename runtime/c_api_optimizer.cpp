@@ -22,6 +22,18 @@ const char* sf_optimizer_kind_name(sf_optimizer_kind kind) {
   return stepfuse::optimizer_name(default_config(k)).data();  // string literals
 }
 
+// Today the sizes the sf_X_init functions write are the structs' (size_through).
+static_assert(SF_SIZE_THROUGH(sf_optimizer_config, has_state_format) == sizeof(sf_optimizer_config));
+static_assert(SF_SIZE_THROUGH(sf_optimizer_options, stochastic_state_rounding) == sizeof(sf_optimizer_options));
+static_assert(SF_SIZE_THROUGH(sf_step_result, clip_coef) == sizeof(sf_step_result));
+static_assert(SF_SIZE_THROUGH(sf_load_options, convert_state) == sizeof(sf_load_options));
+static_assert(SF_SIZE_THROUGH(sf_grad_scaler_options, enabled) == sizeof(sf_grad_scaler_options));
+static_assert(SF_SIZE_THROUGH(sf_grad_scaler_state, growth_tracker) == sizeof(sf_grad_scaler_state));
+static_assert(SF_SIZE_THROUGH(sf_loss_scale_optimizer_options, dynamic_growth_steps) ==
+              sizeof(sf_loss_scale_optimizer_options));
+static_assert(SF_SIZE_THROUGH(sf_emit_request, cpu_features) == sizeof(sf_emit_request));
+static_assert(SF_SIZE_THROUGH(sf_kernel_tables_info, step_state_bytes) == sizeof(sf_kernel_tables_info));
+
 // (The sf_X_init functions are named in parentheses: stepfuse.h defines macros of those
 // names, which pass the caller's sizeof to sf_X_init_size.)
 void sf_optimizer_config_init_size(sf_optimizer_config* config, sf_optimizer_kind kind, size_t struct_size) {
@@ -35,7 +47,7 @@ void sf_optimizer_config_init_size(sf_optimizer_config* config, sf_optimizer_kin
   init_struct(config, struct_size, full);
 }
 void(sf_optimizer_config_init)(sf_optimizer_config* config, sf_optimizer_kind kind) {
-  sf_optimizer_config_init_size(config, kind, sizeof *config);
+  sf_optimizer_config_init_size(config, kind, SF_SIZE_THROUGH(sf_optimizer_config, has_state_format));
 }
 
 void sf_optimizer_options_init_size(sf_optimizer_options* options, size_t struct_size) {
@@ -45,13 +57,15 @@ void sf_optimizer_options_init_size(sf_optimizer_options* options, size_t struct
   init_struct(options, struct_size, full);
 }
 void(sf_optimizer_options_init)(sf_optimizer_options* options) {
-  sf_optimizer_options_init_size(options, sizeof *options);
+  sf_optimizer_options_init_size(options, SF_SIZE_THROUGH(sf_optimizer_options, stochastic_state_rounding));
 }
 
 void sf_step_result_init_size(sf_step_result* result, size_t struct_size) {
   init_struct(result, struct_size, sf_step_result{});
 }
-void(sf_step_result_init)(sf_step_result* result) { sf_step_result_init_size(result, sizeof *result); }
+void(sf_step_result_init)(sf_step_result* result) {
+  sf_step_result_init_size(result, SF_SIZE_THROUGH(sf_step_result, clip_coef));
+}
 
 sf_status sf_optimizer_create(const sf_optimizer_config* config, const sf_param* params, size_t num_params,
                               const sf_optimizer_options* options, sf_optimizer** out) {

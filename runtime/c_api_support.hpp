@@ -161,6 +161,18 @@ void init_struct(T* dst, std::size_t size, T full) {
   if (size > n) std::memset(reinterpret_cast<unsigned char*>(dst) + n, 0, size - n);
 }
 
+// The size sizeof(T) gave when T's last field, ending at `end`, was its last: the size the
+// function sf_X_init (the macro's namesake, called by programs built before the macros)
+// writes, now and after T grows, so that a later library does not write past the struct
+// of a program built against this release's header. (Written as the end of a field so
+// that a new field cannot change it: each call site names this release's last field.)
+template <class T>
+constexpr std::size_t size_through(std::size_t end) {
+  return (end + alignof(T) - 1) / alignof(T) * alignof(T);
+}
+#define SF_SIZE_THROUGH(T, field) \
+  ::stepfuse::c_api::size_through<T>(offsetof(T, field) + sizeof(static_cast<T*>(nullptr)->field))
+
 // The value of an enum the caller passed, as an int. A C caller may pass any int; in
 // C++ loading an enum object that holds a value outside its enumerators' range is
 // undefined (UBSan flags it), so every such enum is read through its bytes, then checked.

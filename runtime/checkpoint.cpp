@@ -46,6 +46,7 @@
 #include <cstring>
 #include <exception>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -62,6 +63,7 @@
 #include "jit/base/format.hpp"
 #include "jit/builtins.hpp"
 #include "jit/config_fields.hpp"
+#include "jit/step_scalars.h"
 #include "jit/update_program_rules.hpp"
 #include "runtime/checkpoint_file.hpp"
 #include "runtime/cpu/host_buffers.hpp"
@@ -101,6 +103,20 @@ std::string shortest(double v) {
 }
 [[noreturn]] void corrupt(const std::string& path, const std::string& what) {
   throw Error(ErrorCode::io_error, "checkpoint '" + path + "' is corrupt: " + what);
+}
+
+// A group's saved NAdam product offset (`steps` applied under `config`, null for a custom
+// program): 0, or for NAdam finite or -inf with a product in [0, 1]; else the file is corrupt.
+void check_product_offset(const std::string& path, std::size_t g, const OptimizerConfig* config, std::int64_t steps,
+                          double d) {
+  if (d == 0.0) return;
+  const auto* c = config != nullptr ? std::get_if<optim::NAdam>(config) : nullptr;
+  double product = 2.0;  // (not NAdam: no offset belongs there)
+  if (c != nullptr && !std::isnan(d) && d != std::numeric_limits<double>::infinity())
+    product = c->beta1 > 0.0 ? sf_nadam_mu_product(c->beta1, c->momentum_decay, steps, d) : sf_exp(d);
+  if (!(product >= 0.0 && product <= 1.0))
+    corrupt(path, "group " + std::to_string(g) + "'s " + std::string(kProductOffset) + " " + shortest(d) +
+                      (c != nullptr ? " gives NAdam a mu_product outside [0, 1]" : " belongs to no NAdam group"));
 }
 
 std::string group_key(std::size_t g, std::string_view field) {
@@ -705,6 +721,8 @@ ParsedOptimizer parse_v3(const detail::SafetensorsFile& f, const detail::StepEng
                         " steps, more than the optimizer's " + std::to_string(out.step_count));
     out.step_bases.push_back(out.step_count - group_steps);
     out.product_offsets.push_back(meta.real_or_zero(group_key(g, kProductOffset)));
+    check_product_offset(path, g, custom == nullptr ? &out.configs.back() : nullptr, group_steps,
+                         out.product_offsets.back());
 
     const std::size_t here = e.group_end(g) - e.group_begin(g);
     const std::int64_t saved = meta.integer(group_key(g, "num_params"));
@@ -1255,6 +1273,12 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
           group_steps[g] = steps;
           offsets[g] = f.product_offsets[q.group];
           source[g] = &q;
+        } else if (const double d = f.product_offsets[q.group];
+                   steps == group_steps[g] && std::memcmp(&d, &offsets[g], sizeof d) != 0) {
+          set_error(group_here + " takes elements from " + quoted(files[source[g]->file].path()) + " group " +
+                    std::to_string(source[g]->group) + " and " + quoted(path) + " group " + std::to_string(q.group) +
+                    ", whose NAdam mu_product differs (" + std::string(kProductOffset) + " " + shortest(offsets[g]) +
+                    " and " + shortest(d) + ")");
         } else if (steps != group_steps[g]) {
           set_error(group_here + " takes elements from " + quoted(files[source[g]->file].path()) + " group " +
                     std::to_string(source[g]->group) + " (" + std::to_string(group_steps[g]) + " steps applied) and " +
@@ -1300,7 +1324,11 @@ ParsedOptimizer take_shard(std::vector<SetFile>& files, const std::vector<SavedP
       f.used = true;
     }
   }
-  for (std::size_t g = 0; g < groups; ++g) out.step_bases.push_back(out.step_count - group_steps[g]);
+  for (std::size_t g = 0; g < groups; ++g) {
+    out.step_bases.push_back(out.step_count - group_steps[g]);
+    check_product_offset(source[g] != nullptr ? files[source[g]->file].path() : files[0].path(), g,
+                         custom == nullptr ? &out.configs[g] : nullptr, group_steps[g], offsets[g]);
+  }
   out.product_offsets = offsets;
   for (const SetFile& f : files)
     if (f.used) f.c.file->verify_checksum();

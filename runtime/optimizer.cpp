@@ -102,18 +102,16 @@ const optim::NAdam& nadam_of(const detail::StepEngine& e, std::size_t group, con
 }  // namespace
 
 double Optimizer::nadam_mu_product(std::size_t group) const {
-  const optim::NAdam& c = nadam_of(*engine_, group, "nadam_mu_product");
-  return sf_nadam_mu_product(c.beta1, c.momentum_decay, engine_->group_step_count(group),
-                             engine_->product_offset(group));
+  nadam_of(*engine_, group, "nadam_mu_product");
+  return engine_->nadam_product(group);
 }
 
 void Optimizer::set_nadam_mu_product(std::size_t group, double mu_product) {
-  const optim::NAdam& c = nadam_of(*engine_, group, "set_nadam_mu_product");
+  nadam_of(*engine_, group, "set_nadam_mu_product");
   if (!(mu_product >= 0.0 && mu_product <= 1.0))
     throw Error(ErrorCode::invalid_argument, "set_nadam_mu_product: mu_product = " + detail::format_number(mu_product) +
                                                  " (a product of NAdam's mu_t lies in [0, 1])");
-  engine_->set_product_offset(group, sf_nadam_product_offset(mu_product, c.beta1, c.momentum_decay,
-                                                             engine_->group_step_count(group)));
+  engine_->set_nadam_product(group, mu_product);
 }
 
 double Optimizer::nadam_mu_product_offset(std::size_t group) const {
@@ -164,7 +162,8 @@ void Optimizer::add_param_group(ParamGroup group) {
   for (std::size_t g = 0; g < old.num_groups(); ++g) bases.push_back(old.step_base(g));
   bases.push_back(old.step_count());  // the new group starts at step 0
   next->set_steps(old.step_count(), bases);
-  for (std::size_t g = 0; g < old.num_groups(); ++g) next->set_product_offset(g, old.product_offset(g));
+  for (std::size_t g = 0; g < old.num_groups(); ++g)
+    next->set_product_offset(g, old.product_offset(g), old.product_since(g));
   engine_ = std::move(next);
 }
 

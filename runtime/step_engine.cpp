@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -429,7 +431,37 @@ namespace {
 bool is_nadam_rule(const sf_scalar_rule& r) {
   return r.kind == SF_RULE_NADAM_GRAD_COEF || r.kind == SF_RULE_NADAM_MOMENTUM_COEF;
 }
+
+// NAdam's product after `steps` group steps under rule r of group rules `gr`. While beta1
+// <= 0 the rules' product is 0 (mu_t = 0), and their offset keeps the log of the product
+// when beta1 became so: a step taken since made it 0 for good, as in PyTorch; none keeps it.
+double product_under(const sf_scalar_rule& r, const GroupRules& gr, std::int64_t steps) {
+  if (r.b > 0.0) return sf_nadam_mu_product(r.b, r.c, steps, r.d);
+  return steps > gr.product_since ? 0.0 : static_cast<double>(static_cast<float>(sf_exp(r.d)));
+}
+
+// The offset with which rule r (beta1 = r.b, momentum_decay = r.c) continues from `product`
+// after `steps` group steps (while beta1 <= 0: the product's log).
+double offset_for(const sf_scalar_rule& r, double product, std::int64_t steps) {
+  if (r.b > 0.0) return sf_nadam_product_offset(product, r.b, r.c, steps);
+  return product > 0.0 ? sf_log(product) : -std::numeric_limits<double>::infinity();
+}
 }  // namespace
+
+double StepEngine::nadam_product(std::size_t group) const {
+  for (const sf_scalar_rule& r : rules_[group].rules)
+    if (is_nadam_rule(r)) return product_under(r, rules_[group], group_step_count(group));
+  return 1.0;
+}
+
+void StepEngine::set_nadam_product(std::size_t group, double product) {
+  for (const sf_scalar_rule& r : rules_[group].rules)
+    if (is_nadam_rule(r)) {
+      const std::int64_t steps = group_step_count(group);
+      set_product_offset(group, offset_for(r, product, steps), steps);
+      return;
+    }
+}
 
 double StepEngine::product_offset(std::size_t group) const {
   for (const sf_scalar_rule& r : rules_[group].rules)
@@ -437,11 +469,15 @@ double StepEngine::product_offset(std::size_t group) const {
   return 0.0;
 }
 
-void StepEngine::set_product_offset(std::size_t group, double offset) {
+std::int64_t StepEngine::product_since(std::size_t group) const { return rules_[group].product_since; }
+
+void StepEngine::set_product_offset(std::size_t group, double offset, std::optional<std::int64_t> since) {
   bool any = false;
   for (sf_scalar_rule& r : rules_[group].rules)
     if (is_nadam_rule(r)) r.d = offset, any = true;
-  if (any) backend_->set_rules(rules_.data());
+  if (!any) return;
+  rules_[group].product_since = since ? *since : group_step_count(group);
+  backend_->set_rules(rules_.data());
 }
 
 void StepEngine::set_grads(std::span<const TensorView> grads) {
@@ -507,9 +543,15 @@ void StepEngine::set_config(std::size_t group, const OptimizerConfig& config) {
     if (!is_nadam_rule(now) || now.kind != was.kind) continue;
     now.d = was.d;
     if (now.b == was.b && now.c == was.c) continue;
-    if (steps < 0) steps = group_step_count(group);
-    if (steps > 0)
-      now.d = sf_nadam_product_offset(sf_nadam_mu_product(was.b, was.c, steps, was.d), now.b, now.c, steps);
+    if (steps < 0) {
+      // (Setting the current rules again first: on CUDA that refuses a stream being
+      // captured into a graph, with its message, before the step count's read would break
+      // the capture.)
+      backend_->set_rules(rules_.data());
+      steps = group_step_count(group);
+    }
+    now.d = offset_for(now, product_under(was, rules_[group], steps), steps);
+    rules_scratch_[group].product_since = steps;
   }
   backend_->set_rules(rules_scratch_.data());
   groups_[group].config = config;

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -65,8 +66,16 @@ class StepEngine {
   // steps taken with another beta1 or momentum_decay, sf_nadam_product_offset), 0 for
   // a group without them. set_config keeps it up to date; checkpoints and add_param_group
   // carry it over with this setter, which changes nothing for a group without them.
+  // (While the group's beta1 is <= 0, the offset is the log of the product when it became
+  // so, at group step product_since(): a step applied since then makes the product 0.
+  // set_product_offset's `since` defaults to the group's step count.)
   double product_offset(std::size_t group) const;
-  void set_product_offset(std::size_t group, double offset);
+  std::int64_t product_since(std::size_t group) const;
+  // NAdam's mu_product after the group's steps so far (1 for a group without NAdam's
+  // rules), and setting it: later steps multiply onto it.
+  double nadam_product(std::size_t group) const;
+  void set_nadam_product(std::size_t group, double product);
+  void set_product_offset(std::size_t group, double offset, std::optional<std::int64_t> since = std::nullopt);
   // Optimizer::set_grads: validated, then the backend's; nothing changes on an Error.
   void set_grads(std::span<const TensorView> grads);
   // Error(invalid_argument) naming the index unless group < num_groups().

@@ -294,6 +294,8 @@ TEST(Checkpoint, InconsistentMetadataIsCorrupt) {
       {"not valid JSON", [](auto& m) { m["group.0.params"] = "[{"; }},
       {"lists 4 params, not 5", [](auto& m) { m["group.0.params"] = m["group.0.params"].substr(0, m["group.0.params"].rfind(",{")) + "]"; }},
       {"more than the optimizer's", [](auto& m) { m["group.0.step_count"] = "3"; }},
+      {"belongs to no NAdam group", [](auto& m) { m["group.0.mu_product_offset"] = "-1"; }},
+      {"\"group.0.mu_product_offset\" is not a number", [](auto& m) { m["group.0.mu_product_offset"] = "x"; }},
       {"\"beta1\" that is a number", [](auto& m) {
          auto& h = m["group.0.hyperparameters"];
          h.replace(h.find("\"beta1\":0.9"), 11, "\"beta1\":\"x\"");
@@ -782,6 +784,18 @@ TEST(Checkpoint, NadamUnderABeta1ScheduleResumesBitForBit) {
   run(resumed_model, resumed, resumed_scaler, 6, 10);
   EXPECT_TRUE(Snapshot(opt, model) == Snapshot(resumed, resumed_model));
   EXPECT_EQ(resumed.nadam_mu_product(0), opt.nadam_mu_product(0));
+
+  // An offset that would make the product leave [0, 1] (or is NaN) is a corrupt file.
+  const auto bytes = read_bytes(path);
+  for (const char* bad : {"1e6", "inf", "nan"}) {
+    write_bytes(path, bytes);
+    rewrite_metadata(path, [&](auto& m) { m["group.0.mu_product_offset"] = bad; });
+    std::string message;
+    EXPECT_EQ(code_of([&] { resumed.load(path, resumed_scaler); }, &message), ErrorCode::io_error) << bad;
+    EXPECT_NE(message.find(std::string(bad) == "nan" ? "is not a number" : "outside [0, 1]"), std::string::npos)
+        << message;
+  }
+  EXPECT_EQ(resumed.nadam_mu_product(0), opt.nadam_mu_product(0)) << "a refused file changed nothing";
 
   // add_param_group keeps the first group's product; the new group's starts at 1.
   const double before = opt.nadam_mu_product(0);

@@ -738,10 +738,38 @@ TEST(SetConfig, NadamMuProductTakesEachStepsOwnBeta1) {
   check_step(rig, StepMode::scaled, 16.0, 1.0);
   EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.0);
 
+  // beta1 set to 0 and back with no step between keeps the product (torch's is untouched);
+  // a step taken at beta1 0 makes it 0 for good (mu_t = 0).
+  rig.opt.set_nadam_mu_product(0, 0.25);
+  other.beta1 = 0.0;
+  rig.opt.set_config(other);
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.25);
+  other.beta1 = 0.9;
+  rig.opt.set_config(other);
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.25);
+  other.beta1 = 0.0;
+  rig.opt.set_config(other);
+  rig.setup.config = other;
+  check_step(rig, StepMode::scaled, 16.0, 1.0);
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.0);
+  other.beta1 = 0.9;
+  rig.opt.set_config(other);
+  rig.setup.config = other;
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.0);
+  rig.opt.set_nadam_mu_product(0, 0.5);  // set while beta1 is 0: kept for when it is not
+  other.beta1 = 0.0;
+  rig.opt.set_config(other);
+  rig.opt.set_nadam_mu_product(0, 0.125);
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.125);
+  other.beta1 = 0.9;
+  rig.opt.set_config(other);
+  rig.setup.config = other;
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.125);
+
   EXPECT_THROW(rig.opt.set_nadam_mu_product(0, 1.5), Error);
   EXPECT_THROW(rig.opt.set_nadam_mu_product(0, kNaN), Error);
   EXPECT_THROW(rig.opt.set_nadam_mu_product(1, 0.5), Error);
-  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.0) << "a refused value changes nothing";
+  EXPECT_EQ(rig.opt.nadam_mu_product(0), 0.125) << "a refused value changes nothing";
   RigSetup a;
   a.config = optim::AdamW{};
   a.sizes = {8};

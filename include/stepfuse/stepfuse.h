@@ -20,10 +20,11 @@
  *   then change fields. For output structs, setting struct_size = sizeof(the struct)
  *   also does. Each sf_X_init is a macro that passes the caller's sizeof(sf_X) to
  *   the function sf_X_init_size, which writes that many bytes and no more: a program
- *   built against an older stepfuse.h, whose structs are smaller, gets its own
- *   struct's fields set by a newer library, and struct_size set to its size. (The
- *   functions named sf_X_init remain, for callers that cannot use the macros, and
- *   write this header's sizeof.) A size this library does not know (a caller compiled against another
+ *   built against this header keeps working with a later library whose structs grew
+ *   (its own struct's fields are set, and struct_size to its size). The functions
+ *   named sf_X_init remain, for programs built before the macros and for callers that
+ *   cannot use them: they write the struct's size as of this release, and keep doing
+ *   so as the structs grow. A size this library does not know (a caller compiled against another
  *   version's header, or an uninitialized struct) is SF_INVALID_ARGUMENT, saying
  *   which size it expected. sf_tensor_view, sf_param and sf_device are fixed.
  *

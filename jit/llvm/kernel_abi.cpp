@@ -138,7 +138,10 @@ std::string describe_cpu_abi(const EmitRequest& r, const Layout& c, const CpuSpe
                    {"pad_", "int", offsetof(sf_scalar_rule, pad_), "0"},
                    {"a", "double", offsetof(sf_scalar_rule, a), "first parameter"},
                    {"b", "double", offsetof(sf_scalar_rule, b), "second parameter"},
-                   {"c", "double", offsetof(sf_scalar_rule, c), "third parameter"}});
+                   {"c", "double", offsetof(sf_scalar_rule, c), "third parameter"},
+                   {"d", "double", offsetof(sf_scalar_rule, d),
+                    "carried over from earlier steps: 0 for a fresh rule (NAdam's log offset of P_t, "
+                    "sf_nadam_product_offset, after beta1 or momentum_decay changed)"}});
   j.end_object();
 
   // ---- the functions ----

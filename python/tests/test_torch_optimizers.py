@@ -402,6 +402,24 @@ def test_nadam_state_saved_under_a_beta1_schedule_continues(util):
     util.assert_state_close(sopt2, topt)
 
 
+def test_nadam_mu_product_right_after_a_beta1_change(util):
+    """betas changed by hand after some steps: state_dict() before the next step still holds
+    the product of the steps taken (with the old beta1), and a step that re-plans (a param
+    without a gradient) continues from it, as torch's does."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair("NAdam", dict(lr=1e-2), two_groups(ref), two_groups(ours))
+    for step in range(3):
+        util.step_both(topt, sopt, ref, ours, step)
+    for opt in (topt, sopt):
+        for g in opt.param_groups:
+            g["betas"] = (0.5, 0.999)
+    util.assert_state_close(sopt, topt)
+    for step in range(3, 7):
+        util.step_both(topt, sopt, ref, ours, step, skip=(0,) if step == 3 else ())
+        util.assert_state_close(sopt, topt)
+
+
 @pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
 def test_hand_set_hyperparameters_take_effect_at_next_step(util, name):
     """group["lr"] (and weight_decay, where the optimizer has it) written between steps,

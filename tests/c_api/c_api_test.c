@@ -5,6 +5,7 @@
 #include <stepfuse/stepfuse.h>
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -2450,7 +2451,8 @@ static void test_program_state_values(void) {
   } while (0)
 static void test_init_size(void) {
   enum { kPad = 64 };
-  static unsigned char buf[sizeof(sf_optimizer_options) + sizeof(sf_optimizer_config) + kPad];
+  /* (aligned for any of the structs it stands for) */
+  static _Alignas(max_align_t) unsigned char buf[sizeof(sf_optimizer_options) + sizeof(sf_optimizer_config) + kPad];
   /* Options from the first header (V1) and the one before the state's rounding (V5). */
   const size_t option_sizes[2] = {SF_OPTIMIZER_OPTIONS_SIZE_V1, SF_OPTIMIZER_OPTIONS_SIZE_V5};
   for (int k = 0; k < 2; ++k) {

@@ -226,14 +226,20 @@ class NAdam(_TorchLike):
     def _derived_state(self, g: Dict[str, Any], step: int, p: torch.Tensor,
                        engine_group: int) -> Dict[str, torch.Tensor]:
         engine = self._engine
-        if step and engine is not None and engine.nadam_mu_product_offset(engine_group) != 0.0:
+        if engine is None or not step:
+            return {"mu_product": _nadam_mu_product(_betas(g)[0], _as_float(g["momentum_decay"]), step)}
+        if engine.nadam_mu_product_offset(engine_group) != 0.0:
             # beta1 or momentum_decay changed between steps (OneCycleLR's cycle_momentum, say),
             # or a loaded mu_product said so: the engine's product of each step's mu_t.
             return {"mu_product": torch.tensor(engine.nadam_mu_product(engine_group), dtype=torch.float32)}
-        # Else torch's own fp32 product for these values, bit for bit.
-        return {"mu_product": _nadam_mu_product(_betas(g)[0], _as_float(g["momentum_decay"]), step)}
+        # Else every step so far ran with the engine's values (not the group's, which may have
+        # changed since the last step): torch's own fp32 product for them, bit for bit.
+        c = engine.config(engine_group)
+        return {"mu_product": _nadam_mu_product(c.beta1, c.momentum_decay, step)}
 
     def _restore_derived_state(self, engine: Any, engine_group: int, cg: Any) -> None:
+        # An engine group's params share their step count, and so (in torch too, unless
+        # their states came from different runs) their mu_product: its first param's is the group's.
         st = self.state.get(cg.params[0]) if cg.step else None
         saved = st.get("mu_product") if st else None
         if not isinstance(saved, (torch.Tensor, float)):
