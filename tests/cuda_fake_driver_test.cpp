@@ -245,7 +245,9 @@ cuda::DriverApi fake_driver() {
   a.cuStreamDestroy = [](cuda::CUstream) -> CUresult { return kOk; };
   a.cuStreamSynchronize = [](cuda::CUstream) -> CUresult {
     FAKE_CALL(cuStreamSynchronize);
-    return kOk;
+    // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: a capturing stream cannot be waited for (and
+    // the capture is then invalidated).
+    return g_capturing ? CUresult{900} : kOk;
   };
   a.cuStreamIsCapturing = [](cuda::CUstream, int* status) -> CUresult {
     *status = g_capturing ? cuda::CU_STREAM_CAPTURE_STATUS_ACTIVE : cuda::CU_STREAM_CAPTURE_STATUS_NONE;
@@ -454,6 +456,22 @@ TEST_F(FakeDriver, ParamGroupsOnTheGpu) {
   g_capturing = false;
   EXPECT_EQ(opt.lr(0), 1e-3);
   EXPECT_EQ(opt.lr(1), 5e-3);
+  // NAdam's beta1 changed during a capture: refused as such before the step count (which
+  // the carried mu_product needs) is read from the device, which would break the capture.
+  Optimizer nadam(optim::NAdam{.lr = 1e-3}, p, on_cuda());
+  nadam.step();
+  g_capturing = true;
+  try {
+    nadam.set_config(optim::NAdam{.lr = 1e-3, .beta1 = 0.8});
+    ADD_FAILURE() << "set_config during a capture did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_state);
+    EXPECT_THAT(std::string(e.what()), HasSubstr("captured"));
+  }
+  g_capturing = false;
+  EXPECT_EQ(std::get<optim::NAdam>(nadam.config()).beta1, 0.9);
+  nadam.set_config(optim::NAdam{.lr = 1e-3, .beta1 = 0.8});  // between replays: taken
+  EXPECT_EQ(std::get<optim::NAdam>(nadam.config()).beta1, 0.8);
   // A group whose flags pick another variant (amsgrad in group 1 only) runs it in the same
   // kernels (NVRTC compiles both element functions); its extra state is its own.
   Optimizer mixed({{{p[0]}, optim::AdamW{}}, {{p[1], p[2]}, optim::AdamW{.amsgrad = true}}}, on_cuda());
