@@ -684,7 +684,7 @@ TEST(SetConfig, SetLrAndSetConfigTakeEffectNextStep) {
 // and momentum_decay changed before every step (OneCycleLR's cycle_momentum), every step
 // matches the reference (which takes the product so far and multiplies in this step's
 // mu_t), a skipped step multiplies in nothing, and the product stays within an ulp or two
-// of torch's fp32 one. (Not carried, the product was 1.2% off torch's at the second step.)
+// of torch's fp32 one. (Not carried, the product was 1.2% off torch's at the first failing check.)
 TEST(SetConfig, NadamMuProductTakesEachStepsOwnBeta1) {
   RigSetup s;
   optim::NAdam start;
