@@ -216,6 +216,16 @@ sf_status sf_optimizer_set_group_lr(sf_optimizer* opt, size_t group, double lr) 
   return guard(fn, [&] { need(fn, opt, "opt")->opt.set_lr(group, lr); });
 }
 
+sf_status sf_optimizer_group_step_count(const sf_optimizer* opt, size_t group, int64_t* count) {
+  return get_value("sf_optimizer_group_step_count", opt, "opt", count, "count",
+                   [&] { return opt->opt.group_step_count(group); });
+}
+
+sf_status sf_optimizer_set_group_step_count(sf_optimizer* opt, size_t group, int64_t count) {
+  constexpr const char* fn = "sf_optimizer_set_group_step_count";
+  return guard(fn, [&] { need(fn, opt, "opt")->opt.set_group_step_count(group, count); });
+}
+
 sf_status sf_optimizer_nadam_mu_product(const sf_optimizer* opt, size_t group, double* mu_product) {
   return get_value("sf_optimizer_nadam_mu_product", opt, "opt", mu_product, "mu_product",
                    [&] { return opt->opt.nadam_mu_product(group); });

@@ -453,6 +453,13 @@ STEPFUSE_API sf_status sf_optimizer_set_group_lr(sf_optimizer* opt, size_t group
 STEPFUSE_API sf_status sf_optimizer_add_param_group(sf_optimizer* opt, const sf_param_group* group);
 /* The group of param `param` (in the group-after-group numbering). */
 STEPFUSE_API sf_status sf_optimizer_group_of(const sf_optimizer* opt, size_t param, size_t* group);
+/* The steps a group has applied (the optimizer's, less those before it was added). On a
+ * GPU: waits. */
+STEPFUSE_API sf_status sf_optimizer_group_step_count(const sf_optimizer* opt, size_t group, int64_t* count);
+/* Sets a group's step count (what bias corrections and schedules see), as when restoring
+ * a framework's checkpoint that keeps steps itself (PyTorch's state[p]["step"]). count >= 0,
+ * else SF_INVALID_ARGUMENT; nothing else changes. */
+STEPFUSE_API sf_status sf_optimizer_set_group_step_count(sf_optimizer* opt, size_t group, int64_t count);
 /* NAdam: a group's mu_product after its steps so far, as PyTorch keeps it (state
  * "mu_product", fp32): the product of every applied step's mu_t = beta1 * (1 - 0.5 *
  * 0.96^(t * momentum_decay)) under the beta1 and momentum_decay that step ran with (a

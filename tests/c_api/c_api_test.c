@@ -422,6 +422,18 @@ static void test_new_optimizers(void) {
   CHECK_OK(sf_optimizer_set_nadam_mu_product(opt, 0, 0.5));
   CHECK_OK(sf_optimizer_nadam_mu_product(opt, 0, &product));
   CHECK(product == 0.5);
+  /* Restoring a PyTorch state: the step count, then the product. */
+  int64_t steps = -1;
+  CHECK_OK(sf_optimizer_group_step_count(opt, 0, &steps));
+  CHECK(steps == 2);
+  CHECK_OK(sf_optimizer_set_group_step_count(opt, 0, 40));
+  CHECK_OK(sf_optimizer_group_step_count(opt, 0, &steps));
+  CHECK(steps == 40);
+  CHECK_OK(sf_optimizer_set_nadam_mu_product(opt, 0, 0.0625));
+  CHECK_OK(sf_optimizer_nadam_mu_product(opt, 0, &product));
+  CHECK(product == 0.0625);
+  CHECK_FAILS(sf_optimizer_set_group_step_count(opt, 0, -1), SF_INVALID_ARGUMENT, "count = -1");
+  CHECK_FAILS(sf_optimizer_group_step_count(opt, 2, &steps), SF_INVALID_ARGUMENT, "group 2");
   CHECK_FAILS(sf_optimizer_set_nadam_mu_product(opt, 0, 2.0), SF_INVALID_ARGUMENT, "mu_product = 2");
   CHECK_FAILS(sf_optimizer_nadam_mu_product(opt, 3, &product), SF_INVALID_ARGUMENT, "group 3");
   CHECK_FAILS(sf_optimizer_nadam_mu_product(opt, 0, NULL), SF_INVALID_ARGUMENT, "mu_product");
