@@ -217,32 +217,6 @@ void patch_header(const std::string& path, const std::string& from, const std::s
   write_bytes(path, bytes);
 }
 
-// Rewrites a version-3 checkpoint with `edit` applied to its metadata (and `retype`, when
-// given, to each tensor's dtype: the same bytes under another dtype), through the
-// library's writer, so that the checksum is that of the new content.
-void rewrite_metadata(const std::string& path, const std::function<void(std::map<std::string, std::string>&)>& edit,
-                      const std::function<std::string_view(const detail::SafetensorsTensor&)>& retype = {}) {
-  std::map<std::string, std::string> meta;
-  std::vector<std::vector<unsigned char>> data;
-  std::vector<std::string> dtypes;
-  std::vector<detail::SafetensorsSource> sources;
-  {
-    const detail::SafetensorsFile f{detail::MappedFile(path)};
-    meta = f.metadata();
-    data.reserve(f.tensors().size());
-    dtypes.reserve(f.tensors().size());
-    for (const detail::SafetensorsTensor& t : f.tensors()) {
-      const auto bytes = f.data(t);
-      data.emplace_back(bytes.begin(), bytes.end());
-      dtypes.emplace_back(retype ? retype(t) : std::string_view(t.dtype));
-      const std::uint64_t size = dtypes.back() == "BF16" ? 2 : 4;
-      sources.push_back({t.name, data.back().data(), data.back().size() / size, dtypes.back()});
-    }
-  }
-  meta.erase("checksum");
-  edit(meta);
-  detail::write_safetensors(path, meta, sources);
-}
 
 TEST(Checkpoint, OtherFormatVersionAndForeignFilesAreRejected) {
   Fixture f;

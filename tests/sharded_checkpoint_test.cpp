@@ -497,6 +497,21 @@ TEST(ShardedCheckpoint, TheFilesMustBeThisModels) {
   EXPECT_EQ(ckpt_test::code_of([&] { other.load_shards({}); }, &message), ErrorCode::invalid_argument);
 }
 
+// A param that takes its elements from two files whose groups disagree on NAdam's carried
+// mu_product (group.0.mu_product_offset) is refused, naming both.
+TEST(ShardedCheckpoint, TheFilesMustAgreeOnTheCarriedProduct) {
+  const RunSetup s = kSetups[1];
+  ckpt_test::TempDir dir;
+  const std::vector<std::string> x = train_and_save(s, kCutX, dir, "x", nullptr);
+  ckpt_test::rewrite_metadata(x[1], [](auto& m) { m["group.0.mu_product_offset"] = "-0.5"; });
+  Model m(s.weight, s.grad);
+  std::vector<Piece> order;
+  Optimizer opt = build(s, m, whole_model(), nullptr, true, order);
+  std::string message;
+  EXPECT_EQ(ckpt_test::code_of([&] { opt.load_shards(x); }, &message), ErrorCode::invalid_argument);
+  EXPECT_NE(message.find("whose NAdam mu_product differs (mu_product_offset 0 and -0.5)"), std::string::npos) << message;
+}
+
 TEST(ShardedCheckpoint, GradScalerStateComesFromTheFiles) {
   const RunSetup s = kSetups[0];
   ckpt_test::TempDir dir;
