@@ -432,6 +432,13 @@ bool is_nadam_rule(const sf_scalar_rule& r) {
   return r.kind == SF_RULE_NADAM_GRAD_COEF || r.kind == SF_RULE_NADAM_MOMENTUM_COEF;
 }
 
+// The group's first NAdam rule (its NAdam rules share beta1, momentum_decay and offset), or null.
+const sf_scalar_rule* nadam_rule(const GroupRules& gr) {
+  for (const sf_scalar_rule& r : gr.rules)
+    if (is_nadam_rule(r)) return &r;
+  return nullptr;
+}
+
 // NAdam's product after `steps` group steps under rule r of group rules `gr`. While beta1
 // <= 0 the rules' product is 0 (mu_t = 0), and their offset keeps the log of the product
 // when beta1 became so: a step taken since made it 0 for good, as in PyTorch; none keeps it.
@@ -449,33 +456,28 @@ double offset_for(const sf_scalar_rule& r, double product, std::int64_t steps) {
 }  // namespace
 
 double StepEngine::nadam_product(std::size_t group) const {
-  for (const sf_scalar_rule& r : rules_[group].rules)
-    if (is_nadam_rule(r)) return product_under(r, rules_[group], group_step_count(group));
-  return 1.0;
+  const sf_scalar_rule* r = nadam_rule(rules_[group]);
+  return r != nullptr ? product_under(*r, rules_[group], group_step_count(group)) : 1.0;
 }
 
 void StepEngine::set_nadam_product(std::size_t group, double product) {
-  for (const sf_scalar_rule& r : rules_[group].rules)
-    if (is_nadam_rule(r)) {
-      const std::int64_t steps = group_step_count(group);
-      set_product_offset(group, offset_for(r, product, steps), steps);
-      return;
-    }
+  const sf_scalar_rule* r = nadam_rule(rules_[group]);
+  if (r == nullptr) return;
+  const std::int64_t steps = group_step_count(group);
+  set_product_offset(group, offset_for(*r, product, steps), steps);
 }
 
 double StepEngine::product_offset(std::size_t group) const {
-  for (const sf_scalar_rule& r : rules_[group].rules)
-    if (is_nadam_rule(r)) return r.d;
-  return 0.0;
+  const sf_scalar_rule* r = nadam_rule(rules_[group]);
+  return r != nullptr ? r->d : 0.0;
 }
 
 std::int64_t StepEngine::product_since(std::size_t group) const { return rules_[group].product_since; }
 
 void StepEngine::set_product_offset(std::size_t group, double offset, std::optional<std::int64_t> since) {
-  bool any = false;
+  if (nadam_rule(rules_[group]) == nullptr) return;
   for (sf_scalar_rule& r : rules_[group].rules)
-    if (is_nadam_rule(r)) r.d = offset, any = true;
-  if (!any) return;
+    if (is_nadam_rule(r)) r.d = offset;
   rules_[group].product_since = since ? *since : group_step_count(group);
   backend_->set_rules(rules_.data());
 }
