@@ -56,10 +56,12 @@ GradScaler::GradScaler(std::string_view device, double init_scale, double growth
       enabled_(enabled) {
   if (device != "cuda" && device != "cpu")
     bad("device = \"" + std::string(device) + "\" (use \"cuda\" or \"cpu\")");
-  check_scale("init_scale", init_scale);
-  check_growth_factor(growth_factor);
-  check_backoff_factor(backoff_factor);
-  check_growth_interval(growth_interval);
+  if (enabled) {  // (a disabled scaler never uses them: as PyTorch, which checks only when enabled)
+    check_scale("init_scale", init_scale);
+    check_growth_factor(growth_factor);
+    check_backoff_factor(backoff_factor);
+    check_growth_interval(growth_interval);
+  }
   current_scale_ = static_cast<float>(init_scale);
   if (enabled && device == "cuda") {
     if (const CudaStatus cs = cuda_available(); cs) {
@@ -274,7 +276,7 @@ double GradScaler::get_scale() const {
 // The setters write the device first, then the host: a device write that throws
 // leaves both as they were.
 void GradScaler::set_growth_factor(double new_factor) {
-  check_growth_factor(new_factor);
+  if (enabled_) check_growth_factor(new_factor);
   pull();
   if (cuda_)
     cuda_->push(current_scale_, growth_tracker_, new_factor, backoff_factor_, growth_interval_,
@@ -282,7 +284,7 @@ void GradScaler::set_growth_factor(double new_factor) {
   growth_factor_ = new_factor;
 }
 void GradScaler::set_backoff_factor(double new_factor) {
-  check_backoff_factor(new_factor);
+  if (enabled_) check_backoff_factor(new_factor);
   pull();
   if (cuda_)
     cuda_->push(current_scale_, growth_tracker_, growth_factor_, new_factor, growth_interval_,
@@ -290,7 +292,7 @@ void GradScaler::set_backoff_factor(double new_factor) {
   backoff_factor_ = new_factor;
 }
 void GradScaler::set_growth_interval(std::int64_t new_interval) {
-  check_growth_interval(new_interval);
+  if (enabled_) check_growth_interval(new_interval);
   pull();
   if (cuda_)
     cuda_->push(current_scale_, growth_tracker_, growth_factor_, backoff_factor_, new_interval,

@@ -916,6 +916,26 @@ TEST(GradScalerDoc, DisabledMethodsAreNoOps) {
   EXPECT_EQ(s.get_scale(), 1.0);
   EXPECT_TRUE(s.state_dict().empty());
   EXPECT_FALSE(s.is_enabled());
+  // The setters store without checking, as PyTorch's: a disabled scaler never uses them.
+  s.set_growth_factor(0.5);
+  s.set_backoff_factor(2.0);
+  s.set_growth_interval(0);
+  EXPECT_EQ(s.get_growth_factor(), 0.5);
+  EXPECT_EQ(s.get_backoff_factor(), 2.0);
+  EXPECT_EQ(s.get_growth_interval(), 0);
+  EXPECT_EQ(s.get_scale(), 1.0);
+}
+
+// PyTorch checks the constructor's values only when enabled; so does GradScaler (the
+// device is checked either way).
+TEST(GradScalerDoc, DisabledConstructorTakesAnyFactors) {
+  GradScaler s("cpu", -1.0, 0.5, 2.0, 0, false);
+  EXPECT_EQ(s.get_scale(), 1.0);
+  EXPECT_EQ(s.get_growth_factor(), 0.5);
+  EXPECT_EQ(s.get_backoff_factor(), 2.0);
+  EXPECT_EQ(s.get_growth_interval(), 0);
+  EXPECT_THROW(GradScaler("cpu", 1024.0, 0.5, 0.5, 1, true), Error);
+  EXPECT_THROW(GradScaler("tpu", 1024.0, 2.0, 0.5, 1, false), Error);
 }
 
 // ---------------------------------------------------------------------------

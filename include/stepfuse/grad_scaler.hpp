@@ -48,9 +48,10 @@ class GradScaler {
   // works everywhere. Any other string is an Error. Copies of a scaler whose
   // scale is on a GPU share that scale (for steps, updates and the setters); a
   // copy's load_state_dict() gives it a scale of its own.
-  // Throws Error(invalid_argument) for init_scale not finite and > 0,
+  // Enabled, throws Error(invalid_argument) for init_scale not finite and > 0,
   // growth_factor not finite and > 1, backoff_factor not in (0, 1),
-  // growth_interval < 1.
+  // growth_interval < 1. Disabled, it checks only the device (as PyTorch, a
+  // disabled scaler takes any values and never uses them).
   explicit GradScaler(std::string_view device = "cuda", double init_scale = 65536.0, double growth_factor = 2.0,
                       double backoff_factor = 0.5, std::int64_t growth_interval = 2000, bool enabled = true);
 
@@ -105,7 +106,8 @@ class GradScaler {
   double get_backoff_factor() const { return backoff_factor_; }
   std::int64_t get_growth_interval() const { return growth_interval_; }
   bool is_enabled() const { return enabled_; }
-  // Validated as in the constructor; nothing changes on an Error.
+  // Validated as in the constructor; nothing changes on an Error. Disabled: the
+  // value is stored unchecked (the getters return it), as PyTorch's setters do.
   void set_growth_factor(double new_factor);
   void set_backoff_factor(double new_factor);
   void set_growth_interval(std::int64_t new_interval);

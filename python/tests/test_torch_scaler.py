@@ -311,3 +311,136 @@ def test_last_grad_norm_is_inf_on_a_step_torchs_scaler_skips():
     scaler.update()
     assert torch.isinf(opt.last_grad_norm)
     assert torch.equal(p.detach(), before)
+
+
+def _one_param_setup(module, scaler_cls, opt_name="AdamW", scale=8.0, **kw):
+    """One param, one optimizer of `module`, a scaler of `scaler_cls` at `scale` with the
+    param's gradient scaled by it."""
+    p = torch.nn.Parameter(torch.tensor([0.5, -0.25, 1.5]))
+    opt = getattr(module, opt_name)([p], lr=0.1, **kw)
+    scaler = scaler_cls("cpu", init_scale=scale)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.tensor([0.3, -1.2, 0.7]) * scale
+    return p, opt, scaler
+
+
+def test_fused_scaler_step_goes_through_optimizer_step():
+    """stepfuse.torch.GradScaler.step runs the optimizer's step() as torch's scaler does:
+    its pre and post hooks, the global optimizer hooks, an LR scheduler's count of
+    optimizer steps (no "lr_scheduler.step() before optimizer.step()" warning) and a
+    wrapper put on opt.step all see the fused step; step() forwards positional arguments
+    and returns what the optimizer's step() returns."""
+    import types
+    import warnings
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    p, opt, scaler = _one_param_setup(sft, sft.GradScaler)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    handle = register_optimizer_step_post_hook(lambda *a: calls.append("global"))
+    try:
+        inner = opt.step
+
+        def wrapper(self, *args, **kwargs):
+            calls.append("wrapper")
+            return inner(*args, **kwargs)
+
+        opt.step = types.MethodType(wrapper, opt)  # (a method: the scheduler wraps it in turn)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # (wraps opt.step in turn)
+        before = p.detach().clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert scaler.step(opt) is None
+            scaler.update()
+            sched.step()
+        assert calls == ["wrapper", "pre", "post", "global"]
+        assert not torch.equal(p.detach(), before)
+        assert opt.param_groups[0]["lr"] == 0.05
+        # A positional closure goes to the optimizer's step, whose value step() returns.
+        scaler.scale(torch.ones(()))
+        p.grad = torch.ones(3)
+        assert scaler.step(opt, lambda: 7.0) == 7.0
+        scaler.update()
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "stepfuse"])
+def test_scaler_step_without_any_gradient_raises_as_torch(scaler_kind):
+    """An optimizer none of whose params has a gradient records no inf check: torch's
+    scaler raises AssertionError at step() (torch.optim) or at update() (an optimizer
+    that checks its gradients itself, as stepfuse.torch's); stepfuse's scaler raises at
+    step(), as torch's does for torch.optim."""
+    results = {}
+    for kind in ("reference", "ours"):
+        module = torch.optim if kind == "reference" else sft
+        scaler_cls = torch.amp.GradScaler if kind == "reference" else (
+            torch.amp.GradScaler if scaler_kind == "torch" else sft.GradScaler)
+        p, opt, scaler = _one_param_setup(module, scaler_cls)
+        p.grad = None
+        with pytest.raises(AssertionError, match="No inf checks were recorded") as info:
+            scaler.step(opt)
+            scaler.update()
+        results[kind] = (str(info.value), scaler.get_scale(), p.detach().clone())
+    assert results["ours"][1:2] == results["reference"][1:2]
+    assert torch.equal(results["ours"][2], results["reference"][2])
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "stepfuse"])
+@pytest.mark.parametrize("name,kwargs", [("SGD", dict(momentum=0.9, dampening=0.5)), ("AdamW", {}),
+                                         ("NAdam", {}), ("ASGD", {}), ("RMSprop", dict(momentum=0.5))],
+                         ids=["SGD", "AdamW", "NAdam", "ASGD", "RMSprop"])
+def test_a_skipped_first_step_creates_no_state(util, scaler_kind, name, kwargs):
+    """As torch: a param has no optimizer state until a step is applied to it, so a first
+    step the scaler skips leaves state_dict()["state"] empty, and the steps after it (also
+    across a state_dict round trip, which re-plans) match torch's. SGD with dampening
+    takes its first applied step's gradient undamped: a zero momentum buffer made at the
+    skipped step would have damped it."""
+    ref = util.make_params(shapes=[(3, 5), (7,)])
+    ours = util.clone_params(ref)
+    topt = getattr(torch.optim, name)(ref, lr=0.05, **kwargs)
+    oopt = getattr(sft, name)(ours, lr=0.05, **kwargs)
+    tscaler, oscaler = make_scaler("torch"), make_scaler(scaler_kind)
+    for step in range(4):
+        scale = current_scale(tscaler)
+        assert current_scale(oscaler) == scale
+        grads = util.make_grads(ref, step, scale=scale)
+        if step == 0:
+            grads[1][2] = float("inf")
+        for opt, params in ((topt, ref), (oopt, ours)):
+            opt.zero_grad(set_to_none=True)
+            util.set_grads(params, grads)
+        tscaler.step(topt)
+        oscaler.step(oopt)
+        tscaler.update()
+        oscaler.update()
+        if step == 0:
+            assert topt.state_dict()["state"] == {}
+            assert oopt.state_dict()["state"] == {}
+            assert len(oopt.state) == 0
+            oopt.load_state_dict(oopt.state_dict())
+        util.assert_params_close(ours, ref, where=f"step {step}:")
+    util.assert_state_close(oopt, topt)
+
+
+@pytest.mark.parametrize("name", ["NAdam", "ASGD"])
+def test_derived_state_is_current_after_each_step(util, name):
+    """NAdam's mu_product and ASGD's eta and mu in opt.state[p] are current after every
+    step, changed in place as torch changes its tensors (not only when state_dict() is
+    called)."""
+    ref = util.make_params(shapes=[(4, 6)])
+    ours = util.clone_params(ref)
+    topt = getattr(torch.optim, name)(ref, lr=0.1, **({"t0": 2} if name == "ASGD" else {}))
+    oopt = getattr(sft, name)(ours, lr=0.1, **({"t0": 2} if name == "ASGD" else {}))
+    keys = ("mu_product",) if name == "NAdam" else ("eta", "mu")
+    held = None
+    for step in range(6):
+        util.step_both(topt, oopt, ref, ours, step)
+        st = oopt.state[ours[0]]
+        if held is None:
+            held = {k: st[k] for k in keys}  # the tensors as a user would keep them
+        for k in keys:
+            assert torch.equal(st[k], topt.state[ref[0]][k]), f"step {step}: {k}"
+            assert torch.equal(held[k], topt.state[ref[0]][k]), f"step {step}: {k} (held)"

@@ -52,6 +52,17 @@ def _as_float(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
+def _update_in_place(st: Dict[str, Any], values: Dict[str, torch.Tensor]) -> None:
+    """st.update(values), writing into the tensors st already holds (as torch's optimizers
+    change their state tensors in place, so that references to them stay current)."""
+    for key, value in values.items():
+        old = st.get(key)
+        if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+            old.copy_(value)
+        else:
+            st[key] = value
+
+
 def _dummy_param() -> torch.Tensor:
     return torch.zeros(1, requires_grad=True)
 
@@ -312,6 +323,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._active_in_scan_order = True  # the engine's params are the params with grads, in group order
         self._group_values: List[Any] = []  # per engine group: the hyperparameters pushed
         self._steps: Optional[torch.Tensor] = None  # every active param's step count (state[p]["step"] are views)
+        self._views_missing = False  # some active param has no state yet (no step applied to it)
         self._last_grad_norm = math.nan
         self._norm_pending = False  # CUDA: the last step's norm is still on the device
 
@@ -423,6 +435,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        fused_scale = self.__dict__.get("_sf_fused_scale")
+        if fused_scale is not None:
+            # stepfuse.torch.GradScaler.step: the fused step on gradients scaled by it; the
+            # scaler reads the result (None: no param has a gradient).
+            self.__dict__["_sf_fused_result"] = self._step_scaled(fused_scale)
+            return loss
         found_inf = getattr(self, "found_inf", None)
         found_inf = found_inf is not None and _as_float(found_inf) != 0.0
         if found_inf and self.communicator is None:
@@ -520,6 +538,21 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         count (NAdam's mu_product, ASGD's eta and mu) of param p of `group`, which is in
         the engine's group `engine_group`."""
         return {}
+
+    # Whether _derived_state gives anything: then each applied step refreshes it in state[p].
+    _has_derived_state = False
+
+    def _refresh_derived_state(self) -> None:
+        """After an applied step: the derived state of every active param, in place (as
+        torch's own tensors change). One engine group's params share it."""
+        for g, cg in enumerate(self._cpp_groups):
+            if not cg.params:
+                continue
+            values = self._derived_state(self.param_groups[cg.torch_group], cg.step, cg.params[0], g)
+            for p in cg.params:
+                st = self.state.get(p)
+                if st:
+                    _update_in_place(st, values)
 
     def _restore_derived_state(self, engine: Any, engine_group: int, cg: "_CppGroup") -> None:
         """Gives a new engine's group the scalar state self.state holds for its params
@@ -833,8 +866,14 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         names = set(engine.state_names())
         steps = self._steps = torch.zeros(len(self._active), dtype=torch.float32)
         members = [(g, cg, p) for g, cg in enumerate(self._cpp_groups) for p in cg.params]  # self._active's order
+        self._views_missing = False
         for i, (g, cg, p) in enumerate(members):
             group = self.param_groups[cg.torch_group]
+            if not cg.step and p not in self.state:
+                # As torch: a param gets its state at the first step applied to it (a step the
+                # scaler skipped applies none). _finish() imports it then.
+                self._views_missing = True
+                continue
             st: Dict[str, Any] = {}
             if self._has_step():
                 # Each param's step is its own 0-dim tensor, a view into one buffer of every
@@ -881,11 +920,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if engine is None:
             return
         on_cuda = self._active and self._active[0].device.type == "cuda"
-        if on_cuda:
+        for g, cg in enumerate(self._cpp_groups):
+            cg.step = engine.group_step_count(g)
+        if on_cuda or self._views_missing:
             self._import_views()
         for g, cg in enumerate(self._cpp_groups):
-            step = engine.group_step_count(g)
-            cg.step = step
+            step = cg.step
             group = self.param_groups[cg.torch_group] if cg.torch_group < len(self.param_groups) else None
             for p in cg.params:
                 st = self.state.get(p)
@@ -897,7 +937,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                     else:
                         st["step"] = torch.tensor(float(step), dtype=torch.float32)
                 if group is not None:
-                    st.update(self._derived_state(group, step, p, g))
+                    _update_in_place(st, self._derived_state(group, step, p, g))
 
     def _push_hyperparameters(self) -> None:
         engine = self._engine
@@ -936,3 +976,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 self._steps.add_(1.0)
             for cg in self._cpp_groups:
                 cg.step += 1
+            if self._views_missing:
+                self._import_views()
+            elif self._has_derived_state:
+                self._refresh_derived_state()

@@ -204,6 +204,7 @@ class NAdam(_TorchLike):
     """torch.optim.NAdam, fused."""
 
     _torch_class = torch.optim.NAdam
+    _has_derived_state = True
 
     def __init__(self, params: Any, lr: Any = 2e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0, momentum_decay: float = 4e-3, decoupled_weight_decay: bool = False, *,
@@ -373,6 +374,7 @@ class ASGD(_TorchLike):
     """torch.optim.ASGD, fused."""
 
     _torch_class = torch.optim.ASGD
+    _has_derived_state = True
 
     def __init__(self, params: Any, lr: Any = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
                  weight_decay: float = 0, foreach: Optional[bool] = None, maximize: bool = False,

@@ -52,18 +52,31 @@ class GradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if state["stage"] is OptState.UNSCALED or args or kwargs:
+        if state["stage"] is OptState.UNSCALED:
             # unscale_ ran (its found_inf is recorded): torch's path, which hands
             # found_inf to the optimizer's step.
             return super().step(optimizer, *args, **kwargs)
         scale = self._scale
-        result = optimizer._step_scaled(float(scale.item()))
-        if result is not None and result.pending:
+        # Through optimizer.step(), as torch's scaler calls it: its hooks, an LR scheduler's
+        # count of optimizer steps and any wrapper of it see the step. The step reads the
+        # scale from the optimizer and leaves its result there.
+        missing = object()
+        optimizer.__dict__["_sf_fused_scale"] = float(scale.item())
+        optimizer.__dict__["_sf_fused_result"] = missing
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            optimizer.__dict__.pop("_sf_fused_scale", None)
+            result = optimizer.__dict__.pop("_sf_fused_result", missing)
+        if result is missing or result is None:
+            # No gradient was checked (no param has one, or a wrapper of step() did not
+            # step): as torch's scaler, which records no inf check for such an optimizer.
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        if result.pending:
             # CUDA: the step decided on the device; reading found_inf waits for it.
             result = optimizer._engine.last_result
             optimizer._finish(result)
-        found = 0.0 if result is None else float(result.found_inf)
-        state["found_inf_per_device"] = {scale.device: torch.full((), found, dtype=torch.float32,
+        state["found_inf_per_device"] = {scale.device: torch.full((), float(result.found_inf), dtype=torch.float32,
                                                                   device=scale.device)}
         state["stage"] = OptState.STEPPED
-        return None
+        return retval
