@@ -8,6 +8,7 @@ import copy
 import inspect
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -418,6 +419,64 @@ def test_nadam_mu_product_right_after_a_beta1_change(util):
     for step in range(3, 7):
         util.step_both(topt, sopt, ref, ours, step, skip=(0,) if step == 3 else ())
         util.assert_state_close(sopt, topt)
+
+
+def test_nadam_params_that_skipped_different_steps_keep_their_own_mu_product(util):
+    """beta1 changed between steps in which the params did not all have gradients: each
+    param's mu_product is the product of the mu_t of its own steps, as in torch, also once
+    their step counts meet again (an engine group carries one product: such params get
+    groups of their own)."""
+    ref = util.make_params(shapes=[(40,), (30,)])
+    ours = util.clone_params(ref)
+    topt, sopt = pair("NAdam", dict(lr=0.1), ref, ours)
+    # (params without a gradient, beta1) per step
+    plan = [((), 0.9), ((1,), 0.5), ((0,), 0.9), ((), 0.9), ((), 0.7), ((1,), 0.9), ((0,), 0.8), ((), 0.9)]
+    for step, (skip, beta1) in enumerate(plan):
+        for opt in (topt, sopt):
+            opt.param_groups[0]["betas"] = (beta1, 0.999)
+        util.step_both(topt, sopt, ref, ours, step, skip=skip)
+        for i in range(2):
+            if ours[i] in sopt.state:
+                torch.testing.assert_close(sopt.state[ours[i]]["mu_product"], topt.state[ref[i]]["mu_product"],
+                                           rtol=3e-7, atol=0, msg=lambda m, i=i: f"step {step}, param {i}: {m}")
+    util.assert_state_close(sopt, topt)
+
+
+@pytest.mark.parametrize("name,kwargs,change", [
+    ("NAdam", dict(betas=[0.9, 0.999]), lambda g, step: g.__setitem__("betas", [0.5 + 0.05 * step, 0.99])),
+    ("Rprop", dict(etas=[0.5, 1.2]), lambda g, step: g["etas"].__setitem__(1, 1.1 + 0.1 * step)),
+    ("Adamax", dict(betas=[0.9, 0.999]), lambda g, step: g["betas"].__setitem__(0, 0.8 - 0.05 * step)),
+    ("SGD", dict(momentum=0.5), lambda g, step: g.__setitem__("lr", np.float32(0.01 * (step + 1)))),
+    ("AdamW", {}, lambda g, step: g.__setitem__("weight_decay", np.float64(0.1 * step))),
+], ids=["NAdam-list-replaced", "Rprop-list-mutated", "Adamax-list-mutated", "SGD-np.float32", "AdamW-np.float64"])
+def test_hyperparameters_as_lists_and_numpy_scalars_take_effect(util, name, kwargs, change):
+    """A hyperparameter given as a list (replaced, or changed in place) or set to a NumPy
+    scalar between steps: the next step uses its new value, as torch's does."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, kwargs, ref, ours)
+    util.train_both(topt, sopt, ref, ours, 6,
+                    on_step=lambda step: [change(opt.param_groups[0], step) for opt in (topt, sopt)])
+    util.assert_state_close(sopt, topt)
+
+
+def test_state_saved_for_params_of_other_shapes_is_an_error(util):
+    """A state dict saved for params of other shapes (given in another order, say): torch's
+    next step fails on it; ours is a RuntimeError naming both shapes, and nothing is
+    stepped."""
+    a = util.make_params(shapes=[(3,), (5,)])
+    src = sft.Adam(a, lr=0.1)
+    for step in range(2):
+        util.set_grads(a, util.make_grads(a, step))
+        src.step()
+    b = util.make_params(shapes=[(5,), (3,)], seed=3)
+    opt = sft.Adam(b, lr=0.1)
+    opt.load_state_dict(src.state_dict())
+    util.set_grads(b, util.make_grads(b, 0))
+    before = util.snapshot(b)
+    with pytest.raises(RuntimeError, match=r"shape \(5,\) has shape \(3,\)"):
+        opt.step()
+    util.assert_params_equal(b, before)
 
 
 @pytest.mark.parametrize("name", TORCH_OPTIMIZERS)

@@ -185,6 +185,16 @@ def _copy_bf16_into(view: Any, src: torch.Tensor) -> None:
         view.reshape(-1)[:] = src.detach().to(torch.bfloat16).reshape(-1).cpu().view(torch.uint16).numpy()
 
 
+def _check_state_size(name: str, src: torch.Tensor, p: torch.Tensor) -> bool:
+    """True when a state tensor has the param's number of elements; else a RuntimeError (torch's
+    own step fails on such a state too, with the sizes of some operation)."""
+    if src.numel() == p.numel():
+        return True
+    raise RuntimeError(f"stepfuse.torch: the optimizer state '{name}' of a param of shape {tuple(p.shape)} has shape "
+                       f"{tuple(src.shape)}: the state dict loaded was saved for other params (check that the "
+                       "params are given in the order they were when it was saved)")
+
+
 class _CppGroup:
     """One engine group: params of one torch group with one step count."""
 
@@ -752,12 +762,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 for name in engine.state_names():
                     self._restore_stream(engine, i, p, name, st, owners[i])
                 master = st.get("master_param")
-                if isinstance(master, torch.Tensor) and master.numel() == p.numel():
+                if isinstance(master, torch.Tensor) and _check_state_size("master_param", master, p):
                     _copy_into(engine.master(i), master)
                 # A param without one (a state dict saved without compensated weights) starts
                 # from the engine's: zero, the weight alone, as a missing master starts from it.
                 compensation = st.get("compensation")
-                if isinstance(compensation, torch.Tensor) and compensation.numel() == p.numel():
+                if isinstance(compensation, torch.Tensor) and _check_state_size("compensation", compensation, p):
                     _copy_bf16_into(engine.compensation(i), compensation)
         for g, cg in enumerate(cpp_groups):
             if cg.step:
@@ -799,8 +809,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         tensor for f32, bfloat16 for bf16, uint8 codes with st[name + "_absmax"] for q8);
         otherwise its values, decoded when stored as q8, encoded as a step stores them."""
         src = st.get(name)
-        if not isinstance(src, torch.Tensor) or src.numel() != p.numel():
+        if not isinstance(src, torch.Tensor):
             return
+        _check_state_size(name, src, p)
         fmt = self._engine_format(engine, i, name)
         if fmt is None:
             return
@@ -952,13 +963,16 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         """What a group's config is made of: when it changes, set_config at the next step."""
         # Tensors as their values, inside tuples too (Adam's betas may be tensors): a tensor
         # changed in place is a new value.
+        # Lists (betas=[0.9, 0.999], Rprop's etas) and NumPy scalars count as their values too.
         def value(v: Any) -> Any:
-            if isinstance(v, tuple):
+            if isinstance(v, (tuple, list)):
                 return tuple(value(x) for x in v)
-            return _as_float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else v
+            if isinstance(v, (int, float, torch.Tensor, np.number)) and not isinstance(v, bool):
+                return _as_float(v)
+            return v
 
         return tuple(value(v) for k, v in group.items()
-                     if k != "params" and isinstance(v, (int, float, bool, tuple, torch.Tensor)))
+                     if k != "params" and isinstance(v, (int, float, bool, tuple, list, torch.Tensor, np.generic)))
 
     def _after_applied(self) -> None:
         """Called after every applied step (the CPU: known at once)."""

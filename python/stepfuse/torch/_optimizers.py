@@ -238,9 +238,17 @@ class NAdam(_TorchLike):
         c = engine.config(engine_group)
         return {"mu_product": _nadam_mu_product(c.beta1, c.momentum_decay, step)}
 
+    def _plan_split(self, g: Dict[str, Any], p: torch.Tensor) -> Any:
+        # Params of one step count whose products differ (beta1 changed between steps in which
+        # they did not all have gradients, or states loaded from different runs) need engine
+        # groups of their own: an engine group carries one product.
+        st = self.state.get(p)
+        saved = st.get("mu_product") if st else None
+        return _as_float(saved) if isinstance(saved, (torch.Tensor, float)) else None
+
     def _restore_derived_state(self, engine: Any, engine_group: int, cg: Any) -> None:
-        # An engine group's params share their step count, and so (in torch too, unless
-        # their states came from different runs) their mu_product: its first param's is the group's.
+        # An engine group's params share their step count and their mu_product (_plan_split):
+        # its first param's is the group's.
         st = self.state.get(cg.params[0]) if cg.step else None
         saved = st.get("mu_product") if st else None
         if not isinstance(saved, (torch.Tensor, float)):
