@@ -643,6 +643,66 @@ LOW_PRECISION = [torch.bfloat16, torch.float16]
 MASTER_KEYS = ("master_param",)
 
 
+def _write_weight(params, how, values):
+    """Writes `values` into params[0] from outside the optimizer, as a user would."""
+    p = params[0]
+    with torch.no_grad():
+        if how == "copy_":  # model.load_state_dict does this
+            p.copy_(values)
+        elif how == "zero_":
+            p.zero_()
+        else:  # new storage
+            p.data = values.clone()
+
+
+@pytest.mark.parametrize("how", ["copy_", "zero_", "data="])
+@pytest.mark.parametrize("mode", ["masters", "compensated"])
+def test_low_precision_weights_written_from_outside(util, mode, how):
+    """bf16 weights with an fp32 master (or a compensation), written between steps from
+    outside the optimizer (a reloaded model, a pruning mask, p.data = ...): as for torch,
+    the next step goes on from the written weight. Its master becomes the weight (its
+    compensation 0); the rest of the state is kept. The reference is a second optimizer
+    loaded with that state and stepping the written weights: bitwise the same."""
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    if mode == "compensated":
+        kwargs.update(master_weights=False, compensated_weights=True)
+    ours = util.make_params(dtype=torch.bfloat16)
+    opt = sft.AdamW(ours, **kwargs)
+    for step in range(3):
+        util.set_grads(ours, util.make_grads(ours, step))
+        opt.step()
+    written = (torch.randn(ours[0].shape) * 0.1).to(torch.bfloat16)
+    _write_weight(ours, how, written)
+    if how == "zero_":
+        written = torch.zeros_like(written)
+    state = copy.deepcopy(opt.state_dict())
+    key = "master_param" if mode == "masters" else "compensation"
+    assert key in state["state"][0]
+    state["state"][0][key] = written.float() if mode == "masters" else torch.zeros_like(written)
+    twin = util.clone_params(ours)
+    topt = sft.AdamW(twin, **kwargs)
+    topt.load_state_dict(state)
+    for step in range(3, 6):
+        grads = util.make_grads(ours, step)
+        util.set_grads(ours, grads)
+        util.set_grads(twin, grads)
+        opt.step()
+        topt.step()
+        util.assert_params_equal(ours, twin, where=f"step {step}:")
+    util.assert_state_equal(opt.state_dict()["state"], topt.state_dict()["state"])
+    # The resume order model.load_state_dict(...) then opt.load_state_dict(...): the loaded
+    # masters (compensations) are kept, not replaced by the written weights.
+    _write_weight(ours, "copy_", twin[0].detach())
+    opt.load_state_dict(topt.state_dict())
+    grads = util.make_grads(ours, 6)
+    util.set_grads(ours, grads)
+    util.set_grads(twin, grads)
+    opt.step()
+    topt.step()
+    util.assert_params_equal(ours, twin, where="after the load:")
+    util.assert_state_equal(opt.state_dict()["state"], topt.state_dict()["state"])
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("name,kwargs", [
     ("AdamW", dict(lr=1e-3, weight_decay=0.1)),

@@ -334,6 +334,11 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._group_values: List[Any] = []  # per engine group: the hyperparameters pushed
         self._steps: Optional[torch.Tensor] = None  # every active param's step count (state[p]["step"] are views)
         self._views_missing = False  # some active param has no state yet (no step applied to it)
+        # Params whose weight is not the whole truth (16-bit weights with an fp32 master or a
+        # compensation): their (data_ptr, _version) when the engine last took them, to see a
+        # write from outside (model.load_state_dict, p.zero_(), ...).
+        self._weight_marks: Dict[torch.Tensor, Tuple[int, int]] = {}
+        self._watched: List[int] = []  # their indices in self._active
         self._last_grad_norm = math.nan
         self._norm_pending = False  # CUDA: the last step's norm is still on the device
 
@@ -524,9 +529,11 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 if not isinstance(loaded, torch.Tensor) or loaded.dtype != dtype:
                     st[k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         # torch's load replaced self.state with the loaded tensors: the next step
-        # re-plans and copies them into the engine.
+        # re-plans and copies them into the engine (their masters too, whatever was written
+        # to the weights before).
         self._engine = None
         self._engine_key = None
+        self._weight_marks = {}
 
     # ---- for subclasses ----
 
@@ -625,6 +632,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             self._replan(key)
         if self._engine is None:
             return None
+        if self._watched:
+            self._take_written_weights()
         if not self._active_in_scan_order:
             ptrs = [p.grad.data_ptr() for p in self._active]
         if ptrs != self._grad_ptrs:
@@ -761,13 +770,17 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             if st:
                 for name in engine.state_names():
                     self._restore_stream(engine, i, p, name, st, owners[i])
+                # A weight written since the engine took it (p.data = ..., or in place) is the
+                # truth, as for torch: the engine's master starts from it, the compensation at 0.
+                written = p in self._weight_marks and self._weight_marks[p] != (p.data_ptr(), p._version)
                 master = st.get("master_param")
-                if isinstance(master, torch.Tensor) and _check_state_size("master_param", master, p):
+                if isinstance(master, torch.Tensor) and _check_state_size("master_param", master, p) and not written:
                     _copy_into(engine.master(i), master)
                 # A param without one (a state dict saved without compensated weights) starts
                 # from the engine's: zero, the weight alone, as a missing master starts from it.
                 compensation = st.get("compensation")
-                if isinstance(compensation, torch.Tensor) and _check_state_size("compensation", compensation, p):
+                if (isinstance(compensation, torch.Tensor) and _check_state_size("compensation", compensation, p)
+                        and not written):
                     _copy_bf16_into(engine.compensation(i), compensation)
         for g, cg in enumerate(cpp_groups):
             if cg.step:
@@ -782,6 +795,35 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._group_values = [None] * len(cpp_groups)
         self._engine_key = key
         self._import_views()
+        self._mark_weights()
+
+    def _mark_weights(self) -> None:
+        """Records the weights the engine keeps a master or a compensation of (unsharded)."""
+        self._weight_marks = {}
+        self._watched = []
+        if self.communicator is not None or not (self.master_weights or self.compensated_weights):
+            return
+        for i, p in enumerate(self._active):
+            if p.dtype in (torch.float16, torch.bfloat16):
+                self._watched.append(i)
+                self._weight_marks[p] = (p.data_ptr(), p._version)
+
+    def _take_written_weights(self) -> None:
+        """A 16-bit weight written in place since the last step (its version moved; the
+        engine's own writes do not move it): its master becomes the weight and its
+        compensation 0, so the step goes on from what was written, as torch's would."""
+        for i in self._watched:
+            p = self._active[i]
+            mark = (p.data_ptr(), p._version)
+            if mark == self._weight_marks[p]:
+                continue
+            master = self._engine.master(i)
+            if master is not None:
+                _copy_into(master, p)
+            compensation = self._engine.compensation(i)
+            if compensation is not None:
+                compensation[...] = 0
+            self._weight_marks[p] = mark
 
     def _param_step(self, p: torch.Tensor) -> int:
         st = self.state.get(p)
