@@ -525,6 +525,30 @@ def test_flags_changed_mid_training(util, name):
     util.assert_state_close(sopt, topt)
 
 
+@pytest.mark.parametrize("name,kwargs,key,values", [
+    ("SGD", dict(momentum=0.9), "momentum", [0.9, 0.0, 0.0, 0.5]),
+    ("SGD", dict(momentum=0.9, dampening=0.3), "momentum", [0.9, 0.0, 0.7]),
+    ("RMSprop", dict(momentum=0.9), "momentum", [0.9, 0.0, 0.5]),
+    ("RMSprop", dict(centered=True), "centered", [True, False, True]),
+    ("Adam", dict(amsgrad=True), "amsgrad", [True, False, True]),
+], ids=["SGD-momentum", "SGD-dampening", "RMSprop-momentum", "RMSprop-centered", "Adam-amsgrad"])
+def test_a_buffer_outlives_its_flag_switched_off(util, name, kwargs, key, values):
+    """A flag switched off and on again (momentum to 0 and back, centered, amsgrad): torch
+    leaves the buffer the flag uses in the state meanwhile and goes on from it; so must we
+    (a re-plan for another update program must not drop it)."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = pair(name, dict(lr=1e-2, **kwargs), ref, ours)
+    step = 0
+    for value in values:
+        for opt in (topt, sopt):
+            opt.param_groups[0][key] = value
+        for _ in range(3):
+            util.step_both(topt, sopt, ref, ours, step, where=f"{key}={value}:")
+            step += 1
+        util.assert_state_close(sopt, topt)
+
+
 @pytest.mark.parametrize("name,kwargs", [("AdamW", dict(weight_decay=0.1)), ("SGD", dict(momentum=0.9))])
 def test_tensor_lr_changed_in_place(util, name, kwargs):
     """lr given as a 0-dim tensor (torch accepts one) and changed in place with fill_()."""

@@ -185,6 +185,10 @@ def _copy_bf16_into(view: Any, src: torch.Tensor) -> None:
         view.reshape(-1)[:] = src.detach().to(torch.bfloat16).reshape(-1).cpu().view(torch.uint16).numpy()
 
 
+# State keys that follow the engine's plan (not carried over from an older plan).
+_ENGINE_KEYS = frozenset(("step", "master_param", "compensation"))
+
+
 def _check_state_size(name: str, src: torch.Tensor, p: torch.Tensor) -> bool:
     """True when a state tensor has the param's number of elements; else a RuntimeError (torch's
     own step fails on such a state too, with the sizes of some operation)."""
@@ -961,6 +965,15 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 # NumPy has no bfloat16: the engine's bits (uint16), viewed as bfloat16.
                 t = torch.from_numpy(compensation).view(torch.bfloat16).view(p.shape)
                 st["compensation"] = t if p.device.type == "cpu" else t.to(p.device)
+            old = self.state.get(p)
+            if old and old is not st:
+                # What this program does not keep (SGD's momentum_buffer while momentum is 0,
+                # Adam's max_exp_avg_sq while amsgrad is off) stays, as torch leaves it, for
+                # when the flag comes back: copied, so as not to hold the old engine's memory.
+                for k, v in old.items():
+                    if k in st or k in _ENGINE_KEYS or (k.endswith("_absmax") and k[:-len("_absmax")] in st):
+                        continue
+                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
             if st:
                 self.state[p] = st
             elif p in self.state:
