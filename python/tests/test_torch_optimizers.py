@@ -834,6 +834,22 @@ def test_params_without_grad_are_skipped(util, name):
     util.assert_state_close(ssd, tsd)
 
 
+def test_adagrad_initial_accumulator_value_is_the_constructors(util):
+    """torch's Adagrad fills every "sum" with the constructor's initial_accumulator_value: a
+    group's own value is not read, at construction nor for a group added later."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    groups = lambda ps: [{"params": [ps[0]], "initial_accumulator_value": 2.0}, {"params": [ps[1]]}]
+    topt = torch.optim.Adagrad(groups(ref), lr=0.1, initial_accumulator_value=0.5)
+    sopt = sft.Adagrad(groups(ours), lr=0.1, initial_accumulator_value=0.5)
+    util.assert_state_equal(sopt.state_dict()["state"], topt.state_dict()["state"])
+    util.train_both(topt, sopt, ref, ours, 2, skip={2, 3})
+    for opt, ps in ((topt, ref), (sopt, ours)):
+        opt.add_param_group({"params": [ps[2], ps[3]], "initial_accumulator_value": 3.0})
+    util.train_both(topt, sopt, ref, ours, 3, start=2)
+    util.assert_state_close(sopt, topt)
+
+
 def test_adagrad_state_from_construction(util):
     """torch's Adagrad makes every param's state (step 0, sum = initial_accumulator_value)
     in its constructor, so its state_dict has it before any step and for params that never

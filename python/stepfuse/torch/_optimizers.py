@@ -136,17 +136,19 @@ class Adagrad(_TorchLike):
         super().__init__(params, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                          initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=foreach,
                          maximize=maximize, differentiable=differentiable, fused=fused, **extra)
-        # As torch's Adagrad: every param's state exists from construction.
+        # As torch's Adagrad: every param's state exists from construction. torch fills "sum"
+        # with the constructor's initial_accumulator_value, in every group (a group's own
+        # value is not read), and a param added later with it too (self.defaults').
         for group in self.param_groups:
             for p in group["params"]:
                 self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
-                                 "sum": torch.full_like(p, _as_float(group["initial_accumulator_value"]),
+                                 "sum": torch.full_like(p, _as_float(initial_accumulator_value),
                                                         memory_format=torch.preserve_format)}
 
     def _config(self, g: Dict[str, Any]) -> Any:
         return _sf.Adagrad(lr=_as_float(g["lr"]), lr_decay=_as_float(g["lr_decay"]),
                            weight_decay=_as_float(g["weight_decay"]),
-                           initial_accumulator_value=_as_float(g["initial_accumulator_value"]),
+                           initial_accumulator_value=_as_float(self.defaults["initial_accumulator_value"]),
                            eps=_as_float(g["eps"]), maximize=bool(g["maximize"]))
 
     def _state_keys(self, g: Dict[str, Any]) -> Sequence[str]:
