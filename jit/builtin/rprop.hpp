@@ -6,9 +6,11 @@
 namespace stepfuse::jit {
 
 // PyTorch (single-tensor path): g = ±grad; s = sign(g*prev); factor = eta_plus where
-// s > 0, eta_minus where s < 0, 1 where s == 0 (NaN stays NaN: here 1 + s);
-// step_size = clamp(step_size*factor, step_size_min, step_size_max) (a NaN stays);
-// g = 0 where s < 0; p -= sign(g)*step_size; prev = g. `step_size` starts at lr.
+// s > 0, eta_minus where s < 0, 1 where s == 0; step_size = clamp(step_size*factor,
+// step_size_min, step_size_max); g = 0 where s < 0; p -= sign(g)*step_size; prev = g.
+// `step_size` starts at lr. torch.sign(NaN) is 0 (the IR's sign keeps NaN), so the signs
+// here are (0 < x) - (x < 0): a NaN gradient moves neither its weight nor its step size,
+// and is kept in prev, as in torch.
 constexpr Program make_rprop() {
   ProgramBuilder b("rprop");
   const Stream grad = b.stream("grad", StreamRole::grad);
@@ -18,16 +20,17 @@ constexpr Program make_rprop() {
   const Value p = b.load(param);
   const Value g = b.mul(b.load(grad), b.scalar("gscale"));
   const Value zero = b.constant(0.0f);
-  const Value s = b.sign(b.mul(g, b.load(prev)));
-  const Value negative = b.lt(s, zero);
+  const Value gp = b.mul(g, b.load(prev));
+  const Value positive = b.lt(zero, gp), negative = b.lt(gp, zero);
   const Value factor =
-      b.select(b.lt(zero, s), b.scalar("eta_plus"), b.select(negative, b.scalar("eta_minus"), b.add(b.constant(1.0f), s)));
+      b.select(positive, b.scalar("eta_plus"), b.select(negative, b.scalar("eta_minus"), b.constant(1.0f)));
   const Value stepped = b.mul(b.load(step_size), factor);
   const Value clamped = b.min(b.max(stepped, b.scalar("step_size_min")), b.scalar("step_size_max"));
   b.store(step_size, clamped);
   const Value kept = b.select(negative, zero, g);
   b.store(prev, kept);
-  b.store(param, b.sub(p, b.mul(b.sign(kept), clamped)));
+  const Value direction = b.sub(b.lt(zero, kept), b.lt(kept, zero));  // torch.sign: NaN -> 0
+  b.store(param, b.sub(p, b.mul(direction, clamped)));
   return b.build();
 }
 

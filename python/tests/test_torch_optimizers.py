@@ -834,6 +834,22 @@ def test_params_without_grad_are_skipped(util, name):
     util.assert_state_close(ssd, tsd)
 
 
+def test_rprop_nan_gradient_moves_nothing_as_torch():
+    """torch.sign(NaN) is 0: a NaN gradient element leaves its weight and step size as they
+    were in torch's Rprop (and is kept as prev, which the next step's sign reads as 0)."""
+    ref = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.25]))
+    ours = torch.nn.Parameter(ref.detach().clone())
+    topt, sopt = torch.optim.Rprop([ref], lr=0.01), sft.Rprop([ours], lr=0.01)
+    nan = float("nan")
+    for grad in ([1.0, 1.0, -1.0, 1.0], [nan, 1.0, nan, -1.0], [1.0, 1.0, 1.0, -1.0], [1.0, -1.0, 1.0, nan]):
+        for p, opt in ((ref, topt), (ours, sopt)):
+            p.grad = torch.tensor(grad)
+            opt.step()
+        torch.testing.assert_close(ours.detach(), ref.detach(), equal_nan=False)
+        for key in ("prev", "step_size"):
+            torch.testing.assert_close(sopt.state[ours][key], topt.state[ref][key], equal_nan=True)
+
+
 def test_adagrad_initial_accumulator_value_is_the_constructors(util):
     """torch's Adagrad fills every "sum" with the constructor's initial_accumulator_value: a
     group's own value is not read, at construction nor for a group added later."""

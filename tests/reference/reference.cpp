@@ -259,7 +259,7 @@ void update_adadelta(const optim::Adadelta& c, RefTensor& t, const std::vector<d
 //   g * prev > 0: step_size = min(step_size * eta_plus, step_size_max)
 //   g * prev < 0: step_size = max(step_size * eta_minus, step_size_min), g = 0
 //   (clamped to [step_size_min, step_size_max] in every case)
-//   p = p - sign(g) * step_size;  prev = g
+//   p = p - sign(g) * step_size;  prev = g   (torch.sign: NaN -> 0, so a NaN g moves nothing)
 void update_rprop(const optim::Rprop& c, RefTensor& t, const std::vector<double>& grad) {
   std::vector<double>& prev = state_of(t, "prev");
   std::vector<double>& step_size = state_of(t, "step_size");
@@ -269,7 +269,7 @@ void update_rprop(const optim::Rprop& c, RefTensor& t, const std::vector<double>
     const double factor = direction > 0 ? c.eta_plus : direction < 0 ? c.eta_minus : 1.0;
     step_size[i] = std::min(std::max(step_size[i] * factor, c.step_size_min), c.step_size_max);
     if (direction < 0) g = 0;
-    t.param[i] -= sign(g) * step_size[i];
+    t.param[i] -= (g > 0 ? 1.0 : g < 0 ? -1.0 : 0.0) * step_size[i];
     prev[i] = g;
   }
 }
