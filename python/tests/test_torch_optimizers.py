@@ -727,6 +727,76 @@ def test_low_precision_weights_written_from_outside(util, mode, how):
     util.assert_state_equal(opt.state_dict()["state"], topt.state_dict()["state"])
 
 
+@pytest.mark.parametrize("case", ["saved after the write", "param without a gradient at the last step",
+                                  "written after a load", "a skipped step between write and save"])
+@pytest.mark.parametrize("mode", ["masters", "compensated"])
+def test_low_precision_weight_writes_are_never_lost(util, mode, case):
+    """A bf16 weight written from outside (here: filled with 1.0) is where the next step goes
+    on in every order of events: written and then saved (the checkpoint's master is the
+    written weight), written while the param had no gradient, written after the optimizer
+    loaded a state dict, written before a step the scaler skipped. The step after it moves
+    the weight by about lr, from 1.0."""
+    lr = 1e-2
+    kwargs = dict(lr=lr, weight_decay=0.0)
+    if mode == "compensated":
+        kwargs.update(master_weights=False, compensated_weights=True)
+    params = util.make_params(shapes=[(64,), (32,)], dtype=torch.bfloat16)
+    opt = sft.AdamW(params, **kwargs)
+    for step in range(4):
+        util.set_grads(params, util.make_grads(params, step))
+        opt.step()
+    a, b = params
+    if case == "param without a gradient at the last step":
+        util.set_grads(params, util.make_grads(params, 4), skip={1})
+        opt.step()
+    if case == "written after a load":
+        saved = util.save_load(opt.state_dict())
+        opt = sft.AdamW(params, **kwargs)
+        opt.load_state_dict(saved)
+    with torch.no_grad():
+        b.fill_(1.0)
+    if case == "a skipped step between write and save":
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(torch.ones(()))
+        util.set_grads(params, util.make_grads(params, 5))
+        a.grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    if case in ("saved after the write", "a skipped step between write and save"):
+        saved = util.save_load(opt.state_dict())
+        params = util.clone_params(params)
+        a, b = params
+        opt = sft.AdamW(params, **kwargs)
+        opt.load_state_dict(saved)
+    # What the step will go on from: a master equal to the written weight, no compensation.
+    st = opt.state_dict()["state"][1]
+    if mode == "masters":
+        assert torch.equal(st["master_param"], torch.ones(32)), case
+    else:
+        assert not st["compensation"].any(), case
+    util.set_grads(params, util.make_grads(params, 6))
+    opt.step()
+    moved = (b.detach().float() - 1.0).abs().max().item()
+    assert moved <= 2 * lr, f"{case}: the weight is {moved} from the 1.0 written (a step moves it by about lr)"
+
+
+def test_compiled_step(util):
+    """opt.step() inside a torch.compile'd function, from the first step on (the step is the
+    library's: torch.compile runs it rather than tracing it), as torch's own."""
+    ref = util.make_params()
+    ours = util.clone_params(ref)
+    topt, sopt = torch.optim.AdamW(ref, lr=1e-2), sft.AdamW(ours, lr=1e-2)
+    tstep = torch.compile(lambda: topt.step(), backend="eager")
+    sstep = torch.compile(lambda: sopt.step(), backend="eager")
+    for step in range(3):
+        grads = util.make_grads(ref, step)
+        util.set_grads(ref, grads, skip={1} if step == 1 else ())
+        util.set_grads(ours, grads, skip={1} if step == 1 else ())
+        tstep()
+        sstep()
+        util.assert_params_close(ours, ref, where=f"step {step}:")
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("name,kwargs", [
     ("AdamW", dict(lr=1e-3, weight_decay=0.1)),

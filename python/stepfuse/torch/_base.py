@@ -342,7 +342,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         # compensation): their (data_ptr, _version) when the engine last took them, to see a
         # write from outside (model.load_state_dict, p.zero_(), ...).
         self._weight_marks: Dict[torch.Tensor, Tuple[int, int]] = {}
-        self._watched: List[int] = []  # their indices in self._active
+        self._active_index: Dict[torch.Tensor, int] = {}  # the marked params the engine has: their index
         self._last_grad_norm = math.nan
         self._norm_pending = False  # CUDA: the last step's norm is still on the device
 
@@ -441,6 +441,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 return p.device
         return None
 
+    # The step is the library's (C++), not PyTorch operations: torch.compile runs it as it
+    # is rather than tracing it (which would trace the re-planning).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One fused step; returns the closure's loss when a closure is given.
@@ -533,11 +536,14 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 if not isinstance(loaded, torch.Tensor) or loaded.dtype != dtype:
                     st[k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
         # torch's load replaced self.state with the loaded tensors: the next step
-        # re-plans and copies them into the engine (their masters too, whatever was written
-        # to the weights before).
+        # re-plans and copies them into the engine. The loaded masters go with the weights
+        # as they are now (model.load_state_dict before or after this load: the resume
+        # order); a weight written after this load is seen as written.
         self._engine = None
         self._engine_key = None
         self._weight_marks = {}
+        self._active_index = {}
+        self._mark_weights([p for g in self.param_groups for p in g["params"]])
 
     # ---- for subclasses ----
 
@@ -636,8 +642,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             self._replan(key)
         if self._engine is None:
             return None
-        if self._watched:
-            self._take_written_weights()
+        if self._weight_marks:
+            self._sync_written_weights()
         if not self._active_in_scan_order:
             ptrs = [p.grad.data_ptr() for p in self._active]
         if ptrs != self._grad_ptrs:
@@ -724,6 +730,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     def _replan(self, key: Any) -> None:
         """Builds the engine over the params that have gradients, carrying every
         param's state (and step count) over from ``self.state``."""
+        if self._weight_marks:
+            self._sync_written_weights()
         self._export_state()  # the old engine's state into self.state (CUDA: snapshots)
         old = self._engine
         self._engine = None
@@ -774,17 +782,15 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             if st:
                 for name in engine.state_names():
                     self._restore_stream(engine, i, p, name, st, owners[i])
-                # A weight written since the engine took it (p.data = ..., or in place) is the
-                # truth, as for torch: the engine's master starts from it, the compensation at 0.
-                written = p in self._weight_marks and self._weight_marks[p] != (p.data_ptr(), p._version)
+                # (A weight written since: its master and compensation in self.state were
+                # brought to it by _sync_written_weights, before.)
                 master = st.get("master_param")
-                if isinstance(master, torch.Tensor) and _check_state_size("master_param", master, p) and not written:
+                if isinstance(master, torch.Tensor) and _check_state_size("master_param", master, p):
                     _copy_into(engine.master(i), master)
                 # A param without one (a state dict saved without compensated weights) starts
                 # from the engine's: zero, the weight alone, as a missing master starts from it.
                 compensation = st.get("compensation")
-                if (isinstance(compensation, torch.Tensor) and _check_state_size("compensation", compensation, p)
-                        and not written):
+                if isinstance(compensation, torch.Tensor) and _check_state_size("compensation", compensation, p):
                     _copy_bf16_into(engine.compensation(i), compensation)
         for g, cg in enumerate(cpp_groups):
             if cg.step:
@@ -799,34 +805,42 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._group_values = [None] * len(cpp_groups)
         self._engine_key = key
         self._import_views()
-        self._mark_weights()
+        self._active_index = {}
+        self._mark_weights(active)
+        self._active_index = {p: i for i, p in enumerate(active) if p in self._weight_marks}
 
-    def _mark_weights(self) -> None:
-        """Records the weights the engine keeps a master or a compensation of (unsharded)."""
-        self._weight_marks = {}
-        self._watched = []
+    def _mark_weights(self, params: Sequence[torch.Tensor]) -> None:
+        """Records, of `params`, the 16-bit weights kept with a master or a compensation
+        (unsharded) as they are now; the marks of other params stay."""
         if self.communicator is not None or not (self.master_weights or self.compensated_weights):
             return
-        for i, p in enumerate(self._active):
+        for p in params:
             if p.dtype in (torch.float16, torch.bfloat16):
-                self._watched.append(i)
                 self._weight_marks[p] = (p.data_ptr(), p._version)
 
-    def _take_written_weights(self) -> None:
-        """A 16-bit weight written in place since the last step (its version moved; the
-        engine's own writes do not move it): its master becomes the weight and its
-        compensation 0, so the step goes on from what was written, as torch's would."""
-        for i in self._watched:
-            p = self._active[i]
+    def _sync_written_weights(self) -> None:
+        """A 16-bit weight written since it was marked (in place: its version moved, which
+        the engine's own writes do not do; or p.data = ...): its master becomes the weight
+        and its compensation 0, in the engine or, for a param the engine does not have now,
+        in self.state. So the step, a re-plan and state_dict() go on from what was written,
+        as torch's would."""
+        for p, old in self._weight_marks.items():
             mark = (p.data_ptr(), p._version)
-            if mark == self._weight_marks[p]:
+            if mark == old:
                 continue
-            master = self._engine.master(i)
-            if master is not None:
-                _copy_into(master, p)
-            compensation = self._engine.compensation(i)
-            if compensation is not None:
-                compensation[...] = 0
+            i = self._active_index.get(p) if self._engine is not None else None
+            if i is not None:
+                master, compensation = self._engine.master(i), self._engine.compensation(i)
+                if master is not None:
+                    _copy_into(master, p)
+                if compensation is not None:
+                    compensation[...] = 0
+            st = self.state.get(p)
+            if st and (i is None or p.device.type != "cpu"):  # (on the CPU the views are the engine's)
+                if isinstance(st.get("master_param"), torch.Tensor) and st["master_param"].numel() == p.numel():
+                    st["master_param"].copy_(p.detach().reshape(st["master_param"].shape))
+                if isinstance(st.get("compensation"), torch.Tensor):
+                    st["compensation"].zero_()
             self._weight_marks[p] = mark
 
     def _param_step(self, p: torch.Tensor) -> int:
@@ -982,6 +996,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     def _export_state(self) -> None:
         """Brings self.state up to date with the engine: step counts, the scalar state
         torch keeps (NAdam's mu_product, ASGD's eta and mu), and on CUDA fresh copies."""
+        if self._weight_marks:
+            self._sync_written_weights()
         engine = self._engine
         if engine is None:
             return
