@@ -775,3 +775,23 @@ def test_torch_cuda_compressed_state_matches_the_cpu(util):
         for c, g in zip(cpu, gpu):
             for key, value in opts[0].state[c].items():
                 assert torch.equal(opts[1].state[g][key].cpu(), value), f"{where}: state {key}"
+
+
+def test_a_named_stream_no_planned_program_has_waits_for_one():
+    """state_formats names a stream only some programs have (Adam's max_exp_avg_sq, with
+    amsgrad in one group): steps where no planned program has it (that group without
+    gradients, or amsgrad switched off) run, and the stream is stored as named when a
+    program has it again."""
+    a, b = torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(5000))
+    opt = sft.Adam([{"params": [a]}, {"params": [b], "amsgrad": True}], state_formats={"max_exp_avg_sq": "q8"})
+    a.grad, b.grad = torch.randn(5000), torch.randn(5000)
+    opt.step()
+    assert opt.state[b]["max_exp_avg_sq"].dtype == torch.uint8
+    b.grad = None
+    opt.step()
+    opt.param_groups[1]["amsgrad"] = False
+    b.grad = torch.randn(5000)
+    opt.step()
+    opt.param_groups[1]["amsgrad"] = True
+    opt.step()
+    assert opt.state[b]["max_exp_avg_sq"].dtype == torch.uint8

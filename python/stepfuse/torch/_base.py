@@ -756,6 +756,11 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         # gradients are float32 params' rounds nothing (float32 weights are stored exactly).
         # Sharded, every rank passes the same options (a rank may hold float32 params only).
         # Compensated weights likewise.
+        # The formats of streams the engine's programs have: a stream named for a program
+        # not planned now (Adam's max_exp_avg_sq while no group has amsgrad, SGD's
+        # momentum_buffer at momentum 0) waits for one (the constructor checked the names).
+        planned = {k for cg in cpp_groups for k in self._state_keys(self.param_groups[cg.torch_group])}
+        state_formats = {k: v for k, v in self.state_formats.items() if k in planned}
         any_bf16 = self.communicator is not None or any(p.dtype == torch.bfloat16 for g in cpp_groups for p in g.params)
         rounding = self.stochastic_rounding and any_bf16
         compensated = self.compensated_weights and any_bf16
@@ -763,7 +768,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                                        master_weights=self.master_weights, stochastic_rounding=rounding,
                                        seed=self.seed, stochastic_state_rounding=self.stochastic_state_rounding,
                                        compensated_weights=compensated,
-                                       state_format=self.state_format, state_formats=self.state_formats,
+                                       state_format=self.state_format, state_formats=state_formats,
                                        min_q8_numel=self.min_q8_numel, communicator=self.communicator,
                                        num_threads=self.num_threads if self.num_threads is not None
                                        else (torch.get_num_threads() if device.type == "cpu" else 0))
@@ -984,8 +989,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 # What this program does not keep (SGD's momentum_buffer while momentum is 0,
                 # Adam's max_exp_avg_sq while amsgrad is off) stays, as torch leaves it, for
                 # when the flag comes back: copied, so as not to hold the old engine's memory.
+                produced = set(st)
                 for k, v in old.items():
-                    if k in st or k in _ENGINE_KEYS or (k.endswith("_absmax") and k[:-len("_absmax")] in st):
+                    if k in produced or k in _ENGINE_KEYS or (k.endswith("_absmax") and k[:-len("_absmax")] in produced):
                         continue
                     st[k] = v.clone() if isinstance(v, torch.Tensor) else v
             if st:
