@@ -652,10 +652,23 @@ TEST(CudaCodegenSpec, PackedStateSpecsItRefusesAndTwoPhaseQ8) {
   EXPECT_EQ(code(adam).first, ErrorCode::invalid_argument) << code(adam).second;
   adam.flat = false;
   EXPECT_NE(jit::emit_cuda_update(adam).find("sf_q8_store8"), std::string::npos);
-  CudaSpec lamb = adam;
-  lamb.program = jit::builtin_program(jit::builtin_named("lamb"));
-  // Two phases with q8 state: phase 1 requantizes its blocks strided, and only a q8
+  // A two-phase program whose phase 1 stores its state (LAMB's stores in phase 2), with
+  // LAMB's streams: with q8 state phase 1 requantizes its blocks strided, and only a q8
   // combination's chunk function takes the shared maps.
+  ProgramBuilder b("phase1_stores");
+  const Stream grad = b.stream("grad", StreamRole::grad);
+  const Stream param = b.stream("param", StreamRole::param);
+  const Stream m_stream = b.stream("exp_avg", StreamRole::state);
+  const Stream v_stream = b.stream("exp_avg_sq", StreamRole::state, 0.0f, StateValues::nonnegative);
+  const Value g = b.mul(b.load(grad), b.scalar("gscale"));
+  const Value m = b.add(b.mul(b.load(m_stream), b.scalar("beta1")), g);
+  b.store(m_stream, m);
+  b.store(v_stream, b.add(b.load(v_stream), b.mul(g, g)));
+  b.reduce_sumsq(0, m);
+  b.phase();
+  b.store(param, b.sub(b.load(param), b.mul(b.tensor_norm(0), b.div(b.load(m_stream), b.load(v_stream)))));
+  CudaSpec lamb = adam;
+  lamb.program = b.build();
   lamb.combo_formats = {bf16, q8};
   const std::string two_phase = jit::emit_cuda_update(lamb);
   EXPECT_NE(two_phase.find("sf_q8_store_strided(t->state->data[2]"), std::string::npos);
@@ -664,6 +677,12 @@ TEST(CudaCodegenSpec, PackedStateSpecsItRefusesAndTwoPhaseQ8) {
   lamb.combo_formats = {bf16, bf16};
   EXPECT_EQ(jit::emit_cuda_update(lamb).find("sf_q8_store_strided"), std::string::npos);
   EXPECT_NE(jit::emit_cuda_update(lamb).find("sf_load_bf16(t->state->data[2]"), std::string::npos);
+  // The built-in LAMB stores its moments in phase 2 (the update), as a one-phase program.
+  lamb.program = jit::builtin_program(jit::builtin_named("lamb"));
+  lamb.combo_formats = {bf16, q8};
+  const std::string builtin = jit::emit_cuda_update(lamb);
+  EXPECT_EQ(builtin.find("sf_q8_store_strided(t->state->data["), std::string::npos);
+  EXPECT_NE(builtin.find("sf_q8_store8"), std::string::npos);
 }
 
 TEST(CudaCodegenSpec, EqualSpecsHaveEqualTextAndTheEmitterIsDeterministic) {

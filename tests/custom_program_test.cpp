@@ -420,7 +420,8 @@ TEST(CustomProgram, EveryValidationErrorNamesTheOpAndItsIndex) {
                 for (int i = 0; i < kMaxInstrs; ++i) v = b.add(v, v);
                 b.store(p, v);
               }),
-              AllOf(HasSubstr("op 'add' (instruction 64) does not fit"), HasSubstr("too many instructions")));
+              AllOf(HasSubstr("op 'add' (instruction " + std::to_string(kMaxInstrs) + ") does not fit"),
+                    HasSubstr("too many instructions")));
   // Too many streams, and too many scalars.
   EXPECT_THAT(build_error([](ProgramBuilder& b, Stream g, Stream p, Stream) {
                 for (int i = 0; i < kMaxStreams; ++i) b.stream("extra", StreamRole::state);

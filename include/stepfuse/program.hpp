@@ -18,7 +18,7 @@ namespace stepfuse {
 
 inline constexpr int kMaxStreams = 8;
 inline constexpr int kMaxScalars = 16;
-inline constexpr int kMaxInstrs = 64;
+inline constexpr int kMaxInstrs = 128;
 // Per-tensor reduction slots of a two-phase program (reduce_sumsq, tensor_norm).
 inline constexpr int kMaxNormSlots = 4;
 

@@ -860,7 +860,7 @@ STEPFUSE_API sf_status sf_program_builder_tensor_norm(sf_program_builder* builde
  * and may go on). A malformed program is SF_INVALID_ARGUMENT whose message names the
  * op, its instruction index and the problem: an operand not defined yet, a load after
  * a store to the same stream, a store to the gradient, a stream stored twice, no
- * store of the param stream, not exactly one grad and one param stream, more than 64
+ * store of the param stream, not exactly one grad and one param stream, more than 128
  * instructions, 8 streams or 16 scalars, no scalar with the gscale rule, a bad rule
  * parameter, a name that is not an identifier; with two phases: a tensor_norm before
  * the marker or of a slot phase 1 does not reduce, a reduce_sumsq after it or of a

@@ -19,27 +19,42 @@ constexpr Value lamb_direction(ProgramBuilder& b, Value p, Value m, Value v) {
   return b.add(b.div(m_hat, denom), b.mul(b.scalar("weight_decay"), p));
 }
 
-// Phase 1: g = ±grad (unscaled, clipped); m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g
-// (stored); the per-tensor sums of squares of p (slot 0) and of u (slot 1).
-// Phase 2: ratio = ‖p‖ / ‖u‖ when weight_decay != 0 and neither norm is 0, else 1
+// Phase 1: g = ±grad (unscaled, clipped); m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
+// the per-tensor sums of squares of p (slot 0) and of u (slot 1). It stores nothing.
+// Phase 2: the same m and v again, from the same loads with the same ops (bitwise phase
+// 1's), stored; ratio = ‖p‖ / ‖u‖ when weight_decay != 0 and neither norm is 0, else 1
 // (Apex's rule; skip_trust_ratio is 1 when weight_decay = 0); p -= (lr * ratio) * u.
+// Phase 2 recomputes the moments rather than reading them as phase 1 stored them: with
+// state stored as bf16 or q8 the stored moments are not the values phase 1 took its
+// norms over (a second moment that quantizes to 0 would make u = m / eps there, a step
+// of lr / eps), so both phases compute u from the same values, as bitsandbytes' two-pass
+// 8-bit optimizers do. It costs phase 2 a second read of the gradients.
 constexpr Program make_lamb() {
   ProgramBuilder b("lamb");
   const Stream grad = b.stream("grad", StreamRole::grad);
   const Stream param = b.stream("param", StreamRole::param);
   const Stream exp_avg = b.stream("exp_avg", StreamRole::state);
   const Stream exp_avg_sq = b.stream("exp_avg_sq", StreamRole::state, 0.0f, StateValues::nonnegative);
+  const auto first = [&](Value g) {
+    return b.add(b.mul(b.load(exp_avg), b.scalar("beta1")), b.mul(b.scalar("one_minus_beta1"), g));
+  };
+  const auto second = [&](Value g) {
+    return b.add(b.mul(b.load(exp_avg_sq), b.scalar("beta2")), b.mul(b.mul(b.scalar("one_minus_beta2"), g), g));
+  };
   const Value g = b.mul(b.load(grad), b.scalar("gscale"));
   const Value p = b.load(param);
-  const Value m = b.add(b.mul(b.load(exp_avg), b.scalar("beta1")), b.mul(b.scalar("one_minus_beta1"), g));
-  b.store(exp_avg, m);
-  const Value v = b.add(b.mul(b.load(exp_avg_sq), b.scalar("beta2")), b.mul(b.mul(b.scalar("one_minus_beta2"), g), g));
-  b.store(exp_avg_sq, v);
+  const Value m = first(g);
+  const Value v = second(g);
   b.reduce_sumsq(0, p);
   b.reduce_sumsq(1, lamb_direction(b, p, m, v));
   b.phase();
+  const Value g2 = b.mul(b.load(grad), b.scalar("gscale"));
   const Value p2 = b.load(param);
-  const Value u = lamb_direction(b, p2, b.load(exp_avg), b.load(exp_avg_sq));
+  const Value m2 = first(g2);
+  b.store(exp_avg, m2);
+  const Value v2 = second(g2);
+  b.store(exp_avg_sq, v2);
+  const Value u = lamb_direction(b, p2, m2, v2);
   const Value param_norm = b.tensor_norm(0);
   const Value update_norm = b.tensor_norm(1);
   const Value zero = b.constant(0.0f);

@@ -1416,9 +1416,9 @@ static void test_program_errors(void) {
 
   b = start(&grad, &param, &state, &g); /* too many instructions */
   v = g;
-  for (int i = 0; i < 70; ++i) CHECK_OK(sf_program_builder_op(b, SF_OP_NEG, v, 0, 0, &v));
+  for (int i = 0; i < 140; ++i) CHECK_OK(sf_program_builder_op(b, SF_OP_NEG, v, 0, 0, &v));
   CHECK_OK(sf_program_builder_store(b, param, v));
-  expect_build_error(b, "op 'neg' (instruction 64) does not fit", "too many instructions");
+  expect_build_error(b, "op 'neg' (instruction 128) does not fit", "too many instructions");
 
   /* no scalar with the gscale rule */
   CHECK_OK(sf_program_builder_create("no_gscale", &b));

@@ -991,7 +991,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 # when the flag comes back: copied, so as not to hold the old engine's memory.
                 produced = set(st)
                 for k, v in old.items():
-                    if k in produced or k in _ENGINE_KEYS or (k.endswith("_absmax") and k[:-len("_absmax")] in produced):
+                    scales_of_produced = k.endswith("_absmax") and k[:-len("_absmax")] in produced
+                    if k in produced or k in _ENGINE_KEYS or scales_of_produced:
                         continue
                     st[k] = v.clone() if isinstance(v, torch.Tensor) else v
             if st:
