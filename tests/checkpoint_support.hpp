@@ -39,6 +39,7 @@ struct Model {
 
   Model() = default;
   Model(const Model& other) : tensors(other.tensors) {}  // deep copy: new buffers
+  Model& operator=(const Model& other) = default;        // (the tensors' buffers copied: values, not views)
 
   static Model make(const std::vector<std::tuple<std::int64_t, DType, DType>>& spec, std::uint32_t seed) {
     Model m;

@@ -1503,8 +1503,8 @@ TEST(CudaScalarRules, RepeatedSquaringRoundsLikeStdPow) {
   for (double beta : betas)
     for (std::int64_t step : steps) {
       const double t = static_cast<double>(step);
-      const sf_scalar_rule rules[2] = {{SF_RULE_DIV_ONE_MINUS_POW, 0, 1e-3, beta, 0.0},
-                                       {SF_RULE_SQRT_ONE_MINUS_POW, 0, 0.0, beta, 0.0}};
+      const sf_scalar_rule rules[2] = {{SF_RULE_DIV_ONE_MINUS_POW, 0, 1e-3, beta, 0.0, 0.0},
+                                       {SF_RULE_SQRT_ONE_MINUS_POW, 0, 0.0, beta, 0.0, 0.0}};
       float got[2];
       jit::eval_scalars(rules, 2, step, 1.0, got);
       const float want[2] = {static_cast<float>(1e-3 / (1.0 - std::pow(beta, t))),

@@ -801,3 +801,19 @@ def test_a_named_stream_no_planned_program_has_waits_for_one():
     opt.param_groups[1]["amsgrad"] = True
     opt.step()
     assert opt.state[b]["max_exp_avg_sq"].dtype == torch.uint8
+
+
+def test_a_group_format_set_as_the_enum_saves_as_its_name(util):
+    """param_groups[i]["state_format"] set by hand to a stepfuse.StateFormat: the group is
+    stored as asked, and state_dict() holds the format's name, so the saved dict loads with
+    torch.load(weights_only=True)."""
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = sft.AdamW([p])
+    p.grad = torch.randn(5000)
+    opt.step()
+    opt.param_groups[0]["state_format"] = stepfuse.StateFormat.q8
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["state_format"] == "q8"
+    util.save_load(sd)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.uint8

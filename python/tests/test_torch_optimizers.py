@@ -780,6 +780,71 @@ def test_low_precision_weight_writes_are_never_lost(util, mode, case):
     assert moved <= 2 * lr, f"{case}: the weight is {moved} from the 1.0 written (a step moves it by about lr)"
 
 
+def test_a_mask_written_every_step_keeps_the_other_masters(util):
+    """bf16 weights with fp32 masters and a pruning mask applied after every step
+    (`p.mul_(mask)` under no_grad): the masked elements take the written 0, and the others
+    keep their fp32 masters, updates below half a bf16 ulp included. The reference is
+    torch's AdamW on an fp32 copy, masked the same way: ours is it rounded to bf16."""
+    ours = util.make_params(dtype=torch.bfloat16)
+    ref = util.clone_params(ours, dtype=torch.float32)
+    masks = [(torch.rand(p.shape, generator=torch.Generator().manual_seed(i)) > 0.3) for i, p in enumerate(ours)]
+    topt, sopt = torch.optim.AdamW(ref, lr=1e-4), sft.AdamW(ours, lr=1e-4)
+    for step in range(20):
+        grads = util.make_grads(ours, step)
+        util.set_grads(ours, grads)
+        util.set_grads(ref, [g.float() for g in grads])
+        topt.step()
+        sopt.step()
+        with torch.no_grad():
+            for params in (ours, ref):
+                for p, m in zip(params, masks):
+                    p.mul_(m)
+        util.assert_rounded_from(ours, ref, where=f"step {step}:")
+
+
+def test_a_copied_optimizer_takes_weights_written_after_the_copy(util):
+    """copy.deepcopy of an optimizer with fp32 masters, then a weight written into the
+    copy's params: the copy's next step goes on from the written weight."""
+    ours = util.make_params(shapes=[(64,)], dtype=torch.bfloat16)
+    opt = sft.AdamW(ours, lr=1e-2)
+    for step in range(3):
+        util.set_grads(ours, util.make_grads(ours, step))
+        opt.step()
+    twin = copy.deepcopy(opt)
+    p = twin.param_groups[0]["params"][0]
+    with torch.no_grad():
+        p.fill_(1.0)
+    p.grad = util.make_grads(ours, 3)[0]
+    twin.step()
+    assert (p.detach().float() - 1.0).abs().max().item() <= 2e-2
+
+
+def test_resume_loading_the_optimizer_before_the_model_keeps_the_masters(util):
+    """Resuming with opt.load_state_dict() before the model's weights are loaded: the loaded
+    weights are the loaded masters rounded, so the masters are kept and the run goes on
+    bitwise as the uninterrupted one."""
+    ours = util.make_params(dtype=torch.bfloat16)
+    opt = sft.AdamW(ours, lr=1e-3)
+    for step in range(3):
+        util.set_grads(ours, util.make_grads(ours, step))
+        opt.step()
+    saved_weights = util.snapshot(ours)
+    saved = util.save_load(opt.state_dict())
+    resumed = util.make_params(dtype=torch.bfloat16, seed=5)
+    ropt = sft.AdamW(resumed, lr=1e-3)
+    ropt.load_state_dict(saved)
+    with torch.no_grad():
+        for p, w in zip(resumed, saved_weights):
+            p.copy_(w)
+    for step in range(3, 6):
+        grads = util.make_grads(ours, step)
+        util.set_grads(ours, grads)
+        util.set_grads(resumed, grads)
+        opt.step()
+        ropt.step()
+        util.assert_params_equal(resumed, ours, where=f"step {step}:")
+
+
 def test_compiled_step(util):
     """opt.step() inside a torch.compile'd function, from the first step on (the step is the
     library's: torch.compile runs it rather than tracing it), as torch's own."""

@@ -80,8 +80,9 @@ bool FusedBackend::all_bf16_state(std::size_t t) const {
   if (!host_.staged(t)) return false;
   const std::uint32_t g = programs_.tensor_group[t];
   const Program& p = *programs_.groups[g].program;
-  // (The stochastically rounded state of a two-phase program stages: its phase 1 stores
-  // the state over a whole chunk, more random bits than a run keeps in L1.)
+  // (The stochastically rounded state of a two-phase program stages: a program may store
+  // state in its phase 1, which runs over a whole chunk, more random bits than a run keeps
+  // in L1. LAMB stores in phase 2 and could take the in-register kernels; it does not yet.)
   const jit::Layout& l = host_.layout();
   if (l.combos[static_cast<std::size_t>(l.tensor_combo[t])].stochastic && stochastic_state() && jit::is_two_phase(p))
     return false;

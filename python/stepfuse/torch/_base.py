@@ -52,6 +52,23 @@ def _as_float(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
+# torch.compile's "do not trace this": torch._disable_dynamo imports Dynamo only when the
+# function is first called (torch.compiler.disable imports it here, at import time).
+_run_as_is = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
+
+def _take_written_elements(master: torch.Tensor, p: torch.Tensor) -> None:
+    """The fp32 master of a 16-bit weight written from outside takes the written elements: those
+    where the weight is no longer the master rounded to the weight's format (the step stores
+    every element so). Elements left as they were keep their master, the bits below the
+    weight's precision included (a mask written every step keeps the masters of the others)."""
+    flat = master.reshape(-1)
+    w = p.detach().reshape(-1).to(flat.device)
+    written = w != flat.to(p.dtype)
+    if bool(written.any()):
+        flat[written] = w[written].to(torch.float32)
+
+
 def _update_in_place(st: Dict[str, Any], values: Dict[str, torch.Tensor]) -> None:
     """st.update(values), writing into the tensors st already holds (as torch's optimizers
     change their state tensors in place, so that references to them stay current)."""
@@ -338,6 +355,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._group_values: List[Any] = []  # per engine group: the hyperparameters pushed
         self._steps: Optional[torch.Tensor] = None  # every active param's step count (state[p]["step"] are views)
         self._views_missing = False  # some active param has no state yet (no step applied to it)
+        self._derived_buffers: Dict[str, torch.Tensor] = {}  # derived state key -> every active param's
         # Params whose weight is not the whole truth (16-bit weights with an fp32 master or a
         # compensation): their (data_ptr, _version) when the engine last took them, to see a
         # write from outside (model.load_state_dict, p.zero_(), ...).
@@ -374,6 +392,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if not hasattr(self, "communicator"):
             self.communicator = None  # never pickled (see __getstate__); torch's load_state_dict keeps it
         self._reset_engine()
+        # The masters in the state go with the weights as they are now (as after a load).
+        self._mark_weights([p for g in self.param_groups for p in g["params"]])
 
     # ---- torch.optim.Optimizer's interface ----
 
@@ -443,7 +463,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     # The step is the library's (C++), not PyTorch operations: torch.compile runs it as it
     # is rather than tracing it (which would trace the re-planning).
-    @torch.compiler.disable
+    @_run_as_is
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One fused step; returns the closure's loss when a closure is given.
@@ -507,7 +527,16 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> Dict[str, Any]:
         self._export_state()
+        self._normalize_group_formats()
         return super().state_dict()
+
+    def _normalize_group_formats(self) -> None:
+        """A group's "state_format" set by hand (a stepfuse.StateFormat, say) as its name, as
+        add_param_group keeps it: a state dict then holds only plain values."""
+        for group in self.param_groups:
+            fmt = group.get("state_format")
+            if fmt is not None and not isinstance(fmt, str):
+                group["state_format"] = _as_format(fmt, 'param group "state_format"', none=None)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -572,14 +601,16 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     def _refresh_derived_state(self) -> None:
         """After an applied step: the derived state of every active param, in place (as
         torch's own tensors change). One engine group's params share it."""
+        start = 0
         for g, cg in enumerate(self._cpp_groups):
-            if not cg.params:
-                continue
-            values = self._derived_state(self.param_groups[cg.torch_group], cg.step, cg.params[0], g)
-            for p in cg.params:
-                st = self.state.get(p)
-                if st:
-                    _update_in_place(st, values)
+            end = start + len(cg.params)
+            if cg.params:
+                values = self._derived_state(self.param_groups[cg.torch_group], cg.step, cg.params[0], g)
+                for k, v in values.items():
+                    buf = self._derived_buffers.get(k)
+                    if buf is not None:
+                        buf[start:end] = v
+            start = end
 
     def _restore_derived_state(self, engine: Any, engine_group: int, cg: "_CppGroup") -> None:
         """Gives a new engine's group the scalar state self.state holds for its params
@@ -733,6 +764,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if self._weight_marks:
             self._sync_written_weights()
         self._export_state()  # the old engine's state into self.state (CUDA: snapshots)
+        self._normalize_group_formats()
         old = self._engine
         self._engine = None
         self._engine_key = None
@@ -833,20 +865,21 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             mark = (p.data_ptr(), p._version)
             if mark == old:
                 continue
+            self._weight_marks[p] = mark
             i = self._active_index.get(p) if self._engine is not None else None
             if i is not None:
                 master, compensation = self._engine.master(i), self._engine.compensation(i)
-                if master is not None:
-                    _copy_into(master, p)
-                if compensation is not None:
+                if master is not None and master.size == p.numel():
+                    _take_written_elements(torch.from_numpy(master), p)
+                if compensation is not None and compensation.size == p.numel():
                     compensation[...] = 0
             st = self.state.get(p)
             if st and (i is None or p.device.type != "cpu"):  # (on the CPU the views are the engine's)
-                if isinstance(st.get("master_param"), torch.Tensor) and st["master_param"].numel() == p.numel():
-                    st["master_param"].copy_(p.detach().reshape(st["master_param"].shape))
-                if isinstance(st.get("compensation"), torch.Tensor):
-                    st["compensation"].zero_()
-            self._weight_marks[p] = mark
+                master, compensation = st.get("master_param"), st.get("compensation")
+                if isinstance(master, torch.Tensor) and master.numel() == p.numel():
+                    _take_written_elements(master, p)
+                if isinstance(compensation, torch.Tensor) and compensation.numel() == p.numel():
+                    compensation.zero_()
 
     def _param_step(self, p: torch.Tensor) -> int:
         st = self.state.get(p)
@@ -943,11 +976,14 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         steps = self._steps = torch.zeros(len(self._active), dtype=torch.float32)
         members = [(g, cg, p) for g, cg in enumerate(self._cpp_groups) for p in cg.params]  # self._active's order
         self._views_missing = False
+        derived: Dict[str, torch.Tensor] = {}
+        self._derived_buffers = derived
         for i, (g, cg, p) in enumerate(members):
             group = self.param_groups[cg.torch_group]
-            if not cg.step and p not in self.state:
+            if not cg.step and p not in self.state and p.device.type == "cpu":
                 # As torch: a param gets its state at the first step applied to it (a step the
-                # scaler skipped applies none). _finish() imports it then.
+                # scaler skipped applies none). _finish() imports it then. (CUDA: a step's
+                # outcome is known later; the state is snapshots from the plan on.)
                 self._views_missing = True
                 continue
             st: Dict[str, Any] = {}
@@ -956,7 +992,14 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 # active param's count: advancing them all is one add, not one per param.
                 steps[i] = float(cg.step)
                 st["step"] = steps[i]
-            st.update(self._derived_state(group, cg.step, p, g))
+            # The derived state (NAdam's mu_product, ASGD's eta and mu): each param's a view into
+            # one buffer per key, so that an applied step rewrites it with one fill per group.
+            for k, v in self._derived_state(group, cg.step, p, g).items():
+                buf = derived.get(k)
+                if buf is None:
+                    buf = derived[k] = torch.zeros(len(members), dtype=v.dtype, device=v.device)
+                buf[i] = v
+                st[k] = buf[i]
             for name in self._state_keys(group):
                 if name not in names:
                     continue
@@ -1050,7 +1093,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             return v
 
         return tuple(value(v) for k, v in group.items()
-                     if k != "params" and isinstance(v, (int, float, bool, tuple, list, torch.Tensor, np.generic)))
+                     if k not in ("params", "param_names")
+                     and isinstance(v, (int, float, bool, tuple, list, torch.Tensor, np.generic)))
 
     def _after_applied(self) -> None:
         """Called after every applied step (the CPU: known at once)."""
