@@ -246,6 +246,18 @@ def step_both(ref_opt, ours_opt, ref, ours, step, *, seed=1, scale=1.0, skip=(),
         assert_params_close(ours, ref, where=f"{where} step {step}:", **tol)
 
 
+def step_equal(opt, twin_opt, params, twin, steps, where=""):
+    """For each step in `steps`: both optimizers on the same fresh gradients, then their
+    params bitwise equal (twin's compared to params')."""
+    for step in steps:
+        grads = make_grads(params, step)
+        set_grads(params, grads)
+        set_grads(twin, grads)
+        opt.step()
+        twin_opt.step()
+        assert_params_equal(twin, params, where=f"{where} step {step}:")
+
+
 def train_both(ref_opt, ours_opt, ref, ours, steps, start=0, *, on_step=None, **kw):
     """`steps` steps of step_both (step indices start..start+steps-1); on_step(step) runs
     before each one (to change hyperparameters, say)."""

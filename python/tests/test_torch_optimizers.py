@@ -706,13 +706,7 @@ def test_low_precision_weights_written_from_outside(util, mode, how):
     twin = util.clone_params(ours)
     topt = sft.AdamW(twin, **kwargs)
     topt.load_state_dict(state)
-    for step in range(3, 6):
-        grads = util.make_grads(ours, step)
-        util.set_grads(ours, grads)
-        util.set_grads(twin, grads)
-        opt.step()
-        topt.step()
-        util.assert_params_equal(ours, twin, where=f"step {step}:")
+    util.step_equal(opt, topt, ours, twin, range(3, 6))
     util.assert_state_equal(opt.state_dict()["state"], topt.state_dict()["state"])
     # The resume order model.load_state_dict(...) then opt.load_state_dict(...): the loaded
     # masters (compensations) are kept, not replaced by the written weights.
@@ -836,13 +830,7 @@ def test_resume_loading_the_optimizer_before_the_model_keeps_the_masters(util):
     with torch.no_grad():
         for p, w in zip(resumed, saved_weights):
             p.copy_(w)
-    for step in range(3, 6):
-        grads = util.make_grads(ours, step)
-        util.set_grads(ours, grads)
-        util.set_grads(resumed, grads)
-        opt.step()
-        ropt.step()
-        util.assert_params_equal(resumed, ours, where=f"step {step}:")
+    util.step_equal(opt, ropt, ours, resumed, range(3, 6))
 
 
 def test_compiled_step(util):

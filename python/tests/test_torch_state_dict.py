@@ -212,13 +212,7 @@ def test_low_precision_params_checkpoint(util, dtype):
     ours2 = util.clone_params(ours)
     opt2 = sft.AdamW(ours2, lr=1e-3)
     opt2.load_state_dict(sd)
-    for step in range(5, 15):
-        grads = util.make_grads(ours, step)
-        util.set_grads(ours, grads)
-        util.set_grads(ours2, grads)
-        opt.step()
-        opt2.step()
-        util.assert_params_equal(ours2, ours, where=f"step {step}:")
+    util.step_equal(opt, opt2, ours, ours2, range(5, 15))
 
 
 def test_mismatched_checkpoint_is_refused(util):
