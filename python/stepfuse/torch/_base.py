@@ -69,17 +69,6 @@ def _take_written_elements(master: torch.Tensor, p: torch.Tensor) -> None:
         flat[written] = w[written].to(torch.float32)
 
 
-def _update_in_place(st: Dict[str, Any], values: Dict[str, torch.Tensor]) -> None:
-    """st.update(values), writing into the tensors st already holds (as torch's optimizers
-    change their state tensors in place, so that references to them stay current)."""
-    for key, value in values.items():
-        old = st.get(key)
-        if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
-            old.copy_(value)
-        else:
-            st[key] = value
-
-
 def _dummy_param() -> torch.Tensor:
     return torch.zeros(1, requires_grad=True)
 
@@ -599,12 +588,13 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     _has_derived_state = False
 
     def _refresh_derived_state(self) -> None:
-        """After an applied step: the derived state of every active param, in place (as
-        torch's own tensors change). One engine group's params share it."""
+        """After an applied step (and for state_dict()): the derived state of every active
+        param, in place (as torch's own tensors change), one fill per engine group, whose
+        params share it."""
         start = 0
         for g, cg in enumerate(self._cpp_groups):
             end = start + len(cg.params)
-            if cg.params:
+            if cg.params and cg.torch_group < len(self.param_groups):
                 values = self._derived_state(self.param_groups[cg.torch_group], cg.step, cg.params[0], g)
                 for k, v in values.items():
                     buf = self._derived_buffers.get(k)
@@ -761,9 +751,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     def _replan(self, key: Any) -> None:
         """Builds the engine over the params that have gradients, carrying every
         param's state (and step count) over from ``self.state``."""
-        if self._weight_marks:
-            self._sync_written_weights()
-        self._export_state()  # the old engine's state into self.state (CUDA: snapshots)
+        self._export_state()  # the old engine's state into self.state (CUDA: snapshots; written weights taken)
         self._normalize_group_formats()
         old = self._engine
         self._engine = None
@@ -842,7 +830,6 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._group_values = [None] * len(cpp_groups)
         self._engine_key = key
         self._import_views()
-        self._active_index = {}
         self._mark_weights(active)
         self._active_index = {p: i for i, p in enumerate(active) if p in self._weight_marks}
 
@@ -1056,20 +1043,18 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             cg.step = engine.group_step_count(g)
         if on_cuda or self._views_missing:
             self._import_views()
-        for g, cg in enumerate(self._cpp_groups):
-            step = cg.step
-            group = self.param_groups[cg.torch_group] if cg.torch_group < len(self.param_groups) else None
+        for cg in self._cpp_groups:
             for p in cg.params:
                 st = self.state.get(p)
                 if st is None:
                     continue
                 if self._has_step():
                     if "step" in st:
-                        st["step"].fill_(float(step))
+                        st["step"].fill_(float(cg.step))
                     else:
-                        st["step"] = torch.tensor(float(step), dtype=torch.float32)
-                if group is not None:
-                    _update_in_place(st, self._derived_state(group, step, p, g))
+                        st["step"] = torch.tensor(float(cg.step), dtype=torch.float32)
+        if self._has_derived_state:
+            self._refresh_derived_state()
 
     def _push_hyperparameters(self) -> None:
         engine = self._engine
