@@ -227,7 +227,8 @@ def test_torch_optimizer_with_a_stepfuse_communicator():
 # ---- two processes over gloo ---------------------------------------------------------------
 
 
-CASES = ["collectives", "steps", "scalers", "errors", "engine", "rounding", "compensation", "state_formats"]
+CASES = ["collectives", "steps", "scalers", "errors", "engine", "rounding", "compensation", "state_formats",
+         "written"]
 
 
 def _launch(cases, timeout=300.0):
@@ -327,6 +328,14 @@ def test_state_formats_sharded(gloo_run):
     stored (q8 codes and scales, bf16 values; f32 below min_q8_numel), bitwise the
     one-process step's; a state dict round trip per rank continues bitwise."""
     _check_case(gloo_run, "state_formats")
+
+
+@needs_gloo
+def test_written_weights_sharded(gloo_run):
+    """A bf16 weight written from outside between steps (a mask on part of it, a whole
+    zero_()) with fp32 masters or compensated weights: each rank's master or compensation
+    takes the write, and its shard goes on bitwise as the one-process step's."""
+    _check_case(gloo_run, "written")
 
 
 # ---- the workers -------------------------------------------------------------------------
@@ -719,6 +728,38 @@ def _case_state_formats(rank, world):
         o.step()
     for i, (p, q) in enumerate(zip(ours, again)):
         assert torch.equal(p, q), f"rank {rank}: resumed param {i} differs"
+
+
+def _case_written(rank, world):
+    from stepfuse.torch.distributed import ProcessGroupCommunicator
+    comm = ProcessGroupCommunicator()
+    for extra in (dict(), dict(master_weights=False, compensated_weights=True)):
+        kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, num_threads=1, **extra)
+        full = _leaves(_model())
+        ours = _leaves(_mine(rank, _model()))
+        ref = sft.AdamW(full, **kw)
+        opt = sft.AdamW(ours, communicator=comm, **kw)
+        for step in range(5):
+            grads = _grads(step)
+            _set(full, grads)
+            _set(ours, _mine(rank, grads))
+            ref.step()
+            opt.step()
+            with torch.no_grad():
+                for ps in (full, ours):
+                    for i, p in enumerate(ps):
+                        if p.dtype != torch.bfloat16:
+                            continue
+                        if step == 1:  # half of each bf16 weight masked to 0
+                            p.view(-1)[: p.numel() // 2] = 0
+                        elif step == 3:
+                            p.zero_()
+            _check_equal(rank, f"{extra} step {step}", ours, ref, full, opt)
+        # The writes reached the masters: the one-process step's weights moved off 0 by
+        # steps of about lr, not back to where the masters had them.
+        for p in ours:
+            if p.dtype == torch.bfloat16:
+                assert float(p.float().abs().max()) < 0.05, f"rank {rank}: a written weight went back to its master"
 
 
 if __name__ == "__main__":

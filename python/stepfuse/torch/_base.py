@@ -834,9 +834,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._active_index = {p: i for i, p in enumerate(active) if p in self._weight_marks}
 
     def _mark_weights(self, params: Sequence[torch.Tensor]) -> None:
-        """Records, of `params`, the 16-bit weights kept with a master or a compensation
-        (unsharded) as they are now; the marks of other params stay."""
-        if self.communicator is not None or not (self.master_weights or self.compensated_weights):
+        """Records, of `params`, the 16-bit weights kept with a master or a compensation as
+        they are now; the marks of other params stay. (Sharded, each rank marks its own
+        params, whose masters and compensations it holds.)"""
+        if not (self.master_weights or self.compensated_weights):
             return
         for p in params:
             if p.dtype in (torch.float16, torch.bfloat16):
