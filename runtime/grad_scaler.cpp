@@ -205,7 +205,15 @@ bool GradScaler::step(Optimizer& opt) {
   }
   pull();
   last_stepped_ = nullptr;
-  if (s.stage == Stage::ready) {
+  if (s.stage == Stage::ready && current_scale_ == 0.0f) {
+    // A scale that backed off to 0 (about 150 non-finite steps in a row in fp32): every
+    // gradient would unscale to inf or NaN, so the step is skipped, as PyTorch's scaler
+    // skips it, and writes nothing.
+    last_result_ = StepResult{};
+    last_result_.found_inf = true;
+    last_result_.grad_norm = INFINITY;
+    s.found_inf = true;
+  } else if (s.stage == Stage::ready) {
     // The fused path: unscale, check, clip and update in one reduce and one update pass.
     last_result_ = opt.step_scaled(static_cast<double>(current_scale_));
     s.found_inf = last_result_.found_inf;
@@ -330,7 +338,7 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   };
   // Validate everything, then assign: nothing changes on an Error.
   const double scale = get("scale"), growth = get("growth_factor"), backoff = get("backoff_factor");
-  check_scale("load_state_dict: scale", scale);
+  if (scale != 0.0) check_scale("load_state_dict: scale", scale);  // 0: a scale that backed off to 0
   check_growth_factor(growth);
   check_backoff_factor(backoff);
   const std::int64_t interval = integer("growth_interval", get("growth_interval"), 1, INT32_MAX);

@@ -649,6 +649,38 @@ TEST(GradScalerDoc, SkipResetsGrowthTracker) {
   EXPECT_EQ(s.growth_tracker(), 0);
 }
 
+// A scale that backed off to 0 (about 150 skipped steps in a row from 1.0, in fp32) skips
+// every later step, as PyTorch's scaler does (every gradient unscales to inf or NaN),
+// writing nothing and raising nothing; its state dict, scale 0, loads.
+TEST(GradScalerDoc, ScaleBackedOffToZeroSkipsEveryStep) {
+  GradScaler s("cpu", 1.0, 2.0, 0.5, 2);
+  Net n(sgd(0.1), DType::f32, DType::f32, {10});
+  int backoffs = 0;
+  while (s.get_scale() != 0.0 && backoffs < 200) {
+    EXPECT_FALSE(inf_iteration(s, n, static_cast<std::uint64_t>(backoffs)));
+    ++backoffs;
+  }
+  ASSERT_EQ(s.get_scale(), 0.0);
+  EXPECT_EQ(backoffs, 150);  // 2^-149, the smallest fp32, halves to 0
+  n.set_grads(7, 1.0);
+  const Snapshot before = capture(n);
+  for (int k = 0; k < 3; ++k) {  // clean gradients, and more than growth_interval of them
+    EXPECT_FALSE(s.step(n.opt));
+    EXPECT_TRUE(s.last_step_result().found_inf);
+    EXPECT_FALSE(s.last_step_result().applied);
+    EXPECT_EQ(s.last_step_result().grad_norm, kInf);
+    s.update();
+    EXPECT_EQ(s.get_scale(), 0.0);
+  }
+  expect_same(before, capture(n));
+  GradScaler t("cpu");
+  t.load_state_dict(s.state_dict());
+  EXPECT_EQ(t.get_scale(), 0.0);
+  EXPECT_FALSE(t.step(n.opt));
+  t.update(1024.0);  // a scale set by hand starts over
+  EXPECT_EQ(t.get_scale(), 1024.0);
+}
+
 // Header: "multiplies the scale by growth_factor (kept only if the result is finite)" —
 // the fp32 scale never becomes inf; the tracker is reset all the same (PyTorch).
 TEST(GradScalerDoc, GrowthToInfIsNotKept) {
@@ -1043,7 +1075,7 @@ TEST(GradScalerDoc, LoadStateDictMissingOrInvalidThrowsAndChangesNothing) {
     EXPECT_EQ(s.state_dict(), before);
   }
   const std::pair<const char*, double> invalid[] = {
-      {"scale", 0.0},          {"scale", -8.0},          {"scale", kInf},           {"scale", kNaN},
+      {"scale", -1e-50},       {"scale", -8.0},          {"scale", kInf},           {"scale", kNaN},
       {"growth_factor", 1.0},  {"growth_factor", kNaN},  {"backoff_factor", 1.0},   {"backoff_factor", 0.0},
       {"growth_interval", 0.0}, {"growth_interval", -4.0},  {"_growth_tracker", kNaN}};
   for (const auto& [key, value] : invalid) {

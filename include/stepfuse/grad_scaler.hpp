@@ -83,7 +83,10 @@ class GradScaler {
   // and the skip decided on the device: it returns true, and last_step_result()
   // waits for the outcome. After unscale_(opt) it does not unscale again and
   // skips if unscale_ found inf/NaN (or the gradients are not finite now). A second step() for the same optimizer before
-  // update() is Error(invalid_state). Disabled: a plain opt.step().
+  // update() is Error(invalid_state). Disabled: a plain opt.step(). A scale that
+  // backed off to 0 (about 150 skipped steps in a row from 1.0: the fp32 scale
+  // underflows) skips every step with found_inf, as PyTorch's scaler does, until
+  // update(new_scale) sets one (on the CPU; a GPU's device scale is not checked).
   // Returns whether the step was applied.
   bool step(Optimizer& opt);
 
@@ -116,7 +119,8 @@ class GradScaler {
   // "growth_interval", "_growth_tracker". Empty when disabled. Call it after update().
   std::map<std::string, double> state_dict() const;
   // Restores a state_dict(). No-op when disabled. An empty map is an Error (it was
-  // saved from a disabled scaler), as is a missing entry or an invalid value;
+  // saved from a disabled scaler), as is a missing entry or an invalid value (a
+  // scale of 0, which backoffs reach, is valid);
   // nothing changes on an Error (nor when writing the device scale fails). Extra
   // entries are ignored. A scaler whose device scale is shared (with its copy or
   // original) gets a device scale of its own here: the other's is not written.

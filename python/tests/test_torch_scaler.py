@@ -444,3 +444,32 @@ def test_derived_state_is_current_after_each_step(util, name):
         for k in keys:
             assert torch.equal(st[k], topt.state[ref[0]][k]), f"step {step}: {k}"
             assert torch.equal(held[k], topt.state[ref[0]][k]), f"step {step}: {k} (held)"
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "stepfuse"])
+def test_a_scale_backed_off_to_zero_skips_every_step(scaler_kind):
+    """A scale that backed off to 0 (150 non-finite steps in a row from 1.0: the fp32
+    scale underflows) skips every later step: nothing written, no error, and the scale
+    follows torch's scaler's (it stays 0). (torch's own optimizers step on the NaN
+    gradients unscaling by 1/0 gives, since torch checks the gradients before it.)"""
+    torch.manual_seed(0)
+    ours = [torch.randn(5, requires_grad=True)]
+    start = ours[0].detach().clone()
+    opt = sft.AdamW(ours, lr=0.1)
+    cls = torch.amp.GradScaler if scaler_kind == "torch" else sft.GradScaler
+    tscaler, oscaler = torch.amp.GradScaler("cpu", init_scale=1.0), cls("cpu", init_scale=1.0)
+    for step in range(153):
+        for scaler in (tscaler, oscaler):
+            scale = float(scaler.scale(torch.ones(())))
+            if scaler is oscaler:
+                ours[0].grad = torch.full((5,), float("inf") if step < 150 else 0.5 * scale)
+                scaler.step(opt)
+            else:
+                scaler._per_optimizer_states[0]["found_inf_per_device"] = {
+                    torch.device("cpu"): torch.tensor(float(step < 150))}
+                scaler._per_optimizer_states[0]["stage"] = torch.amp.grad_scaler.OptState.STEPPED
+            scaler.update()
+        assert oscaler.get_scale() == tscaler.get_scale(), f"step {step}"
+        assert torch.equal(ours[0], start), f"step {step}"
+    assert oscaler.get_scale() == 0.0 and not opt.state.get(ours[0])
+    assert float(opt.last_grad_norm) == float("inf")

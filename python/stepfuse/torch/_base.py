@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -67,6 +68,11 @@ def _take_written_elements(master: torch.Tensor, p: torch.Tensor) -> None:
     written = w != flat.to(p.dtype)
     if bool(written.any()):
         flat[written] = w[written].to(torch.float32)
+
+
+# The result of a step skipped before the engine (the loss scale backed off to 0), as a
+# StepResult reads.
+_SKIPPED_STEP = types.SimpleNamespace(applied=False, found_inf=True, grad_norm=math.inf, clip_coef=1.0, pending=False)
 
 
 def _dummy_param() -> torch.Tensor:
@@ -496,6 +502,16 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     def _step_scaled(self, scale: float, found_inf: bool = False) -> Optional[Any]:
         """A step on gradients scaled by ``scale``; returns the engine's StepResult (None: no grads,
         or sharded, a step skipped for a ``found_inf`` of some rank)."""
+        if scale == 0.0:
+            # A scale that backed off to 0 (about 150 non-finite steps in a row): every
+            # gradient would unscale to inf or NaN, so the step is skipped as torch's
+            # unscale_ path skips it (found_inf), writing nothing. Sharded, every rank agrees.
+            if self.communicator is not None:
+                self._prepare(True, scale)
+            elif not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+                return None
+            self._last_grad_norm, self._norm_pending = math.inf, False
+            return _SKIPPED_STEP
         engine = self._prepare(found_inf, scale)
         if engine is None:
             return None
