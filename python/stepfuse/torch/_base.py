@@ -202,9 +202,9 @@ _ENGINE_KEYS = frozenset(("step", "master_param", "compensation"))
 
 
 def _check_state_size(name: str, src: torch.Tensor, p: torch.Tensor) -> bool:
-    """True when a state tensor has the param's number of elements; else a RuntimeError (torch's
-    own step fails on such a state too, with the sizes of some operation)."""
-    if src.numel() == p.numel():
+    """True when a state tensor has the param's shape; else a RuntimeError (torch's own step
+    fails on such a state too, with the sizes of some operation)."""
+    if src.shape == p.shape:
         return True
     raise RuntimeError(f"stepfuse.torch: the optimizer state '{name}' of a param of shape {tuple(p.shape)} has shape "
                        f"{tuple(src.shape)}: the state dict loaded was saved for other params (check that the "
@@ -346,6 +346,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._cpp_groups: List[_CppGroup] = []
         self._active: List[torch.Tensor] = []  # the engine's params, in its order
         self._grad_ptrs: List[int] = []
+        # This step's contiguous copies of non-contiguous gradients (p.grad is left as it is).
+        self._flat_grads: Dict[torch.Tensor, torch.Tensor] = {}
         self._active_in_scan_order = True  # the engine's params are the params with grads, in group order
         self._group_values: List[Any] = []  # per engine group: the hyperparameters pushed
         self._steps: Optional[torch.Tensor] = None  # every active param's step count (state[p]["step"] are views)
@@ -379,6 +381,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._complete_older_state()
         for k, default in zip(self._OPTIONS, (None, 2.0, True, False, 0, False, "f32", None, 4096, None, None, True)):
             if not hasattr(self, k):
                 setattr(self, k, default)
@@ -389,6 +392,39 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._reset_engine()
         # The masters in the state go with the weights as they are now (as after a load).
         self._mark_weights([p for g in self.param_groups for p in g["params"]])
+
+    def _complete_older_state(self) -> None:
+        """What torch's own optimizers' __setstate__ do for a state saved by an older torch
+        (a checkpoint loaded, or an optimizer unpickled): a group key added since (amsgrad,
+        maximize, foreach, decoupled_weight_decay, ...) takes its default, and scalar state
+        saved as a Python number (step, ASGD's eta and mu, NAdam's mu_product) becomes a
+        0-dim tensor."""
+        torch_class = getattr(self, "_torch_class", None)
+        if torch_class is not None:
+            # torch's class fills the keys it adds, with its own values (its fused=False where
+            # its constructor's default is None, say): its __setstate__, run on an empty
+            # instance over this one's groups and state, which it completes in place.
+            try:
+                torch_class.__setstate__(torch_class.__new__(torch_class), {
+                    "defaults": self.defaults, "state": self.state, "param_groups": self.param_groups})
+            except Exception:  # noqa: BLE001 (a torch whose __setstate__ needs more: the defaults below)
+                pass
+        defaults = self.__dict__.get("defaults") or {}
+        for group in self.param_groups:
+            for k, v in defaults.items():
+                group.setdefault(k, v)
+            self._complete_group(group)
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        for st in self.state.values():
+            if not isinstance(st, dict):
+                continue
+            for k in ("step", "eta", "mu", "mu_product"):
+                v = st.get(k)
+                if v is not None and not isinstance(v, torch.Tensor):
+                    st[k] = torch.tensor(float(v), dtype=dtype)
+
+    def _complete_group(self, group: Dict[str, Any]) -> None:
+        """A loaded group's keys a subclass sets as torch's class does in its __setstate__."""
 
     # ---- torch.optim.Optimizer's interface ----
 
@@ -433,7 +469,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"stepfuse.torch: a param is on {p.device} but the optimizer's other params are on "
                                  f"{device} (one optimizer steps the params of one device)")
             self._device = self._device or p.device
-        param_group = dict(param_group)
+        # The group is the dict given, as torch keeps it (a caller may hold it and edit it).
         param_group["params"] = params
         if "state_format" in param_group:
             param_group["state_format"] = _as_format(param_group["state_format"], 'param group "state_format"',
@@ -544,7 +580,19 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 group["state_format"] = _as_format(fmt, 'param group "state_format"', none=None)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        # The state dict as the load pre-hooks left it (a hook may return another one): the
+        # last hook, added for this load, records it.
+        seen: Dict[str, Any] = {}
+
+        def record(optimizer: Any, loaded: Dict[str, Any]) -> None:
+            seen["state_dict"] = loaded
+
+        handle = self.register_load_state_dict_pre_hook(record)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        state_dict = seen.get("state_dict", state_dict)
         # torch casts every state tensor to a floating param's dtype; the engine keeps fp32
         # state (and fp32 masters for 16-bit params): take the saved tensors at full
         # precision. What is saved in a stored form is taken as it is, so that it loads bit
@@ -645,6 +693,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         program — and the gradients' data pointers in that order."""
         key: List[Any] = []
         ptrs: List[int] = []
+        self._flat_grads = {}
         for group in self.param_groups:
             ids = []
             for p in group["params"]:
@@ -669,7 +718,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         the ranks skip the step (``found_inf``, torch.amp.GradScaler's, on some rank)."""
         if self.communicator is None:
             key, ptrs = self._scan()
-            replan = key != self._engine_key or self._engine is None
+            replan = key != self._engine_key or self._engine is None or self._stale_initial_state()
         else:
             agreed = self._agree_on_step(found_inf, scale)
             if agreed is None:
@@ -682,7 +731,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         if self._weight_marks:
             self._sync_written_weights()
         if not self._active_in_scan_order:
-            ptrs = [p.grad.data_ptr() for p in self._active]
+            ptrs = [self._grad_of(p).data_ptr() for p in self._active]
         if ptrs != self._grad_ptrs:
             # Checked by the scan: only the pointers move (no import of each tensor, no reference kept).
             self._engine.set_grad_pointers(ptrs)
@@ -706,7 +755,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             key, ptrs = self._scan()
         except Exception as e:  # raised below, once every rank knows
             error = e
-        replan = error is None and (key != self._engine_key or self._engine is None)
+        replan = error is None and (key != self._engine_key or self._engine is None or self._stale_initial_state())
         scale_bits = -1 if scale is None else int(np.float64(scale).view(np.int64))
         rows = _exchange(self.communicator, [error is not None, replan, found_inf, bool(ptrs), scale_bits])
         failed = _failed_ranks(rows)
@@ -742,9 +791,9 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                                "off on every rank")
         return key, ptrs, any(row[1] for row in rows)
 
-    @staticmethod
-    def _check_grad(p: torch.Tensor) -> torch.Tensor:
-        """A gradient the fast check did not pass: the precise error, or a contiguous copy."""
+    def _check_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """A gradient the fast check did not pass: the precise error, or a contiguous copy of
+        it for this step (p.grad stays the caller's tensor, as torch leaves it)."""
         g = p.grad
         if g.is_sparse:
             raise RuntimeError("stepfuse.torch does not support sparse gradients")
@@ -761,8 +810,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             raise ValueError("stepfuse.torch: a param is not contiguous (the fused step reads params as flat "
                              "buffers)")
         if not g.is_contiguous():
-            p.grad = g = g.contiguous()  # the fused step reads flat buffers
+            g = self._flat_grads[p] = g.contiguous()  # the fused step reads flat buffers
         return g
+
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The gradient the engine reads for p this step (a contiguous copy made by the scan, or p.grad)."""
+        return self._flat_grads.get(p, p.grad) if self._flat_grads else p.grad
 
     def _replan(self, key: Any) -> None:
         """Builds the engine over the params that have gradients, carrying every
@@ -785,7 +838,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             self._cpp_groups, self._active, self._grad_ptrs, self._group_values = [], [], [], []
             self._engine_key = key
             return
-        groups = [([(p.detach(), p.grad) for p in g.params], self._engine_config(g),
+        groups = [([(p.detach(), self._grad_of(p)) for p in g.params], self._engine_config(g),
                    self.param_groups[g.torch_group].get("state_format")) for g in cpp_groups]
         device = cpp_groups[0].params[0].device
         # Stochastic rounding needs a bfloat16 param among the engine's: a step whose only
@@ -842,7 +895,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._active = active
         scan_order = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         self._active_in_scan_order = len(scan_order) == len(active) and all(a is b for a, b in zip(scan_order, active))
-        self._grad_ptrs = [p.grad.data_ptr() for p in active]
+        self._grad_ptrs = [self._grad_of(p).data_ptr() for p in active]
         self._group_values = [None] * len(cpp_groups)
         self._engine_key = key
         self._import_views()
@@ -1072,6 +1125,20 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                         st["step"] = torch.tensor(float(cg.step), dtype=torch.float32)
         if self._has_derived_state:
             self._refresh_derived_state()
+
+    # Whether a param's first state comes from its group's hyperparameters (Rprop's
+    # step_size starts at the lr of its first step).
+    _initial_state_from_config = False
+
+    def _stale_initial_state(self) -> bool:
+        """Whether an engine group that has not applied a step yet (its state is still the
+        initial one, set at the plan: a first step the scaler skipped) has hyperparameters
+        that changed since, which its initial state depends on: then the step re-plans, so
+        that the state starts from the hyperparameters of the first applied step, as torch's."""
+        if not self._initial_state_from_config or self._engine is None:
+            return False
+        return any(cg.step == 0 and self._engine_values_key(cg) != self._group_values[g]
+                   for g, cg in enumerate(self._cpp_groups))
 
     def _push_hyperparameters(self) -> None:
         engine = self._engine
