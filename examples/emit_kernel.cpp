@@ -68,7 +68,8 @@ std::string launcher_header(const UpdateProgram& program, const stepfuse::Emitte
   h += "};\nstatic const sf_tensor emitted_tensors[EMITTED_NUM_TENSORS] = {\n";
   for (const sf_tensor& x : t.tensors)
     h += "  {0, 0, 0, " + std::to_string(x.state_offset) + ", " + std::to_string(x.numel) + ", " + std::to_string(x.first_chunk) +
-         ", " + std::to_string(x.num_chunks) + ", " + std::to_string(x.combo) + ", " + std::to_string(x.group) + ", 0},\n";
+         ", " + std::to_string(x.num_chunks) + ", " + std::to_string(x.combo) + ", " + std::to_string(x.group) + ", 0, " +
+         std::to_string(x.model_index) + ", 0},\n";
   h += "};\nstatic const sf_span emitted_chunks[EMITTED_NUM_CHUNKS] = {\n";
   for (const sf_span& c : t.chunks)
     h += "  {" + std::to_string(c.begin) + ", " + std::to_string(c.tensor) + ", " + std::to_string(c.len) + "},\n";

@@ -890,7 +890,9 @@ TEST_F(EmulatedStep, NadamUnderABeta1ScheduleMatchesTheCpu) {
     const OptimizerConfig c = optim::NAdam{.lr = 1e-2, .beta1 = 0.85 + 0.02 * (k % 4), .momentum_decay = 4e-3 * (k + 1)};
     p.cpu.set_config(0, c);
     p.dev.set_config(0, c, p.cpu.nadam_mu_product_offset(0));
-    if (k > 0) EXPECT_NE(p.cpu.nadam_mu_product_offset(0), 0.0);
+    if (k > 0) {
+      EXPECT_NE(p.cpu.nadam_mu_product_offset(0), 0.0);
+    }
     draw_step_compare(model, rng, p, 0.5, k % 2 ? 1.0 : 512.0, "step " + std::to_string(k + 1));
   }
 }

@@ -16,7 +16,7 @@ constexpr Program make_adadelta() {
   const Stream acc_delta = b.stream("acc_delta", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  g = b.add(g, b.mul(b.scalar("weight_decay"), p));
+  g = l2_decayed(b, g, p, "weight_decay");
   const Value rho = b.scalar("rho"), one_minus_rho = b.scalar("one_minus_rho"), eps = b.scalar("eps");
   const Value sq = b.add(b.mul(b.load(square_avg), rho), b.mul(b.mul(one_minus_rho, g), g));
   b.store(square_avg, sq);

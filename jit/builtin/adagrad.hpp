@@ -16,7 +16,7 @@ constexpr Program make_adagrad() {
   const Stream sum_stream = b.stream("sum", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  g = b.add(g, b.mul(b.scalar("weight_decay"), p));
+  g = l2_decayed(b, g, p, "weight_decay");
   const Value sum = b.add(b.load(sum_stream), b.mul(g, g));
   b.store(sum_stream, sum);
   const Value std_dev = b.add(b.sqrt(sum), b.scalar("eps"));

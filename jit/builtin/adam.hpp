@@ -20,7 +20,7 @@ constexpr Program make_adam(bool amsgrad) {
   const Stream exp_avg_sq = b.stream("exp_avg_sq", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  g = b.add(g, b.mul(b.scalar("l2"), p));
+  g = l2_decayed(b, g, p, "l2");
   const Value decayed = b.mul(p, b.scalar("decay"));
   const Value m = b.add(b.mul(b.scalar("beta1"), b.load(exp_avg)), b.mul(b.scalar("one_minus_beta1"), g));
   Value v = b.add(b.mul(b.scalar("beta2"), b.load(exp_avg_sq)), b.mul(b.scalar("one_minus_beta2"), b.mul(g, g)));

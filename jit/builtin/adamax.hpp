@@ -17,7 +17,7 @@ constexpr Program make_adamax() {
   const Stream exp_inf = b.stream("exp_inf", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  g = b.add(g, b.mul(b.scalar("weight_decay"), p));
+  g = l2_decayed(b, g, p, "weight_decay");
   const Value m = b.add(b.mul(b.scalar("beta1"), b.load(exp_avg)), b.mul(b.scalar("one_minus_beta1"), g));
   const Value u = b.max(b.add(b.abs(g), b.scalar("eps")), b.mul(b.load(exp_inf), b.scalar("beta2")));
   b.store(exp_avg, m);

@@ -17,7 +17,7 @@ constexpr Program make_asgd() {
   const Stream ax = b.stream("ax", StreamRole::state, 0.0f, StateValues::full_precision);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  g = b.add(g, b.mul(b.scalar("weight_decay"), p));
+  g = l2_decayed(b, g, p, "weight_decay");
   const Value updated = b.sub(b.mul(p, b.scalar("decay")), b.mul(b.scalar("eta"), g));
   b.store(param, updated);
   const Value a = b.load(ax);

@@ -15,6 +15,14 @@
 
 namespace stepfuse::jit {
 
+// PyTorch's L2 weight decay, g + wd * p, added only where the scalar `wd` is not 0, as
+// PyTorch adds it only then: at 0 an inf weight stays inf rather than turning g into
+// NaN through 0 * inf.
+constexpr Value l2_decayed(ProgramBuilder& b, Value g, Value p, std::string_view wd_name) {
+  const Value wd = b.scalar(wd_name);
+  return b.select(wd, b.add(g, b.mul(wd, p)), g);
+}
+
 // Writes the rule of a per-step scalar by name into the program's scalar slots.
 // Names the program does not declare are ignored, so one definition serves
 // every variant. Evaluating a rule (jit/step_scalars.h) gives a double that is

@@ -18,7 +18,7 @@ constexpr Program make_rmsprop(bool centered, bool momentum) {
   const Stream square_avg = b.stream("square_avg", StreamRole::state, 0.0f, StateValues::nonnegative);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  g = b.add(g, b.mul(b.scalar("weight_decay"), p));
+  g = l2_decayed(b, g, p, "weight_decay");
   const Value alpha = b.scalar("alpha"), one_minus_alpha = b.scalar("one_minus_alpha");
   const Value sq = b.add(b.mul(alpha, b.load(square_avg)), b.mul(one_minus_alpha, b.mul(g, g)));
   b.store(square_avg, sq);

@@ -15,7 +15,7 @@ constexpr Program make_sgd(bool momentum, bool nesterov) {
   const Stream param = b.stream("param", StreamRole::param);
   const Value p = b.load(param);
   Value g = b.mul(b.load(grad), b.scalar("gscale"));
-  g = b.add(g, b.mul(b.scalar("weight_decay"), p));
+  g = l2_decayed(b, g, p, "weight_decay");
   if (momentum) {
     const Stream buf_stream = b.stream("momentum_buffer", StreamRole::state);
     // On the first step buf_momentum = 0 and buf_grad_coef = 1, so buf = g exactly.

@@ -178,3 +178,22 @@ def test_a_non_contiguous_gradient_is_read_anew_every_step(util):
         oopt.step()
         assert ours[0].grad.data_ptr() == obuf.data_ptr()
         util.assert_params_close(ours, ref, where=f"step {step}:")
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax",
+                                  "Adadelta", "Rprop", "ASGD"])
+def test_an_inf_weight_stays_inf_without_weight_decay(util, name):
+    """torch adds weight_decay * p to the gradient only when weight_decay != 0: at 0 an inf
+    weight stays inf (0 * inf would be NaN) and the other weights step as usual."""
+    ref = [torch.nn.Parameter(torch.tensor([float("inf"), -float("inf"), 1.0, 2.0]))]
+    ours = util.clone_params(ref)
+    kwargs = dict(weight_decay=0.0) if name != "Rprop" else {}
+    if name == "SGD":
+        kwargs["momentum"] = 0.9
+    topt, oopt = getattr(torch.optim, name)(ref, **kwargs), getattr(sft, name)(ours, **kwargs)
+    for step in range(3):
+        for params, opt in ((ref, topt), (ours, oopt)):
+            params[0].grad = torch.tensor([0.0, 0.0, 1.0, -1.0 - step])
+            opt.step()
+        torch.testing.assert_close(ours[0], ref[0], equal_nan=True, msg=f"{name} step {step}")
+        assert not torch.isnan(ours[0]).any()
