@@ -197,3 +197,41 @@ def test_an_inf_weight_stays_inf_without_weight_decay(util, name):
             opt.step()
         torch.testing.assert_close(ours[0], ref[0], equal_nan=True, msg=f"{name} step {step}")
         assert not torch.isnan(ours[0]).any()
+
+
+def test_loaded_state_that_torch_refuses_or_casts(util):
+    """A loaded state without 'step' (for an optimizer that counts steps) is a KeyError at
+    the step, as torch's; a stream that is not a tensor a TypeError (torch: an error too);
+    an integer stream is taken as its values, as torch casts it."""
+    def loaded(edit):
+        p = torch.nn.Parameter(torch.ones(4))
+        saver = sft.Adam([torch.nn.Parameter(torch.ones(4))])
+        saver.param_groups[0]["params"][0].grad = torch.ones(4)
+        saver.step()
+        sd = copy.deepcopy(saver.state_dict())
+        edit(sd["state"][0])
+        opt = sft.Adam([p])
+        opt.load_state_dict(sd)
+        p.grad = torch.ones(4)
+        return opt, p
+
+    opt, _ = loaded(lambda st: st.pop("step"))
+    with pytest.raises(KeyError, match="no 'step'"):
+        opt.step()
+    opt, _ = loaded(lambda st: st.__setitem__("exp_avg", 0.5))
+    with pytest.raises(TypeError, match="'exp_avg' of a param is a float"):
+        opt.step()
+    opt, p = loaded(lambda st: st.__setitem__("exp_avg", torch.tensor([1, 2, 3, 4])))
+    saver = torch.optim.Adam([torch.nn.Parameter(torch.ones(4))])
+    saver.param_groups[0]["params"][0].grad = torch.ones(4)
+    saver.step()
+    sd = copy.deepcopy(saver.state_dict())
+    sd["state"][0]["exp_avg"] = torch.tensor([1, 2, 3, 4])
+    ref = torch.nn.Parameter(torch.ones(4))
+    topt = torch.optim.Adam([ref])
+    topt.load_state_dict(sd)
+    ref.grad = torch.ones(4)
+    opt.step()
+    topt.step()
+    torch.testing.assert_close(p, ref)
+    assert opt.state[p]["exp_avg"].dtype == torch.float32

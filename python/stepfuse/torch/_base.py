@@ -612,8 +612,10 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                     dtype = torch.bfloat16
                 elif v.is_floating_point():
                     dtype = torch.float32
-                else:
+                elif v.dtype == torch.uint8:  # q8 codes
                     dtype = v.dtype
+                else:
+                    continue  # (other integers: torch's cast to the param's dtype stands)
                 loaded = st.get(k)
                 if not isinstance(loaded, torch.Tensor) or loaded.dtype != dtype:
                     st[k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
@@ -944,8 +946,13 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             return 0
         step = st.get("step")
         if step is None:
+            stepped = any(isinstance(v, torch.Tensor) for v in st.values())
+            if stepped and self._has_step():
+                # (torch's step fails on such a state too: KeyError 'step')
+                raise KeyError(f"stepfuse.torch: the state of a param has {sorted(st)} but no 'step' (a "
+                               f"{type(self).__name__} state counts its steps: the state dict loaded lacks them)")
             # SGD keeps no step: a momentum buffer means the first step is behind it.
-            return 1 if any(isinstance(v, torch.Tensor) for v in st.values()) else 0
+            return 1 if stepped else 0
         return int(_as_float(step))
 
     @staticmethod
@@ -964,8 +971,11 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         tensor for f32, bfloat16 for bf16, uint8 codes with st[name + "_absmax"] for q8);
         otherwise its values, decoded when stored as q8, encoded as a step stores them."""
         src = st.get(name)
-        if not isinstance(src, torch.Tensor):
+        if src is None:
             return
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(f"stepfuse.torch: state '{name}' of a param is a {type(src).__name__}, not a tensor of "
+                            f"the param's shape {tuple(p.shape)}")
         _check_state_size(name, src, p)
         fmt = self._engine_format(engine, i, name)
         if fmt is None:
@@ -989,6 +999,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             if fmt == "bf16" and src.dtype == torch.bfloat16:
                 _copy_bytes_into(engine.state_storage(i, name), src)
                 return
+            values = src.detach().to(torch.float32).reshape(-1).cpu().numpy()
+        elif src.dtype != torch.bool and not src.is_complex():  # integers: their values, as torch casts them
             values = src.detach().to(torch.float32).reshape(-1).cpu().numpy()
         else:
             raise TypeError(f"stepfuse.torch: state '{name}' of a param has dtype {src.dtype} (a state tensor is "
