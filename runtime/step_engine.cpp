@@ -558,6 +558,32 @@ void StepEngine::set_config(std::size_t group, const OptimizerConfig& config) {
   backend_->set_rules(rules_scratch_.data());
   groups_[group].config = config;
   std::swap(rules_, rules_scratch_);
+  follow_initial_state(group, config);
+}
+
+void StepEngine::follow_initial_state(std::size_t group, const OptimizerConfig& config) {
+  if (custom_ || cuda_ != nullptr) return;
+  StepPrograms::Group& pg = programs_.groups[group];
+  const Program& program = *pg.program;
+  for (int s = 0; s < program.num_streams; ++s) {
+    const float init = jit::initial_state_value(config, program, s);
+    if (program.streams[s].role != StreamRole::state || std::memcmp(&init, &pg.state_init[s], sizeof init) == 0)
+      continue;
+    if (group_step_count(group) != 0) return;  // stepped: the state is its own now
+    const int buffer = state_stream(program.streams[s].name);
+    for (std::size_t i = groups_[group].begin; i < groups_[group].end; ++i) {
+      if (!has_state(i, buffer)) continue;
+      const StateSlot slot = state_slot(i, buffer);
+      const auto n = static_cast<std::size_t>(params_[i].weight.numel);
+      if (slot.format == StateFormat::f32) {
+        std::fill_n(static_cast<float*>(slot.data), n, init);
+      } else {
+        const std::vector<float> values(n, init);
+        cpu::HostBuffers::encode(values.data(), slot, 0, n);
+      }
+    }
+    pg.state_init[s] = init;
+  }
 }
 
 void StepEngine::check_config(std::size_t group, const OptimizerConfig& config) const {

@@ -379,6 +379,37 @@ TEST(StateFormats, SkippedStepsLeaveTheStoredStateUntouched) {
   }
 }
 
+// Rprop's step_size starts at the lr of the first step, as PyTorch's: an lr set after
+// construction but before any applied step (a warmup, a first step skipped) is where it
+// starts, in every state format; once stepped, the state is its own.
+TEST(StateFormats, RpropStepSizeStartsAtTheLrOfTheFirstAppliedStep) {
+  for (StateFormat format : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
+    SCOPED_TRACE(std::string(state_format_name(format)));
+    Model a(kTensors), b(kTensors);
+    Optimizer late(optim::Rprop{.lr = 1e-2}, a.params, format_options(format));
+    Optimizer fresh(optim::Rprop{.lr = 2e-3}, b.params, format_options(format));
+    static_cast<float*>(a.params.back().grad.data)[3] = INFINITY;
+    EXPECT_FALSE(late.step_scaled(64.0).applied);  // skipped: no step yet
+    static_cast<float*>(a.params.back().grad.data)[3] = static_cast<float*>(b.params.back().grad.data)[3];
+    late.set_lr(2e-3);
+    for (std::size_t p = 0; p < late.num_params(); ++p) {
+      const auto x = late.state_storage(p, "step_size"), y = fresh.state_storage(p, "step_size");
+      EXPECT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << "param " << p;
+    }
+    for (int step = 0; step < 3; ++step) {
+      a.regrad(step);
+      b.regrad(step);
+      late.step_scaled(64.0);
+      fresh.step_scaled(64.0);
+      late.set_lr(0.5);  // after a step: the state is the step's
+      fresh.set_lr(0.5);
+    }
+    EXPECT_EQ(a.flat(), b.flat());
+    for (std::size_t p = 0; p < late.num_params(); ++p)
+      EXPECT_EQ(late.state_values(p, "step_size"), fresh.state_values(p, "step_size")) << "param " << p;
+  }
+}
+
 TEST(StateFormats, ChoosingFormats) {
   Model m(kTensors);
   // The blanket format, a per-stream override, and q8 only from min_q8_numel elements.

@@ -61,11 +61,16 @@ struct Adadelta {
   bool maximize = false;
 };
 // torch.optim.Rprop: etas = (eta_minus, eta_plus), step_sizes = (step_size_min, step_size_max).
+// The step_size state starts at the lr of the first applied step (an lr set before it
+// is where it starts, as in PyTorch; on the CPU), then follows its own rule.
 struct Rprop {
   double lr = 1e-2, eta_minus = 0.5, eta_plus = 1.2, step_size_min = 1e-6, step_size_max = 50;
   bool maximize = false;
 };
-// torch.optim.ASGD
+// torch.optim.ASGD. One difference: a step's eta here comes from this step's lr, where
+// PyTorch's step uses the eta its previous step computed (from the previous lr), so an
+// lr change takes effect one step earlier here. (stepfuse.torch.ASGD hands the engine
+// the lr that gives PyTorch's eta.)
 struct ASGD {
   double lr = 1e-2, lambd = 1e-4, alpha = 0.75, t0 = 1e6, weight_decay = 0;
   bool maximize = false;

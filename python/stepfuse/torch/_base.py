@@ -720,7 +720,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         the ranks skip the step (``found_inf``, torch.amp.GradScaler's, on some rank)."""
         if self.communicator is None:
             key, ptrs = self._scan()
-            replan = key != self._engine_key or self._engine is None or self._stale_initial_state()
+            replan = key != self._engine_key or self._engine is None
         else:
             agreed = self._agree_on_step(found_inf, scale)
             if agreed is None:
@@ -757,7 +757,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
             key, ptrs = self._scan()
         except Exception as e:  # raised below, once every rank knows
             error = e
-        replan = error is None and (key != self._engine_key or self._engine is None or self._stale_initial_state())
+        replan = error is None and (key != self._engine_key or self._engine is None)
         scale_bits = -1 if scale is None else int(np.float64(scale).view(np.int64))
         rows = _exchange(self.communicator, [error is not None, replan, found_inf, bool(ptrs), scale_bits])
         failed = _failed_ranks(rows)
@@ -1137,20 +1137,6 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                         st["step"] = torch.tensor(float(cg.step), dtype=torch.float32)
         if self._has_derived_state:
             self._refresh_derived_state()
-
-    # Whether a param's first state comes from its group's hyperparameters (Rprop's
-    # step_size starts at the lr of its first step).
-    _initial_state_from_config = False
-
-    def _stale_initial_state(self) -> bool:
-        """Whether an engine group that has not applied a step yet (its state is still the
-        initial one, set at the plan: a first step the scaler skipped) has hyperparameters
-        that changed since, which its initial state depends on: then the step re-plans, so
-        that the state starts from the hyperparameters of the first applied step, as torch's."""
-        if not self._initial_state_from_config or self._engine is None:
-            return False
-        return any(cg.step == 0 and self._engine_values_key(cg) != self._group_values[g]
-                   for g, cg in enumerate(self._cpp_groups))
 
     def _push_hyperparameters(self) -> None:
         engine = self._engine

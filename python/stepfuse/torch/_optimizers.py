@@ -329,7 +329,6 @@ class Rprop(_TorchLike):
     """torch.optim.Rprop, fused."""
 
     _torch_class = torch.optim.Rprop
-    _initial_state_from_config = True  # step_size starts at the lr
 
     def __init__(self, params: Any, lr: Any = 1e-2, etas: Tuple[float, float] = (0.5, 1.2),
                  step_sizes: Tuple[float, float] = (1e-6, 50), *, capturable: bool = False,
