@@ -205,10 +205,10 @@ bool GradScaler::step(Optimizer& opt) {
   }
   pull();
   last_stepped_ = nullptr;
-  if (s.stage == Stage::ready && current_scale_ == 0.0f) {
-    // A scale that backed off to 0 (about 150 non-finite steps in a row in fp32): every
-    // gradient would unscale to inf or NaN, so the step is skipped, as PyTorch's scaler
-    // skips it, and writes nothing.
+  if (s.stage == Stage::ready && !std::isfinite(static_cast<float>(1.0 / static_cast<double>(current_scale_)))) {
+    // A scale that backed off below 2^-128 or to 0 (some 145 non-finite steps in a row
+    // from 65536): its fp32 reciprocal overflows, every gradient would unscale to inf or
+    // NaN, so the step is skipped and writes nothing.
     last_result_ = StepResult{};
     last_result_.found_inf = true;
     last_result_.grad_norm = INFINITY;

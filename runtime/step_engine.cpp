@@ -646,7 +646,9 @@ void StepEngine::connect_shard() {
 }
 
 const StepResult& StepEngine::step(double loss_scale, bool scaled) {
-  if (!(std::isfinite(loss_scale) && loss_scale > 0)) {
+  // (A scale whose fp32 reciprocal overflows, below about 2^-128, would unscale every
+  // gradient to inf: refused like 0.)
+  if (!(std::isfinite(loss_scale) && loss_scale > 0 && std::isfinite(static_cast<float>(1.0 / loss_scale)))) {
     // Sharded: the other ranks are in (or on their way to) the step's collective.
     // If even that fails (a transport error), the loss scale is still the Error to report.
     if (shard_ && (scaled || options_.max_grad_norm || options_.track_grad_norm)) {
@@ -658,7 +660,8 @@ const StepResult& StepEngine::step(double loss_scale, bool scaled) {
       } catch (const std::exception&) {
       }
     }
-    bad_argument("step: loss_scale = " + format_number(loss_scale) + " (must be finite and > 0)");
+    bad_argument("step: loss_scale = " + format_number(loss_scale) +
+                 " (must be finite and > 0, at least 2^-128, whose reciprocal is an fp32 number)");
   }
   StepRequest request;
   request.loss_scale = loss_scale;

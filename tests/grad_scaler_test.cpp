@@ -661,7 +661,7 @@ TEST(GradScalerDoc, ScaleBackedOffToZeroSkipsEveryStep) {
     ++backoffs;
   }
   ASSERT_EQ(s.get_scale(), 0.0);
-  EXPECT_EQ(backoffs, 150);  // 2^-149, the smallest fp32, halves to 0
+  EXPECT_EQ(backoffs, 150);  // 2^-149, the smallest fp32, halves to 0 (the steps from 2^-128 on skipped unread)
   n.set_grads(7, 1.0);
   const Snapshot before = capture(n);
   for (int k = 0; k < 3; ++k) {  // clean gradients, and more than growth_interval of them
@@ -679,6 +679,13 @@ TEST(GradScalerDoc, ScaleBackedOffToZeroSkipsEveryStep) {
   EXPECT_FALSE(t.step(n.opt));
   t.update(1024.0);  // a scale set by hand starts over
   EXPECT_EQ(t.get_scale(), 1024.0);
+  // Not yet 0 but below 2^-128: the fp32 reciprocal overflows, the step skips the same way.
+  t.update(0x1p-130);
+  n.set_grads(8, 1.0);
+  const Snapshot tiny = capture(n);
+  EXPECT_FALSE(t.step(n.opt));
+  EXPECT_TRUE(t.last_step_result().found_inf);
+  expect_same(tiny, capture(n));
 }
 
 // Header: "multiplies the scale by growth_factor (kept only if the result is finite)" —

@@ -84,9 +84,9 @@ class GradScaler {
   // waits for the outcome. After unscale_(opt) it does not unscale again and
   // skips if unscale_ found inf/NaN (or the gradients are not finite now). A second step() for the same optimizer before
   // update() is Error(invalid_state). Disabled: a plain opt.step(). A scale that
-  // backed off to 0 (about 150 skipped steps in a row from 1.0: the fp32 scale
-  // underflows) skips every step with found_inf, as PyTorch's scaler does, until
-  // update(new_scale) sets one (on the CPU; a GPU's device scale is not checked).
+  // backed off below 2^-128 or to 0 (some 145 skipped steps in a row from 65536),
+  // whose fp32 reciprocal overflows, skips every step with found_inf, writing nothing,
+  // until update(new_scale) sets one (on the CPU; a GPU's device scale is not checked).
   // Returns whether the step was applied.
   bool step(Optimizer& opt);
 

@@ -399,7 +399,8 @@ STEPFUSE_API void sf_optimizer_destroy(sf_optimizer* opt);
  * writes weights, state and masters; allocates nothing. With max_grad_norm, clips
  * first and skips on non-finite gradients. On a GPU: enqueued, does not wait. */
 STEPFUSE_API sf_status sf_optimizer_step(sf_optimizer* opt);
-/* One step on gradients scaled by loss_scale (finite, > 0): unscale, inf/NaN check,
+/* One step on gradients scaled by loss_scale (finite, at least 2^-128: its fp32
+ * reciprocal is finite; else SF_INVALID_ARGUMENT): unscale, inf/NaN check,
  * clip, update in one reduce and one update pass; on non-finite gradients nothing is
  * written and the step count does not advance. result (may be NULL) gets what the
  * step did (pending on a GPU). */

@@ -538,10 +538,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
     def _step_scaled(self, scale: float, found_inf: bool = False) -> Optional[Any]:
         """A step on gradients scaled by ``scale``; returns the engine's StepResult (None: no grads,
         or sharded, a step skipped for a ``found_inf`` of some rank)."""
-        if scale == 0.0:
-            # A scale that backed off to 0 (about 150 non-finite steps in a row): every
-            # gradient would unscale to inf or NaN, so the step is skipped as torch's
-            # unscale_ path skips it (found_inf), writing nothing. Sharded, every rank agrees.
+        with np.errstate(over="ignore"):
+            reciprocal_overflows = scale == 0.0 or not np.isfinite(np.float32(1.0 / scale))
+        if reciprocal_overflows:
+            # A scale that backed off below 2^-128 or to 0 (some 145 non-finite steps in a row
+            # from 65536): its fp32 reciprocal overflows, every gradient would unscale to inf
+            # or NaN, so the step is skipped (found_inf), writing nothing. Sharded, every rank agrees.
             if self.communicator is not None:
                 self._prepare(True, scale)
             elif not any(p.grad is not None for group in self.param_groups for p in group["params"]):
