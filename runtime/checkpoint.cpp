@@ -586,7 +586,7 @@ void check_kind(const detail::SafetensorsFile& f, const detail::StepEngine& e) {
     const std::string* name = f.meta(group_key(0, "program"));
     mismatch(f.path(), "it holds " +
                            (kind == kCustomKind ? "a custom update program '" + (name ? *name : std::string("?")) + "'"
-                                                : "a " + kind + " optimizer") +
+                                                : "the state of " + kind) +
                            ", this one is " + kind_of(e));
   }
 }
@@ -815,7 +815,7 @@ ParsedOptimizer parse_container(const detail::CheckpointFile& file, const detail
   ParsedOptimizer out;
   const std::string kind = r.str(), program = r.str();
   if (kind != (custom ? kCustomKind : optimizer_name(e.config())))
-    mismatch(path, "it holds " + (kind == kCustomKind ? "a custom update program '" + program + "'" : "a " + kind + " optimizer") +
+    mismatch(path, "it holds " + (kind == kCustomKind ? "a custom update program '" + program + "'" : "the state of " + kind) +
                        ", this one is " + kind_of(e));
   if (program != e.program().name)
     mismatch(path, "it was saved from update program '" + program + "', this optimizer runs '" +

@@ -186,7 +186,8 @@ bool GradScaler::step(Optimizer& opt) {
   PerOptimizer& s = state_of(opt);
   if (s.stage == Stage::stepped)
     throw Error(ErrorCode::invalid_state,
-                "GradScaler::step: step() has already been called for this optimizer since the last update()");
+                "GradScaler::step: step() has already been called for this optimizer since the last update() "
+                "(call update() to end the iteration first)");
   if (s.stage == Stage::unscaling)
     throw Error(ErrorCode::invalid_state,
                 "GradScaler::step: unscale_() failed part-way for this optimizer (" + std::to_string(s.unscaled) +

@@ -145,23 +145,24 @@ void validate_bf16_option(const std::vector<Param>& params, const OptimizerOptio
 void validate_rounding(const std::vector<Param>& params, const OptimizerOptions& o, std::string_view optimizer) {
   if (!o.stochastic_rounding) return;
   const std::string at = std::string(optimizer) + ": OptimizerOptions::stochastic_rounding";
+  // (The weights first: without bf16 weights the master_weights advice would only lead to this error.)
+  validate_bf16_option(params, o, at, "stochastic_rounding", "stochastic rounding is", "round");
   if (o.master_weights)
     bad_argument(at + " is set with master_weights = true (the weights are then rounded from their fp32 masters, "
                       "to nearest; stochastic rounding is the alternative to masters: set master_weights = false)");
-  validate_bf16_option(params, o, at, "stochastic_rounding", "stochastic rounding is", "round");
 }
 
 // Compensated weights: bf16 weights without masters or stochastic rounding, and at least one of them.
 void validate_compensation(const std::vector<Param>& params, const OptimizerOptions& o, std::string_view optimizer) {
   if (!o.compensated_weights) return;
   const std::string at = std::string(optimizer) + ": OptimizerOptions::compensated_weights";
+  validate_bf16_option(params, o, at, "compensated_weights", "compensated weights are", "compensate");
   if (o.master_weights)
     bad_argument(at + " is set with master_weights = true (a bf16 compensation replaces the fp32 master: "
                       "set master_weights = false, or leave compensated_weights off to keep masters)");
   if (o.stochastic_rounding)
     bad_argument(at + " is set with stochastic_rounding = true (the compensation keeps what rounding to nearest "
                       "loses; choose one of the two)");
-  validate_bf16_option(params, o, at, "compensated_weights", "compensated weights are", "compensate");
 }
 
 std::string stream_name(const void* stream) {

@@ -430,7 +430,7 @@ TEST(ShardedCheckpoint, ASetThatDoesNotFitMakesEveryRankThrowAndNothingChanges) 
   RunSetup adamw = s;
   adamw.config = optim::AdamW{};
   expect_refused_everywhere(adamw, kSliced2, all(x), ErrorCode::invalid_argument,
-                            "checkpoint '" + x[0] + "' does not fit this optimizer: it holds a SGD optimizer, this one is AdamW");
+                            "checkpoint '" + x[0] + "' does not fit this optimizer: it holds the state of SGD, this one is AdamW");
   // Another program variant (momentum off): the pieces this rank takes say so.
   RunSetup plain = s;
   plain.config = optim::SGD{.lr = 0.05};

@@ -22,7 +22,9 @@ struct AdamW {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
   bool amsgrad = false, maximize = false;
 };
-// torch.optim.Adagrad
+// torch.optim.Adagrad. Each param group's sum starts from its own config's
+// initial_accumulator_value (PyTorch's from the constructor's, in every group; stepfuse.torch
+// passes that one).
 struct Adagrad {
   double lr = 1e-2, lr_decay = 0, weight_decay = 0, initial_accumulator_value = 0, eps = 1e-10;
   bool maximize = false;

@@ -309,8 +309,10 @@ class Optimizer {
   void set_scalar_rule(std::string_view name, ScalarRule rule);
 
   std::int64_t step_count() const;  // steps applied (skipped steps do not count)
-  // Norm of the unscaled grads seen by the last step; +inf when they were not finite;
-  // NaN when the step computed none (a plain step without clipping or track_grad_norm,
+  // Norm of the unscaled grads seen by the last step; +inf when the step was skipped for
+  // non-finite ones (a loss-scaled or clipping step); a plain step with track_grad_norm,
+  // which does not check, reports their norm as it is (inf, or NaN for a NaN gradient,
+  // as torch.nn.utils.clip_grad_norm_ returns it); NaN when the step computed none (a plain step without clipping or track_grad_norm,
   // or an unfused step without clipping: the eager baseline runs no norm pass then).
   double last_grad_norm() const;
   const StepResult& last_result() const;

@@ -57,8 +57,14 @@ class Checker {
     if (!std::isfinite(v)) fail(name, v, "must be finite");
   }
   [[noreturn]] void fail(std::string_view name, double v, const std::string& rule) const {
-    throw Error(ErrorCode::invalid_argument, std::string(optimizer_) + ": invalid " + std::string(name) + " = " +
-                                                 text(v) + " (" + rule + ")");
+    fail_text(name, text(v), rule);
+  }
+  [[noreturn]] void fail(std::string_view name, bool v, const std::string& rule) const {
+    fail_text(name, v ? "true" : "false", rule);
+  }
+  [[noreturn]] void fail_text(std::string_view name, const std::string& v, const std::string& rule) const {
+    throw Error(ErrorCode::invalid_argument,
+                std::string(optimizer_) + ": invalid " + std::string(name) + " = " + v + " (" + rule + ")");
   }
   static std::string text(double v) { return detail::format_number(v); }
 

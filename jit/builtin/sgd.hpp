@@ -43,7 +43,7 @@ struct OptimizerTraits<optim::SGD> : TraitsDefaults {
     ck.at_least("momentum", c.momentum, 0.0);
     ck.at_least("dampening", c.dampening, -INFINITY);
     if (c.nesterov && (c.momentum <= 0 || c.dampening != 0))
-      ck.fail("nesterov", 1.0, "Nesterov momentum requires momentum > 0 and dampening = 0; got momentum = " +
+      ck.fail("nesterov", true, "Nesterov momentum requires momentum > 0 and dampening = 0; got momentum = " +
                                    Checker::text(c.momentum) + ", dampening = " + Checker::text(c.dampening));
   }
 

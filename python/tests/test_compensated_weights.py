@@ -196,6 +196,8 @@ def test_binding_refuses_what_it_cannot_compensate():
         stepfuse.Optimizer(stepfuse.SGD(), [bf, f16], master_weights=False, compensated_weights=True)
     with pytest.raises(ValueError, match="compensated_weights is set but no param has bf16 weights"):
         stepfuse.Optimizer(stepfuse.SGD(), [f32], master_weights=False, compensated_weights=True)
+    with pytest.raises(ValueError, match="compensated_weights is set but no param has bf16 weights"):
+        stepfuse.Optimizer(stepfuse.SGD(), [f32], compensated_weights=True)
     with pytest.raises(ValueError, match="compensated_weights is set with master_weights = true"):
         stepfuse.Optimizer.from_groups([([bf], stepfuse.SGD())], compensated_weights=True)
     # f32 weights beside bf16 ones are fine.

@@ -186,6 +186,9 @@ def test_binding_refuses_what_it_cannot_round():
         stepfuse.Optimizer(stepfuse.SGD(), [bf, f16], master_weights=False, stochastic_rounding=True)
     with pytest.raises(ValueError, match="stochastic_rounding is set but no param has bf16 weights"):
         stepfuse.Optimizer(stepfuse.SGD(), [f32], master_weights=False, stochastic_rounding=True)
+    # (the weights first: master_weights=False would not help these)
+    with pytest.raises(ValueError, match="stochastic_rounding is set but no param has bf16 weights"):
+        stepfuse.Optimizer(stepfuse.SGD(), [f32], stochastic_rounding=True)
     with pytest.raises(ValueError, match="stochastic_rounding is set with master_weights = true"):
         stepfuse.Optimizer.from_groups([([bf], stepfuse.SGD())], stochastic_rounding=True)
     # f32 weights beside bf16 ones are fine; the seed alone changes nothing.
