@@ -235,3 +235,9 @@ def test_loaded_state_that_torch_refuses_or_casts(util):
     topt.step()
     torch.testing.assert_close(p, ref)
     assert opt.state[p]["exp_avg"].dtype == torch.float32
+
+
+def test_adagrad_share_memory_says_it_cannot():
+    opt = sft.Adagrad([torch.nn.Parameter(torch.ones(3))])
+    with pytest.raises(NotImplementedError, match="share_memory"):
+        opt.share_memory()

@@ -145,6 +145,12 @@ class Adagrad(_TorchLike):
                                  "sum": torch.full_like(p, _as_float(initial_accumulator_value),
                                                         memory_format=torch.preserve_format)}
 
+    def share_memory(self) -> None:
+        """torch.optim.Adagrad.share_memory() (Hogwild training across processes): not possible here."""
+        raise NotImplementedError("stepfuse.torch.Adagrad: share_memory() is not supported: the state lives in the "
+                                  "engine's buffers, which cannot move to shared memory (Hogwild-style training "
+                                  "across processes needs torch.optim.Adagrad)")
+
     def _config(self, g: Dict[str, Any]) -> Any:
         return _sf.Adagrad(lr=_as_float(g["lr"]), lr_decay=_as_float(g["lr_decay"]),
                            weight_decay=_as_float(g["weight_decay"]),
