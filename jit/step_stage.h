@@ -48,13 +48,17 @@ SF_HD static inline double sf_clip_coef(double max_grad_norm, double grad_norm) 
  *                 (a plain step without clipping does not check, as in PyTorch)
  *   norm          norm of the gradients as stored (still multiplied by loss_scale);
  *                 NaN when the reduce pass did not run
- *   loss_scale    S > 0, finite (1 for a plain step)
+ *   loss_scale    S > 0, finite (1 for a plain step); a step with check_finite on a scale
+ *                 whose fp32 reciprocal overflows is skipped
  *   max_grad_norm the clip threshold, or 0 for no clipping
  *   steps_done    steps applied before this one */
 SF_HD static inline sf_stage sf_step_stage(int found_inf, int check_finite, double norm, double loss_scale,
                                            double max_grad_norm, long long steps_done) {
   sf_stage s;
-  if (found_inf && check_finite) {
+  /* A scale whose fp32 reciprocal overflows (2^-128 and below, or 0: a GradScaler's scale
+   * backed off that far) would unscale every gradient to inf or NaN: skipped as non-finite. */
+  const int unscalable = !(loss_scale > 0.0) || !((float)(1.0 / loss_scale) - (float)(1.0 / loss_scale) == 0.0f);
+  if ((found_inf || unscalable) && check_finite) {
     s.applied = 0;
     s.grad_norm = sf_positive_inf();
     s.clip_coef = 1.0;

@@ -207,7 +207,7 @@ bool GradScaler::step(Optimizer& opt) {
   pull();
   last_stepped_ = nullptr;
   if (s.stage == Stage::ready && !std::isfinite(static_cast<float>(1.0 / static_cast<double>(current_scale_)))) {
-    // A scale that backed off below 2^-128 or to 0 (some 145 non-finite steps in a row
+    // A scale that backed off to 2^-128 or below, or to 0 (144 non-finite steps in a row
     // from 65536): its fp32 reciprocal overflows, every gradient would unscale to inf or
     // NaN, so the step is skipped and writes nothing.
     last_result_ = StepResult{};
@@ -339,7 +339,8 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   };
   // Validate everything, then assign: nothing changes on an Error.
   const double scale = get("scale"), growth = get("growth_factor"), backoff = get("backoff_factor");
-  if (scale != 0.0) check_scale("load_state_dict: scale", scale);  // 0: a scale that backed off to 0
+  if (!(scale == 0.0 && !std::signbit(scale)))
+    check_scale("load_state_dict: scale", scale);  // (+0: a scale that backed off to 0)
   check_growth_factor(growth);
   check_backoff_factor(backoff);
   const std::int64_t interval = integer("growth_interval", get("growth_interval"), 1, INT32_MAX);

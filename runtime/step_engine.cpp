@@ -15,6 +15,7 @@
 #include "jit/step_scalars.h"
 #include "jit/update_program_rules.hpp"
 #include "runtime/cpu/fused_backend.hpp"
+#include "runtime/cpu/q8.hpp"
 #include "runtime/cpu/unfused_backend.hpp"
 #include "stepfuse/cuda.hpp"
 #include "stepfuse/error.hpp"
@@ -562,8 +563,26 @@ void StepEngine::set_config(std::size_t group, const OptimizerConfig& config) {
   follow_initial_state(group, config);
 }
 
+namespace {
+// What `value` reads back as from a slot of this format, filled with it (a q8 block of it
+// alone: absmax value, every code 1.0).
+float stored_as(const StateSlot& like, float value) {
+  StateSlot probe = like;
+  alignas(64) std::byte bytes[cpu::kQ8Block * sizeof(float)];
+  float absmax = 0;
+  probe.data = bytes;
+  probe.absmax = &absmax;
+  std::vector<float> block(cpu::kQ8Block, value), back(cpu::kQ8Block);
+  cpu::HostBuffers::encode(block.data(), probe, 0, cpu::kQ8Block);
+  cpu::HostBuffers::decode(probe, 0, cpu::kQ8Block, back.data());
+  return back[0];
+}
+}  // namespace
+
 void StepEngine::follow_initial_state(std::size_t group, const OptimizerConfig& config) {
-  if (custom_ || cuda_ != nullptr) return;
+  // Rprop's step_size is PyTorch's one state set at the first step from a hyperparameter
+  // (Adagrad's sum takes initial_accumulator_value at construction: it does not follow).
+  if (custom_ || cuda_ != nullptr || !std::holds_alternative<optim::Rprop>(config)) return;
   StepPrograms::Group& pg = programs_.groups[group];
   const Program& program = *pg.program;
   for (int s = 0; s < program.num_streams; ++s) {
@@ -572,15 +591,40 @@ void StepEngine::follow_initial_state(std::size_t group, const OptimizerConfig& 
       continue;
     if (group_step_count(group) != 0) return;  // stepped: the state is its own now
     const int buffer = state_stream(program.streams[s].name);
+    const float old = pg.state_init[s];
     for (std::size_t i = groups_[group].begin; i < groups_[group].end; ++i) {
       if (!has_state(i, buffer)) continue;
       const StateSlot slot = state_slot(i, buffer);
       const auto n = static_cast<std::size_t>(params_[i].weight.numel);
       if (slot.format == StateFormat::f32) {
-        std::fill_n(static_cast<float*>(slot.data), n, init);
-      } else {
-        const std::vector<float> values(n, init);
-        cpu::HostBuffers::encode(values.data(), slot, 0, n);
+        float* v = static_cast<float*>(slot.data);
+        for (std::size_t j = 0; j < n; ++j)
+          if (std::memcmp(&v[j], &old, sizeof old) == 0) v[j] = init;
+        continue;
+      }
+      // bf16 or q8, in runs of whole q8 blocks through small buffers (set_lr allocates
+      // little): a bf16 element, or a q8 block every element of which, that still reads as
+      // the old value takes the new (a bf16 run is stored again whole: exact for the others).
+      const float old_stored = stored_as(slot, old);
+      constexpr std::size_t kRun = 64 * cpu::kQ8Block;
+      std::vector<float> run(std::min(n, kRun)), fresh(std::min(n, cpu::kQ8Block), init);
+      const auto is_old = [&](float x) { return std::memcmp(&x, &old_stored, sizeof x) == 0; };
+      for (std::size_t at = 0; at < n; at += kRun) {
+        const std::size_t m = std::min(kRun, n - at);
+        cpu::HostBuffers::decode(slot, at, m, run.data());
+        if (slot.format == StateFormat::bf16) {
+          bool any = false;
+          for (std::size_t j = 0; j < m; ++j)
+            if (is_old(run[j])) run[j] = init, any = true;
+          if (any) cpu::HostBuffers::encode(run.data(), slot, at, m);
+          continue;
+        }
+        for (std::size_t b = 0; b < m; b += cpu::kQ8Block) {
+          const std::size_t len = std::min(cpu::kQ8Block, m - b);
+          const auto first = run.begin() + static_cast<std::ptrdiff_t>(b);
+          if (std::all_of(first, first + static_cast<std::ptrdiff_t>(len), is_old))
+            cpu::HostBuffers::encode(fresh.data(), slot, at + b, len);
+        }
       }
     }
     pg.state_init[s] = init;
@@ -662,7 +706,7 @@ const StepResult& StepEngine::step(double loss_scale, bool scaled) {
       }
     }
     bad_argument("step: loss_scale = " + format_number(loss_scale) +
-                 " (must be finite and > 0, at least 2^-128, whose reciprocal is an fp32 number)");
+                 " (must be finite and above 2^-128: its fp32 reciprocal must be finite)");
   }
   StepRequest request;
   request.loss_scale = loss_scale;

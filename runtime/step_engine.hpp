@@ -92,7 +92,9 @@ class StepEngine {
   void check_config(std::size_t group, const OptimizerConfig& config) const;
   // A state whose first value comes from the config (Rprop's step_size starts at the lr)
   // takes the new config's until the group's first applied step, as PyTorch sets it at
-  // its first step. On the CPU; a CUDA optimizer keeps the first config's.
+  // its first step: the elements that still hold the old first value (those written
+  // since keep theirs; q8: the blocks whose every element does). On the CPU; a CUDA
+  // optimizer keeps the first config's.
   void follow_initial_state(std::size_t group, const OptimizerConfig& config);
   // The groups as ParamGroups (built-ins): what add_param_group rebuilds from.
   std::vector<ParamGroup> param_groups() const;

@@ -410,6 +410,26 @@ TEST(StateFormats, RpropStepSizeStartsAtTheLrOfTheFirstAppliedStep) {
   }
 }
 
+// ... but a step_size written before it (a restored state) stays as written; Adagrad's
+// sum, which PyTorch sets at construction, does not follow initial_accumulator_value.
+TEST(StateFormats, WrittenStateDoesNotFollowTheLr) {
+  for (StateFormat format : {StateFormat::f32, StateFormat::bf16, StateFormat::q8}) {
+    SCOPED_TRACE(std::string(state_format_name(format)));
+    Model a(kTensors);
+    Optimizer opt(optim::Rprop{.lr = 1e-2}, a.params, format_options(format));
+    const std::size_t big = opt.num_params() - 1;
+    const std::vector<float> written(static_cast<std::size_t>(a.params[big].weight.numel), 0.125f);
+    opt.set_state_values(big, "step_size", written);
+    const std::vector<float> before = opt.state_values(big, "step_size");
+    opt.set_lr(0.5);
+    EXPECT_EQ(opt.state_values(big, "step_size"), before);
+    EXPECT_EQ(opt.state_values(0, "step_size"), std::vector<float>(1, 0.5f));  // not written: follows
+    Optimizer ada(optim::Adagrad{.lr = 1e-2, .initial_accumulator_value = 0.25}, a.params, format_options(format));
+    ada.set_config(optim::Adagrad{.lr = 1e-2, .initial_accumulator_value = 2.0});
+    for (float x : ada.state_values(big, "sum")) ASSERT_EQ(x, 0.25f);
+  }
+}
+
 TEST(StateFormats, ChoosingFormats) {
   Model m(kTensors);
   // The blanket format, a per-stream override, and q8 only from min_q8_numel elements.

@@ -84,9 +84,10 @@ class GradScaler {
   // waits for the outcome. After unscale_(opt) it does not unscale again and
   // skips if unscale_ found inf/NaN (or the gradients are not finite now). A second step() for the same optimizer before
   // update() is Error(invalid_state). Disabled: a plain opt.step(). A scale that
-  // backed off below 2^-128 or to 0 (some 145 skipped steps in a row from 65536),
-  // whose fp32 reciprocal overflows, skips every step with found_inf, writing nothing,
-  // until update(new_scale) sets one (on the CPU; a GPU's device scale is not checked).
+  // backed off to 2^-128 or below, or to 0 (144 skipped steps in a row from 65536),
+  // whose fp32 reciprocal overflows, skips every step, writing nothing, until
+  // update(new_scale) sets one: with found_inf on the CPU (so the scale keeps backing
+  // off); on a GPU the device skips the step but counts it as a good one.
   // Returns whether the step was applied.
   bool step(Optimizer& opt);
 

@@ -33,7 +33,7 @@ namespace stepfuse {
 // is an fp32 value, as in Keras.
 class LossScaleOptimizer {
  public:
-  // Throws Error(invalid_argument) for initial_scale not finite and > 0 or
+  // Throws Error(invalid_argument) for initial_scale not finite and above 2^-128 or
   // dynamic_growth_steps < 1. `inner` must outlive this object.
   explicit LossScaleOptimizer(Optimizer& inner, bool dynamic = true, double initial_scale = 32768.0,
                               std::int64_t dynamic_growth_steps = 2000);

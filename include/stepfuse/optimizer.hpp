@@ -214,7 +214,7 @@ class Optimizer {
   // the step if they are not finite. Reads grads, writes weights and state.
   void step();
 
-  // One step on gradients scaled by `loss_scale` (finite, at least 2^-128 so that its
+  // One step on gradients scaled by `loss_scale` (finite and above 2^-128, so that its
   // fp32 reciprocal is finite; else Error(invalid_argument)): unscale, check
   // for inf/NaN, clip, update, in one reduce pass and one update pass. On
   // non-finite gradients nothing is written and step_count() does not advance.

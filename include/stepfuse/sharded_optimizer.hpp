@@ -147,7 +147,7 @@ class ShardedOptimizer {
   // finite; without it, a plain step that checks nothing). Returns the StepResult,
   // the same on every rank.
   StepResult step();
-  // One step on gradients scaled by loss_scale (> 0, finite; the same on every rank):
+  // One step on gradients scaled by loss_scale (finite, above 2^-128; the same on every rank):
   // as Optimizer::step_scaled on the averaged gradients. Inf/NaN in any rank's
   // gradients (or in the sum) skips the step on every rank: nothing is written.
   StepResult step_scaled(double loss_scale);

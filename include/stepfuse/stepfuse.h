@@ -399,7 +399,7 @@ STEPFUSE_API void sf_optimizer_destroy(sf_optimizer* opt);
  * writes weights, state and masters; allocates nothing. With max_grad_norm, clips
  * first and skips on non-finite gradients. On a GPU: enqueued, does not wait. */
 STEPFUSE_API sf_status sf_optimizer_step(sf_optimizer* opt);
-/* One step on gradients scaled by loss_scale (finite, at least 2^-128: its fp32
+/* One step on gradients scaled by loss_scale (finite and above 2^-128: its fp32
  * reciprocal is finite; else SF_INVALID_ARGUMENT): unscale, inf/NaN check,
  * clip, update in one reduce and one update pass; on non-finite gradients nothing is
  * written and the step count does not advance. result (may be NULL) gets what the
@@ -683,7 +683,7 @@ STEPFUSE_API void sf_loss_scale_optimizer_options_init_size(sf_loss_scale_optimi
   sf_loss_scale_optimizer_options_init_size((options), sizeof(sf_loss_scale_optimizer_options))
 /* Wraps `inner`, which it references and does NOT own: inner must outlive the
  * sf_loss_scale_optimizer (destroy this first). options may be NULL (the defaults).
- * SF_INVALID_ARGUMENT for initial_scale not finite and > 0, dynamic_growth_steps < 1. */
+ * SF_INVALID_ARGUMENT for initial_scale not finite and above 2^-128, dynamic_growth_steps < 1. */
 STEPFUSE_API sf_status sf_loss_scale_optimizer_create(sf_optimizer* inner,
                                                       const sf_loss_scale_optimizer_options* options,
                                                       sf_loss_scale_optimizer** out);

@@ -19,7 +19,7 @@ namespace stepfuse::jit {
 namespace {
 
 // Bumped whenever the generated code changes meaning (part of every cache key).
-constexpr int kEmitterVersion = 14;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
+constexpr int kEmitterVersion = 15;  // 2: sf_reduce takes the loss scale as a double; 3: vector reduce, tiled finalize;
                                     // 4: the step stage from jit/step_stage.h, kernel text from jit/cuda/kernels/,
                                     //    one element function per spec; 5: two-phase programs (sf_phase1,
                                     //    sf_phase_combine, sf_update's norms); 6: param groups (sf_tensor.group,
@@ -33,6 +33,8 @@ constexpr int kEmitterVersion = 14;  // 2: sf_reduce takes the loss scale as a d
                                     // 13: bf16 state of stochastically rounded weights rounds stochastically
                                     //    (sf_sr_state_step; sf_phase1 passes the seed and step)
                                     // 14: sf_scalar_rule.d (NAdam's product offset), sf_group_rules grows
+                                    // 15: the step stage skips a scale whose fp32 reciprocal overflows;
+                                    //    L2 weight decay only where it is not 0 (select)
 
 std::string_view dtype_tag(DType t) { return dtype_name(t); }  // f32, f16, bf16
 

@@ -241,3 +241,43 @@ def test_adagrad_share_memory_says_it_cannot():
     opt = sft.Adagrad([torch.nn.Parameter(torch.ones(3))])
     with pytest.raises(NotImplementedError, match="share_memory"):
         opt.share_memory()
+
+
+def test_load_post_hooks_see_the_state_as_loaded():
+    """A load_state_dict post-hook's edits stand, also for a bfloat16 model (whose state is
+    taken at full precision from the saved dict before the caller's post-hooks run)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        params = [torch.nn.Parameter(torch.ones(2, dtype=dtype))]
+        opt = sft.SGD(params, lr=0.1, momentum=0.9)
+        params[0].grad = torch.tensor([6.0, 3.0], dtype=dtype)
+        opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        opt.register_load_state_dict_post_hook(lambda o: o.state[params[0]]["momentum_buffer"].zero_())
+        opt.load_state_dict(saved)
+        assert torch.equal(opt.state[params[0]]["momentum_buffer"].float(), torch.zeros(2)), dtype
+
+
+def test_tiny_and_bad_scales_under_the_scalers():
+    """Scales in (0, 2^-128] skip the step under stepfuse.torch.GradScaler (found_inf: the
+    scale backs off); a NaN scale is an error, as a negative one."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = sft.AdamW([p])
+    for tiny in (2.0**-128, 2.0**-140):
+        scaler = sft.GradScaler("cpu", init_scale=tiny)
+        scaler.scale(torch.ones(()))
+        p.grad = torch.ones(4)
+        scaler.step(opt)
+        scaler.update()
+        assert torch.equal(p, torch.ones(4)) and scaler.get_scale() == tiny / 2
+    p.grad = torch.ones(4)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="loss_scale"):
+            opt._step_scaled(bad)
+
+
+def test_non_contiguous_gradient_copies_are_not_kept_past_the_step():
+    p = torch.nn.Parameter(torch.ones(64, 32))
+    opt = sft.SGD([p], lr=0.1)
+    p.grad = torch.ones(32, 64).t()
+    opt.step()
+    assert not opt._flat_grads

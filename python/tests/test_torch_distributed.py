@@ -228,7 +228,7 @@ def test_torch_optimizer_with_a_stepfuse_communicator():
 
 
 CASES = ["collectives", "steps", "scalers", "errors", "engine", "rounding", "compensation", "state_formats",
-         "written"]
+         "written", "load_errors"]
 
 
 def _launch(cases, timeout=300.0):
@@ -336,6 +336,13 @@ def test_written_weights_sharded(gloo_run):
     zero_()) with fp32 masters or compensated weights: each rank's master or compensation
     takes the write, and its shard goes on bitwise as the one-process step's."""
     _check_case(gloo_run, "written")
+
+
+@needs_gloo
+def test_a_loaded_state_refused_on_one_rank_raises_on_every_rank(gloo_run):
+    """A state dict loaded on one rank that the plan refuses (no 'step', a stream that is
+    not a tensor): every rank raises at the step, none waits in a collective."""
+    _check_case(gloo_run, "load_errors")
 
 
 # ---- the workers -------------------------------------------------------------------------
@@ -760,6 +767,23 @@ def _case_written(rank, world):
         for p in ours:
             if p.dtype == torch.bfloat16:
                 assert float(p.float().abs().max()) < 0.05, f"rank {rank}: a written weight went back to its master"
+
+
+def _case_load_errors(rank, world):
+    from stepfuse.torch.distributed import ProcessGroupCommunicator
+    comm = ProcessGroupCommunicator()
+    for edit, error in ((lambda st: st.pop("step"), KeyError), (lambda st: st.__setitem__("exp_avg", 0.5), TypeError)):
+        ours = _leaves(_mine(rank, _model()))
+        opt = sft.AdamW(ours, communicator=comm, max_grad_norm=1.0, num_threads=1)
+        _set(ours, _mine(rank, _grads(0)))
+        opt.step()
+        sd = copy.deepcopy(opt.state_dict())
+        if rank == 0:
+            edit(sd["state"][0])
+        opt.load_state_dict(sd)
+        _set(ours, _mine(rank, _grads(1)))
+        with pytest.raises(error if rank == 0 else RuntimeError):
+            opt.step()
 
 
 if __name__ == "__main__":

@@ -211,6 +211,14 @@ def _check_state_size(name: str, src: torch.Tensor, p: torch.Tensor) -> bool:
                        "params are given in the order they were when it was saved)")
 
 
+def _check_state_tensor(name: str, src: Any, p: torch.Tensor) -> None:
+    """A state stream of param p as a plan takes it: a tensor of p's shape (else an error)."""
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"stepfuse.torch: state '{name}' of a param is a {type(src).__name__}, not a tensor of the "
+                        f"param's shape {tuple(p.shape)}")
+    _check_state_size(name, src, p)
+
+
 class _CppGroup:
     """One engine group: params of one torch group with one step count."""
 
@@ -413,7 +421,6 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for k, v in defaults.items():
                 group.setdefault(k, v)
-            self._complete_group(group)
         dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         for st in self.state.values():
             if not isinstance(st, dict):
@@ -422,9 +429,6 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 v = st.get(k)
                 if v is not None and not isinstance(v, torch.Tensor):
                     st[k] = torch.tensor(float(v), dtype=dtype)
-
-    def _complete_group(self, group: Dict[str, Any]) -> None:
-        """A loaded group's keys a subclass sets as torch's class does in its __setstate__."""
 
     # ---- torch.optim.Optimizer's interface ----
 
@@ -504,6 +508,13 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         non-finite gradients writes nothing. Sharded, a found_inf on any rank skips
         the step on every rank.
         """
+        try:
+            return self._step(closure)
+        finally:
+            if self._flat_grads:
+                self._flat_grads = {}  # (the copies of non-contiguous gradients: not kept past the step)
+
+    def _step(self, closure: Optional[Callable[[], Any]]) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -539,11 +550,12 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         """A step on gradients scaled by ``scale``; returns the engine's StepResult (None: no grads,
         or sharded, a step skipped for a ``found_inf`` of some rank)."""
         with np.errstate(over="ignore"):
-            reciprocal_overflows = scale == 0.0 or not np.isfinite(np.float32(1.0 / scale))
+            reciprocal_overflows = 0.0 <= scale < math.inf and (scale == 0.0 or not np.isfinite(np.float32(1.0 / scale)))
         if reciprocal_overflows:
-            # A scale that backed off below 2^-128 or to 0 (some 145 non-finite steps in a row
+            # A scale that backed off to 2^-128 or below, or to 0 (144 non-finite steps in a row
             # from 65536): its fp32 reciprocal overflows, every gradient would unscale to inf
-            # or NaN, so the step is skipped (found_inf), writing nothing. Sharded, every rank agrees.
+            # or NaN, so the step is skipped (found_inf), writing nothing. Sharded, every rank
+            # agrees. (A NaN, inf or negative scale goes on to the engine's error.)
             if self.communicator is not None:
                 self._prepare(True, scale)
             elif not any(p.grad is not None for group in self.param_groups for p in group["params"]):
@@ -582,19 +594,35 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 group["state_format"] = _as_format(fmt, 'param group "state_format"', none=None)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        # The state dict as the load pre-hooks left it (a hook may return another one): the
-        # last hook, added for this load, records it.
+        # The state dict as the load pre-hooks left it (a hook may return another one) is
+        # recorded by a last pre-hook added for this load; a first post-hook takes its
+        # tensors at full precision, before the caller's post-hooks see the state.
         seen: Dict[str, Any] = {}
 
         def record(optimizer: Any, loaded: Dict[str, Any]) -> None:
             seen["state_dict"] = loaded
 
-        handle = self.register_load_state_dict_pre_hook(record)
+        def retake(optimizer: Any) -> None:
+            self._take_loaded_precisely(seen.get("state_dict", state_dict))
+
+        handles = [self.register_load_state_dict_pre_hook(record),
+                   self.register_load_state_dict_post_hook(retake, prepend=True)]
         try:
             super().load_state_dict(state_dict)
         finally:
-            handle.remove()
-        state_dict = seen.get("state_dict", state_dict)
+            for handle in handles:
+                handle.remove()
+        # torch's load replaced self.state with the loaded tensors: the next step
+        # re-plans and copies them into the engine. The loaded masters go with the weights
+        # as they are now (model.load_state_dict before or after this load: the resume
+        # order); a weight written after this load is seen as written.
+        self._engine = None
+        self._engine_key = None
+        self._weight_marks = {}
+        self._active_index = {}
+        self._mark_weights([p for g in self.param_groups for p in g["params"]])
+
+    def _take_loaded_precisely(self, state_dict: Dict[str, Any]) -> None:
         # torch casts every state tensor to a floating param's dtype; the engine keeps fp32
         # state (and fp32 masters for 16-bit params): take the saved tensors at full
         # precision. What is saved in a stored form is taken as it is, so that it loads bit
@@ -621,15 +649,6 @@ class StepfuseOptimizer(torch.optim.Optimizer):
                 loaded = st.get(k)
                 if not isinstance(loaded, torch.Tensor) or loaded.dtype != dtype:
                     st[k] = v.detach().to(device=p.device, dtype=dtype, copy=True)
-        # torch's load replaced self.state with the loaded tensors: the next step
-        # re-plans and copies them into the engine. The loaded masters go with the weights
-        # as they are now (model.load_state_dict before or after this load: the resume
-        # order); a weight written after this load is seen as written.
-        self._engine = None
-        self._engine_key = None
-        self._weight_marks = {}
-        self._active_index = {}
-        self._mark_weights([p for g in self.param_groups for p in g["params"]])
 
     # ---- for subclasses ----
 
@@ -743,6 +762,25 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         self._push_hyperparameters()
         return self._engine
 
+    def _check_state_for_plan(self) -> None:
+        """Sharded, before the ranks agree to re-plan: what the plan would refuse in the state
+        of this rank's params with gradients (a loaded state without 'step', a stream that is
+        not a tensor of the param's shape), so that it raises on every rank rather than on
+        this one inside the collective construction."""
+        for group in self.param_groups:
+            names = tuple(self._state_keys(group))
+            for p in group["params"]:
+                st = self.state.get(p) if p.grad is not None else None
+                if not st:
+                    continue
+                self._param_step(p)
+                for name in names:
+                    if st.get(name) is not None:
+                        _check_state_tensor(name, st[name], p)
+                for name in ("master_param", "compensation"):
+                    if isinstance(st.get(name), torch.Tensor):
+                        _check_state_size(name, st[name], p)
+
     def _agree_on_step(self, found_inf: bool, scale: Optional[float]) -> Optional[Tuple[Any, List[int], bool]]:
         """Sharded: the scan, then one exchange of flags with the other ranks (before
         anything collective or written), so that every rank takes the same path:
@@ -757,6 +795,8 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         ptrs: List[int] = []
         try:
             key, ptrs = self._scan()
+            if key != self._engine_key or self._engine is None:
+                self._check_state_for_plan()
         except Exception as e:  # raised below, once every rank knows
             error = e
         replan = error is None and (key != self._engine_key or self._engine is None)
@@ -975,10 +1015,7 @@ class StepfuseOptimizer(torch.optim.Optimizer):
         src = st.get(name)
         if src is None:
             return
-        if not isinstance(src, torch.Tensor):
-            raise TypeError(f"stepfuse.torch: state '{name}' of a param is a {type(src).__name__}, not a tensor of "
-                            f"the param's shape {tuple(p.shape)}")
-        _check_state_size(name, src, p)
+        _check_state_tensor(name, src, p)
         fmt = self._engine_format(engine, i, name)
         if fmt is None:
             return
