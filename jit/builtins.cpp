@@ -61,6 +61,11 @@ void fill_scalars(const OptimizerConfig& config, const Program& program, std::in
   eval_scalars(rules, program.num_scalars, step, gscale, out);
 }
 
+bool initial_state_at_first_step(const OptimizerConfig& config) {
+  return std::visit([](const auto& c) { return OptimizerTraits<std::decay_t<decltype(c)>>::kInitialStateAtFirstStep; },
+                    config);
+}
+
 float initial_state_value(const OptimizerConfig& config, const Program& program, int stream) {
   return std::visit(
       [&](const auto& c) { return OptimizerTraits<std::decay_t<decltype(c)>>::initial_state(c, program, stream); },

@@ -42,5 +42,7 @@ void fill_scalars(const OptimizerConfig& config, const Program& program, std::in
 
 // The initial value of a state stream (Adagrad's sum starts at initial_accumulator_value).
 float initial_state_value(const OptimizerConfig& config, const Program& program, int stream);
+// Whether the optimizer's initial state is PyTorch's at its first step (Rprop), not at construction.
+bool initial_state_at_first_step(const OptimizerConfig& config);
 
 }  // namespace stepfuse::jit

@@ -42,6 +42,14 @@ SF_HD static inline double sf_clip_coef(double max_grad_norm, double grad_norm) 
   return c < 1.0 ? c : 1.0;
 }
 
+/* Whether a loss scale cannot unscale: not > 0, or its fp32 reciprocal overflows (2^-128
+ * and below: a GradScaler's scale backed off that far, or to 0). NaN cannot; inf can. */
+SF_HD static inline int sf_unscalable(double loss_scale) {
+  if (!(loss_scale > 0.0)) return 1;
+  const float inv = (float)(1.0 / loss_scale);
+  return !(inv - inv == 0.0f);
+}
+
 /* The scalar stage of one step.
  *   found_inf     some gradient is inf or NaN (the reduce pass's flag; 0 without one)
  *   check_finite  the step skips on found_inf: a loss-scaled step, or one that clips
@@ -55,10 +63,8 @@ SF_HD static inline double sf_clip_coef(double max_grad_norm, double grad_norm) 
 SF_HD static inline sf_stage sf_step_stage(int found_inf, int check_finite, double norm, double loss_scale,
                                            double max_grad_norm, long long steps_done) {
   sf_stage s;
-  /* A scale whose fp32 reciprocal overflows (2^-128 and below, or 0: a GradScaler's scale
-   * backed off that far) would unscale every gradient to inf or NaN: skipped as non-finite. */
-  const int unscalable = !(loss_scale > 0.0) || !((float)(1.0 / loss_scale) - (float)(1.0 / loss_scale) == 0.0f);
-  if ((found_inf || unscalable) && check_finite) {
+  /* (an unscalable scale would unscale every gradient to inf or NaN: skipped as non-finite) */
+  if ((found_inf || sf_unscalable(loss_scale)) && check_finite) {
     s.applied = 0;
     s.grad_norm = sf_positive_inf();
     s.clip_coef = 1.0;

@@ -64,6 +64,7 @@
 #include "jit/builtins.hpp"
 #include "jit/config_fields.hpp"
 #include "jit/step_scalars.h"
+#include "jit/step_stage.h"
 #include "jit/update_program_rules.hpp"
 #include "runtime/checkpoint_file.hpp"
 #include "runtime/cpu/host_buffers.hpp"
@@ -301,12 +302,12 @@ UpdateProgram with_saved_rules(const std::string& path, const UpdateProgram& cur
 }
 
 // The loss scale of a LossScaleOptimizer checkpoint, checked as the constructor checks
-// its initial_scale: finite and > 0 as a double, and still so as the fp32 it is kept in
-// (1e39 would become inf, 1e-46 zero).
+// its initial_scale: finite and above 2^-128 as the fp32 it is kept in (1e39 would become
+// inf, 1e-46 zero) and steps with (its fp32 reciprocal must be finite).
 float checked_loss_scale(const std::string& path, double scale) {
-  if (!(std::isfinite(scale) && scale > 0) || !std::isfinite(static_cast<float>(scale)) ||
-      static_cast<float>(scale) == 0.0f)
-    corrupt(path, "its loss scale " + detail::format_number(scale) + " is not a finite value > 0 within the fp32 range");
+  if (!std::isfinite(static_cast<float>(scale)) || sf_unscalable(static_cast<float>(scale)))
+    corrupt(path, "its loss scale " + detail::format_number(scale) +
+                      " is not a finite value above 2^-128 within the fp32 range");
   return static_cast<float>(scale);
 }
 

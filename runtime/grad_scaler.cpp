@@ -206,7 +206,7 @@ bool GradScaler::step(Optimizer& opt) {
   }
   pull();
   last_stepped_ = nullptr;
-  if (s.stage == Stage::ready && !std::isfinite(static_cast<float>(1.0 / static_cast<double>(current_scale_)))) {
+  if (s.stage == Stage::ready && sf_unscalable(current_scale_)) {
     // A scale that backed off to 2^-128 or below, or to 0 (144 non-finite steps in a row
     // from 65536): its fp32 reciprocal overflows, every gradient would unscale to inf or
     // NaN, so the step is skipped and writes nothing.

@@ -56,8 +56,7 @@ LossScaleOptimizer::LossScaleOptimizer(Optimizer& inner, bool dynamic, double in
                                        std::int64_t dynamic_growth_steps)
     : inner_(&inner), dynamic_(dynamic), growth_steps_(dynamic_growth_steps) {
   // (Kept as fp32, and stepped with: its fp32 reciprocal must be finite too.)
-  if (!(std::isfinite(initial_scale) && initial_scale > 0) || !std::isfinite(static_cast<float>(initial_scale)) ||
-      !std::isfinite(static_cast<float>(1.0 / static_cast<double>(static_cast<float>(initial_scale)))))
+  if (!std::isfinite(static_cast<float>(initial_scale)) || sf_unscalable(static_cast<float>(initial_scale)))
     bad("initial_scale = " + detail::format_number(initial_scale) +
         " (must be finite, above 2^-128 and within fp32 range)");
   if (dynamic_growth_steps < 1)

@@ -13,6 +13,7 @@
 #include "jit/base/format.hpp"
 #include "jit/program_analysis.hpp"
 #include "jit/step_scalars.h"
+#include "jit/step_stage.h"
 #include "jit/update_program_rules.hpp"
 #include "runtime/cpu/fused_backend.hpp"
 #include "runtime/cpu/q8.hpp"
@@ -580,9 +581,8 @@ float stored_as(const StateSlot& like, float value) {
 }  // namespace
 
 void StepEngine::follow_initial_state(std::size_t group, const OptimizerConfig& config) {
-  // Rprop's step_size is PyTorch's one state set at the first step from a hyperparameter
-  // (Adagrad's sum takes initial_accumulator_value at construction: it does not follow).
-  if (custom_ || cuda_ != nullptr || !std::holds_alternative<optim::Rprop>(config)) return;
+  // (Adagrad's sum takes initial_accumulator_value at construction, as torch's: it does not follow.)
+  if (custom_ || cuda_ != nullptr || !jit::initial_state_at_first_step(config)) return;
   StepPrograms::Group& pg = programs_.groups[group];
   const Program& program = *pg.program;
   for (int s = 0; s < program.num_streams; ++s) {
@@ -693,7 +693,7 @@ void StepEngine::connect_shard() {
 const StepResult& StepEngine::step(double loss_scale, bool scaled) {
   // (A scale whose fp32 reciprocal overflows, below about 2^-128, would unscale every
   // gradient to inf: refused like 0.)
-  if (!(std::isfinite(loss_scale) && loss_scale > 0 && std::isfinite(static_cast<float>(1.0 / loss_scale)))) {
+  if (!std::isfinite(loss_scale) || sf_unscalable(loss_scale)) {
     // Sharded: the other ranks are in (or on their way to) the step's collective.
     // If even that fails (a transport error), the loss scale is still the Error to report.
     if (shard_ && (scaled || options_.max_grad_norm || options_.track_grad_norm)) {

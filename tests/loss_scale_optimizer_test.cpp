@@ -416,12 +416,12 @@ TEST(LossScaleOptimizerDoc, ConstructorDefaults) {
   EXPECT_EQ(other.dynamic_growth_steps(), 7);
 }
 
-// Header: "Throws Error(invalid_argument) for initial_scale not finite and > 0 or
-// dynamic_growth_steps < 1."
+// Header: "Throws Error(invalid_argument) for initial_scale not finite and above 2^-128 or
+// dynamic_growth_steps < 1." (2^-128 and 1e-39: their fp32 reciprocals overflow.)
 TEST(LossScaleOptimizerDoc, ConstructorRejectsInvalidValues) {
   Net n(sgd(0.1), DType::f32, DType::f32, {4});
   for (bool dynamic : {true, false})
-    for (double v : {0.0, -1.0, kNaN, kInf, -kInf}) {
+    for (double v : {0.0, -1.0, kNaN, kInf, -kInf, 0x1p-128, 1e-39}) {
       SCOPED_TRACE(std::to_string(v) + (dynamic ? " dynamic" : " fixed"));
       EXPECT_THAT(error_message([&] { LossScaleOptimizer l(n.opt, dynamic, v); }, ErrorCode::invalid_argument),
                   HasSubstr("initial_scale"));

@@ -103,6 +103,9 @@ struct TraitsDefaults {
   static float initial_state(const Config&, const Program& program, int stream) {
     return program.streams[stream].init;
   }
+  // Whether that initial value is PyTorch's at the first step rather than at construction
+  // (Rprop's step_size: the lr of its first step), so a config set before it is followed.
+  static constexpr bool kInitialStateAtFirstStep = false;
 };
 
 }  // namespace stepfuse::jit

@@ -62,6 +62,7 @@ struct OptimizerTraits<optim::Rprop> : TraitsDefaults {
   }
 
   // Every element's step size starts at lr (PyTorch: torch.full_like(grad, lr)).
+  static constexpr bool kInitialStateAtFirstStep = true;  // torch sets step_size at the first step
   static float initial_state(const optim::Rprop& c, const Program& program, int stream) {
     if (program.streams[stream].name == "step_size") return static_cast<float>(c.lr);
     return program.streams[stream].init;

@@ -381,6 +381,22 @@ def _check_equal(rank, what, ours, ref_opt, ref_params, opt):
             assert torch.equal(w, v), f"rank {rank}, {what}: state[{i}][{key!r}] differs"
 
 
+def _adamw_twins(rank, comm, kw):
+    """The whole model under a one-process AdamW, and this rank's part under a sharded one."""
+    full = _leaves(_model())
+    ours = _leaves(_mine(rank, _model()))
+    return full, ours, sft.AdamW(full, **kw), sft.AdamW(ours, communicator=comm, **kw)
+
+
+def _step_twins(rank, step, full, ours, ref, opt):
+    """One step of both on step `step`'s gradients (this rank's part of them for ours)."""
+    grads = _grads(step)
+    _set(full, grads)
+    _set(ours, _mine(rank, grads))
+    ref.step()
+    opt.step()
+
+
 def _case_collectives(rank, world):
     from stepfuse.torch.distributed import ProcessGroupCommunicator
     comm = ProcessGroupCommunicator()
@@ -710,16 +726,9 @@ def _case_state_formats(rank, world):
     comm = ProcessGroupCommunicator()
     kw = dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, num_threads=1, state_format="q8",
               state_formats={"exp_avg_sq": "bf16"})
-    full = _leaves(_model())
-    ours = _leaves(_mine(rank, _model()))
-    ref = sft.AdamW(full, **kw)
-    opt = sft.AdamW(ours, communicator=comm, **kw)
+    full, ours, ref, opt = _adamw_twins(rank, comm, kw)
     for step in range(4):
-        grads = _grads(step)
-        _set(full, grads)
-        _set(ours, _mine(rank, grads))
-        ref.step()
-        opt.step()
+        _step_twins(rank, step, full, ours, ref, opt)
         _check_equal(rank, f"step {step}", ours, ref, full, opt)
     big = [p for p in ours if p.numel() >= 4096][0]
     assert opt.state[big]["exp_avg"].dtype == torch.uint8 and "exp_avg_absmax" in opt.state[big]
@@ -742,16 +751,9 @@ def _case_written(rank, world):
     comm = ProcessGroupCommunicator()
     for extra in (dict(), dict(master_weights=False, compensated_weights=True)):
         kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, num_threads=1, **extra)
-        full = _leaves(_model())
-        ours = _leaves(_mine(rank, _model()))
-        ref = sft.AdamW(full, **kw)
-        opt = sft.AdamW(ours, communicator=comm, **kw)
+        full, ours, ref, opt = _adamw_twins(rank, comm, kw)
         for step in range(5):
-            grads = _grads(step)
-            _set(full, grads)
-            _set(ours, _mine(rank, grads))
-            ref.step()
-            opt.step()
+            _step_twins(rank, step, full, ours, ref, opt)
             with torch.no_grad():
                 for ps in (full, ours):
                     for i, p in enumerate(ps):
