@@ -192,6 +192,58 @@ TEST(Reduce, FlagsEveryKindOfNonFiniteAnywhere) {
   }
 }
 
+// The kernels that reduce 2 to kReduceWays chunks at once (many small tensors) give
+// each chunk's partial bit for bit as the one-chunk kernel does: every grad dtype and
+// norm, every target, chunks of unequal lengths (0, a tail, a whole chunk), with an
+// inf, a NaN or squares that overflow fp32 in one of them.
+TEST(Reduce, ChunksReducedTogetherGiveEachChunksOwnPartial) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  const std::vector<std::vector<std::size_t>> length_sets = {
+      {1000, 1000, 1000, 1000}, {5, 16384, 0, 33}, {0, 0, 31, 1}, {4096, 1024, 3000, 2049}};
+  static_assert(cpu::kReduceWays == 4, "the length sets above are of 4 chunks");
+  for (DType t : {DType::f32, DType::f16, DType::bf16}) {
+    for (const std::vector<std::size_t>& lens : length_sets) {
+      for (int special = 0; special < 4; ++special) {  // none, inf, NaN, overflowing squares (f32, bf16)
+        if (special == 3 && t == DType::f16) continue;
+        std::vector<std::vector<std::uint8_t>> data;
+        std::vector<const void*> ptrs;
+        for (std::size_t j = 0; j < lens.size(); ++j) {
+          std::vector<float> g(lens[j]);
+          for (float& x : g) x = dist(rng);
+          if (special > 0 && j == 1 && !g.empty()) g[g.size() / 2] = special == 1 ? INFINITY : special == 2 ? NAN : 1e30f;
+          data.emplace_back(std::max<std::size_t>(1, lens[j]) * dtype_size(t));
+          if (t == DType::f32) std::memcpy(data.back().data(), g.data(), g.size() * sizeof(float));
+          else cpu::narrow(g.data(), t, data.back().data(), g.size());
+          ptrs.push_back(data.back().data());
+        }
+        for (std::int64_t target : targets()) {
+          PerTarget scope(target);
+          for (auto kind : {cpu::NormKind::l2, cpu::NormKind::inf}) {
+           for (std::size_t ways = 2; ways <= cpu::kReduceWays; ++ways) {
+            cpu::ReducePartial together[cpu::kReduceWays];
+            cpu::reduce_group_kernel(t, kind, ways)(ptrs.data(), lens.data(), together);
+            for (std::size_t j = 0; j < ways; ++j) {
+              const cpu::ReducePartial alone = cpu::reduce_kernel(t, kind)(ptrs[j], lens[j]);
+              const std::string where = std::string(dtype_name(t)) + " chunk " + std::to_string(j) + " of " +
+                                        std::to_string(lens[j]) + " of " + std::to_string(ways) + ", special " +
+                                        std::to_string(special) + " on " +
+                                        hwy::TargetName(target);
+              std::uint64_t a = 0, b = 0;  // (bit patterns: the sums of a chunk with a NaN are NaN)
+              std::memcpy(&a, &together[j].sumsq, sizeof a);
+              std::memcpy(&b, &alone.sumsq, sizeof b);
+              EXPECT_EQ(a, b) << where;
+              EXPECT_EQ(bits(together[j].maxabs), bits(alone.maxabs)) << where;
+              EXPECT_EQ(together[j].nonfinite, alone.nonfinite) << where;
+            }
+           }
+          }
+        }
+      }
+    }
+  }
+}
+
 // A small list with awkward sizes, filled deterministically.
 struct Buffers {
   std::vector<std::vector<std::uint8_t>> weights, grads;

@@ -31,6 +31,7 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
     const jit::DtypeCombo& c = l.combos[static_cast<std::size_t>(l.tensor_combo[i])];
     TensorKernels& k = kernels_[i];
     k.reduce = reduce_kernel(c.grad, norm_kind);
+    for (std::size_t w = 2; w <= kReduceWays; ++w) k.group[w] = reduce_group_kernel(c.grad, norm_kind, w);
     if (!group.fused) {
       interpret = true;
       continue;
@@ -226,18 +227,39 @@ void FusedBackend::prefetch_next(std::size_t c, bool weight) const {
     __builtin_prefetch(static_cast<const char*>(p.weight.data) + kLine * k, 1, 3);
 }
 
+// Chunk c's partial, or those of chunks c, c + 1, ... (before `end`) of as many
+// different tensors with the same grad dtype, up to kReduceWays, at once; returns
+// how many. Bitwise the same either way.
+std::size_t FusedBackend::reduce_chunks(std::size_t c, std::size_t end, ReducePartial* out) const {
+  const std::vector<jit::Chunk>& chunks = host_.layout().chunks;
+  const TensorKernels& k = kernels_[chunks[c].tensor];
+  std::size_t ways = 1;
+  while (ways < kReduceWays && c + ways < end && chunks[c + ways].tensor != chunks[c + ways - 1].tensor &&
+         kernels_[chunks[c + ways].tensor].reduce == k.reduce)
+    ++ways;
+  prefetch_next(c + ways - 1, /*weight=*/false);
+  if (ways == 1) {
+    out[0] = reduce_chunk(k, host_.grad_at(chunks[c], params_), static_cast<std::size_t>(chunks[c].len));
+    return 1;
+  }
+  const void* grads[kReduceWays];
+  std::size_t lens[kReduceWays];
+  for (std::size_t j = 0; j < ways; ++j) {
+    grads[j] = host_.grad_at(chunks[c + j], params_);
+    lens[j] = static_cast<std::size_t>(chunks[c + j].len);
+  }
+  k.group[ways](grads, lens, out);
+  return ways;
+}
+
 StepResult FusedBackend::step(const detail::StepRequest& request, std::vector<double>& tensor_norms) {
   poll_llvm();
   const jit::Layout& l = host_.layout();
   const bool clip = options_.max_grad_norm.has_value();
   HostBuffers::Reduction red{false, NAN};
   if (request.scaled || clip || options_.track_grad_norm) {
-    red = host_.reduce(
-        [&](std::size_t c) {
-          const jit::Chunk& ch = l.chunks[c];
-          prefetch_next(c, /*weight=*/false);
-          return reduce_chunk(kernels_[ch.tensor], host_.grad_at(ch, params_), static_cast<std::size_t>(ch.len));
-        },
+    red = host_.reduce_groups(
+        [&](std::size_t c, std::size_t end, ReducePartial* out) { return reduce_chunks(c, end, out); },
         options_.norm_type == INFINITY, tensor_norms);
     for (double& n : tensor_norms) n /= request.loss_scale;
   } else {

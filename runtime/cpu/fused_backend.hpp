@@ -34,6 +34,7 @@ class FusedBackend final : public HostBackend {
   // Kernels per tensor: each tensor may have its own weight/grad dtypes.
   struct TensorKernels {
     ReduceFn reduce = nullptr;           // for the options' norm type, on the stored grads
+    ReduceGroupFn group[kReduceWays + 1] = {};  // [w]: w chunks at once (Highway's, bitwise as `reduce`)
     UpdateFn update = nullptr;           // Highway or LLVM
     JitL2Fn llvm_l2 = nullptr;           // LLVM reduce (then `reduce` is its rare path)
     JitInfFn llvm_inf = nullptr;
@@ -47,6 +48,7 @@ class FusedBackend final : public HostBackend {
   bool stochastic_state() const { return options_.stochastic_state_rounding; }
   void prefetch_next(std::size_t c, bool weight) const;
   static ReducePartial reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n);
+  std::size_t reduce_chunks(std::size_t c, std::size_t end, ReducePartial* out) const;
   // The LLVM kernels of one distinct program of the groups.
   struct ProgramJit {
     const Program* program = nullptr;

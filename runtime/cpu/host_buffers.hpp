@@ -131,6 +131,18 @@ class HostBuffers {
     for_chunks([&](std::size_t c, int) { partials_[c] = partial(c); });
     return combine(inf_norm, tensor_norms);
   }
+  // The same, where group(c, end, out) takes chunks c, c + 1, ... (all before `end`,
+  // the end of this thread's run) at once: it writes their partials to out[0], out[1],
+  // ... and returns how many it took (at least 1).
+  template <class Group>
+  Reduction reduce_groups(Group&& group, bool inf_norm, std::vector<double>& tensor_norms) {
+    pool_->run([&](int t) {
+      const auto u = static_cast<std::size_t>(t);
+      for (std::size_t c = thread_chunks_[u], end = thread_chunks_[u + 1]; c < end;)
+        c += group(c, end, &partials_[c]);
+    });
+    return combine(inf_norm, tensor_norms);
+  }
   // Sharded: the combine is every rank's, and stochastic rounding counts elements
   // by their index in the whole model.
   void set_shard(detail::Shard* shard);

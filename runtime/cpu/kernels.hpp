@@ -45,6 +45,14 @@ struct ReducePartial {
 enum class NormKind : std::uint8_t { l2, inf };
 using ReduceFn = ReducePartial (*)(const void* grad, std::size_t n);
 ReduceFn reduce_kernel(DType grad_type, NormKind kind);
+// `ways` chunks at once (2 to kReduceWays), their loads interleaved: out[j] exactly
+// as ReduceFn's of grad[j], n[j]. Many short tensors, each the caller's own
+// allocation, then make as many streams for the hardware prefetchers at a time: with
+// 10,000 tensors of 1-4 K elements, reducing 4 at once took about 1.25x less time than
+// one after the other (2 threads, AMD EPYC; 2 at once: 1.2x; 6 or 8: no better than 4).
+inline constexpr std::size_t kReduceWays = 4;
+using ReduceGroupFn = void (*)(const void* const* grad, const std::size_t* n, ReducePartial* out);
+ReduceGroupFn reduce_group_kernel(DType grad_type, NormKind kind, std::size_t ways);
 
 // ---- update pass ----
 // Base pointers of one tensor's streams: `state` is indexed by the program's
