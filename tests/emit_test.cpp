@@ -520,8 +520,11 @@ TEST(EmitCpu, LinkedObjectStepsBitwiseAsTheLibrary) {
     const std::size_t n = static_cast<std::size_t>(list[i].numel);
     masters.emplace_back(list[i].storage.master ? n : 0);
     if (list[i].storage.master) to_float({w_emit[i].data(), list[i].numel, list[i].storage.weight}, masters[i]);
-    args[i] = {grads[i].data(), w_emit[i].data(), list[i].storage.master ? masters[i].data() : nullptr, {}, scalars.data(),
-               nullptr};
+    args[i] = cpu::UpdateArgs{};
+    args[i].grad = grads[i].data();
+    args[i].weight = w_emit[i].data();
+    args[i].master = list[i].storage.master ? masters[i].data() : nullptr;
+    args[i].scalars = scalars.data();
     for (int s = 0; s < p.num_streams; ++s)
       if (p.streams[s].role == StreamRole::state) {
         states.emplace_back(n, p.streams[s].init);
@@ -530,7 +533,7 @@ TEST(EmitCpu, LinkedObjectStepsBitwiseAsTheLibrary) {
   }
   std::vector<sf_scalar_rule> rules;
   for (const ScalarDef& d : r.program.scalars())
-    rules.push_back({static_cast<int>(d.rule.kind), 0, d.rule.a, d.rule.b, d.rule.c});
+    rules.push_back({static_cast<int>(d.rule.kind), 0, d.rule.a, d.rule.b, d.rule.c, 0.0});
 
   for (int step = 1; step <= 3; ++step) {
     for (std::size_t i = 0; i < list.size(); ++i) {  // fresh gradients, the same for both sides
