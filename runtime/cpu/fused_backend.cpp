@@ -17,6 +17,9 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
                            const OptimizerOptions& options, std::shared_ptr<const void> program_owner)
     : HostBackend(programs, params, options) {
   const NormKind norm_kind = options_.norm_type == INFINITY ? NormKind::inf : NormKind::l2;
+  for (DType g : {DType::f32, DType::f16, DType::bf16})
+    for (std::size_t w = 2; w <= kReduceWays; ++w)
+      reduce_groups_[static_cast<int>(g)][w] = reduce_group_kernel(g, norm_kind, w);
   const jit::Layout& l = host_.layout();
   kernels_.resize(params_.size());
   tensor_jit_.resize(params_.size());
@@ -31,7 +34,6 @@ FusedBackend::FusedBackend(const detail::StepPrograms& programs, const std::vect
     const jit::DtypeCombo& c = l.combos[static_cast<std::size_t>(l.tensor_combo[i])];
     TensorKernels& k = kernels_[i];
     k.reduce = reduce_kernel(c.grad, norm_kind);
-    for (std::size_t w = 2; w <= kReduceWays; ++w) k.group[w] = reduce_group_kernel(c.grad, norm_kind, w);
     if (!group.fused) {
       interpret = true;
       continue;
@@ -232,14 +234,15 @@ void FusedBackend::prefetch_next(std::size_t c, bool weight) const {
 // how many. Bitwise the same either way.
 std::size_t FusedBackend::reduce_chunks(std::size_t c, std::size_t end, ReducePartial* out) const {
   const std::vector<jit::Chunk>& chunks = host_.layout().chunks;
-  const TensorKernels& k = kernels_[chunks[c].tensor];
+  const DType grad = params_[chunks[c].tensor].grad.dtype;
   std::size_t ways = 1;
   while (ways < kReduceWays && c + ways < end && chunks[c + ways].tensor != chunks[c + ways - 1].tensor &&
-         kernels_[chunks[c + ways].tensor].reduce == k.reduce)
+         params_[chunks[c + ways].tensor].grad.dtype == grad)
     ++ways;
   prefetch_next(c + ways - 1, /*weight=*/false);
   if (ways == 1) {
-    out[0] = reduce_chunk(k, host_.grad_at(chunks[c], params_), static_cast<std::size_t>(chunks[c].len));
+    out[0] = reduce_chunk(kernels_[chunks[c].tensor], host_.grad_at(chunks[c], params_),
+                          static_cast<std::size_t>(chunks[c].len));
     return 1;
   }
   const void* grads[kReduceWays];
@@ -248,7 +251,7 @@ std::size_t FusedBackend::reduce_chunks(std::size_t c, std::size_t end, ReducePa
     grads[j] = host_.grad_at(chunks[c + j], params_);
     lens[j] = static_cast<std::size_t>(chunks[c + j].len);
   }
-  k.group[ways](grads, lens, out);
+  reduce_groups_[static_cast<int>(grad)][ways](grads, lens, out);
   return ways;
 }
 

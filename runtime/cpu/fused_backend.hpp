@@ -34,7 +34,6 @@ class FusedBackend final : public HostBackend {
   // Kernels per tensor: each tensor may have its own weight/grad dtypes.
   struct TensorKernels {
     ReduceFn reduce = nullptr;           // for the options' norm type, on the stored grads
-    ReduceGroupFn group[kReduceWays + 1] = {};  // [w]: w chunks at once (Highway's, bitwise as `reduce`)
     UpdateFn update = nullptr;           // Highway or LLVM
     JitL2Fn llvm_l2 = nullptr;           // LLVM reduce (then `reduce` is its rare path)
     JitInfFn llvm_inf = nullptr;
@@ -49,6 +48,8 @@ class FusedBackend final : public HostBackend {
   void prefetch_next(std::size_t c, bool weight) const;
   static ReducePartial reduce_chunk(const TensorKernels& k, const void* grad, std::size_t n);
   std::size_t reduce_chunks(std::size_t c, std::size_t end, ReducePartial* out) const;
+  // [grad dtype][w]: the kernels that reduce w chunks at once (Highway's, bitwise as `reduce`).
+  ReduceGroupFn reduce_groups_[3][kReduceWays + 1] = {};
   // The LLVM kernels of one distinct program of the groups.
   struct ProgramJit {
     const Program* program = nullptr;

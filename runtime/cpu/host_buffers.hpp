@@ -128,8 +128,12 @@ class HostBuffers {
   };
   template <class Partial>
   Reduction reduce(Partial&& partial, bool inf_norm, std::vector<double>& tensor_norms) {
-    for_chunks([&](std::size_t c, int) { partials_[c] = partial(c); });
-    return combine(inf_norm, tensor_norms);
+    return reduce_groups(
+        [&](std::size_t c, std::size_t, ReducePartial* out) {
+          out[0] = partial(c);
+          return std::size_t{1};
+        },
+        inf_norm, tensor_norms);
   }
   // The same, where group(c, end, out) takes chunks c, c + 1, ... (all before `end`,
   // the end of this thread's run) at once: it writes their partials to out[0], out[1],
